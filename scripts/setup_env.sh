@@ -1,0 +1,25 @@
+# Sourced by demo.sh and test.sh: make .venv with the project installed.
+# Usage: source scripts/setup_env.sh [extra]   (extra = "test" adds the test dependencies)
+set -euo pipefail
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_venv="$_root/.venv"
+if [ ! -x "$_venv/bin/python" ]; then
+    echo "setup: creating $_venv"
+    python3 -m venv "$_venv"
+fi
+_py="$_venv/bin/python"
+if ! "$_py" -c "import torch" >/dev/null 2>&1; then
+    # A plain `torch` requirement resolves to a multi-GB CUDA build; this pin takes the CPU
+    # build that these machines keep on disk. Real users get whatever torch>=2.4 they have.
+    echo "setup: installing torch==2.13.0 (CPU build)"
+    "$_py" -m pip install -q --disable-pip-version-check torch==2.13.0
+fi
+_extra="${1:-}"
+_stamp="$_venv/.dslaunch-installed${_extra:+-$_extra}"
+if [ ! -f "$_stamp" ] || [ "$_root/pyproject.toml" -nt "$_stamp" ]; then
+    echo "setup: installing dslaunch${_extra:+[$_extra]} into $_venv"
+    "$_py" -m pip install -q --disable-pip-version-check -e "$_root${_extra:+[$_extra]}"
+    touch "$_stamp"
+fi
+export PATH="$_venv/bin:$PATH"
+export PYTHON="$_py"

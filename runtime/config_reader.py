@@ -1,0 +1,426 @@
+"""Strict reading of DeepSpeed-style config mappings: files, types, "auto", unknown keys.
+
+This module owns the mechanics that make `runtime.config` strict: loading JSON/YAML with duplicate-key
+detection, checking each value's type with the key path in the message, resolving or refusing "auto",
+and telling apart keys that are unknown (a typo: "did you mean ...") from keys DeepSpeed has that we do
+not support yet. `runtime.config` declares the schema on top of it; nothing here knows section names.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+AUTO = "auto"
+
+
+class ConfigError(ValueError):
+    """A bad config value. The message always starts with the key path: "zero_optimization.stage: ..."."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}")
+
+
+class FrozenDict(dict):
+    """A dict that refuses mutation; still a dict, so json.dumps, pickle and torch.save take it as is."""
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("this config mapping is read-only")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+    __ior__ = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenDict, (dict(self),))
+
+    def __copy__(self) -> FrozenDict:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> FrozenDict:
+        return self
+
+
+def freeze(value: Any) -> Any:
+    """Deep read-only copy: mappings become FrozenDict, lists become tuples."""
+    if isinstance(value, Mapping):
+        return FrozenDict({k: freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Deep plain copy (dicts and lists), for json.dumps or for editing."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Files
+
+
+def _no_duplicate_pairs(where: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(key, f"duplicate key in {where} (JSON keeps only the last one silently)")
+            out[key] = value
+        return out
+
+    return hook
+
+
+class _StrictYamlLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    out: dict[Any, Any] = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in out:
+            line = key_node.start_mark.line + 1
+            raise ConfigError(str(key), f"duplicate key at line {line} of {loader.name}")
+        out[key] = loader.construct_object(value_node, deep=deep)
+    return out
+
+
+_StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_config_file(path: str | os.PathLike) -> Any:
+    """Parse a .json / .yaml / .yml config file; other suffixes are read as JSON."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(str(path), "config file not found")
+    text = file.read_text()
+    if file.suffix.lower() in (".yaml", ".yml"):
+        try:
+            loader = _StrictYamlLoader(text)
+            loader.name = str(file)
+            try:
+                return loader.get_single_data()
+            finally:
+                loader.dispose()
+        except yaml.YAMLError as exc:
+            raise ConfigError(str(path), f"not valid YAML: {exc}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_no_duplicate_pairs(str(path)))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            str(path), f"not valid JSON: line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Value checks. Each is a callable (path, value) -> value that raises ConfigError naming the path.
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _range_text(lo: float | None, hi: float | None, lo_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f" in [{lo}, {hi}]" if not lo_open else f" in ({lo}, {hi}]"
+    if lo is not None:
+        return f" > {lo}" if lo_open else f" >= {lo}"
+    if hi is not None:
+        return f" <= {hi}"
+    return ""
+
+
+@dataclass(frozen=True)
+class Bool:
+    def __call__(self, path: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"expected true or false, got {_describe(value)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Int:
+    lo: int | None = None
+    hi: int | None = None
+    nullable: bool = False
+
+    def __call__(self, path: str, value: Any) -> int | None:
+        if value is None and self.nullable:
+            return None
+        # JSON configs often write sizes as 5e8, which parses as a float: accept whole numbers.
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(
+                path, f"expected an integer{_range_text(self.lo, self.hi, False)}, got {_describe(value)}"
+            )
+        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
+            raise ConfigError(path, f"expected an integer{_range_text(self.lo, self.hi, False)}, got {value}")
+        return value
+
+
+@dataclass(frozen=True)
+class Float:
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    nullable: bool = False
+
+    def __call__(self, path: str, value: Any) -> float | None:
+        if value is None and self.nullable:
+            return None
+        want = f"a number{_range_text(self.lo, self.hi, self.lo_open)}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(path, f"expected {want}, got {_describe(value)}")
+        value = float(value)
+        too_low = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
+        if too_low or (self.hi is not None and value > self.hi):
+            raise ConfigError(path, f"expected {want}, got {value}")
+        return value
+
+
+@dataclass(frozen=True)
+class Str:
+    nullable: bool = False
+
+    def __call__(self, path: str, value: Any) -> str | None:
+        if value is None and self.nullable:
+            return None
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {_describe(value)}")
+        return value
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of a fixed set of strings, matched case-insensitively; returns the canonical spelling."""
+
+    choices: tuple[str, ...]
+    nullable: bool = False
+
+    def __call__(self, path: str, value: Any) -> str | None:
+        if value is None and self.nullable:
+            return None
+        options = ", ".join(repr(c) for c in self.choices)
+        if isinstance(value, str):
+            for choice in self.choices:
+                if choice.lower() == value.lower():
+                    return choice
+        raise ConfigError(path, f"expected one of {options}, got {_describe(value)}")
+
+
+@dataclass(frozen=True)
+class FloatPair:
+    """Two numbers in [0, 1), like Adam's betas."""
+
+    def __call__(self, path: str, value: Any) -> tuple[float, float]:
+        if not isinstance(value, (list, tuple)) or len(value) != 2:
+            raise ConfigError(path, f"expected a list of two numbers in [0, 1), got {_describe(value)}")
+        check = Float(0.0, 1.0)
+        pair = (check(f"{path}[0]", value[0]), check(f"{path}[1]", value[1]))
+        for i, v in enumerate(pair):
+            if v >= 1.0:
+                raise ConfigError(f"{path}[{i}]", f"expected a number in [0, 1), got {v}")
+        return pair  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class FloatOrList:
+    """A number, or one number per optimizer param group."""
+
+    item: Float = Float()
+
+    def __call__(self, path: str, value: Any) -> float | tuple[float, ...] | None:
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ConfigError(path, "expected a number or a non-empty list of numbers, got []")
+            return tuple(self.item(f"{path}[{i}]", v) for i, v in enumerate(value))
+        return self.item(path, value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading a section
+
+
+class AutoRefused(Exception):
+    """Raised by an "auto" resolver that cannot resolve; the message says why."""
+
+
+NO_TRAINER_ARGS = (
+    'HF Trainer fills this "auto" from its TrainingArguments and dslaunch has no such source; '
+    "set a value in the config (or pass it in load_config(auto_values=...))"
+)
+
+
+@dataclass
+class ReadContext:
+    """State shared by every section while one config is read."""
+
+    auto_values: Mapping[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    unresolved_auto: list[tuple[str, str]] = field(default_factory=list)
+    unknown: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)  # (path, key, candidates)
+    known_paths: set[str] = field(default_factory=set)
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def raise_pending(self) -> None:
+        """Raise the first unknown key, else every unresolved "auto" at once."""
+        if self.unknown:
+            path, key, candidates = self.unknown[0]
+            raise ConfigError(path, unknown_key_message(key, candidates, self.known_paths))
+        if self.unresolved_auto:
+            first_path, why = self.unresolved_auto[0]
+            others = [p for p, _ in self.unresolved_auto[1:]]
+            also = f" (also unresolved: {', '.join(others)})" if others else ""
+            raise ConfigError(first_path, f'"auto" cannot be resolved: {why}{also}')
+
+
+def unknown_key_message(key: str, candidates: tuple[str, ...], known_paths: set[str]) -> str:
+    lowered = {c.lower(): c for c in candidates}
+    guess = lowered.get(key.lower()) or next(
+        iter(difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)), None
+    )
+    if guess:
+        return f'unknown key; did you mean "{guess}"?'
+    # The right key in the wrong section: point at where it belongs.
+    elsewhere = sorted(p for p in known_paths if p.rsplit(".", 1)[-1] == key)
+    if elsewhere:
+        return f'unknown key here; "{key}" belongs at "{elsewhere[0]}"'
+    return f"unknown key; expected one of: {', '.join(sorted(candidates))}"
+
+
+class SectionReader:
+    """Reads one mapping, remembering which keys were read so that leftovers can be diagnosed.
+
+    Typical use: `r.get(key, check, default)` for every supported key, `r.ignored(...)` and
+    `r.default_only(...)` for DeepSpeed keys we accept without acting on, then `r.finish(unsupported=...)`.
+    """
+
+    def __init__(self, data: Any, path: str, ctx: ReadContext) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                path or "config", f"expected a mapping of keys to values, got {_describe(data)}"
+            )
+        for key in data:
+            if not isinstance(key, str):
+                raise ConfigError(self._join(path, str(key)), f"keys must be strings, got {_describe(key)}")
+        self.data = data
+        self.path = path
+        self.ctx = ctx
+        self.known: list[str] = []
+        self.resolved: dict[str, Any] = {}
+
+    @staticmethod
+    def _join(path: str, key: str) -> str:
+        return f"{path}.{key}" if path else key
+
+    def key_path(self, key: str) -> str:
+        return self._join(self.path, key)
+
+    def _declare(self, key: str) -> None:
+        if key not in self.known:
+            self.known.append(key)
+        self.ctx.known_paths.add(self.key_path(key))
+
+    def has(self, key: str) -> bool:
+        self._declare(key)
+        return key in self.data
+
+    def get(
+        self,
+        key: str,
+        check: Callable[[str, Any], Any],
+        default: Any,
+        *,
+        auto: Callable[[], Any] | None = None,
+    ) -> Any:
+        """The checked value of `key`, or `default` when absent.
+
+        "auto" is taken from ctx.auto_values[path] if given there, else from `auto()` (which may raise
+        AutoRefused), else refused with the key path (collected, so all unresolved keys are named at once).
+        """
+        self._declare(key)
+        path = self.key_path(key)
+        if key not in self.data:
+            return default
+        value = self.data[key]
+        if isinstance(value, str) and value == AUTO:
+            if path in self.ctx.auto_values:
+                value = self.ctx.auto_values[path]
+            else:
+                try:
+                    if auto is None:
+                        raise AutoRefused(NO_TRAINER_ARGS)
+                    value = auto()
+                except AutoRefused as why:
+                    self.ctx.unresolved_auto.append((path, str(why)))
+                    return default
+                if value is None:  # resolvers return None for "use the default"
+                    return default
+        return check(path, value)
+
+    def section(self, key: str) -> SectionReader:
+        """A reader for the nested mapping at `key` (empty when absent)."""
+        self._declare(key)
+        return SectionReader(self.data.get(key), self.key_path(key), self.ctx)
+
+    def alias(self, old: str, new: str, why: str = "deprecated DeepSpeed name") -> None:
+        """Accept `old` as another name of `new` (both at once is an error)."""
+        self._declare(old)
+        if old not in self.data:
+            return
+        if new in self.data:
+            raise ConfigError(self.key_path(old), f'is another name for "{new}"; set only one of them')
+        self.data = {**self.data, new: self.data[old]}
+        self.ctx.note(f'{self.key_path(old)}: read as "{new}" ({why})')
+
+    def ignored(self, key: str, default: Any, why: str) -> None:
+        """A DeepSpeed key that has no effect here; a non-default value is accepted with a note."""
+        self._declare(key)
+        if key in self.data and self.data[key] != default:
+            self.ctx.note(f"{self.key_path(key)}: {self.data[key]!r} ignored ({why})")
+
+    def default_only(self, key: str, default: Any, what: str) -> None:
+        """A DeepSpeed key whose only accepted value is its default (others ask for a missing feature)."""
+        self._declare(key)
+        if key in self.data and self.data[key] != default:
+            raise ConfigError(
+                self.key_path(key),
+                f"{self.data[key]!r} is not supported yet ({what}); remove the key or set it to {default!r}",
+            )
+
+    def finish(self, unsupported: Mapping[str, str] | None = None) -> None:
+        """Diagnose keys nobody read: DeepSpeed features we lack raise now, typos are collected."""
+        for key in self.data:
+            if key in self.known:
+                continue
+            if unsupported and key in unsupported:
+                value = self.data[key]
+                if isinstance(value, Mapping) and value.get("enabled") is False:
+                    self.ctx.note(
+                        f"{self.key_path(key)}: ignored (disabled; dslaunch does not support it yet)"
+                    )
+                    continue
+                raise ConfigError(
+                    self.key_path(key),
+                    f"DeepSpeed's {unsupported[key]} is not supported by dslaunch yet; remove this key",
+                )
+            self.ctx.unknown.append((self.key_path(key), key, tuple(self.known)))

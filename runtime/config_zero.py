@@ -1,0 +1,289 @@
+"""The `zero_optimization` section: ZeRO stage, bucket sizes, offload, and the stage-3 knobs.
+
+Owns DeepSpeed's deprecated aliases (cpu_offload, ...), the keys we accept without acting on, the ZeRO++ /
+MiCS / NVMe features we refuse by name, and "auto" for the hidden-size-derived stage-3 values (resolved the
+way HF Trainer does: reduce_bucket_size = h*h, stage3_prefetch_bucket_size = 0.9*h*h,
+stage3_param_persistence_threshold = 10*h).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.config_reader import AutoRefused, Bool, Choice, ConfigError, Float, Int, SectionReader
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    device: str = "none"  # "none" | "cpu"
+    pin_memory: bool = False  # DeepSpeed 0.19.8 defaults to True
+    ratio: float = 1.0  # share of the optimizer step offloaded (stage 3)
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = 0
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    reduce_scatter: bool = True
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    sub_group_size: int = 1_000_000_000
+
+
+_HIDDEN_SIZE_NAMES = ("hidden_size", "n_embd", "d_model", "dim", "hidden_dim", "embed_dim")
+
+
+def model_hidden_size(model: torch.nn.Module) -> int | None:
+    """The model's hidden size: from `model.config` (HF and most GPT configs) or the model itself, else the
+    widest nn.Embedding. None when nothing fits."""
+    for holder in (getattr(model, "config", None), model):
+        if holder is None:
+            continue
+        for name in _HIDDEN_SIZE_NAMES:
+            value = holder.get(name) if isinstance(holder, Mapping) else getattr(holder, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        sizes = (
+            holder.get("hidden_sizes")
+            if isinstance(holder, Mapping)
+            else getattr(holder, "hidden_sizes", None)
+        )
+        if isinstance(sizes, (list, tuple)) and sizes and all(isinstance(s, int) for s in sizes):
+            return max(sizes)
+    widths = [m.embedding_dim for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    return max(widths) if widths else None
+
+
+def _from_hidden(
+    model: torch.nn.Module | None, formula: Callable[[int], int], text: str
+) -> Callable[[], int]:
+    def resolve() -> int:
+        if model is None:
+            raise AutoRefused(
+                f"it is {text} of the model's hidden size; pass the model (runtime.initialize does) "
+                "or set a number"
+            )
+        hidden = model_hidden_size(model)
+        if hidden is None:
+            raise AutoRefused(
+                f"it is {text} of the model's hidden size, and none was found (looked for config."
+                f"{'/'.join(_HIDDEN_SIZE_NAMES)} and nn.Embedding widths); set a number"
+            )
+        return formula(hidden)
+
+    return resolve
+
+
+def _default_for_auto(r: SectionReader, key: str, default: Any) -> Callable[[], Any]:
+    """ "auto" on a pure performance knob: DeepSpeed's default, with a note."""
+
+    def resolve() -> Any:
+        r.ctx.note(f'{r.key_path(key)}: "auto" resolved to the default {default}')
+        return default
+
+    return resolve
+
+
+def _read_offload(r: SectionReader, buffer_count_default: int) -> OffloadConfig:
+    device = r.get("device", Choice(("none", "cpu", "nvme"), nullable=True), "none") or "none"
+    if device == "nvme":
+        raise ConfigError(
+            r.key_path("device"), '"nvme" is not supported yet (NVMe offload); use "cpu" or "none"'
+        )
+    cfg = OffloadConfig(
+        device=device,
+        pin_memory=r.get("pin_memory", Bool(), False),
+        ratio=r.get("ratio", Float(0.0, 1.0, lo_open=True), 1.0),
+    )
+    r.ignored("buffer_count", buffer_count_default, "NVMe/prefetch buffer count has no effect on CPU offload")
+    r.ignored("fast_init", False, "no effect on CPU offload")
+    r.ignored("nvme_path", None, "NVMe offload is not supported")
+    for key in ("pipeline_read", "pipeline_write", "pipeline", "super_offload"):
+        r.ignored(key, False, "NVMe/SuperOffload pipelining is not implemented")
+    r.ignored("buffer_size", 100_000_000, "NVMe buffer size")
+    r.ignored("max_in_cpu", 1_000_000_000, "NVMe offload is not supported")
+    r.ignored("cpuadam_cores_perc", 0.8, "the CPU optimizer uses torch's thread pool")
+    r.finish()
+    return cfg
+
+
+def read_zero(r: SectionReader, model: torch.nn.Module | None) -> ZeroConfig:
+    """Read `zero_optimization` (an empty reader gives stage 0 with DeepSpeed's defaults)."""
+    # Deprecated DeepSpeed spellings first, so the rest reads one vocabulary.
+    data = dict(r.data)
+    _map_legacy_offload(r, data)
+    r.data = data
+    r.alias("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save")
+    for short in (
+        "prefetch_bucket_size",
+        "param_persistence_threshold",
+        "max_live_parameters",
+        "max_reuse_distance",
+    ):
+        r.alias(short, f"stage3_{short}", "DeepSpeed accepts both names")
+
+    stage = r.get("stage", Int(0, 3), 0)
+    big = Int(0)
+    hidden_reduce = _from_hidden(model, lambda h: h * h, "hidden*hidden")
+    stage3_only = stage == 3
+    cfg = ZeroConfig(
+        stage=stage,
+        reduce_bucket_size=r.get("reduce_bucket_size", Int(1), 500_000_000, auto=hidden_reduce),
+        allgather_bucket_size=r.get(
+            "allgather_bucket_size",
+            Int(1),
+            500_000_000,
+            auto=_default_for_auto(r, "allgather_bucket_size", 500_000_000),
+        ),
+        overlap_comm=r.get("overlap_comm", Bool(), True),
+        contiguous_gradients=r.get("contiguous_gradients", Bool(), True),
+        reduce_scatter=r.get("reduce_scatter", Bool(), True),
+        offload_optimizer=_read_offload(r.section("offload_optimizer"), 4),
+        offload_param=_read_offload(r.section("offload_param"), 5),
+        stage3_prefetch_bucket_size=r.get(
+            "stage3_prefetch_bucket_size",
+            big,
+            50_000_000,
+            auto=_from_hidden(model, lambda h: int(0.9 * h * h), "0.9*hidden*hidden")
+            if stage3_only
+            else lambda: None,
+        ),
+        stage3_param_persistence_threshold=r.get(
+            "stage3_param_persistence_threshold",
+            big,
+            100_000,
+            auto=_from_hidden(model, lambda h: 10 * h, "10*hidden") if stage3_only else lambda: None,
+        ),
+        stage3_max_live_parameters=r.get(
+            "stage3_max_live_parameters",
+            big,
+            1_000_000_000,
+            auto=_default_for_auto(r, "stage3_max_live_parameters", 1_000_000_000),
+        ),
+        stage3_max_reuse_distance=r.get(
+            "stage3_max_reuse_distance",
+            big,
+            1_000_000_000,
+            auto=_default_for_auto(r, "stage3_max_reuse_distance", 1_000_000_000),
+        ),
+        stage3_gather_16bit_weights_on_model_save=r.get(
+            "stage3_gather_16bit_weights_on_model_save", Bool(), False, auto=lambda: None
+        ),
+        sub_group_size=r.get(
+            "sub_group_size",
+            Int(1),
+            1_000_000_000,
+            auto=_default_for_auto(r, "sub_group_size", 1_000_000_000),
+        ),
+    )
+    _accept_deepspeed_extras(r)
+    r.finish(unsupported=_UNSUPPORTED_ZERO)
+    _check_offload_stage(r, cfg)
+    return cfg
+
+
+def _map_legacy_offload(r: SectionReader, data: dict[str, Any]) -> None:
+    """cpu_offload / cpu_offload_param / cpu_offload_use_pin_memory -> offload_optimizer / offload_param."""
+    legacy = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+    pin = data.pop("cpu_offload_use_pin_memory", None)
+    r.has("cpu_offload_use_pin_memory")
+    if pin is not None:
+        Bool()(r.key_path("cpu_offload_use_pin_memory"), pin)
+    for old, new in legacy.items():
+        r.has(old)
+        if old not in data:
+            continue
+        flag = Bool()(r.key_path(old), data.pop(old))
+        if new in data:
+            raise ConfigError(r.key_path(old), f'is the deprecated form of "{new}"; set only "{new}"')
+        if flag:
+            data[new] = {"device": "cpu", "pin_memory": bool(pin)}
+        r.ctx.note(
+            f'{r.key_path(old)}: read as "{new}": {{"device": "{"cpu" if flag else "none"}"}} (deprecated)'
+        )
+    if pin is not None and not any(old in r.data for old in legacy):
+        r.ctx.note(f"{r.key_path('cpu_offload_use_pin_memory')}: ignored (no cpu_offload key to apply it to)")
+
+
+_UNSUPPORTED_ZERO = {
+    "zero_hpz_partition_size": "ZeRO++ hierarchical partitioning",
+    "zero_quantized_weights": "ZeRO++ quantized weights",
+    "zero_quantized_nontrainable_weights": "ZeRO++ quantized non-trainable weights",
+    "zero_quantized_gradients": "ZeRO++ quantized gradients",
+    "mics_shard_size": "MiCS sharding",
+    "mics_hierarchical_params_gather": "MiCS hierarchical gather",
+    "zenflow": "ZenFlow",
+    "leaf_module": "ZeRO-3 leaf modules",
+}
+
+
+def _accept_deepspeed_extras(r: SectionReader) -> None:
+    """DeepSpeed keys that change nothing here (performance hints) or have one value we implement."""
+    r.default_only(
+        "allgather_partitions", True, "allgather_partitions=false (all-reduce instead of all-gather)"
+    )
+    r.default_only("load_from_fp32_weights", True, "loading from 16-bit weights")
+    r.default_only(
+        "elastic_checkpoint", False, "DeepSpeed elastic checkpoints; dslaunch reshards on load anyway"
+    )
+    r.default_only("stage3_use_all_reduce_for_fetch_params", False, "all-reduce parameter fetch")
+    r.default_only("zero_hpz_partition_size", 1, "ZeRO++ hierarchical partitioning")
+    for key in (
+        "zero_quantized_weights",
+        "zero_quantized_nontrainable_weights",
+        "zero_quantized_gradients",
+        "mics_hierarchical_params_gather",
+    ):
+        r.default_only(key, False, _UNSUPPORTED_ZERO[key])
+    r.default_only("mics_shard_size", -1, "MiCS sharding")
+    hints = {
+        "ignore_unused_parameters": True,
+        "round_robin_gradients": False,
+        "use_multi_rank_bucket_allreduce": True,
+        "stage3_model_persistence_threshold": None,
+        "stage3_module_granularity_threshold": 0,
+        "stage3_allgather_sequential": False,
+        "memory_efficient_linear": True,
+        "pipeline_loading_checkpoint": False,
+        "override_module_apply": True,
+        "log_trace_cache_warnings": False,
+        "compute_grad_norm": True,
+        "parameter_alignment": False,
+        "enable_sanity_checks": False,
+        "legacy_stage1": False,
+    }
+    for key, default in hints.items():
+        if r.data.get(key) == "auto":
+            r.has(key)
+            continue
+        r.ignored(key, default, "a DeepSpeed tuning option without effect in dslaunch")
+
+
+def _check_offload_stage(r: SectionReader, cfg: ZeroConfig) -> None:
+    if cfg.offload_optimizer.device != "none" and cfg.stage == 0:
+        raise ConfigError(
+            r.key_path("offload_optimizer"),
+            "optimizer offload needs ZeRO stage 1, 2 or 3 (stage is 0); set zero_optimization.stage",
+        )
+    if cfg.offload_param.device != "none" and cfg.stage != 3:
+        raise ConfigError(
+            r.key_path("offload_param"),
+            f"parameter offload needs ZeRO stage 3 (stage is {cfg.stage}); stages 1-2 offload optimizer only",
+        )
+    if cfg.offload_optimizer.ratio != 1.0 and cfg.stage != 3:
+        raise ConfigError(
+            r.key_path("offload_optimizer.ratio"),
+            f"partial optimizer offload needs ZeRO stage 3 (stage is {cfg.stage})",
+        )

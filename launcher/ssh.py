@@ -1,0 +1,548 @@
+"""SSH to the job's hosts: settings, connections, host-key policy, remote commands, preflight, typed errors.
+
+This module owns every SSH connection dslaunch makes. One settings object (:class:`SSHSettings`) feeds every
+call, so a port, user, key or known_hosts file given once applies to the preflight, to MASTER_ADDR discovery
+and to the agents alike (DeepSpeed used a different code path for each and lost ``--ssh_port`` on some).
+
+What a user gets that ``ssh host hostname >/dev/null 2>&1`` does not give:
+
+- settings from the user's ssh_config (HostName, Port, User, IdentityFile, IdentitiesOnly,
+  UserKnownHostsFile, GlobalKnownHostsFile, ConnectTimeout, ProxyCommand, ProxyJump) via paramiko.SSHConfig,
+  with ``--ssh_config`` and ``--ssh_port`` overriding;
+- host keys checked against known_hosts; an unknown or changed key is refused with the fingerprint seen and
+  the exact command that fixes it. Trusting new keys is an explicit opt-in (``accept_new_host_keys``), which
+  records them in the user's known_hosts like OpenSSH's ``StrictHostKeyChecking accept-new``;
+- every failure as :class:`SSHHostError` naming the host, a :class:`Cause`, the underlying message and a
+  hint;
+- :func:`preflight`: all hosts checked in parallel with bounded concurrency (stock sshd drops bursts of
+  more than 10 unauthenticated connections, MaxStartups 10:30:100), including that the interpreter and the
+  working directory exist on each host, before anything is started.
+
+ds_report and the runners reuse :func:`connect`, :func:`run` and :func:`preflight`.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import errno
+import getpass
+import hashlib
+import json
+import logging
+import os
+import shlex
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import paramiko
+
+# paramiko's transport thread logs every failed handshake with a traceback; with no handler configured
+# Python would print those on the user's terminal. Our typed errors carry the cause instead.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
+DEFAULT_MAX_PARALLEL = 8  # below sshd's MaxStartups 10, so a burst of connects is never dropped
+_RETRIES_ON_BANNER = 3  # a dropped burst (MaxStartups) or a busy server answers "banner" errors
+
+
+class Cause(enum.Enum):
+    """Why a host could not be used. The value is the short phrase shown to the user."""
+
+    CONFIG = "bad ssh settings"
+    DNS = "host name does not resolve"
+    REFUSED = "connection refused"
+    TIMEOUT = "connection timed out"
+    UNREACHABLE = "network unreachable"
+    NO_SSH_SERVER = "no SSH server answered"
+    UNKNOWN_HOST_KEY = "unknown host key"
+    HOST_KEY_CHANGED = "host key changed"
+    AUTH = "authentication failed"
+    PROXY = "proxy failed"
+    NO_PYTHON = "python not found on host"
+    NO_PROJECT = "project not found on host"
+    COMMAND = "remote command failed"
+    DISCONNECTED = "connection lost"
+
+
+class SSHHostError(Exception):
+    """A host could not be reached or used. ``str()`` is a complete message for the user."""
+
+    def __init__(self, host: str, cause: Cause, detail: str, hint: str = "") -> None:
+        self.host, self.cause, self.detail, self.hint = host, cause, detail, hint
+        msg = f"{host}: {cause.value}: {detail}"
+        super().__init__(msg + (f"\n    fix: {hint}" if hint else ""))
+
+
+class PreflightError(Exception):
+    """One or more hosts failed the preflight; nothing was started. ``errors`` holds one per host."""
+
+    def __init__(self, errors: list[SSHHostError]) -> None:
+        self.errors = errors
+        lines = [f"{len(errors)} host(s) failed the SSH preflight; nothing was started:"]
+        lines += [f"  {e}" for e in errors]
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True)
+class SSHSettings:
+    """What the user chose about SSH (flags); per-host values come from ssh_config via :func:`resolve`."""
+
+    config_path: Path | None = None  # --ssh_config; None: ~/.ssh/config when it exists
+    port: int | None = None  # --ssh_port: overrides every host's Port
+    accept_new_host_keys: bool = False  # trust-on-first-use, recorded in known_hosts; never the default
+    connect_timeout: float = 10.0  # used when ssh_config has no ConnectTimeout
+    max_parallel: int = DEFAULT_MAX_PARALLEL
+
+
+@dataclass(frozen=True)
+class HostTarget:
+    """One host's resolved connection parameters."""
+
+    alias: str  # the name in the hostfile
+    hostname: str  # what we connect to (ssh_config HostName)
+    port: int
+    user: str
+    identity_files: tuple[str, ...] = ()
+    identities_only: bool = False
+    known_hosts_files: tuple[str, ...] = ()  # user files; new keys are recorded in the first
+    global_known_hosts_files: tuple[str, ...] = ()
+    connect_timeout: float = 10.0
+    proxy_command: str | None = None
+    proxy_jump: str | None = None
+
+    @property
+    def known_hosts_key(self) -> str:
+        """How known_hosts names this host (OpenSSH and paramiko agree)."""
+        return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
+
+    def __str__(self) -> str:
+        return f"{self.alias} ({self.user}@{self.hostname}:{self.port})"
+
+
+def _split_host(host: str) -> tuple[str | None, str, int | None]:
+    """``[user@]name[:port]`` -> (user, name, port)."""
+    user, _, rest = host.rpartition("@")
+    name, port = rest, None
+    if rest.count(":") == 1:  # not an IPv6 literal
+        name, _, p = rest.partition(":")
+        if not p.isdigit():
+            raise SSHHostError(
+                host, Cause.CONFIG, f"bad port {p!r} in host {host!r}", "use host or host:PORT"
+            )
+        port = int(p)
+    return user or None, name, port
+
+
+def load_ssh_config(settings: SSHSettings) -> paramiko.SSHConfig:
+    path = settings.config_path
+    if path is None:
+        default = Path("~/.ssh/config").expanduser()
+        return paramiko.SSHConfig.from_path(str(default)) if default.is_file() else paramiko.SSHConfig()
+    if not Path(path).is_file():
+        raise SSHHostError(
+            "(all hosts)", Cause.CONFIG, f"ssh config file not found: {path}", "check --ssh_config"
+        )
+    try:
+        return paramiko.SSHConfig.from_path(str(path))
+    except Exception as e:  # paramiko raises ConfigParseError, ValueError, ... on bad lines
+        raise SSHHostError("(all hosts)", Cause.CONFIG, f"cannot parse {path}: {e}") from e
+
+
+def resolve(host: str, settings: SSHSettings, config: paramiko.SSHConfig | None = None) -> HostTarget:
+    """A hostfile name (``[user@]name[:port]``) -> connection parameters, ssh_config and flags applied."""
+    cfg = load_ssh_config(settings) if config is None else config
+    user, name, port = _split_host(host)
+    o = cfg.lookup(name)
+
+    def files(key: str, default: str) -> tuple[str, ...]:
+        value = o.get(key, default)
+        items = value if isinstance(value, list) else value.split()
+        return tuple(os.path.expanduser(v) for v in items if v.lower() != "none")
+
+    try:
+        port = port or settings.port or int(o.get("port", 22))
+        timeout = float(o.get("connecttimeout", settings.connect_timeout))
+    except ValueError as e:
+        raise SSHHostError(host, Cause.CONFIG, f"bad Port or ConnectTimeout in ssh config: {e}") from e
+    jump = o.get("proxyjump")
+    return HostTarget(
+        alias=host,
+        hostname=o.get("hostname", name),
+        port=port,
+        user=user or o.get("user") or getpass.getuser(),
+        identity_files=files("identityfile", ""),
+        identities_only=o.get("identitiesonly", "no").lower() == "yes",
+        known_hosts_files=files("userknownhostsfile", "~/.ssh/known_hosts ~/.ssh/known_hosts2"),
+        global_known_hosts_files=files("globalknownhostsfile", "/etc/ssh/ssh_known_hosts"),
+        connect_timeout=timeout,
+        proxy_command=o.get("proxycommand") if o.get("proxycommand", "none").lower() != "none" else None,
+        proxy_jump=jump if jump and jump.lower() != "none" else None,
+    )
+
+
+# --- host keys -------------------------------------------------------------------------------------------
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """OpenSSH-style ``SHA256:...`` fingerprint."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+class _UnknownHostKey(Exception):
+    def __init__(self, key: paramiko.PKey) -> None:
+        super().__init__(key.get_name())
+        self.key = key
+
+
+_known_hosts_lock = threading.Lock()  # preflight threads may record several new keys at once
+
+
+class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
+    """Refuse unknown keys, or (opt-in) record them in the user's known_hosts like ``accept-new``.
+
+    A *changed* key never reaches this policy: paramiko raises BadHostKeyException for it, whatever the
+    policy, so accept-new can never overwrite a recorded key.
+    """
+
+    def __init__(self, target: HostTarget, accept_new: bool) -> None:
+        self.target, self.accept_new = target, accept_new
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        if not self.accept_new:
+            raise _UnknownHostKey(key)
+        if not self.target.known_hosts_files:
+            raise _UnknownHostKey(key)
+        path = Path(self.target.known_hosts_files[0])
+        with _known_hosts_lock:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(f"{self.target.known_hosts_key} {key.get_name()} {key.get_base64()}\n")
+        client.get_host_keys().add(hostname, key.get_name(), key)
+
+
+# --- connect ---------------------------------------------------------------------------------------------
+
+
+def connect(host: str | HostTarget, settings: SSHSettings) -> paramiko.SSHClient:
+    """Open an authenticated connection or raise :class:`SSHHostError` with the real cause and a fix."""
+    target = host if isinstance(host, HostTarget) else resolve(host, settings)
+    for attempt in range(_RETRIES_ON_BANNER):
+        try:
+            return _connect_once(target, settings)
+        except SSHHostError as e:
+            if e.cause is not Cause.NO_SSH_SERVER or attempt == _RETRIES_ON_BANNER - 1:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _connect_once(t: HostTarget, settings: SSHSettings) -> paramiko.SSHClient:
+    client = paramiko.SSHClient()
+    for f in t.global_known_hosts_files:
+        if os.path.isfile(f):
+            client.load_system_host_keys(f)
+    for f in reversed(t.known_hosts_files):  # the first file is the one new keys go to
+        if os.path.isfile(f):
+            client.load_host_keys(f)
+    client.set_missing_host_key_policy(_HostKeyPolicy(t, settings.accept_new_host_keys))
+    keys = [f for f in t.identity_files if os.path.isfile(f)]
+    sock = None
+    try:
+        if t.proxy_jump:
+            sock = _jump_channel(t, settings)
+        elif t.proxy_command:
+            sock = paramiko.ProxyCommand(t.proxy_command)
+        client.connect(
+            t.hostname,
+            port=t.port,
+            username=t.user,
+            key_filename=keys or None,
+            allow_agent=not t.identities_only,
+            look_for_keys=not t.identities_only,
+            timeout=t.connect_timeout,
+            banner_timeout=t.connect_timeout,
+            auth_timeout=t.connect_timeout,
+            sock=sock,
+        )
+    except Exception as e:
+        client.close()
+        raise _explain(t, e) from e
+    if sock is not None:
+        client._dslaunch_jump = getattr(sock, "_dslaunch_client", None)  # keep the jump host open
+    transport = client.get_transport()
+    if transport is not None:
+        transport.set_keepalive(15)  # notice a dead network path, not only a closed socket
+    return client
+
+
+def _jump_channel(t: HostTarget, settings: SSHSettings) -> paramiko.Channel:
+    jump_target = resolve(t.proxy_jump.split(",")[0], settings)
+    jump = connect(jump_target, settings)
+    transport = jump.get_transport()
+    assert transport is not None
+    try:
+        chan = transport.open_channel("direct-tcpip", (t.hostname, t.port), ("127.0.0.1", 0))
+    except Exception as e:
+        jump.close()
+        raise SSHHostError(str(t), Cause.PROXY, f"jump host {jump_target} could not reach it: {e}") from e
+    chan._dslaunch_client = jump
+    return chan
+
+
+def _explain(t: HostTarget, e: BaseException) -> SSHHostError:
+    """Turn whatever paramiko or the socket layer raised into a typed error with a fix."""
+    host, kh = str(t), (t.known_hosts_files or ("~/.ssh/known_hosts",))[0]
+    if isinstance(e, SSHHostError):
+        return e
+    if isinstance(e, _UnknownHostKey):
+        return SSHHostError(
+            host,
+            Cause.UNKNOWN_HOST_KEY,
+            f"{t.known_hosts_key} is not in {' or '.join(t.known_hosts_files) or 'any known_hosts file'} "
+            f"(it offered {e.key.get_name()} {fingerprint(e.key)})",
+            f"check that fingerprint with the host's admin, then record it: "
+            f"ssh-keyscan -p {t.port} {t.hostname} >> {kh}   "
+            f"(or rerun with --accept_new_host_keys to trust keys seen for the first time)",
+        )
+    if isinstance(e, paramiko.BadHostKeyException):
+        return SSHHostError(
+            host,
+            Cause.HOST_KEY_CHANGED,
+            f"it offered {e.key.get_name()} {fingerprint(e.key)} but known_hosts has "
+            f"{e.expected_key.get_name()} {fingerprint(e.expected_key)}: the host was reinstalled, or "
+            f"someone is intercepting the connection",
+            f"if you know why the key changed: ssh-keygen -f {kh} -R '{t.known_hosts_key}' "
+            f"and connect again (accepting new keys never replaces a changed one)",
+        )
+    if isinstance(e, paramiko.AuthenticationException):
+        tried = ", ".join(t.identity_files) or "ssh-agent and ~/.ssh/id_*"
+        return SSHHostError(
+            host,
+            Cause.AUTH,
+            f"{t.user}@{t.hostname} refused the keys tried ({tried}): {e}",
+            f"add the public key to ~{t.user}/.ssh/authorized_keys on {t.alias} "
+            f"(ssh-copy-id -p {t.port} {t.user}@{t.hostname}) or set User/IdentityFile in ssh_config",
+        )
+    if isinstance(e, socket.gaierror):
+        return SSHHostError(
+            host,
+            Cause.DNS,
+            f"{t.hostname!r}: {e.strerror or e}",
+            "fix the name in the hostfile, add a HostName for it in ssh_config, or use its IP address",
+        )
+    if isinstance(e, paramiko.ssh_exception.NoValidConnectionsError):
+        codes = {getattr(x, "errno", None) for x in e.errors.values()}
+        if codes <= {errno.ECONNREFUSED}:
+            return SSHHostError(
+                host,
+                Cause.REFUSED,
+                f"nothing listens on {t.hostname} port {t.port}",
+                "start sshd there, or set the right port (Port in ssh_config, --ssh_port, host:PORT)",
+            )
+        e = next(iter(e.errors.values()))
+    if isinstance(e, paramiko.ssh_exception.ProxyCommandFailure):
+        return SSHHostError(host, Cause.PROXY, str(e), "check ProxyCommand in ssh_config")
+    if isinstance(e, TimeoutError):
+        return SSHHostError(
+            host,
+            Cause.TIMEOUT,
+            f"no answer from {t.hostname}:{t.port} within {t.connect_timeout:g}s",
+            f"check the address and that a firewall lets port {t.port} through",
+        )
+    if isinstance(e, OSError) and e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ECONNREFUSED):
+        cause = Cause.REFUSED if e.errno == errno.ECONNREFUSED else Cause.UNREACHABLE
+        return SSHHostError(host, cause, f"{t.hostname}:{t.port}: {e.strerror}")
+    if isinstance(e, paramiko.SSHException) and "banner" in str(e).lower():
+        return SSHHostError(
+            host,
+            Cause.NO_SSH_SERVER,
+            f"{t.hostname}:{t.port} accepted TCP but sent no SSH greeting: {e}",
+            "check that the port is sshd's; a busy sshd drops bursts of connections (MaxStartups)",
+        )
+    if isinstance(e, OSError) and e.filename:
+        return SSHHostError(host, Cause.CONFIG, f"{e.strerror}: {e.filename}")
+    return SSHHostError(host, Cause.DISCONNECTED, f"{type(e).__name__}: {e}")
+
+
+# --- remote commands -------------------------------------------------------------------------------------
+
+
+def run(
+    host: str | HostTarget,
+    command: str,
+    settings: SSHSettings,
+    timeout: float = 30.0,
+    client: paramiko.SSHClient | None = None,
+) -> tuple[int, str, str]:
+    """Run a shell command on a host; return (exit code, stdout, stderr). Connection problems raise
+    :class:`SSHHostError`; a non-zero exit code is returned, not raised. -1: killed by a signal."""
+    target = host if isinstance(host, HostTarget) else resolve(host, settings)
+    own = client is None
+    c = connect(target, settings) if client is None else client
+    try:
+        transport = c.get_transport()
+        if transport is None or not transport.is_active():
+            raise SSHHostError(str(target), Cause.DISCONNECTED, "connection closed")
+        chan = transport.open_session(timeout=timeout)
+        chan.settimeout(timeout)
+        chan.exec_command(command)
+        chan.shutdown_write()
+        out, err = bytearray(), bytearray()
+        deadline = time.monotonic() + timeout
+        while not (chan.exit_status_ready() and not chan.recv_ready() and not chan.recv_stderr_ready()):
+            if time.monotonic() > deadline:
+                chan.close()
+                raise SSHHostError(
+                    str(target), Cause.COMMAND, f"{command!r} still running after {timeout:g}s"
+                )
+            if chan.recv_ready():
+                out += chan.recv(65536)
+            elif chan.recv_stderr_ready():
+                err += chan.recv_stderr(65536)
+            else:
+                time.sleep(0.01)
+        rc = chan.recv_exit_status()
+        chan.close()
+        return rc, out.decode(errors="replace"), err.decode(errors="replace")
+    except (paramiko.SSHException, OSError) as e:
+        raise SSHHostError(str(target), Cause.DISCONNECTED, f"{type(e).__name__}: {e}") from e
+    finally:
+        if own:
+            c.close()
+
+
+# --- preflight -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RemoteCheck:
+    """What must exist on each host for the job: the working directory, interpreter and a module."""
+
+    cwd: str
+    python: str
+    module: str = "launcher.agent"
+
+
+@dataclass
+class Connection:
+    """An open, checked connection to one host (reused by the runner that starts the agent)."""
+
+    target: HostTarget
+    client: paramiko.SSHClient
+    hostname: str = ""  # the host's own name (``hostname`` there)
+    address: str = ""  # the host's address on the connection we made (SSH_CONNECTION), for MASTER_ADDR
+    python_version: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.client.close()
+        jump = getattr(self.client, "_dslaunch_jump", None)
+        if jump is not None:
+            jump.close()
+
+
+_PROBE = r"""
+import json, os, socket, sys
+try:
+    __import__(sys.argv[1])
+except Exception as e:
+    print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(103)
+conn = os.environ.get("SSH_CONNECTION", "").split()
+print(json.dumps({"hostname": socket.gethostname(), "address": conn[2] if len(conn) == 4 else "",
+                  "python": sys.version.split()[0]}))
+"""
+
+
+def probe_command(check: RemoteCheck) -> str:
+    """Shell command that checks a host for the job; exit 101 no cwd, 102 no python, 103 no module."""
+    cwd, py = shlex.quote(check.cwd), shlex.quote(check.python)
+    return (
+        f"cd -- {cwd} 2>/dev/null || exit 101; "
+        f"command -v -- {py} >/dev/null 2>&1 || exit 102; "
+        f"exec {py} -c {shlex.quote(_PROBE)} {shlex.quote(check.module)}"
+    )
+
+
+def check_host(conn_target: HostTarget, settings: SSHSettings, check: RemoteCheck | None) -> Connection:
+    """Connect to one host and, with ``check``, verify the job can run there. Raises SSHHostError."""
+    client = connect(conn_target, settings)
+    conn = Connection(conn_target, client)
+    if check is None:
+        return conn
+    try:
+        rc, out, err = run(conn_target, probe_command(check), settings, timeout=30, client=client)
+    except SSHHostError:
+        conn.close()
+        raise
+    host = str(conn_target)
+    failure = {
+        101: (Cause.NO_PROJECT, f"working directory {check.cwd} does not exist there",
+              "use the same path on every host (shared filesystem or identical checkout)"),
+        102: (Cause.NO_PYTHON, f"no interpreter {check.python} there",
+              "install the same environment at the same path, or pass --remote_python"),
+        103: (Cause.NO_PROJECT, f"{check.python} cannot import {check.module}: {err.strip()[-300:]}",
+              "install dslaunch into that interpreter on every host (pip install -e <checkout>)"),
+    }.get(rc)  # fmt: skip
+    if failure is None and rc != 0:
+        failure = (Cause.COMMAND, f"probe exited {rc}: {err.strip()[-300:]}", "")
+    if failure is not None:
+        conn.close()
+        raise SSHHostError(host, *failure)
+    try:
+        info = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        conn.close()
+        raise SSHHostError(host, Cause.COMMAND, f"unexpected probe output {out[-200:]!r}") from None
+    conn.hostname, conn.address, conn.python_version = info["hostname"], info["address"], info["python"]
+    return conn
+
+
+def preflight(
+    hosts: list[str], settings: SSHSettings, check: RemoteCheck | None = None
+) -> dict[str, Connection]:
+    """Connect to and check every host in parallel; return open connections by host name.
+
+    All-or-nothing: if any host fails, every connection is closed and :class:`PreflightError` lists each
+    failing host with its cause (hosts in hostfile order).
+    """
+    try:
+        config = load_ssh_config(settings)
+        targets = {h: resolve(h, settings, config) for h in hosts}
+    except SSHHostError as e:
+        raise PreflightError([e]) from e
+    results: dict[str, Connection | SSHHostError] = {}
+
+    def one(h: str) -> None:
+        try:
+            results[h] = check_host(targets[h], settings, check)
+        except SSHHostError as e:
+            results[h] = e
+        except Exception as e:  # never lose a host's failure to a thread
+            results[h] = SSHHostError(str(targets[h]), Cause.DISCONNECTED, f"{type(e).__name__}: {e}")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(settings.max_parallel, len(hosts)))) as pool:
+        list(pool.map(one, hosts))
+    errors = [r for h in hosts if isinstance(r := results[h], SSHHostError)]
+    conns = {h: r for h in hosts if isinstance(r := results[h], Connection)}
+    if errors:
+        for c in conns.values():
+            c.close()
+        raise PreflightError(errors)
+    return conns
+
+
+def master_address(conn: Connection) -> str:
+    """An address of this host that the other hosts can reach: the one our SSH connection landed on
+    (what the host itself reports in SSH_CONNECTION), else its HostName resolved here."""
+    if conn.address:
+        return conn.address
+    try:
+        return socket.getaddrinfo(conn.target.hostname, None, proto=socket.IPPROTO_TCP)[0][4][0]
+    except OSError:
+        return conn.target.hostname

@@ -47,6 +47,7 @@ def test_meta_build_then_materialize_keeps_the_tie_and_initializes() -> None:
         model = GPT(_tiny())
     model.to_empty(device="cpu")
     model.init_weights()
+    assert model.lm_head.weight is model.tok_emb.weight
     assert model.num_params() == _tiny().num_params()
     std = model.tok_emb.weight.std().item()
     assert 0.015 < std < 0.025
@@ -106,8 +107,8 @@ def test_loss_stays_fp32_under_bf16_autocast() -> None:
 def test_output_head_is_tied_to_token_embedding() -> None:
     torch.manual_seed(0)
     model = GPT(_tiny())
-    names = [n for n, _ in model.named_parameters()]
-    assert not any("head" in n for n in names), names
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert [n for n, _ in model.named_parameters() if "head" in n] == []  # listed once, as tok_emb.weight
     idx = torch.randint(0, 256, (2, 16))
     # Logits are the final hidden states times the embedding matrix...
     hidden = {}

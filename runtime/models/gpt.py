@@ -10,11 +10,10 @@ Two choices exist for the sake of the runtime rather than the model:
 
 - Each block is its own ``nn.Module`` in ``GPT.blocks`` so that ZeRO-3 can gather parameters block by block
   and activation checkpointing can wrap whole blocks.
-- The output head is not a module: the forward pass multiplies by ``tok_emb.weight`` directly. The weight is
-  tied by construction, so it can never come untied (``Module.to_empty`` re-creates shared parameters
-  separately), it is counted once, and no parameter is owned by two modules. A per-module parameter
-  gatherer must therefore keep the root module's own parameters (``tok_emb``, ``pos_emb``, ``ln_f``) live
-  for the whole forward pass, as FSDP2 does for the root group.
+- The output head is its own ``nn.Linear`` module whose weight *is* the token embedding's ``Parameter``
+  (one object, registered under two modules). A gatherer that works module by module (DeepSpeed's ZeRO-3)
+  then sees the head's weight used inside the head's own forward, and ``parameters()`` yields it once.
+  ``Module.to_empty`` replaces each registration with its own tensor, so ``init_weights`` ties them again.
 """
 
 from __future__ import annotations
@@ -165,6 +164,8 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.tok_emb.weight
         if self.tok_emb.weight.device.type != "meta":
             self.init_weights()
 
@@ -176,6 +177,7 @@ class GPT(nn.Module):
         stream in each block get std 0.02/sqrt(2·n_layer), so the residual's variance does not grow with
         depth (GPT-2 paper, section 2.3).
         """
+        self.lm_head.weight = self.tok_emb.weight  # (re)tie: to_empty gives each registration its own tensor
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
@@ -200,7 +202,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         x = self.ln_f(x)
-        logits = F.linear(x, self.tok_emb.weight)  # the tied output head
+        logits = self.lm_head(x)
         if targets is None:
             return GPTOutput(logits, None)
         # In fp32 even under autocast: a bf16 log-softmax over 50k classes loses most of the loss's digits.
@@ -208,5 +210,5 @@ class GPT(nn.Module):
         return GPTOutput(logits, loss)
 
     def num_params(self) -> int:
-        """Parameters actually allocated (equals ``config.num_params()``)."""
+        """Parameters actually allocated, the tied head once (equals ``config.num_params()``)."""
         return sum(p.numel() for p in self.parameters())

@@ -27,6 +27,7 @@ Runner contract:
   that keeps the agent's stdin open for the life of the job uses ``("stdin", "parent")``; one whose
   transport has no stdin (pdsh, mpirun, srun) uses ``("parent",)`` and passes the spec in argv
   (``launcher.agent.encode_spec_arg``).
+* ``Runner.master_addr(first_host)``: MASTER_ADDR when the user gave none (multi-node jobs).
 * If a runner fails to start a node after starting others, it stops the ones it started before raising.
 
 Output labels (``[rank N]`` or ``[host rank N]``) come from ``WorkerPlan.label``; runners never format.
@@ -180,6 +181,11 @@ class Runner(abc.ABC):
     @abc.abstractmethod
     def launch(self, plan: JobPlan, specs: Sequence[dict[str, Any]]) -> list[AgentHandle]:
         """Start one agent per node spec; return the handles covering every node exactly once."""
+
+    def master_addr(self, first_host: str) -> str:
+        """MASTER_ADDR when --master_addr is not given: an address of the first node that every node
+        can reach. The default is the host name itself; remote runners may resolve ssh aliases."""
+        return first_host
 
     def agent_argv(self) -> list[str]:
         """The agent's command line (interpreter path from the options)."""

@@ -1,0 +1,270 @@
+"""``dslaunch``: the command line. Parses DeepSpeed-compatible flags, resolves hosts, builds the plan,
+picks a runner and hands over to the supervisor.
+
+Everything that can be wrong with the command line, the hostfile or this machine is found here, before
+anything starts, and reported as one line ``dslaunch: error: ...`` with exit code 2. GPU counting never
+imports torch: ``CUDA_VISIBLE_DEVICES`` if set, else NVML (nvidia-ml-py) when the NVIDIA driver is
+present, else ``/proc/driver/nvidia/gpus``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shlex
+import shutil
+import socket
+import sys
+from collections.abc import Sequence
+
+import click
+
+from launcher.errors import LaunchError
+from launcher.hostfile import HostEntry, Hostfile, SelectedHost, read_hostfile, select_hosts
+from launcher.plan import HostSlots, JobConfig, make_plan
+from launcher.runners import DEFAULT_MULTI_NODE, get_runner
+from launcher.runners.base import RunnerOptions
+from launcher.supervisor import SuperviseOptions, run_job
+
+DEEPSPEED_HOSTFILE = "/job/hostfile"
+THIS_MACHINE = "<this machine>"
+
+
+def say(message: str) -> None:
+    sys.stderr.write(f"dslaunch: {message}\n")
+    sys.stderr.flush()
+
+
+# -- this machine ----------------------------------------------------------------------------------
+def visible_gpus() -> tuple[str, ...]:
+    """Ids of the GPUs this process may use (strings: CUDA_VISIBLE_DEVICES may hold UUIDs)."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None:
+        return tuple(x.strip() for x in cvd.split(",") if x.strip())
+    proc_dir = "/proc/driver/nvidia/gpus"
+    if not os.path.isdir(proc_dir):
+        return ()  # no NVIDIA driver: skip NVML, whose import and init cost time
+    try:
+        import pynvml  # only when a driver is present
+
+        pynvml.nvmlInit()
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or broken: fall back to the driver's list
+        count = len(os.listdir(proc_dir))
+    return tuple(str(i) for i in range(count))
+
+
+def is_local_host(name: str) -> bool:
+    hostname = socket.gethostname()
+    return name in ("localhost", "127.0.0.1", hostname, hostname.split(".")[0])
+
+
+# -- hosts -----------------------------------------------------------------------------------------
+def _resolve_hosts(
+    hostfile: str | None, include: str, exclude: str, num_nodes: int | None, num_gpus: int | None
+) -> tuple[list[HostSlots], str | None]:
+    """Hosts with slots, plus a notice to print once (CPU workers) or None."""
+    gpus = visible_gpus()
+    if hostfile is None and os.path.isfile(DEEPSPEED_HOSTFILE):
+        hostfile = DEEPSPEED_HOSTFILE
+        say(f"using the hostfile {DEEPSPEED_HOSTFILE} (pass --hostfile to choose another)")
+    notice = None
+    if hostfile is not None:
+        hf = read_hostfile(hostfile)
+    else:
+        if gpus:
+            slots = len(gpus)
+        elif num_gpus is not None and num_gpus >= 1:
+            slots = num_gpus
+            notice = f"no GPUs on this machine: starting {num_gpus} CPU worker(s)"
+        else:
+            raise LaunchError("no GPUs on this machine: pass --num_gpus N to start N CPU workers")
+        hf = Hostfile(THIS_MACHINE, (HostEntry("localhost", slots, 0, f"localhost slots={slots}"),))
+    selected = select_hosts(hf, include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus)
+    hosts = []
+    for sel in selected:
+        if is_local_host(sel.name):
+            hosts.append(_local_slots(sel, hf, gpus))
+            if not gpus and notice is None:
+                notice = f"no GPUs on this machine: starting {len(sel.slots)} CPU worker(s) on {sel.name}"
+        else:
+            hosts.append(HostSlots(sel.name, sel.slots, gpus=True, local=False))
+    return hosts, notice
+
+
+def _local_slots(sel: SelectedHost, hf: Hostfile, gpus: tuple[str, ...]) -> HostSlots:
+    if not gpus:
+        return HostSlots(sel.name, sel.slots, gpus=False, local=True)
+    if max(sel.slots) >= len(gpus):
+        where = f"{hf.path}:{sel.entry.line}: " if sel.entry.line else ""
+        raise LaunchError(
+            f"{where}{sel.name} uses slot {max(sel.slots)} but this machine has {len(gpus)} visible GPU(s)"
+            + (f": {sel.entry.text!r}" if sel.entry.line else "")
+        )
+    if not all(g.isdigit() for g in gpus):
+        # UUID or MIG names in CUDA_VISIBLE_DEVICES: keep the user's variable, pick by LOCAL_RANK.
+        return HostSlots(sel.name, sel.slots, gpus=False, local=True)
+    return HostSlots(sel.name, tuple(int(gpus[s]) for s in sel.slots), gpus=True, local=True)
+
+
+def _check_port_free(port: int) -> None:
+    """One machine: refuse a busy MASTER_PORT now rather than after every worker has started."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store does
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise LaunchError(
+                f"--master_port {port}: the port is in use on this machine ({exc.strerror})"
+            ) from None
+
+
+def _parse_env(items: Sequence[str]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key or not (key.replace("_", "a").isalnum() and not key[0].isdigit()):
+            raise LaunchError(f"--env {item!r}: expected NAME=VALUE with NAME a variable name")
+        env[key] = value
+    return env
+
+
+def _check_script(script: str, module: bool, no_python: bool) -> None:
+    if module:
+        return
+    if no_python:
+        if shutil.which(script) is None:
+            raise LaunchError(f"{script!r} is not an executable file or a command on PATH (--no_python)")
+    elif not os.path.isfile(script):
+        raise LaunchError(f"user_script {script!r} does not exist (working directory {os.getcwd()})")
+
+
+# -- the command -----------------------------------------------------------------------------------
+@click.command(
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+    epilog="Everything after USER_SCRIPT goes to the script, e.g. dslaunch --num_gpus 2 train.py --lr 3e-4",
+)
+@click.option(
+    "-H", "--hostfile", default=None, metavar="PATH", help="'host slots=N' lines; default: this machine."
+)
+@click.option("-i", "--include", default="", metavar="FILTER", help="Use only these hosts/slots: h0@h1:0,2.")
+@click.option("-e", "--exclude", default="", metavar="FILTER", help="Do not use these hosts/slots: h1:3.")
+@click.option("--num_nodes", "--num-nodes", type=int, default=None, help="Use the first N hosts.")
+@click.option(
+    "--num_gpus",
+    "--num-gpus",
+    "--num_accelerators",
+    "--num-accelerators",
+    "num_gpus",
+    type=int,
+    default=None,
+    help="Workers per host (slots 0..N-1); on a machine without GPUs, N CPU workers.",
+)
+@click.option("--master_addr", "--master-addr", default="", help="Rank 0's address (default: first host).")
+@click.option("--master_port", "--master-port", type=int, default=29500, show_default=True)
+@click.option("--module", is_flag=True, help="USER_SCRIPT is a module: python -m USER_SCRIPT.")
+@click.option("--no_python", "--no-python", is_flag=True, help="Run USER_SCRIPT directly, not with python.")
+@click.option("--no_local_rank", "--no-local-rank", is_flag=True, help="Do not pass --local_rank=N.")
+@click.option("--launcher", default=None, help="local, ssh, pdsh, openmpi, slurm (default: local or ssh).")
+@click.option("--launcher_args", "--launcher-args", default="", help="Extra arguments for the launcher tool.")
+@click.option("--log_dir", "--log-dir", default=None, metavar="DIR", help="Write DIR/rank_N.log per rank.")
+@click.option("--max_restarts", "--max-restarts", type=int, default=0, show_default=True)
+@click.option("--grace_period", "--grace-period", type=float, default=5.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping workers.")  # fmt: skip
+@click.option("--env", "env_items", multiple=True, metavar="K=V", help="Set a variable for every worker.")
+@click.argument("user_script")
+@click.argument("user_args", nargs=-1, type=click.UNPROCESSED)
+def cli(
+    hostfile: str | None,
+    include: str,
+    exclude: str,
+    num_nodes: int | None,
+    num_gpus: int | None,
+    master_addr: str,
+    master_port: int,
+    module: bool,
+    no_python: bool,
+    no_local_rank: bool,
+    launcher: str | None,
+    launcher_args: str,
+    log_dir: str | None,
+    max_restarts: int,
+    grace_period: float,
+    env_items: tuple[str, ...],
+    user_script: str,
+    user_args: tuple[str, ...],
+) -> int:
+    """Start USER_SCRIPT once per GPU (or slot) on this machine or on the hosts of a hostfile."""
+    # DeepSpeed's "unset" is -1; accept it so existing command lines keep working.
+    num_nodes = None if num_nodes == -1 else num_nodes
+    num_gpus = None if num_gpus == -1 else num_gpus
+    if max_restarts < 0:
+        raise LaunchError(f"--max_restarts {max_restarts}: must be 0 or more")
+    if grace_period < 0:
+        raise LaunchError(f"--grace_period {grace_period}: must be 0 or more")
+    if module and no_python:
+        raise LaunchError("--module and --no_python cannot be used together")
+    try:
+        extra_args = tuple(shlex.split(launcher_args))
+    except ValueError as exc:
+        raise LaunchError(f"--launcher_args {launcher_args!r}: {exc}") from None
+    user_env = _parse_env(env_items)
+    hosts, notice = _resolve_hosts(hostfile, include, exclude, num_nodes, num_gpus)
+    single_local = len(hosts) == 1 and hosts[0].local
+    runner_cls = get_runner(launcher or ("local" if single_local else DEFAULT_MULTI_NODE))
+    runner = runner_cls(
+        RunnerOptions(
+            python=sys.executable, grace_period=grace_period, launcher_args=extra_args, env=user_env
+        )
+    )
+    if not master_addr:
+        master_addr = "127.0.0.1" if single_local else runner.master_addr(hosts[0].host)
+    _check_script(user_script, module, no_python)
+    if single_local:
+        _check_port_free(master_port)
+    job = JobConfig(
+        script=user_script,
+        script_args=tuple(user_args),
+        python=sys.executable,
+        module=module,
+        no_python=no_python,
+        no_local_rank=no_local_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        job_id=f"dsl-{secrets.token_hex(4)}",
+        max_restarts=max_restarts,
+        cwd=os.getcwd(),
+        user_env=user_env,
+    )
+    first = make_plan(hosts, job, 0)  # validates; attempt 0 uses it
+    runner.check(first)
+    if notice:
+        say(notice)
+    options = SuperviseOptions(grace_period=grace_period, log_dir=log_dir, max_restarts=max_restarts)
+    return run_job(lambda a: first if a == 0 else make_plan(hosts, job, a), runner, options, say)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        code = cli.main(
+            args=list(argv) if argv is not None else None, prog_name="dslaunch", standalone_mode=False
+        )
+    except click.exceptions.NoArgsUsage:
+        click.echo(cli.get_help(click.Context(cli, info_name="dslaunch")))
+        code = 2
+    except click.ClickException as exc:
+        say(f"error: {exc.format_message()}")
+        code = exc.exit_code
+    except click.exceptions.Abort:
+        code = 130
+    except LaunchError as exc:
+        say(f"error: {exc}")
+        code = exc.exit_code
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

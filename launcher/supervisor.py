@@ -1,0 +1,335 @@
+"""The head: starts every node's agent, shows the workers' output, and ends the job as one.
+
+``run_job`` runs attempts until one succeeds, the job is interrupted, or ``max_restarts`` is used up.
+One attempt: build the plan for the attempt number, start one agent per node through the runner, read
+every agent stream in its own thread (``runners.base`` describes the contract), and in the main thread:
+
+* print each worker line as ``[label] text`` (the label comes from the plan: ``rank N`` on one
+  machine, ``host rank N`` across machines), keep the last lines of every rank, and write
+  ``<log_dir>/rank_<R>.log`` when asked (the head writes the logs, so remote ranks are logged on the
+  head too; restarts write ``rank_<R>.restart_<K>.log``);
+* on the first failure anywhere -- a worker exiting non-zero or killed by a signal, an agent that
+  cannot run, an agent stream that ends without ``done`` -- stop every node (SIGTERM, grace period,
+  SIGKILL, done by each agent) and remember that failure as the root cause;
+* on SIGINT/SIGTERM stop every node; a second one kills every node at once.
+
+The exit code is the root-cause worker's code (128 + signal number for a signal death), 130 after
+SIGINT, 143 after SIGTERM, 0 on success. After a failure a short summary names the rank, host, exit code
+or signal and shows the rank's last output lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, Any
+
+from launcher.plan import JobPlan
+from launcher.runners.base import (
+    AgentEvent,
+    AgentHandle,
+    ForeignLine,
+    OutputLine,
+    Runner,
+    agent_spec,
+    parse_agent_line,
+)
+
+# How long past the grace period an agent may take to report back before it is killed, and after the
+# kill, before the head gives up on it (a transport that hangs must not hang the launcher).
+_STOP_SLACK_S = 5.0
+_KILL_SLACK_S = 5.0
+
+_SIGNAL_HINTS = {
+    "SIGKILL": "out of memory? (see `dmesg` or the cgroup's memory.events)",
+    "SIGSEGV": "segmentation fault",
+    "SIGABRT": "aborted (a C++ exception or assertion, e.g. in NCCL or CUDA)",
+    "SIGBUS": "bus error (often /dev/shm too small in a container)",
+}
+
+
+class Outcome(enum.Enum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+@dataclass(frozen=True)
+class SuperviseOptions:
+    grace_period: float = 5.0
+    log_dir: str | None = None
+    max_restarts: int = 0
+    tail_lines: int = 15
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The root cause of a failed attempt."""
+
+    code: int
+    what: str  # "rank 2 (local rank 2) on localhost" or "the agent on worker1"
+    how: str  # "exited with code 7", "was killed by SIGKILL (exit code 137)", ...
+    rank: int | None
+    tail: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class AttemptResult:
+    outcome: Outcome
+    code: int
+    failure: Failure | None = None
+
+
+def _status_text(code: int, signame: str | None) -> str:
+    if signame:
+        hint = _SIGNAL_HINTS.get(signame)
+        return f"was killed by {signame} (exit code {code})" + (f"; {hint}" if hint else "")
+    return f"exited with code {code}"
+
+
+class _Attempt:
+    """The state of one attempt; every method runs in the main thread."""
+
+    def __init__(
+        self,
+        plan: JobPlan,
+        runner: Runner,
+        options: SuperviseOptions,
+        say: Callable[[str], None],
+        notes: set[str],
+    ):
+        self.plan = plan
+        self.runner = runner
+        self.options = options
+        self.say = say
+        self.out = sys.stdout.buffer
+        self.workers = {w.rank: w for w in plan.workers}
+        self.prefix = {r: f"[{w.label}] ".encode() for r, w in self.workers.items()}
+        self.tails: dict[int, deque[bytes]] = {r: deque(maxlen=options.tail_lines) for r in self.workers}
+        self.node_tails: dict[int, deque[bytes]] = {n.node_rank: deque(maxlen=5) for n in plan.nodes}
+        self.logs: dict[int, IO[bytes]] = {}
+        self.done_nodes: set[int] = set()
+        self.failure: Failure | None = None
+        self.interrupt_code: int | None = None
+        self.stop_at: float | None = None
+        self.kill_at: float | None = None
+        self.killed = False
+        self.notes = notes  # things said once per job, across attempts
+        self.handles: list[AgentHandle] = []
+
+    # -- actions --------------------------------------------------------------------------------
+    def stop_all(self) -> None:
+        if self.stop_at is None:
+            self.stop_at = time.monotonic()
+            for h in self.handles:
+                h.stop()
+
+    def kill_all(self) -> None:
+        self.stop_all()
+        if not self.killed:
+            self.killed = True
+            self.kill_at = time.monotonic()
+            for h in self.handles:
+                h.kill()
+
+    def fail(self, failure: Failure) -> None:
+        if self.failure is None and self.interrupt_code is None:
+            self.failure = failure
+        self.stop_all()
+
+    def on_signal(self, signum: int) -> None:
+        if self.interrupt_code is None:
+            self.interrupt_code = 128 + signum
+            name = signal.Signals(signum).name
+            self.say(f"{name}: stopping all workers ({name} again to kill them now)")
+            self.stop_all()
+        else:
+            self.say("killing all workers")
+            self.kill_all()
+
+    # -- messages -------------------------------------------------------------------------------
+    def on_output(self, msg: OutputLine) -> None:
+        prefix = self.prefix.get(msg.rank)
+        if prefix is None:
+            prefix = f"[rank {msg.rank}?] ".encode()
+        else:
+            self.tails[msg.rank].append(msg.text)
+            log = self.logs.get(msg.rank)
+            if log is not None:
+                log.write(msg.text + b"\n")
+        self.out.write(prefix + msg.text + b"\n")
+
+    def on_event(self, handle: AgentHandle, ev: AgentEvent) -> None:
+        data = ev.data
+        host = self.plan.nodes[ev.node].host if 0 <= ev.node < len(self.plan.nodes) else handle.name
+        if ev.kind == "agent":
+            n = data.get("omp_num_threads")
+            if n and "omp" not in self.notes:
+                self.notes.add("omp")
+                self.say(
+                    f"OMP_NUM_THREADS is not set: each worker gets {n} "
+                    "(usable CPUs // workers per node); set OMP_NUM_THREADS to choose"
+                )
+        elif ev.kind == "exited":
+            code = int(data.get("code", 1))
+            if code != 0 and not data.get("stopped"):
+                rank = int(data["rank"])
+                worker = self.workers.get(rank)
+                local = f" (local rank {worker.local_rank})" if worker else ""
+                how = _status_text(code, data.get("signal"))
+                if data.get("error"):
+                    how = f"could not start: {data['error']} (exit code {code})"
+                tail = tuple(t.decode(errors="replace") for t in self.tails.get(rank, ()))
+                self.fail(Failure(code, f"rank {rank}{local} on {host}", how, rank, tail))
+        elif ev.kind == "error":
+            self.fail(Failure(2, f"the agent on {host}", f"could not run: {data.get('message')}", None, ()))
+        elif ev.kind == "stopping":
+            if data.get("reason") in ("signal", "stdin_eof", "parent_died") and self.stop_at is None:
+                detail = f"{data.get('reason')}: {data.get('detail')}"
+                self.fail(Failure(1, f"the agent on {host}", f"stopped its workers ({detail})", None, ()))
+        elif ev.kind == "done":
+            self.done_nodes.add(ev.node)
+            code = int(data.get("code", 1))
+            if code != 0 and self.failure is None and self.stop_at is None:
+                self.fail(Failure(code, f"the agent on {host}", f"ended with code {code}", None, ()))
+
+    def on_foreign(self, handle: AgentHandle, msg: ForeignLine) -> None:
+        for node in handle.node_ranks:
+            self.node_tails[node].append(msg.text)
+        sys.stderr.buffer.write(f"[{handle.name}] ".encode() + msg.text + b"\n")
+
+    def on_eof(self, handle: AgentHandle, status: int | None) -> None:
+        lost = [n for n in handle.node_ranks if n not in self.done_nodes]
+        if lost and self.stop_at is None:
+            tail = tuple(t.decode(errors="replace") for n in lost for t in self.node_tails[n])
+            code = status if status else 255
+            how = f"ended without reporting its workers (status {status})"
+            self.fail(Failure(code, f"the agent on {handle.name}", how, None, tail))
+        elif lost:
+            self.done_nodes.update(lost)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _open_logs(self) -> None:
+        log_dir = self.options.log_dir
+        if not log_dir:
+            return
+        os.makedirs(log_dir, exist_ok=True)
+        suffix = f".restart_{self.plan.attempt}" if self.plan.attempt else ""
+        for rank in self.workers:
+            self.logs[rank] = open(os.path.join(log_dir, f"rank_{rank}{suffix}.log"), "wb")  # noqa: SIM115
+
+    def run(self, signals: queue.SimpleQueue[int]) -> AttemptResult:
+        self._open_logs()
+        specs = [
+            agent_spec(self.plan, node, grace_period=self.options.grace_period, lifeline=self.runner.lifeline)
+            for node in self.plan.nodes
+        ]
+        self.handles = self.runner.launch(self.plan, specs)
+        inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        for i, handle in enumerate(self.handles):
+            threading.Thread(target=_read_stream, args=(i, handle, inbox), daemon=True).start()
+        open_streams = len(self.handles)
+        grace = self.options.grace_period
+        try:
+            while open_streams:
+                while not signals.empty():
+                    self.on_signal(signals.get())
+                now = time.monotonic()
+                if (
+                    self.stop_at is not None
+                    and not self.killed
+                    and now > self.stop_at + grace + _STOP_SLACK_S
+                ):
+                    self.say("agents did not stop within the grace period: killing")
+                    self.kill_all()
+                if self.kill_at is not None and now > self.kill_at + _KILL_SLACK_S:
+                    names = ", ".join(h.name for h in self.handles)
+                    self.say(f"giving up on agents that do not report back (streams: {names})")
+                    break
+                try:
+                    index, item = inbox.get(timeout=0.1)
+                except queue.Empty:
+                    self.out.flush()
+                    continue
+                handle = self.handles[index]
+                if isinstance(item, OutputLine):
+                    self.on_output(item)
+                elif isinstance(item, AgentEvent):
+                    self.on_event(handle, item)
+                elif isinstance(item, ForeignLine):
+                    self.on_foreign(handle, item)
+                else:  # ("eof", status)
+                    open_streams -= 1
+                    self.on_eof(handle, item[1])
+                if inbox.empty():
+                    self.out.flush()
+        finally:
+            self.out.flush()
+            for h in self.handles:
+                h.close()
+            for log in self.logs.values():
+                log.close()
+        if self.interrupt_code is not None:
+            return AttemptResult(Outcome.INTERRUPTED, self.interrupt_code, self.failure)
+        if self.failure is not None:
+            return AttemptResult(Outcome.FAILED, self.failure.code, self.failure)
+        return AttemptResult(Outcome.SUCCEEDED, 0)
+
+
+def _read_stream(index: int, handle: AgentHandle, inbox: queue.SimpleQueue) -> None:
+    try:
+        for line in iter(handle.readline, b""):
+            inbox.put((index, parse_agent_line(line)))
+    except Exception as exc:  # a broken transport ends the stream; the head decides what it means
+        inbox.put((index, ForeignLine(f"stream error: {exc!r}".encode())))
+    status = handle.wait(timeout=10.0)
+    inbox.put((index, ("eof", status)))
+
+
+def print_summary(failure: Failure, plan: JobPlan, say: Callable[[str], None]) -> None:
+    say(f"FAILED: {failure.what} {failure.how}")
+    say(f"  the first failure of attempt {plan.attempt} (job {plan.job_id}); all other workers were stopped")
+    if failure.tail:
+        who = f"rank {failure.rank}" if failure.rank is not None else "the agent"
+        say(f"  last {len(failure.tail)} line(s) of {who}:")
+        for line in failure.tail:
+            say(f"    {line}")
+
+
+def run_job(
+    plan_for_attempt: Callable[[int], JobPlan],
+    runner: Runner,
+    options: SuperviseOptions,
+    say: Callable[[str], None],
+) -> int:
+    """Run the job to the end; returns the launcher's exit code. Installs SIGINT/SIGTERM handlers."""
+    signals: queue.SimpleQueue[int] = queue.SimpleQueue()  # put() is safe inside a signal handler
+    previous = {s: signal.signal(s, lambda n, _f: signals.put(n)) for s in (signal.SIGINT, signal.SIGTERM)}
+    notes: set[str] = set()
+    try:
+        for attempt in range(options.max_restarts + 1):
+            plan = plan_for_attempt(attempt)
+            result = _Attempt(plan, runner, options, say, notes).run(signals)
+            if result.outcome is Outcome.SUCCEEDED:
+                return 0
+            if result.outcome is Outcome.INTERRUPTED:
+                say(f"interrupted: all workers stopped (exit {result.code})")
+                return result.code
+            assert result.failure is not None
+            print_summary(result.failure, plan, say)
+            if attempt < options.max_restarts:
+                say(f"restarting all workers (restart {attempt + 1} of {options.max_restarts})")
+        return result.code
+    finally:
+        for s, handler in previous.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(s, handler)

@@ -1,0 +1,456 @@
+"""Training throughput on one device: our engine per ZeRO stage against plain PyTorch, FSDP2, DeepSpeed.
+
+Every configuration trains the same GPT (runtime.models, GPT-2 sizes, vocab 50304, tied head) on the same
+random batch, bf16, AdamW(lr=1e-4, weight_decay=0.01), no gradient clipping, in one process with a
+process group of world size 1. Configurations, in this order for each model:
+
+    torch      plain PyTorch: fp32 params, bf16 autocast, torch.optim.AdamW(fused=True)   (the baseline)
+    ours       runtime.initialize with bf16 and zero_optimization.stage in --stages
+    fsdp2      fully_shard on each block, then the root, MixedPrecisionPolicy(bf16 params, fp32 reduce)
+    deepspeed  deepspeed.initialize with the same config as ours, for each of --ds_stages (when importable)
+
+Timing: --warmup steps, then --steps steps each bracketed by device synchronization; the median step time
+gives tokens/s and TFLOP/s (6N + 12·L·d·T FLOPs per token, as in shared/research/perf_anchors.md §6.1).
+Peak memory is torch.cuda.max_memory_allocated from model construction to the last step. Each
+configuration gets a fresh model and frees everything before the next one. A configuration that fails
+(out of memory included) is reported as a JSON line with "error" and the others still run.
+
+Output: one JSON object per line on stdout (also appended to --out), each with ratio_to_torch from the
+baseline measured in the same run, and a readable table on stderr at the end. Other libraries may print
+to stdout too: read the lines that start with '{"bench"' or use --out.
+
+    python scripts/bench/train_throughput.py                       # H200: medium + xl, about 5 minutes
+    python scripts/bench/train_throughput.py --models medium --peers torch,ours --stages 2
+    python scripts/bench/train_throughput.py --device cpu --models tiny --seq_len 64 --micro_batch 2 \\
+        --warmup 1 --steps 2                                       # smoke check without a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from runtime.models import GPT, MODEL_SIZES, GPTConfig
+
+PEAK_BF16_TFLOPS = 989.0  # H100/H200 dense bf16 datasheet (1979 is the 2:4-sparse figure)
+MEASURED_GEMM_TFLOPS = 790.0  # 8192^3 bf16 GEMM on one H200 (perf_anchors.md §6.1)
+DEFAULT_MICRO_BATCH = {"medium": 16, "xl": 8}  # the batches of the perf_anchors.md §9 peer runs
+PEERS = ("torch", "ours", "fsdp2", "deepspeed")
+LR, WEIGHT_DECAY = 1e-4, 0.01
+
+StepFn = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One configuration to measure."""
+
+    model: str
+    peer: str
+    stage: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.peer if self.stage is None else f"{self.peer}-zero{self.stage}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every configuration of one model trains on."""
+
+    config: GPTConfig
+    micro_batch: int
+    seq_len: int
+    device: torch.device
+    compile: bool
+    ds_torch_adam: bool
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch * self.seq_len
+
+
+def plan_runs(models: list[str], peers: list[str], stages: list[int], ds_stages: list[int]) -> list[Run]:
+    """Runs in measuring order: the baseline first for each model, DeepSpeed last (it keeps global state)."""
+    runs: list[Run] = []
+    for model in models:
+        for peer in sorted(set(peers), key=PEERS.index):
+            if peer == "ours":
+                runs += [Run(model, peer, s) for s in stages]
+            elif peer == "deepspeed":
+                runs += [Run(model, peer, s) for s in ds_stages]
+            else:
+                runs.append(Run(model, peer))
+    return runs
+
+
+def engine_config(work: Workload, stage: int) -> dict[str, Any]:
+    """The DeepSpeed-style config shared by our engine and DeepSpeed."""
+    return {
+        "train_micro_batch_size_per_gpu": work.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed 0.19.8 would default to 1.0
+        "steps_per_print": 1_000_000,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WEIGHT_DECAY},
+        },
+    }
+
+
+def fresh_model(work: Workload) -> GPT:
+    torch.manual_seed(0)
+    with torch.device(work.device):  # initialise on the device: seconds instead of minutes for 1.5B
+        model = GPT(work.config)
+    if work.compile:
+        for block in model.blocks:
+            block.compile()  # per block, in place, so hooks on module boundaries keep working
+    return model
+
+
+def setup_torch(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None) -> StepFn:
+    model = fresh_model(work)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    x, y = batch
+
+    def step() -> torch.Tensor:
+        with torch.autocast(work.device.type, dtype=torch.bfloat16):
+            _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def setup_ours(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None) -> StepFn:
+    import runtime
+
+    if not hasattr(runtime, "initialize"):
+        raise RuntimeError("runtime.initialize does not exist yet in this checkout")
+    model = fresh_model(work)
+    engine, _, _, _ = runtime.initialize(
+        model=model, model_parameters=model.parameters(), config=engine_config(work, stage or 0)
+    )
+    x, y = batch
+
+    def step() -> torch.Tensor:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return step
+
+
+def setup_fsdp2(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None) -> StepFn:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    model = fresh_model(work)
+    mesh = init_device_mesh(work.device.type, (1,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    x, y = batch
+
+    def step() -> torch.Tensor:
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def setup_deepspeed(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None) -> StepFn:
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # keep stdout for our JSON lines
+    config = engine_config(work, stage or 0)
+    if work.ds_torch_adam:  # torch.optim.AdamW inside DeepSpeed: no FusedAdam JIT build
+        config["optimizer"]["params"]["torch_adam"] = True
+    model = fresh_model(work)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x, y = batch
+
+    def step() -> torch.Tensor:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return step
+
+
+SETUPS: dict[str, Callable[[Workload, tuple[torch.Tensor, torch.Tensor], int | None], StepFn]] = {
+    "torch": setup_torch,
+    "ours": setup_ours,
+    "fsdp2": setup_fsdp2,
+    "deepspeed": setup_deepspeed,
+}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release_memory(device: torch.device, compiled: bool) -> None:
+    gc.collect()
+    if compiled:
+        torch._dynamo.reset()  # drop compiled graphs that hold the previous model's tensors
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def measure(
+    run: Run, work: Workload, batch: tuple[torch.Tensor, torch.Tensor], warmup: int, steps: int
+) -> dict[str, Any]:
+    device = work.device
+    allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+    setup_start = time.perf_counter()
+    step = SETUPS[run.peer](work, batch, run.stage)
+    synchronize(device)
+    setup_s = time.perf_counter() - setup_start
+    losses = [step().item() for _ in range(warmup)]
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        loss = step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    median = statistics.median(times)
+    tflops = work.config.flops_per_token(work.seq_len) * work.tokens_per_step / median / 1e12
+    result: dict[str, Any] = {
+        "setup_s": round(setup_s, 2),
+        "step_s_median": round(median, 5),
+        "step_s_min": round(min(times), 5),
+        "tokens_per_s": round(work.tokens_per_step / median, 1),
+        "tflops": float(f"{tflops:.4g}"),
+        "mfu": round(tflops / PEAK_BF16_TFLOPS, 4),
+        "mfu_vs_gemm": round(tflops / MEASURED_GEMM_TFLOPS, 4),
+        "loss_first": round(losses[0], 4),
+        "loss_last": round(losses[-1], 4),
+    }
+    if device.type == "cuda":
+        result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        result["mem_before_gib"] = round(allocated_before / 2**30, 3)  # nonzero: an earlier run leaked
+    return result
+
+
+def run_one(
+    run: Run, work: Workload, batch: tuple[torch.Tensor, torch.Tensor], warmup: int, steps: int
+) -> dict[str, Any]:
+    """Measure one configuration; any failure becomes {"error": ...} instead of stopping the benchmark."""
+    release_memory(work.device, work.compile)
+    try:
+        return measure(run, work, batch, warmup, steps)
+    except ImportError as exc:
+        return {"skipped": f"{run.peer} is not importable: {exc}"}
+    except Exception as exc:  # one broken configuration must not hide the others' numbers
+        out_of_memory = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000], "oom": out_of_memory}
+    finally:
+        release_memory(work.device, work.compile)
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """World size 1 for everyone: the env a launcher would set, and a FileStore-backed default group."""
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        os.environ.setdefault(key, value)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    fd, store_path = tempfile.mkstemp(prefix="bench_store_")
+    os.close(fd)
+    store = dist.FileStore(store_path, 1)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    env: dict[str, Any] = {"torch": torch.__version__, "device": str(device)}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    try:
+        import deepspeed
+
+        env["deepspeed"] = deepspeed.__version__
+    except Exception:  # absent or broken: the deepspeed runs will say why
+        env["deepspeed"] = None
+    return env
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def name_list(choices: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {unknown or text!r}; choose from {', '.join(choices)}")
+        return names
+
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=name_list(list(MODEL_SIZES)), default=["medium", "xl"])
+    parser.add_argument("--peers", type=name_list(PEERS), default=list(PEERS))
+    parser.add_argument("--stages", type=int_list, default=[0, 1, 2, 3], help="ZeRO stages of ours")
+    parser.add_argument("--ds_stages", type=int_list, default=[2, 3], help="ZeRO stages of DeepSpeed")
+    parser.add_argument("--micro_batch", type=int, help="default: medium 16, xl 8, others 8")
+    parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block, for every peer")
+    parser.add_argument(
+        "--ds_torch_adam",
+        action="store_true",
+        help="DeepSpeed with torch AdamW instead of its JIT-built FusedAdam",
+    )
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    args = parser.parse_args(argv)
+    for name in ("seq_len", "steps"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name} must be positive")
+    if args.warmup < 0 or (args.micro_batch is not None and args.micro_batch <= 0):
+        parser.error("--warmup must be >= 0 and --micro_batch positive")
+    return args
+
+
+def emit(record: dict[str, Any], out: Path | None) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(line + "\n")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{'model':8} {'config':16} {'tokens/s':>10} {'x torch':>8} {'TFLOP/s':>8} {'MFU':>6} "
+        f"{'peak GiB':>9}",
+        file=sys.stderr,
+    )
+    for r in rows:
+        if "tokens_per_s" not in r:
+            why = r.get("error") or r.get("skipped") or "?"
+            print(f"{r['model']:8} {r['config']:16} {why[:70]}", file=sys.stderr)
+            continue
+        ratio = "" if r.get("ratio_to_torch") is None else f"{r['ratio_to_torch']:.3f}"
+        peak = "" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}"
+        print(
+            f"{r['model']:8} {r['config']:16} {r['tokens_per_s']:>10,.0f} {ratio:>8} {r['tflops']:>8.1f} "
+            f"{r['mfu']:>6.1%} {peak:>9}",
+            file=sys.stderr,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    init_single_process_group(device)
+    emit(
+        {
+            "bench": "train_throughput",
+            "event": "start",
+            **environment(device),
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        },
+        args.out,
+    )
+    rows = []
+    baseline: dict[str, float] = {}
+    for run in plan_runs(args.models, args.peers, args.stages, args.ds_stages):
+        base = GPTConfig.named(run.model)
+        config = GPTConfig.named(run.model, max_seq_len=max(base.max_seq_len, args.seq_len))
+        micro_batch = args.micro_batch or DEFAULT_MICRO_BATCH.get(run.model, 8)
+        work = Workload(config, micro_batch, args.seq_len, device, args.compile, args.ds_torch_adam)
+        # The same batch for every configuration of a model: random ids drawn once from a fixed seed.
+        gen = torch.Generator().manual_seed(1234)
+        tokens = torch.randint(0, config.vocab_size, (micro_batch, args.seq_len + 1), generator=gen)
+        batch = (tokens[:, :-1].to(device), tokens[:, 1:].to(device))
+        record: dict[str, Any] = {
+            "bench": "train_throughput",
+            "model": run.model,
+            "params": config.num_params(),
+            "config": run.label,
+            "peer": run.peer,
+            "stage": run.stage,
+            "micro_batch": micro_batch,
+            "seq_len": args.seq_len,
+            "tokens_per_step": work.tokens_per_step,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "compile": args.compile,
+            "device": str(device),
+        }
+        record.update(run_one(run, work, batch, args.warmup, args.steps))
+        if run.peer == "torch" and "tokens_per_s" in record:
+            baseline[run.model] = record["tokens_per_s"]
+        if "tokens_per_s" in record and run.model in baseline:
+            record["ratio_to_torch"] = round(record["tokens_per_s"] / baseline[run.model], 4)
+        else:
+            record["ratio_to_torch"] = None
+        del batch, tokens
+        emit(record, args.out)
+        rows.append(record)
+    print_table(rows)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

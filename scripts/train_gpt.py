@@ -1,0 +1,297 @@
+"""Train a GPT language model with the dslaunch runtime: the example job.
+
+Any launcher that sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT works, or none for a single process:
+
+    dslaunch --num_gpus 2 scripts/train_gpt.py --deepspeed_config scripts/configs/zero2.json --model_size tiny
+    torchrun --nproc_per_node 2 scripts/train_gpt.py --deepspeed_config scripts/configs/zero2.json
+    python scripts/train_gpt.py --steps 50
+
+By default it trains our GPT (runtime.models) on the corpus shipped in scripts/data with the byte-level
+tokenizer, so nothing is downloaded. With `transformers` installed, --model_name_or_path trains a Hugging
+Face GPT2LMHeadModel and --tokenizer picks a Hugging Face tokenizer; with `datasets` installed,
+--dataset_name reads a Hugging Face dataset instead of --train_file.
+
+The batch size, precision, ZeRO stage, optimizer and schedule come from the DeepSpeed-style config;
+--lr and --micro_batch_size override the config's values. --steps counts optimizer steps. Rank 0 prints
+the loss averaged over ranks and accumulation micro-steps every --log_interval steps, and a summary line
+at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import runtime
+from runtime.config import ConfigError
+from runtime.data import DEFAULT_CORPUS, DataError, TokenBlockDataset, Tokenizer, load_tokenizer
+from runtime.models import GPT, MODEL_SIZES, GPTConfig, GPTOutput
+
+# Used when no --deepspeed_config is given: plain data parallelism, fp32, AdamW.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+    "zero_optimization": {"stage": 0},
+}
+
+
+class UsageError(Exception):
+    """Bad arguments or inputs: reported as one line and exit code 2, never as a traceback."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train_gpt.py",
+        description="Train a GPT language model with the dslaunch runtime.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    runtime.add_config_arguments(parser)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model_size", default="tiny", help=f"one of: {', '.join(MODEL_SIZES)}")
+    model.add_argument("--n_layer", type=int, help="override the size's number of blocks")
+    model.add_argument("--n_head", type=int, help="override the size's number of attention heads")
+    model.add_argument("--n_embd", type=int, help="override the size's hidden width")
+    model.add_argument("--dropout", type=float, default=0.0)
+    model.add_argument(
+        "--model_name_or_path",
+        help="a Hugging Face GPT2LMHeadModel name or local path (needs transformers) instead of our GPT",
+    )
+    data = parser.add_argument_group("data")
+    data.add_argument("--train_file", type=Path, default=DEFAULT_CORPUS, help="UTF-8 text to train on")
+    data.add_argument(
+        "--tokenizer", help="Hugging Face tokenizer name or path (default: bytes, or the model's own)"
+    )
+    data.add_argument(
+        "--dataset_name", help="a Hugging Face dataset instead of --train_file (needs datasets)"
+    )
+    data.add_argument("--dataset_config_name", help="the dataset's configuration, e.g. wikitext-2-raw-v1")
+    data.add_argument("--seq_len", type=int, default=128, help="tokens per training sequence")
+    train = parser.add_argument_group("training")
+    train.add_argument("--steps", type=int, default=100, help="optimizer steps to run")
+    train.add_argument("--lr", type=float, help="override the config's optimizer learning rate")
+    train.add_argument("--micro_batch_size", type=int, help="override train_micro_batch_size_per_gpu")
+    train.add_argument("--seed", type=int, default=1234)
+    train.add_argument("--log_interval", type=int, default=10, help="print every N optimizer steps")
+    train.add_argument("--local_rank", type=int, default=-1, help="set by launchers; LOCAL_RANK wins")
+    args = parser.parse_args(argv)
+    for name in ("steps", "seq_len", "log_interval"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.micro_batch_size is not None and args.micro_batch_size <= 0:
+        parser.error(f"--micro_batch_size must be positive, got {args.micro_batch_size}")
+    return args
+
+
+def build_config(args: argparse.Namespace) -> str | dict[str, Any]:
+    """The config to hand to runtime.initialize: the file as given, or a dict when overrides apply."""
+    source = getattr(args, "deepspeed_config", None)
+    if source is None:
+        config = copy.deepcopy(DEFAULT_CONFIG)
+    elif args.lr is None and args.micro_batch_size is None:
+        return source
+    else:
+        from runtime.config_reader import read_config_file
+
+        config = read_config_file(source)
+    if args.lr is not None:
+        optimizer = config.get("optimizer")
+        if not isinstance(optimizer, dict):
+            raise UsageError(f"--lr needs an 'optimizer' section in {source}")
+        optimizer.setdefault("params", {})["lr"] = args.lr
+    if args.micro_batch_size is not None:
+        # Keep accumulation as configured and let the runtime derive train_batch_size.
+        config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+        if "gradient_accumulation_steps" in config:
+            config.pop("train_batch_size", None)
+    return config
+
+
+def build_tokenizer_and_data(args: argparse.Namespace) -> tuple[Tokenizer, TokenBlockDataset]:
+    tokenizer_name = args.tokenizer or args.model_name_or_path
+    tokenizer = load_tokenizer(tokenizer_name)
+    if args.dataset_name:
+        dataset = TokenBlockDataset.from_hf_dataset(
+            args.dataset_name, args.dataset_config_name, args.seq_len, tokenizer
+        )
+    else:
+        dataset = TokenBlockDataset.from_text_file(args.train_file, args.seq_len, tokenizer)
+    return tokenizer, dataset
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM behind our model's interface: ``forward(idx, targets) -> GPTOutput``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.config = model.config
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> GPTOutput:
+        logits = self.model(input_ids=idx).logits
+        if targets is None:
+            return GPTOutput(logits, None)
+        # Targets are already shifted by the dataset, so the HF model's own (shifting) loss is not used.
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return GPTOutput(logits, loss)
+
+
+def build_model(args: argparse.Namespace, vocab_size: int) -> nn.Module:
+    if args.model_name_or_path:
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError:
+            raise UsageError(
+                f"--model_name_or_path {args.model_name_or_path!r} needs the 'transformers' package, which "
+                "is not installed; install it or drop the flag to train the built-in GPT"
+            ) from None
+        model = GPT2LMHeadModel.from_pretrained(args.model_name_or_path)
+        if vocab_size > model.config.vocab_size:
+            raise UsageError(
+                f"the tokenizer has {vocab_size} tokens but {args.model_name_or_path} only "
+                f"{model.config.vocab_size}; use the model's own tokenizer"
+            )
+        return HFCausalLM(model)
+    overrides: dict[str, Any] = {"dropout": args.dropout}
+    for name in ("n_layer", "n_head", "n_embd"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    # A byte vocabulary (256) is used as is; larger ones are padded to a multiple of 64 for fast matmuls.
+    overrides["vocab_size"] = vocab_size if vocab_size <= 256 else 64 * math.ceil(vocab_size / 64)
+    base = GPTConfig.named(args.model_size)
+    overrides["max_seq_len"] = max(base.max_seq_len, args.seq_len)
+    try:
+        config = GPTConfig.named(args.model_size, **overrides)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return GPT(config)
+
+
+def limit_cpu_threads() -> None:
+    """Give each CPU worker its share of the cores, unless the user chose (OMP_NUM_THREADS)."""
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
+        return
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def endless(loader: Any) -> Iterator[Any]:
+    """Batches from the loader, epoch after epoch (reshuffling when the sampler supports it)."""
+    epoch = 0
+    while True:
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise UsageError("the data loader produced no batch: the dataset is smaller than one batch")
+        epoch += 1
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def train(args: argparse.Namespace) -> dict[str, float]:
+    torch.manual_seed(args.seed)
+    limit_cpu_threads()
+    tokenizer, dataset = build_tokenizer_and_data(args)
+    model = build_model(args, tokenizer.vocab_size)
+    config = build_config(args)
+
+    runtime.init_distributed()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    engine, _, loader, _ = runtime.initialize(
+        model=model, model_parameters=model.parameters(), training_data=dataset, config=config
+    )
+    accumulation = engine.gradient_accumulation_steps()
+    tokens_per_step = engine.train_batch_size() * args.seq_len
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(
+            f"train_gpt: {n_params / 1e6:.2f}M params, {len(dataset)} sequences of {args.seq_len} tokens "
+            f"from {dataset.source}, {world} rank(s) on {engine.device}, global batch "
+            f"{engine.train_batch_size()} ({engine.train_micro_batch_size_per_gpu()} x {accumulation} "
+            f"accumulation x {world} ranks)",
+            flush=True,
+        )
+
+    batches = endless(loader)
+    losses: list[tuple[int, float]] = []
+    loss_sum = torch.zeros((), device=engine.device)
+    micro_steps = 0
+    start = last_log = time.perf_counter()
+    last_log_step = 0
+    for step in range(1, args.steps + 1):
+        for _ in range(accumulation):
+            idx, targets = (t.to(engine.device, non_blocking=True) for t in next(batches))
+            _, loss = engine(idx, targets)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach().float()
+            micro_steps += 1
+        if step == 1 or step % args.log_interval == 0 or step == args.steps:
+            mean_loss = mean_over_ranks(loss_sum / micro_steps)
+            loss_sum.zero_()
+            micro_steps = 0
+            now = time.perf_counter()
+            tokens_per_s = tokens_per_step * (step - last_log_step) / (now - last_log)
+            last_log, last_log_step = now, step
+            losses.append((step, mean_loss))
+            if rank == 0:
+                lr = engine.get_lr()
+                lr = lr[0] if isinstance(lr, (list, tuple)) else lr
+                print(
+                    f"step {step}/{args.steps} | loss {mean_loss:.4f} | lr {lr:.3e} | "
+                    f"{tokens_per_s:,.0f} tokens/s",
+                    flush=True,
+                )
+            if not math.isfinite(mean_loss):
+                raise RuntimeError(f"loss is {mean_loss} at step {step}; stopping")
+    elapsed = time.perf_counter() - start
+    summary = {"first_loss": losses[0][1], "final_loss": losses[-1][1], "seconds": elapsed}
+    if rank == 0:
+        print(
+            f"train_gpt: done, {args.steps} steps in {elapsed:.1f} s, loss {summary['first_loss']:.4f} -> "
+            f"{summary['final_loss']:.4f}",
+            flush=True,
+        )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        train(args)
+    except (UsageError, DataError, ConfigError) as exc:
+        print(f"train_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

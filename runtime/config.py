@@ -289,11 +289,14 @@ def _resolve_batch(r: SectionReader, world_size: int) -> tuple[int, int, int]:
     """Complete (train_batch_size, micro, accumulation) from any two; check the identity when all three."""
 
     def read(name: str) -> _BatchTerm:
-        explicit_auto = r.data.get(name) == "auto" and r.key_path(name) not in r.ctx.auto_values
+        given = r.data.get(name)
+        if given == "auto":
+            source = "from auto_values" if r.key_path(name) in r.ctx.auto_values else '"auto"'
+        else:
+            source = "from the config"
         # "auto" batch terms are derived from the others below, so the reader must not refuse them.
-        value = r.get(name, Int(1), None, auto=lambda: None)
-        source = 'derived from "auto"' if explicit_auto else ("from the config" if value is not None else "")
-        return _BatchTerm(name, value, source)
+        value = r.get(name, Int(1, nullable=True), None, auto=lambda: None)
+        return _BatchTerm(name, value, source if given is not None else "")
 
     tbs, micro, gas = (
         read("train_batch_size"),
@@ -315,17 +318,18 @@ def _resolve_batch(r: SectionReader, world_size: int) -> tuple[int, int, int]:
         return total.value // denominator  # type: ignore[operator]
 
     if tbs.value is None and micro.value is None:
+        if tbs.source == micro.source == '"auto"':
+            raise ConfigError(
+                "train_batch_size",
+                '"auto" batch sizes are derived from the others, but train_batch_size and '
+                'train_micro_batch_size_per_gpu are both "auto"; set one of them to a number',
+            )
         raise ConfigError(
             "train_batch_size",
-            "set train_batch_size or train_micro_batch_size_per_gpu (or both); neither is given"
-            + (
-                " as a number"
-                if "train_batch_size" in r.data or "train_micro_batch_size_per_gpu" in r.data
-                else ""
-            ),
+            "set train_batch_size or train_micro_batch_size_per_gpu (or both); neither is given",
         )
     if gas.value is None and (tbs.value is None or micro.value is None):
-        gas = _BatchTerm(gas.name, 1, "default")
+        gas = _BatchTerm(gas.name, 1, "default" if not gas.source else 'default for "auto"')
     if tbs.value is None:
         tbs = _BatchTerm(tbs.name, micro.value * gas.value * world_size, "derived")  # type: ignore[operator]
     elif micro.value is None:

@@ -175,6 +175,13 @@ def _check_script(script: str, module: bool, no_python: bool) -> None:
 @click.option("--grace_period", "--grace-period", type=float, default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping workers.")  # fmt: skip
 @click.option("--env", "env_items", multiple=True, metavar="K=V", help="Set a variable for every worker.")
+@click.option("--ssh_config", "--ssh-config", default=None, metavar="PATH",
+              help="ssh_config for every SSH connection (default: ~/.ssh/config).")  # fmt: skip
+@click.option("--ssh_port", "--ssh-port", type=int, default=None, help="SSH port of every host.")
+@click.option("--remote_python", "--remote-python", default=None, metavar="PATH",
+              help="Interpreter on remote hosts (default: this interpreter's path).")  # fmt: skip
+@click.option("--accept_new_host_keys", "--accept-new-host-keys", is_flag=True,
+              help="Record host keys missing from known_hosts (changed keys: refused).")  # fmt: skip
 @click.argument("user_script")
 @click.argument("user_args", nargs=-1, type=click.UNPROCESSED)
 def cli(
@@ -194,6 +201,10 @@ def cli(
     max_restarts: int,
     grace_period: float,
     env_items: tuple[str, ...],
+    ssh_config: str | None,
+    ssh_port: int | None,
+    remote_python: str | None,
+    accept_new_host_keys: bool,
     user_script: str,
     user_args: tuple[str, ...],
 ) -> int:
@@ -217,7 +228,16 @@ def cli(
     runner_cls = get_runner(launcher or ("local" if single_local else DEFAULT_MULTI_NODE))
     runner = runner_cls(
         RunnerOptions(
-            python=sys.executable, grace_period=grace_period, launcher_args=extra_args, env=user_env
+            python=sys.executable,
+            grace_period=grace_period,
+            launcher_args=extra_args,
+            env=user_env,
+            extra={
+                "ssh_config": ssh_config,
+                "ssh_port": ssh_port,
+                "remote_python": remote_python,
+                "accept_new_host_keys": accept_new_host_keys,
+            },
         )
     )
     if not master_addr:
@@ -248,13 +268,12 @@ def cli(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        code = cli.main(
-            args=list(argv) if argv is not None else None, prog_name="dslaunch", standalone_mode=False
-        )
-    except click.exceptions.NoArgsUsage:
+    args = list(argv) if argv is not None else sys.argv[1:]
+    if not args:
         click.echo(cli.get_help(click.Context(cli, info_name="dslaunch")))
-        code = 2
+        sys.exit(2)
+    try:
+        code = cli.main(args=args, prog_name="dslaunch", standalone_mode=False)
     except click.ClickException as exc:
         say(f"error: {exc.format_message()}")
         code = exc.exit_code

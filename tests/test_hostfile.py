@@ -1,0 +1,112 @@
+"""Hostfile parsing and filters (launcher.hostfile): unit tests, no processes.
+
+The table of bad hostfiles and flags run through the real CLI lives in test_launch_local.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launcher.errors import HostfileError
+from launcher.hostfile import parse_hostfile, read_hostfile, select_hosts
+
+REPO = Path(__file__).resolve().parents[1]
+
+GOOD = """\
+# cluster
+worker-0 slots=4
+
+worker-1 slots=2   # smaller box
+  # indented comment
+10.0.0.7 slots=0
+"""
+
+
+def test_good_hostfile_keeps_order_comments_and_zero_slots():
+    hf = parse_hostfile(GOOD, "hf")
+    assert [(e.name, e.slots, e.line) for e in hf.entries] == [
+        ("worker-0", 4, 2),
+        ("worker-1", 2, 4),
+        ("10.0.0.7", 0, 6),
+    ]
+    # a host with 0 slots is listed but gets no workers
+    assert [(s.name, s.slots) for s in select_hosts(hf)] == [("worker-0", (0, 1, 2, 3)), ("worker-1", (0, 1))]
+
+
+def test_shipped_example_hostfiles_parse():
+    assert [e.name for e in read_hostfile(str(REPO / "hostfiles" / "localhost")).entries] == ["localhost"]
+    two = read_hostfile(str(REPO / "hostfiles" / "two_nodes"))
+    assert [(e.name, e.slots) for e in two.entries] == [("worker-0", 8), ("worker-1", 4)]
+
+
+@pytest.mark.parametrize(
+    ("filters", "expected"),
+    [
+        ({"include": "worker-1"}, [("worker-1", (0, 1))]),
+        ({"include": "worker-0:3,1"}, [("worker-0", (1, 3))]),
+        ({"include": "worker-1:0@worker-0:2"}, [("worker-0", (2,)), ("worker-1", (0,))]),
+        ({"exclude": "worker-0:0,1"}, [("worker-0", (2, 3)), ("worker-1", (0, 1))]),
+        ({"exclude": "worker-0"}, [("worker-1", (0, 1))]),
+        ({"num_nodes": 1}, [("worker-0", (0, 1, 2, 3))]),
+        ({"num_gpus": 2}, [("worker-0", (0, 1)), ("worker-1", (0, 1))]),
+    ],
+)
+def test_filters(filters, expected):
+    hf = parse_hostfile("worker-0 slots=4\nworker-1 slots=2\n", "hf")
+    assert [(s.name, s.slots) for s in select_hosts(hf, **filters)] == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "offending", "message"),
+    [
+        ("a slots=2\nb slotz=2\n", 2, "b slotz=2", "expected 'slots=N'"),
+        ("a\n", 1, "a", "missing 'slots=N'"),
+        ("a slots=x\n", 1, "a slots=x", "non-negative integer"),
+        ("a slots=-1\n", 1, "a slots=-1", "non-negative integer"),
+        ("a slots=1\n# c\na slots=2\n", 3, "a slots=2", "already listed on line 1"),
+        ("root@a slots=1\n", 1, "root@a slots=1", "ssh_config Host alias"),
+        ("a:2222 slots=1\n", 1, "a:2222 slots=1", "ssh_config Host alias"),
+        ("a slots=1 max_slots=2\n", 1, "a slots=1 max_slots=2", "unexpected 'max_slots=2'"),
+        ("# only\n\n   \n", 0, "", "no hosts"),
+    ],
+)
+def test_bad_hostfiles_name_file_line_and_text(text, line, offending, message):
+    with pytest.raises(HostfileError) as info:
+        parse_hostfile(text, "my/hostfile")
+    err = info.value
+    assert (err.file, err.line, err.text) == ("my/hostfile", line, offending)
+    assert message in str(err)
+    assert str(err).startswith(f"my/hostfile:{line}:" if line else "my/hostfile:")
+
+
+@pytest.mark.parametrize(
+    ("filters", "line", "message"),
+    [
+        ({"include": "worker-9"}, 0, "host 'worker-9' is not in the hostfile (worker-0, worker-1)"),
+        ({"include": "worker-1:2"}, 2, "host 'worker-1' has no slot 2 (slots 0-1)"),
+        ({"include": "worker-0:a"}, 1, "slot 'a' is not a slot number"),
+        ({"exclude": "worker-0@@worker-1"}, 0, "empty host name"),
+        ({"include": "worker-0:1,1"}, 1, "slot 1 is named twice"),
+        ({"include": "worker-0", "exclude": "worker-1"}, 0, "and --exclude 'worker-1' cannot be combined"),
+        ({"include": "worker-0", "num_gpus": 1}, 0, "--num_gpus cannot be combined with --include"),
+        ({"num_gpus": 3}, 2, "--num_gpus 3: host 'worker-1' has only 2 slot(s)"),
+        ({"num_nodes": 3}, 0, "lists only 2 host(s)"),
+        ({"exclude": "worker-0@worker-1"}, 0, "no slots left"),
+    ],
+)
+def test_bad_filters_are_located(filters, line, message):
+    hf = parse_hostfile("worker-0 slots=4\nworker-1 slots=2\n", "hf")
+    with pytest.raises(HostfileError) as info:
+        select_hosts(hf, **filters)
+    assert info.value.line == line
+    assert message in str(info.value)
+    if line:
+        assert info.value.text == hf.entries[line - 1].text
+        assert repr(info.value.text) in str(info.value)
+
+
+def test_missing_hostfile(tmp_path):
+    with pytest.raises(HostfileError, match="cannot read the hostfile"):
+        read_hostfile(str(tmp_path / "nope"))

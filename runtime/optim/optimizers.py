@@ -94,9 +94,10 @@ class Lamb(torch.optim.Optimizer):
         if group["weight_decay"] != 0:
             update.add_(param, alpha=group["weight_decay"])
 
-        # Norms in fp32 whatever the tensor dtype; torch.where keeps the ratio on device (no host sync).
-        w_norm = torch.linalg.vector_norm(param, dtype=torch.float32)
-        u_norm = torch.linalg.vector_norm(update, dtype=torch.float32)
+        # Norms in at least fp32 (bf16 sums lose digits); torch.where keeps the ratio on device (no sync).
+        norm_dtype = torch.promote_types(param.dtype, torch.float32)
+        w_norm = torch.linalg.vector_norm(param, dtype=norm_dtype)
+        u_norm = torch.linalg.vector_norm(update, dtype=norm_dtype)
         ratio = (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"])
         trust = torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
         state["trust_ratio"] = trust

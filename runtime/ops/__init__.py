@@ -1,0 +1,5 @@
+"""Optimizer kernels that users may import directly, under DeepSpeed's names.
+
+``runtime.ops.adam`` holds ``CPUAdam`` (alias ``DeepSpeedCPUAdam``) and ``FusedAdam``, so a script that did
+``from deepspeed.ops.adam import DeepSpeedCPUAdam`` does ``from runtime.ops.adam import DeepSpeedCPUAdam``.
+"""

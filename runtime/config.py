@@ -382,8 +382,11 @@ def load_config(
     fp16 = _read_fp16(top.section("fp16"), model)
     bf16 = _read_bf16(top.section("bf16"), model)
     zero = read_zero(top.section("zero_optimization"), model)
-    optimizer = read_optimizer(top.section("optimizer")) if top.has("optimizer") else None
-    scheduler = read_scheduler(top.section("scheduler")) if top.has("scheduler") else None
+    # A null section means "none", as in DeepSpeed (a client optimizer / scheduler, or none at all).
+    has_optimizer = top.has("optimizer") and top.data["optimizer"] is not None
+    has_scheduler = top.has("scheduler") and top.data["scheduler"] is not None
+    optimizer = read_optimizer(top.section("optimizer")) if has_optimizer else None
+    scheduler = read_scheduler(top.section("scheduler")) if has_scheduler else None
     simple = {
         "steps_per_print": top.get("steps_per_print", Int(0, nullable=True), 10) or 0,
         "gradient_clipping": top.get("gradient_clipping", Float(0.0), 0.0),

@@ -12,6 +12,7 @@ import difflib
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,13 @@ def _construct_mapping(loader: _StrictYamlLoader, node: yaml.MappingNode, deep: 
 
 
 _StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+# YAML 1.1 (PyYAML) reads 1e-8 and 5e8 as strings: it wants a dot before the exponent. DeepSpeed configs
+# write numbers that way all the time, so read them as floats like JSON does.
+_StrictYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 def read_config_file(path: str | os.PathLike) -> Any:

@@ -661,3 +661,23 @@ def test_example_job_configs_load_at_any_world_size(name, world_size):
         assert cfg.zero_optimization.stage == expected_stage
     assert cfg.fp16.enabled == (name == "fp16") and cfg.bf16.enabled == (name == "bf16")
     assert (cfg.zero_optimization.offload_optimizer.device == "cpu") == (name == "zero3_offload")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        FIXTURES / "ds_zero2_fp16_adamw.json",
+        FIXTURES / "ds_zero3_offload.json",
+        *sorted(SCRIPT_CONFIGS.glob("*.json")),
+    ],
+    ids=lambda p: p.name,
+)
+def test_the_resolved_dict_reloads_to_the_same_config(path):
+    """Checkpoint manifests store config.raw; loading it back must give the same config."""
+    cfg = load_config(path, world_size=2)
+    assert load_config(cfg.to_dict(), world_size=2) == cfg
+
+
+def test_null_optimizer_and_scheduler_mean_none():
+    cfg = load_config({**MICRO, "optimizer": None, "scheduler": None}, world_size=1)
+    assert cfg.optimizer is None and cfg.scheduler is None

@@ -154,11 +154,14 @@ def test_colour_only_on_a_terminal_without_no_color(monkeypatch: pytest.MonkeyPa
 
 
 def test_broken_torch_is_a_fail_with_its_reason_not_a_traceback(tmp_path: Path) -> None:
-    fake = tmp_path / "torch"
-    fake.mkdir()
-    (fake / "__init__.py").write_text(
-        'raise ImportError("libtorch_cpu.so: cannot open shared object file (simulated)")\n'
-    )
+    # Broken installs, shadowing the real packages: torch's shared library is missing, and so is NVML's
+    # Python binding.
+    for package, error in [
+        ("torch", "libtorch_cpu.so: cannot open shared object file (simulated)"),
+        ("pynvml", "No module named 'pynvml' (simulated)"),
+    ]:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f"raise ImportError({error!r})\n")
     proc = run_report("--json", env={"PYTHONPATH": str(tmp_path)})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -173,9 +176,15 @@ def test_broken_torch_is_a_fail_with_its_reason_not_a_traceback(tmp_path: Path) 
     for name in ("cuda", "backends", "cpu_adamw_fused", "fp16", "bf16", "gloo"):
         assert checks[name]["status"] == "SKIP", checks[name]
     assert checks["cuda"]["detail"] == "skipped: needs torch FAIL"
-    assert checks["gloo"]["detail"] == "skipped: needs backends SKIP"
+    assert checks["gloo"]["detail"] == "skipped: needs torch FAIL"  # the root cause, not "needs backends"
     for name in ("python", "dslaunch", "cpu", "memory", "shm"):
         assert checks[name]["status"] == "OK", checks[name]
+    # Without NVML nobody can say whether there are GPUs: a warning, not "no GPU".
+    assert (
+        checks["driver"]["status"] == "WARNING"
+        and "nvidia-ml-py does not import" in checks["driver"]["detail"]
+    )
+    assert checks["gpus"]["status"] == "SKIP"
     assert report["ready"] is False and report["counts"]["FAIL"] == 1
 
     table = run_report(env={"PYTHONPATH": str(tmp_path)})

@@ -46,15 +46,26 @@ class NoDriver(Exception):
     """libnvidia-ml is not installed: a machine without NVIDIA GPUs (not an error)."""
 
 
-_driver_cache: dict[str, DriverInfo | NoDriver] = {}
+class BrokenDriver(Exception):
+    """The driver is installed but NVML calls fail (e.g. driver/library mismatch after an upgrade)."""
+
+
+class NvmlUnavailable(Exception):
+    """nvidia-ml-py does not import here, so nobody can ask the driver (GPUs may still be there)."""
+
+
+_driver_cache: dict[str, DriverInfo | NoDriver | NvmlUnavailable] = {}
 
 
 def probe_driver() -> DriverInfo:
-    """Ask NVML about the driver and GPUs once; raises NoDriver, or the NVML error of a broken driver."""
+    """Ask NVML about the driver and GPUs once.
+
+    Raises NoDriver, NvmlUnavailable, or BrokenDriver (not cached: a later call asks again).
+    """
     if "answer" not in _driver_cache:
         _driver_cache["answer"] = _query_nvml()
     answer = _driver_cache["answer"]
-    if isinstance(answer, NoDriver):
+    if isinstance(answer, (NoDriver, NvmlUnavailable)):
         raise answer
     return answer
 
@@ -63,15 +74,17 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _query_nvml() -> DriverInfo | NoDriver:
+def _query_nvml() -> DriverInfo | NoDriver | NvmlUnavailable:
     try:
         import pynvml
-    except ImportError:
-        return NoDriver("nvidia-ml-py is not installed, so the driver cannot be asked")
+    except ImportError as error:
+        return NvmlUnavailable(f"nvidia-ml-py does not import ({error}): cannot ask the driver about GPUs")
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError_LibraryNotFound:
         return NoDriver("no NVIDIA driver (NVML library not found)")
+    except pynvml.NVMLError as error:
+        raise BrokenDriver(f"{type(error).__name__}: {error}") from error
     try:
         cuda = pynvml.nvmlSystemGetCudaDriverVersion()
         gpus = []
@@ -92,6 +105,8 @@ def _query_nvml() -> DriverInfo | NoDriver:
             cuda_version=f"{cuda // 1000}.{cuda % 1000 // 10}",
             gpus=tuple(gpus),
         )
+    except pynvml.NVMLError as error:
+        raise BrokenDriver(f"{type(error).__name__}: {error}") from error
     finally:
         pynvml.nvmlShutdown()
 
@@ -112,6 +127,13 @@ def check_driver() -> Outcome:
         info = probe_driver()
     except NoDriver as reason:
         return Status.OK, str(reason)
+    except NvmlUnavailable as reason:
+        return Status.WARNING, str(reason)
+    except BrokenDriver as error:
+        return Status.FAIL, (
+            f"NVIDIA driver installed but not working ({error}): "
+            "after a driver upgrade, reboot or reload the nvidia kernel module"
+        )
     gpus = len(info.gpus)
     return Status.OK, f"{info.driver_version}, supports CUDA <= {info.cuda_version}, {gpus} GPU(s)"
 
@@ -121,6 +143,10 @@ def check_gpus() -> list[NamedOutcome]:
         info = probe_driver()
     except NoDriver:
         return [("gpus", Status.OK, NO_GPU)]
+    except NvmlUnavailable:
+        return [
+            ("gpus", Status.SKIP, "cannot list GPUs without nvidia-ml-py; the cuda row says what torch sees")
+        ]
     if not info.gpus:
         return [("gpus", Status.WARNING, f"driver loaded but it lists no GPU; {NO_GPU}")]
     outcomes: list[NamedOutcome] = []
@@ -176,7 +202,10 @@ def check_backends() -> Outcome:
     names = []
     for name, present in have.items():
         if present and name == "nccl":
-            names.append("nccl " + ".".join(map(str, torch.cuda.nccl.version())))
+            version = torch.cuda.nccl.version()  # a tuple (2, 21, 5); an int like 2708 in old builds
+            names.append(
+                "nccl " + (".".join(map(str, version)) if isinstance(version, tuple) else str(version))
+            )
         elif present:
             names.append(name)
     missing = [name for name, present in have.items() if not present]

@@ -146,17 +146,25 @@ def run_check(check: Check, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[CheckR
 def run_checks(checks: Sequence[Check], timeout_s: float = DEFAULT_TIMEOUT_S) -> list[CheckResult]:
     """Run checks in order (later checks reuse what earlier ones imported), honouring ``needs``."""
     results: list[CheckResult] = []
-    outcome_by_check: dict[str, Status] = {}
+    outcome: dict[str, Status] = {}
+    # Why a check was skipped, so that its dependents name the root cause ("needs torch FAIL"), not it.
+    skipped_because: dict[str, str] = {}
     for check in checks:
-        blocked = [
-            n for n in check.needs if outcome_by_check.get(n, Status.SKIP) in (Status.FAIL, Status.SKIP)
-        ]
-        if blocked:
-            because = ", ".join(f"{n} {outcome_by_check.get(n, Status.SKIP).value}" for n in blocked)
-            check_results = [CheckResult(check.name, check.section, Status.SKIP, f"skipped: needs {because}")]
+        causes: list[str] = []
+        for need in check.needs:
+            status = outcome.get(need, Status.SKIP)
+            if status is Status.FAIL or status is Status.SKIP:
+                cause = skipped_because.get(need, f"needs {need} {status.value}")
+                if cause not in causes:
+                    causes.append(cause)
+        if causes:
+            skipped_because[check.name] = ", ".join(causes)
+            check_results = [
+                CheckResult(check.name, check.section, Status.SKIP, "skipped: " + ", ".join(causes))
+            ]
         else:
             check_results = run_check(check, timeout_s)
-        outcome_by_check[check.name] = worst(r.status for r in check_results)
+        outcome[check.name] = worst(r.status for r in check_results)
         results.extend(check_results)
     return results
 

@@ -189,6 +189,38 @@ def test_sigint_stops_every_worker_and_exits_130(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_workers_ignoring_sigterm_are_killed_after_the_grace_period(tmp_path):
+    env = {"PID_DIR": str(tmp_path), "IGNORE_TERM": "1"}
+    args = ["--num_gpus", "2", "--grace_period", "1", "--master_port", str(free_port())]
+    proc = start_dslaunch([*args, str(SCRIPTS / "fail_or_sleep.py")], env)
+    pids = wait_for_pid_files(tmp_path, 2, proc)
+    begin = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, err
+    assert 1.0 <= time.monotonic() - begin < 6  # SIGTERM was ignored; SIGKILL came after the grace
+    assert_all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+def test_second_sigint_kills_at_once(tmp_path):
+    env = {"PID_DIR": str(tmp_path), "IGNORE_TERM": "1"}
+    args = ["--num_gpus", "2", "--grace_period", "60", "--master_port", str(free_port())]
+    proc = start_dslaunch([*args, str(SCRIPTS / "fail_or_sleep.py")], env)
+    pids = wait_for_pid_files(tmp_path, 2, proc)
+    begin = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert proc.poll() is None  # the workers ignore SIGTERM and the grace period is long
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, err
+    assert time.monotonic() - begin < 6
+    assert "killing all workers" in err
+    assert_all_gone(pids)
+
+
+@pytest.mark.timeout(60)
 def test_head_killed_by_sigkill_leaves_no_orphans(tmp_path):
     env = {"PID_DIR": str(tmp_path)}
     args = ["--num_gpus", "2", "--grace_period", "1", "--master_port", str(free_port())]

@@ -1,6 +1,7 @@
 """Launcher test worker: writes <dir>/<rank>.pid, then the rank named by FAIL_RANK fails as FAIL_HOW
 says ("exit:7" or "sigkill") after FAIL_AFTER seconds; every other rank sleeps (and leaves a sleeping
-child in its process group, which must not survive the job either)."""
+child in its process group, which must not survive the job either). With IGNORE_TERM set, the ranks
+ignore SIGTERM, as a worker stuck in a collective or a careless signal handler would."""
 
 import os
 import signal
@@ -9,6 +10,8 @@ import sys
 import time
 
 rank = int(os.environ["RANK"])
+if os.environ.get("IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 pid_dir = os.environ["PID_DIR"]
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
 with open(os.path.join(pid_dir, f"{rank}.pid"), "w") as f:

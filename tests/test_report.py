@@ -267,10 +267,12 @@ def _answer(slots: int, **facts: object) -> HostAnswer:
 
 
 def test_host_answers_are_judged_against_this_machine() -> None:
-    here = LocalFacts(python="/venv/bin/python", torch="2.13.0", dslaunch=__version__, gpus=8)
+    here = LocalFacts(
+        "/venv/bin/python", python_version="3.11.2", torch="2.13.0", dslaunch=__version__, gpus=8
+    )
 
     def statuses(answer: HostAnswer) -> dict[str, tuple[str, str]]:
-        return {r.name: (r.status.value, r.detail) for r in judge_host(answer, here, here.python)}
+        return {r.name: (r.status.value, r.detail) for r in judge_host(answer, here)}
 
     good = statuses(_answer(8))
     assert [name for name in good] == HOST_CHECKS
@@ -286,7 +288,14 @@ def test_host_answers_are_judged_against_this_machine() -> None:
         "FAIL",
         "does not import there: ModuleNotFoundError: No module named 'torch'",
     )
-    assert statuses(_answer(8, time=1030.0))["clock"][0] == "WARNING"
+    assert statuses(_answer(8, time=1030.0))["clock"] == (
+        "WARNING",
+        "clock +30.00 s off: logs will not line up (run NTP/chrony)",
+    )
+    assert statuses(_answer(8, python="3.10.12"))["python"] == (
+        "WARNING",
+        "python 3.10.12 there but 3.11.2 here",
+    )
     garbled = HostAnswer(HostSpec("node7", 8), 1, "", "Segmentation fault\n", 0.5, 1000.0)
     assert statuses(garbled)["python"] == ("FAIL", "/venv/bin/python exited 1: Segmentation fault")
 

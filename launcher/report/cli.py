@@ -5,6 +5,7 @@ Exit status: 0 when no check failed (warnings allowed), 1 when any check failed,
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import threading
@@ -94,7 +95,7 @@ def build_report(
     if asking is not None:
         asking.join()
         local = LocalFacts.here(python)
-        results += [r for answer in answers for r in judge_host(answer, local, python)]
+        results += [r for answer in answers for r in judge_host(answer, local)]
     return Report(tuple(results), socket.gethostname(), __version__, time.perf_counter() - begin)
 
 
@@ -141,15 +142,18 @@ def main(
     """Check that this machine (and a hostfile's hosts) can run dslaunch jobs.
 
     Versions, GPUs, backends, memory, /dev/shm, and features tried for real (fused CPU AdamW, fp16/bf16,
-    a gloo all_reduce). Exits 1 when any check FAILs, so scripts can gate a job on it; paste the table
-    into bug reports.
+    a gloo all_reduce). Paste the table into bug reports.
+
+    \b
+    Exit status: 0 nothing FAILed (warnings allowed), 1 a check FAILed, 2 bad usage.
     """
     hosts = read_hosts(hostfile) if hostfile is not None else None
     run_on_host = ssh_runner(ssh_config, ssh_port) if hosts else None
     report = build_report(timeout_s, hosts, run_on_host, remote_python)
-    if as_json:
-        sys.stdout.write(render_json(report))
-    else:
-        sys.stdout.write(render_table(report, colour=use_colour(sys.stdout)))
-    sys.stdout.flush()
+    text = render_json(report) if as_json else render_table(report, colour=use_colour(sys.stdout))
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `ds_report | head`: the reader left; the exit status still tells
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     sys.exit(0 if report.ready else 1)

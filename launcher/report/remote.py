@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import platform
 import shlex
 import sys
 import time
@@ -48,6 +49,7 @@ class LocalFacts:
     """What every host is compared against: this machine."""
 
     python: str  # absolute interpreter path the hosts must have too
+    python_version: str  # "3.11.7"
     torch: str | None  # None: torch does not import here (reported by the local checks)
     dslaunch: str
     gpus: int | None  # None: unknown here
@@ -66,10 +68,11 @@ class LocalFacts:
             except importlib.metadata.PackageNotFoundError:
                 torch_version = None
         return cls(
-            python,
-            None if torch_version is None else str(torch_version),
-            launcher.__version__,
-            known_gpu_count(),
+            python=python,
+            python_version=platform.python_version(),
+            torch=None if torch_version is None else str(torch_version),
+            dslaunch=launcher.__version__,
+            gpus=known_gpu_count(),
         )
 
 
@@ -191,7 +194,14 @@ def ask_hosts(
         return list(pool.map(lambda h: ask_host(h, run_on_host, python), hosts))
 
 
-def judge_host(answer: HostAnswer, local: LocalFacts, python: str) -> list[CheckResult]:
+def _python_check(host: str, theirs: str, ours: str) -> CheckResult:
+    if theirs.split(".")[:2] != ours.split(".")[:2]:
+        # Pickled objects (object collectives, checkpoints' extra state) may not cross minor versions.
+        return _result(host, "python", Status.WARNING, f"python {theirs} there but {ours} here")
+    return _result(host, "python", Status.OK, f"python {theirs}")
+
+
+def judge_host(answer: HostAnswer, local: LocalFacts) -> list[CheckResult]:
     """One host's checks from its answer; never raises."""
     name = answer.host.name
     if answer.unreachable is not None:
@@ -199,14 +209,14 @@ def judge_host(answer: HostAnswer, local: LocalFacts, python: str) -> list[Check
     reached = _result(name, "ssh", Status.OK, f"answered in {answer.seconds:.1f} s")
     if answer.rc == _NO_PYTHON_RC:
         missing = (
-            f"no interpreter {python} there: install the same environment there, or pass --remote_python"
+            f"no interpreter {local.python} there: install the same environment, or pass --remote_python"
         )
         return [reached, _result(name, "python", Status.FAIL, missing)]
     try:
         facts = json.loads(answer.out.strip().splitlines()[-1])
         return [
             reached,
-            _result(name, "python", Status.OK, f"python {facts['python']}"),
+            _python_check(name, facts["python"], local.python_version),
             _version_check(name, "torch", facts, local.torch),
             _version_check(name, "dslaunch", facts, local.dslaunch),
             _gpu_check(answer.host, facts, local.gpus),
@@ -214,12 +224,12 @@ def judge_host(answer: HostAnswer, local: LocalFacts, python: str) -> list[Check
         ]
     except (ValueError, IndexError, KeyError, TypeError):
         tail = (answer.err.strip().splitlines() or [answer.out.strip()[-200:] or "no output"])[-1]
-        return [reached, _result(name, "python", Status.FAIL, f"{python} exited {answer.rc}: {tail}")]
+        return [reached, _result(name, "python", Status.FAIL, f"{local.python} exited {answer.rc}: {tail}")]
 
 
 def check_hosts(
-    hosts: Sequence[HostSpec], run_on_host: RunOnHost, local: LocalFacts, python: str, max_parallel: int = 8
+    hosts: Sequence[HostSpec], run_on_host: RunOnHost, local: LocalFacts, max_parallel: int = 8
 ) -> list[CheckResult]:
-    """Every check of every host, in hostfile order."""
-    answers = ask_hosts(hosts, run_on_host, python, max_parallel)
-    return [result for answer in answers for result in judge_host(answer, local, python)]
+    """Every check of every host, in hostfile order (``local.python`` is what runs there)."""
+    answers = ask_hosts(hosts, run_on_host, local.python, max_parallel)
+    return [result for answer in answers for result in judge_host(answer, local)]

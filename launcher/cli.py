@@ -82,32 +82,33 @@ def _resolve_hosts(
             notice = f"no GPUs on this machine: starting {num_gpus} CPU worker(s)"
         else:
             raise LaunchError("no GPUs on this machine: pass --num_gpus N to start N CPU workers")
-        hf = Hostfile(THIS_MACHINE, (HostEntry("localhost", slots, 0, f"localhost slots={slots}"),))
+        entry = HostEntry("localhost", "localhost", slots, 0, f"localhost slots={slots}")
+        hf = Hostfile(THIS_MACHINE, (entry,))
     selected = select_hosts(hf, include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus)
     hosts = []
     for sel in selected:
-        if is_local_host(sel.name):
+        if is_local_host(sel.host):
             hosts.append(_local_slots(sel, hf, gpus))
             if not gpus and notice is None:
-                notice = f"no GPUs on this machine: starting {len(sel.slots)} CPU worker(s) on {sel.name}"
+                notice = f"no GPUs on this machine: starting {len(sel.slots)} CPU worker(s) on {sel.host}"
         else:
-            hosts.append(HostSlots(sel.name, sel.slots, gpus=True, local=False))
+            hosts.append(HostSlots(sel.host, sel.slots, gpus=True, local=False))
     return hosts, notice
 
 
 def _local_slots(sel: SelectedHost, hf: Hostfile, gpus: tuple[str, ...]) -> HostSlots:
     if not gpus:
-        return HostSlots(sel.name, sel.slots, gpus=False, local=True)
+        return HostSlots(sel.host, sel.slots, gpus=False, local=True)
     if max(sel.slots) >= len(gpus):
         where = f"{hf.path}:{sel.entry.line}: " if sel.entry.line else ""
         raise LaunchError(
-            f"{where}{sel.name} uses slot {max(sel.slots)} but this machine has {len(gpus)} visible GPU(s)"
+            f"{where}{sel.host} uses slot {max(sel.slots)} but this machine has {len(gpus)} visible GPU(s)"
             + (f": {sel.entry.text!r}" if sel.entry.line else "")
         )
     if not all(g.isdigit() for g in gpus):
         # UUID or MIG names in CUDA_VISIBLE_DEVICES: keep the user's variable, pick by LOCAL_RANK.
-        return HostSlots(sel.name, sel.slots, gpus=False, local=True)
-    return HostSlots(sel.name, tuple(int(gpus[s]) for s in sel.slots), gpus=True, local=True)
+        return HostSlots(sel.host, sel.slots, gpus=False, local=True)
+    return HostSlots(sel.host, tuple(int(gpus[s]) for s in sel.slots), gpus=True, local=True)
 
 
 def _check_port_free(port: int) -> None:

@@ -6,10 +6,10 @@ Hostfile format (DeepSpeed/MPI style), one host per line, line order = rank orde
     worker-0 slots=8
     worker-1 slots=4   # a comment after an entry is fine
 
-A host name is a DNS name, an IPv4 address or an ssh_config ``Host`` alias: letters, digits and
-``.-_``. ``user@host`` and ``host:port`` are refused, because ``@`` and ``:`` are the separators of the
-``--include``/``--exclude`` syntax; put the user and port in an ssh_config ``Host`` entry instead.
-``slots=0`` is allowed (the host is listed but gets no workers).
+A host is ``[user@]name[:port]``: ``name`` a DNS name, an IPv4 address or an ssh_config ``Host`` alias
+(letters, digits, ``.-_``), the user and SSH port optional. Filters name a host by ``name`` alone (``@``
+and ``:`` are filter separators), so a name may appear on one line only. IPv6 literals are not
+accepted (use a name). ``slots=0`` is allowed (the host is listed but gets no workers).
 
 Filters (DeepSpeed syntax): ``NAME[:SLOT[,SLOT...]][@NAME[:SLOTS]...]``, e.g. ``worker-0@worker-1:0,2``.
 ``--include`` keeps only what it names (a bare name keeps all of the host's slots); ``--exclude`` drops
@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 from launcher.errors import HostfileError
 
-_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+_HOST = re.compile(r"(?:(?P<user>[A-Za-z0-9_.\-]+)@)?(?P<name>[A-Za-z0-9_.\-]+)(?::(?P<port>\d+))?")
 _FLAG_USAGE = "expected NAME[:SLOT,...][@NAME...]"
 
 
 @dataclass(frozen=True)
 class HostEntry:
-    name: str
+    host: str  # as written: [user@]name[:port], what runners connect to
+    name: str  # the bare name, what filters use
     slots: int
     line: int  # 1-based line number in the hostfile (0 for a synthesized entry)
     text: str  # the line as written
@@ -52,7 +53,7 @@ class Hostfile:
 class SelectedHost:
     """A host that takes part in the job, and the slot ids it uses (sorted)."""
 
-    name: str
+    host: str  # [user@]name[:port] as in the hostfile
     slots: tuple[int, ...]
     entry: HostEntry
 
@@ -69,17 +70,13 @@ def parse_hostfile(text: str, path: str) -> Hostfile:
         if not content:
             continue
         tokens = content.split()
-        name = tokens[0]
-        if "@" in name or ":" in name:
-            raise HostfileError(
-                path,
-                number,
-                line,
-                "'user@host' and 'host:port' are not hostfile names ('@' and ':' separate --include "
-                "filters); use an ssh_config Host alias",
-            )
-        if name.startswith("slots=") or not _NAME.fullmatch(name):
-            raise HostfileError(path, number, line, f"bad host name {name!r}")
+        host = tokens[0]
+        match = _HOST.fullmatch(host)
+        if host.startswith("slots=") or match is None:
+            raise HostfileError(path, number, line, f"bad host {host!r} (expected [user@]name[:port])")
+        name = match["name"]
+        if match["port"] is not None and not 0 < int(match["port"]) < 65536:
+            raise HostfileError(path, number, line, f"port {match['port']} is not a TCP port (1-65535)")
         if len(tokens) == 1:
             raise HostfileError(path, number, line, "missing 'slots=N' after the host name")
         if not tokens[1].startswith("slots="):
@@ -96,7 +93,7 @@ def parse_hostfile(text: str, path: str) -> Hostfile:
             raise HostfileError(
                 path, number, line, f"host {name!r} is already listed on line {previous.line}"
             )
-        entries.append(HostEntry(name, slots, number, line))
+        entries.append(HostEntry(host, name, slots, number, line))
     if not entries:
         raise HostfileError(path, 0, "", "no hosts in the hostfile (expected lines like 'worker-0 slots=8')")
     return Hostfile(path, tuple(entries))
@@ -208,7 +205,7 @@ def select_hosts(
                     path, e.line, e.text, f"--num_gpus {num_gpus}: host {e.name!r} has only {e.slots} slot(s)"
                 )
         chosen = [(e, tuple(range(num_gpus))) for e, _ in chosen]
-    selected = tuple(SelectedHost(e.name, s, e) for e, s in chosen if s)
+    selected = tuple(SelectedHost(e.host, s, e) for e, s in chosen if s)
     if not selected:
         what = f"--exclude {exclude!r}" if exclude else "the hostfile"
         raise HostfileError(path, 0, "", f"no slots left to run on after {what}")

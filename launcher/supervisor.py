@@ -330,6 +330,7 @@ def run_job(
                 say(f"restarting all workers (restart {attempt + 1} of {options.max_restarts})")
         return result.code
     finally:
+        runner.close()
         for s, handler in previous.items():
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(s, handler)

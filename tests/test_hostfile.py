@@ -32,7 +32,18 @@ def test_good_hostfile_keeps_order_comments_and_zero_slots():
         ("10.0.0.7", 0, 6),
     ]
     # a host with 0 slots is listed but gets no workers
-    assert [(s.name, s.slots) for s in select_hosts(hf)] == [("worker-0", (0, 1, 2, 3)), ("worker-1", (0, 1))]
+    assert [(s.host, s.slots) for s in select_hosts(hf)] == [("worker-0", (0, 1, 2, 3)), ("worker-1", (0, 1))]
+
+
+def test_user_and_port_are_kept_and_filters_use_the_bare_name():
+    hf = parse_hostfile("root@w0:2222 slots=2\nw1:22 slots=2\nadmin@w2 slots=1\n", "hf")
+    assert [(e.host, e.name) for e in hf.entries] == [
+        ("root@w0:2222", "w0"),
+        ("w1:22", "w1"),
+        ("admin@w2", "w2"),
+    ]
+    selected = select_hosts(hf, include="w0:1@w2")
+    assert [(s.host, s.slots) for s in selected] == [("root@w0:2222", (1,)), ("admin@w2", (0,))]
 
 
 def test_shipped_example_hostfiles_parse():
@@ -55,7 +66,7 @@ def test_shipped_example_hostfiles_parse():
 )
 def test_filters(filters, expected):
     hf = parse_hostfile("worker-0 slots=4\nworker-1 slots=2\n", "hf")
-    assert [(s.name, s.slots) for s in select_hosts(hf, **filters)] == expected
+    assert [(s.host, s.slots) for s in select_hosts(hf, **filters)] == expected
 
 
 @pytest.mark.parametrize(
@@ -66,8 +77,15 @@ def test_filters(filters, expected):
         ("a slots=x\n", 1, "a slots=x", "non-negative integer"),
         ("a slots=-1\n", 1, "a slots=-1", "non-negative integer"),
         ("a slots=1\n# c\na slots=2\n", 3, "a slots=2", "already listed on line 1"),
-        ("root@a slots=1\n", 1, "root@a slots=1", "ssh_config Host alias"),
-        ("a:2222 slots=1\n", 1, "a:2222 slots=1", "ssh_config Host alias"),
+        ("a:ssh slots=1\n", 1, "a:ssh slots=1", "bad host 'a:ssh' (expected [user@]name[:port])"),
+        ("u@v@a slots=1\n", 1, "u@v@a slots=1", "bad host 'u@v@a'"),
+        ("a:70000 slots=1\n", 1, "a:70000 slots=1", "port 70000 is not a TCP port"),
+        (
+            "a slots=1\nroot@a:2222 slots=1\n",
+            2,
+            "root@a:2222 slots=1",
+            "host 'a' is already listed on line 1",
+        ),
         ("a slots=1 max_slots=2\n", 1, "a slots=1 max_slots=2", "unexpected 'max_slots=2'"),
         ("# only\n\n   \n", 0, "", "no hosts"),
     ],

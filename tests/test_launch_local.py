@@ -315,7 +315,7 @@ BAD_CASES = [
     ("slots-negative", "w slots=-2\n", [], [":1:", "'w slots=-2'", "non-negative integer"]),
     ("duplicate", "a slots=1\nb slots=1\na slots=2\n", [], [":3:", "'a slots=2'", "line 1"]),
     ("empty", "# nothing here\n\n", [], ["no hosts"]),
-    ("user-at-host", "root@w slots=2\n", [], [":1:", "'root@w slots=2'", "ssh_config"]),
+    ("bad-port", "root@w:ssh slots=2\n", [], [":1:", "'root@w:ssh slots=2'", "[user@]name[:port]"]),
     ("include-unknown", HF_TWO, ["--include", "worker-9"], ["'worker-9'", "not in the hostfile"]),
     ("include-bad-slot", HF_TWO, ["--include", "worker-1:5"], [":3:", "'worker-1 slots=2'", "no slot 5"]),
     ("include-and-exclude", HF_TWO, ["-i", "worker-0", "-e", "worker-1"], ["cannot be combined"]),

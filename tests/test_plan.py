@@ -15,7 +15,7 @@ JOB = JobConfig(script="train.py", script_args=("--lr", "0.1"), python="/py", jo
 
 def _hosts(text: str, **filters) -> list[HostSlots]:
     selected = select_hosts(parse_hostfile(text, "hf"), **filters)
-    return [HostSlots(s.name, s.slots) for s in selected]
+    return [HostSlots(s.host, s.slots) for s in selected]
 
 
 def test_heterogeneous_slots_give_local_ranks_within_each_node():

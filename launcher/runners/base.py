@@ -28,6 +28,8 @@ Runner contract:
   transport has no stdin (pdsh, mpirun, srun) uses ``("parent",)`` and passes the spec in argv
   (``launcher.agent.encode_spec_arg``).
 * ``Runner.master_addr(first_host)``: MASTER_ADDR when the user gave none (multi-node jobs).
+* ``Runner.close()``: called once after the last attempt (the runner may keep connections between
+  restart attempts).
 * If a runner fails to start a node after starting others, it stops the ones it started before raising.
 
 Output labels (``[rank N]`` or ``[host rank N]``) come from ``WorkerPlan.label``; runners never format.
@@ -181,6 +183,9 @@ class Runner(abc.ABC):
     @abc.abstractmethod
     def launch(self, plan: JobPlan, specs: Sequence[dict[str, Any]]) -> list[AgentHandle]:
         """Start one agent per node spec; return the handles covering every node exactly once."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the runner holds across attempts (connections); called once, at the end."""
 
     def master_addr(self, first_host: str) -> str:
         """MASTER_ADDR when --master_addr is not given: an address of the first node that every node

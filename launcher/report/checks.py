@@ -76,7 +76,7 @@ def check_dslaunch() -> Outcome:
     try:
         installed = importlib.metadata.version("dslaunch")
     except importlib.metadata.PackageNotFoundError:
-        return Status.WARNING, f"{detail}, not pip-installed: console scripts missing on other hosts?"
+        return Status.WARNING, f"{detail}, not pip-installed (PYTHONPATH checkout?): no dslaunch command"
     if installed != launcher.__version__:
         return Status.WARNING, f"{detail}, but pip metadata says {installed}: reinstall (pip install -e .)"
     return Status.OK, detail

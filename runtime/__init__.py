@@ -1,6 +1,144 @@
 """dslaunch's training runtime: ZeRO partitioning, CPU offload and mixed precision on torch.distributed.
 
-User scripts ``import runtime`` where they would ``import deepspeed``.
+User scripts ``import runtime`` where they would ``import deepspeed``::
+
+    parser = runtime.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args()
+    engine, optimizer, loader, scheduler = runtime.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+    for batch in loader:
+        loss = loss_fn(engine(batch["x"].to(engine.device)), ...)
+        engine.backward(loss)
+        engine.step()
 """
 
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.distributed import init_distributed
+from runtime.engine import Engine, MemoryBreakdown
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Engine",
+    "MemoryBreakdown",
+    "__version__",
+    "add_config_arguments",
+    "init_distributed",
+    "initialize",
+]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's runtime flags: --deepspeed, --deepspeed_config (and the old --deepscale names)."""
+    group = parser.add_argument_group("runtime", "dslaunch runtime (DeepSpeed-compatible flags)")
+    group.add_argument(
+        "--deepspeed", default=False, action="store_true", help="enable the runtime (no effect)"
+    )
+    group.add_argument(
+        "--deepspeed_config", default=None, type=str, help="path to the runtime JSON/YAML config"
+    )
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def _config_source(args: Any, config: Any) -> Any:
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if config is not None and from_args is not None:
+        raise ValueError(
+            "runtime.initialize got a config twice: config=... and args.deepspeed_config "
+            f"({from_args!r}); pass only one of them"
+        )
+    if config is None and from_args is None:
+        raise ValueError(
+            "runtime.initialize needs a config: pass config=<dict or path> or --deepspeed_config <path> "
+            "(parsed into args with runtime.add_config_arguments)"
+        )
+    return config if config is not None else from_args
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | None = None,
+    model_parameters: Any = None,
+    training_data: torch.utils.data.Dataset | None = None,
+    lr_scheduler: Any = None,
+    config: Any = None,
+    collate_fn: Callable[..., Any] | None = None,
+    dist_init_required: bool | None = None,
+) -> tuple[Engine, Any, torch.utils.data.DataLoader | None, Any]:
+    """Build the engine, like ``deepspeed.initialize``.
+
+    Args:
+        args: parsed arguments; ``args.deepspeed_config`` names the config when ``config`` is None.
+        model: the model (moved to this rank's device, weights cast to the working dtype).
+        optimizer: a torch optimizer (rebuilt over the fp32 master shards with the same class, defaults and
+            group options; its state is not carried over), or a callable ``param_groups -> optimizer``.
+            None: the config's "optimizer" section.
+        model_parameters: parameters or torch param-group dicts to train (default: all trainable).
+        training_data: a dataset; returns a DataLoader with a DistributedSampler and the micro batch size.
+        lr_scheduler: a scheduler object or a callable ``optimizer -> scheduler``; None: the config's.
+        config: a dict, a .json/.yaml path, or an already loaded ``runtime.config.Config``.
+        collate_fn: passed to the DataLoader.
+        dist_init_required: False to forbid creating the process group here (it must exist then).
+
+    Returns:
+        (engine, optimizer, dataloader or None, lr_scheduler or None). The optimizer is the torch optimizer
+        over the master shards: read or set its lr, but call engine.step(), not optimizer.step().
+    """
+    if model is None:
+        raise ValueError("runtime.initialize needs model=<torch.nn.Module>")
+    source = _config_source(args, config)
+    if not dist.is_initialized():
+        if dist_init_required is False:
+            raise RuntimeError(
+                "dist_init_required=False but no process group exists; call runtime.init_distributed()"
+            )
+        init_distributed()
+    from runtime.config import Config, load_config
+
+    world_size = dist.get_world_size()
+    cfg = source if isinstance(source, Config) else load_config(source, world_size=world_size, model=model)
+    if cfg.world_size != world_size:
+        raise ValueError(
+            f"the config was resolved for world_size {cfg.world_size}, but the job has {world_size} ranks"
+        )
+    engine = Engine(
+        model, cfg, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
+    )
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(training_data, cfg, collate_fn=collate_fn)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def build_dataloader(
+    dataset: torch.utils.data.Dataset, config: Any, *, collate_fn: Callable[..., Any] | None = None
+) -> torch.utils.data.DataLoader:
+    """A DataLoader over this rank's part of `dataset` (DistributedSampler, shuffled, seed 0) with the
+    micro batch size. Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new order."""
+    sampler = torch.utils.data.DistributedSampler(
+        dataset,
+        num_replicas=dist.get_world_size(),
+        rank=dist.get_rank(),
+        drop_last=config.dataloader_drop_last,
+    )
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=config.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=config.dataloader_drop_last,
+    )

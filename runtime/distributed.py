@@ -1,0 +1,167 @@
+"""Process-group setup from the environment, whoever started the process.
+
+Reads the rank layout that dslaunch, torchrun, Slurm (srun) or Open MPI / MPICH (mpirun) put in the
+environment, creates the default process group (nccl with CUDA, gloo without), and picks this process's
+device from LOCAL_RANK. Without any of those variables it is a one-process world, so `python train.py`
+works unchanged. `resolve_dist_env` is pure (a mapping in, a `DistEnv` out) and unit-tested.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_MASTER_PORT = 29500
+
+
+class DistEnvError(RuntimeError):
+    """The environment describes an impossible or incomplete rank layout."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """The rank layout of this process, and where it came from."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str | None  # None: one-process world, no rendezvous needed
+    master_port: int
+    source: str  # "env", "slurm", "openmpi", "pmi" or "single-process"
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise DistEnvError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first hostname of a Slurm node list: "gpu[03-05,09],cpu1" -> "gpu03"."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise DistEnvError(f"cannot read a host name from SLURM_JOB_NODELIST={nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def resolve_dist_env(env: Mapping[str, str]) -> DistEnv:
+    """Read the rank layout from environment variables.
+
+    Precedence: explicit RANK/WORLD_SIZE (dslaunch, torchrun, or the user), then Open MPI
+    (OMPI_COMM_WORLD_*), MPICH/Intel MPI (PMI_RANK/PMI_SIZE), then Slurm (SLURM_PROCID/SLURM_NTASKS).
+    Without any of them: a one-process world.
+    """
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_MASTER_PORT
+    addr = env.get("MASTER_ADDR")
+    if "RANK" in env or "WORLD_SIZE" in env:
+        missing = [n for n in ("RANK", "WORLD_SIZE") if n not in env]
+        if missing:
+            raise DistEnvError(f"RANK and WORLD_SIZE must be set together; {missing[0]} is missing")
+        rank, world, source = _int(env, "RANK"), _int(env, "WORLD_SIZE"), "env"
+        local = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else None
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        rank, world, source = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"), "openmpi"
+        local = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK") if "OMPI_COMM_WORLD_LOCAL_RANK" in env else None
+        if addr is None and env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == env.get("OMPI_COMM_WORLD_SIZE"):
+            addr = "127.0.0.1"  # every rank on this host
+    elif "PMI_RANK" in env:
+        rank, world, source = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE"), "pmi"
+        local = _int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else None
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world, source = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), "slurm"
+        local = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else None
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if addr is None and nodelist:
+            addr = first_slurm_host(nodelist)
+    else:
+        return DistEnv(
+            0, 1, _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0, addr, port, "single-process"
+        )
+
+    if world < 1 or not 0 <= rank < world:
+        raise DistEnvError(f"rank {rank} is not in [0, world size {world}) (from {source} variables)")
+    if local is None:
+        local = rank if world == 1 else _local_rank_guess(env, rank)
+    if world > 1 and addr is None:
+        raise DistEnvError(
+            f"MASTER_ADDR is not set ({source} gave rank {rank} of {world}); "
+            "export MASTER_ADDR=<rank-0 host> "
+            "(with mpirun: -x MASTER_ADDR=... -x MASTER_PORT=...)"
+        )
+    return DistEnv(rank, world, local, addr, port, source)
+
+
+def _local_rank_guess(env: Mapping[str, str], rank: int) -> int:
+    if "LOCAL_WORLD_SIZE" in env:
+        return rank % _int(env, "LOCAL_WORLD_SIZE")
+    raise DistEnvError(
+        f"LOCAL_RANK is not set for rank {rank}; the runtime needs it to pick this process's device"
+    )
+
+
+def device_for(local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise DistEnvError(f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def current_device() -> torch.device:
+    """This process's device: from LOCAL_RANK (or the resolved environment)."""
+    return device_for(resolve_dist_env(os.environ).local_rank)
+
+
+def init_distributed(dist_backend: str | None = None, timeout: timedelta | None = None) -> None:
+    """Create the default process group from the environment; a no-op when one exists.
+
+    Args:
+        dist_backend: "nccl", "gloo", ...; default nccl when CUDA is available, else gloo.
+        timeout: collective timeout (torch's default when None).
+    """
+    if dist.is_initialized():
+        return
+    env = resolve_dist_env(os.environ)
+    device = device_for(env.local_rank)
+    backend = dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    kwargs: dict = {"backend": backend, "rank": env.rank, "world_size": env.world_size}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if env.world_size == 1 and env.master_addr is None:
+        # `python train.py`: no rendezvous, no port to collide with other jobs.
+        kwargs["store"] = dist.HashStore()
+    else:
+        # Other tools (Slurm, mpirun) do not set these names; env:// and torch's own helpers read them.
+        os.environ.setdefault("MASTER_ADDR", str(env.master_addr))
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        for name, value in (
+            ("RANK", env.rank),
+            ("WORLD_SIZE", env.world_size),
+            ("LOCAL_RANK", env.local_rank),
+        ):
+            os.environ.setdefault(name, str(value))
+        kwargs["init_method"] = f"tcp://{_host_for_url(str(env.master_addr))}:{env.master_port}"
+    _log.debug("init_process_group %s (rank %d/%d from %s)", backend, env.rank, env.world_size, env.source)
+    dist.init_process_group(**kwargs)
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

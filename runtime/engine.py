@@ -1,0 +1,386 @@
+"""The training engine: one object that runs forward, backward and the optimizer step of a ZeRO run.
+
+The engine composes parts and keeps the step's order; it does not implement them:
+- `runtime.zero`: flat working buffers, master shards, and a stage strategy that reduces gradients
+  during backward and gathers updated weights after the step;
+- `runtime.precision`: dtypes, the fp16 loss scaler, and the gradient math of the step
+  (average, unscale, norm, overflow, clip);
+- the optimizer and LR scheduler (from the config via `runtime.optim`, or from the client), built over
+  the fp32 master shards.
+
+A step at the accumulation boundary: wait for the reduced gradients -> fp32 master gradients -> global
+norm (+ fp16 overflow check: the only host sync) -> one multiply (average, unscale, clip) -> optimizer
+step on this rank's shard -> scheduler -> working weights written back and all-gathered -> zero grads.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.comm import Comm
+from runtime.distributed import current_device
+from runtime.engine_log import StepLog, Timers
+from runtime.precision.loss_scaler import LossScaler
+from runtime.precision.mixed import (
+    cast_floating,
+    finish_grads,
+    master_grads_from,
+    policy_from_config,
+    scaler_from_config,
+)
+from runtime.zero import ZeroStage, build_zero_stage, flatten_group, shards_optimizer_state
+from runtime.zero.optimizer import (
+    OptimizerSource,
+    build_shard_optimizer,
+    collect_param_groups,
+    rebuild_client_optimizer,
+)
+
+_log = logging.getLogger("runtime.engine")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes of model state this rank holds (the ZeRO paper's "model states"), plus staging buffers."""
+
+    param_bytes: int  # working weights (flat buffers and parameters the engine does not manage)
+    grad_bytes: int  # gradient buffers (full for stages 0/1, this rank's shard for stage 2)
+    master_bytes: int  # fp32 master weights that are not the working weights themselves
+    optimizer_bytes: int  # optimizer state tensors (Adam: exp_avg, exp_avg_sq, step)
+    buffer_bytes: int = 0  # communication staging buffers alive right now
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_state_bytes + self.buffer_bytes
+
+
+class Engine(nn.Module):
+    """Wraps a model for data-parallel training with ZeRO stage 0, 1 or 2 and mixed precision."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Any,
+        *,
+        optimizer: OptimizerSource | None = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        comm: Comm | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        zero_cfg = config.zero_optimization
+        _refuse_unsupported(config)
+        self.config = config
+        self.module = model
+        self.comm = comm or Comm(emulate_reduce_scatter=not zero_cfg.reduce_scatter)
+        self.device = device or current_device()
+        self.policy = policy_from_config(config)
+        self.loss_scaler: LossScaler | None = scaler_from_config(config)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.micro_steps = 0
+        self._step_applied = False
+        self._grad_norm: torch.Tensor | None = None
+        self._boundary_override: bool | None = None
+        self._scale_wrt_gas = True
+
+        model.to(self.device)
+        specs = collect_param_groups(model, optimizer, model_parameters)
+        registration = {p: i for i, p in enumerate(model.parameters())}
+        names = {p: n for n, p in model.named_parameters()}
+        sharded = shards_optimizer_state(zero_cfg.stage) and self.comm.world_size > 1
+        shard_world, shard_rank = (self.comm.world_size, self.comm.rank) if sharded else (1, 0)
+        self.groups = []
+        for index, spec in enumerate(specs):
+            # reverse registration order: buckets then fill in the order backward produces gradients
+            params = sorted(spec.params, key=lambda p: -registration.get(p, -1))
+            self.groups.append(
+                flatten_group(
+                    index,
+                    params,
+                    spec.options,
+                    world_size=shard_world,
+                    rank=shard_rank,
+                    bucket_numel=zero_cfg.reduce_bucket_size,
+                    param_dtype=self.policy.param_dtype,
+                    master_dtype=self.policy.master_dtype,
+                    device=self.device,
+                    names=[names[p] for p in params],
+                )
+            )
+        managed = {p for g in self.groups for p in g.params}
+        _cast_unmanaged(model, managed, self.policy.param_dtype)
+        prescale = config.prescale_gradients
+        self.zero: ZeroStage = build_zero_stage(
+            zero_cfg.stage,
+            self.groups,
+            self.comm,
+            registration=registration,
+            overlap_comm=zero_cfg.overlap_comm,
+            pre_reduce_scale=1.0 / config.gradient_predivide_factor if prescale else 1.0,
+            reduce_dtype=self.policy.reduce_dtype,
+        )
+        self.optimizer, self._per_tensor = self._build_optimizer(optimizer, sharded)
+        self._client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self._timers = Timers(enabled=config.wall_clock_breakdown, device=self.device)
+        self._log = StepLog(config.steps_per_print, rank=self.comm.rank)
+        self._log.start(self)
+
+    # -- construction helpers -------------------------------------------------------------------------
+    def _build_optimizer(self, source: OptimizerSource | None, sharded: bool) -> tuple[Any, bool]:
+        if source is None and self.config.optimizer is None:
+            return None, False
+        if isinstance(source, torch.optim.Optimizer):
+            if self.config.optimizer is not None:
+                _log.warning("both a client optimizer and a config optimizer were given; using the client's")
+
+            def build(groups: list[dict[str, Any]]) -> Any:
+                return rebuild_client_optimizer(source, groups)
+        elif source is not None:
+            build = source
+        else:
+            from runtime.optim import build_optimizer
+
+            def build(groups: list[dict[str, Any]]) -> Any:
+                return build_optimizer(self.config.optimizer, groups)
+
+        return build_shard_optimizer(
+            self.groups, build, sharded=sharded, allow_untested=self.config.zero_allow_untested_optimizer
+        )
+
+    def _build_scheduler(self, source: Any) -> Any:
+        if source is None:
+            if self.config.scheduler is None or self.optimizer is None:
+                return None
+            from runtime.optim import build_scheduler
+
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        if callable(source) and not hasattr(source, "step"):
+            return source(self.optimizer)
+        self._sync_hyperparameters(source)
+        return source
+
+    def _sync_hyperparameters(self, scheduler: Any) -> None:
+        """A client scheduler built on the client optimizer drives our groups through its param_groups."""
+        client = self._client_optimizer
+        if client is None or getattr(scheduler, "optimizer", None) is not client:
+            return
+        for ours, theirs in zip(self.optimizer.param_groups, client.param_groups, strict=True):
+            for key, value in theirs.items():
+                if key != "params":
+                    ours[key] = value
+
+    # -- the training loop API ------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.policy.cast_inputs:
+            inputs = cast_floating(inputs, self.policy.param_dtype)
+            kwargs = cast_floating(kwargs, self.policy.param_dtype)
+        with self._timers("forward"):
+            return self.module(*inputs, **kwargs)
+
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backpropagate `loss` (this rank's micro-batch mean); gradients are reduced as they appear."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
+        boundary = self.is_gradient_accumulation_boundary()
+        self._scale_wrt_gas = scale_wrt_gas
+        self._log.record_loss(loss)
+        scaled = loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+        with self._timers("backward"):
+            self.zero.begin_backward(boundary=boundary)
+            scaled.backward(retain_graph=retain_graph)
+            self.zero.end_backward(boundary=boundary)
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """At the accumulation boundary: update the weights; otherwise only count the micro-step."""
+        if not self.is_gradient_accumulation_boundary():
+            self.micro_steps += 1
+            return
+        if self.optimizer is None:
+            raise RuntimeError(
+                "engine.step(): no optimizer; configure one or pass optimizer= to runtime.initialize"
+            )
+        with self._timers("step"):
+            self._step_applied = self._apply_step(lr_kwargs)
+            self.zero.zero_grad()
+        self.micro_steps += 1
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._log.after_step(self)
+
+    def _apply_step(self, lr_kwargs: dict[str, Any] | None) -> bool:
+        masters = [group.master for group in self.groups]
+        grads = master_grads_from(self.zero.grad_pieces(), masters)
+        accumulation = self.gradient_accumulation_steps() if self._scale_wrt_gas else 1
+        result = finish_grads(
+            grads,
+            divisor=self.comm.world_size * accumulation,
+            loss_scale=self.loss_scale,
+            max_norm=self.config.gradient_clipping,
+            check_overflow=self.loss_scaler is not None,
+            want_norm=self._log.wants_norm(self.global_steps + 1),
+            all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
+        )
+        self._grad_norm = result.norm
+        if result.overflow:
+            self.skipped_steps += 1
+            self._update_scaler(overflow=True)
+            return False
+        self._attach_master_grads(grads)
+        self.optimizer.step()
+        self._attach_master_grads(None)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step(**(lr_kwargs or {}))
+            self._sync_hyperparameters(self.lr_scheduler)
+        self.zero.write_back()
+        self._update_scaler(overflow=False)
+        return True
+
+    def _attach_master_grads(self, grads: list[torch.Tensor] | None) -> None:
+        for index, group in enumerate(self.groups):
+            grad = None if grads is None else grads[index]
+            if not self._per_tensor:
+                group.master.grad = grad
+                continue
+            views = self.optimizer.param_groups[index]["params"]
+            for view, slot in zip(views, group.layout.slots, strict=True):
+                view.grad = None if grad is None else grad.narrow(0, slot.offset, slot.numel).view(view.shape)
+
+    def _update_scaler(self, *, overflow: bool) -> None:
+        if self.loss_scaler is None:
+            return
+        update = self.loss_scaler.update(overflow, step=self.global_steps + 1)
+        if overflow:
+            self._log.overflow(update, self.global_steps + 1)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (step() already does this after every boundary)."""
+        self.zero.zero_grad()
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Force (True/False) or restore (None) the boundary decision of the next backward and step."""
+        self._boundary_override = is_boundary
+
+    # -- read-only state ------------------------------------------------------------------------------
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's global gradient norm (before clipping); None when it was not computed
+        (no clipping, no fp16, and not a logging step). Reading it waits for the device."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    def get_lr(self) -> list[float]:
+        return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    @property
+    def zero_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Bytes of working weights, gradients, master weights and optimizer state held by this rank."""
+        managed = {p for g in self.groups for p in g.params}
+        unmanaged = {
+            p.data_ptr(): p.numel() * p.element_size() for p in self.module.parameters() if p not in managed
+        }
+        optimizer_bytes = 0
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                optimizer_bytes += sum(
+                    t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)
+                )
+        return MemoryBreakdown(
+            param_bytes=sum(g.working.numel() * g.working.element_size() for g in self.groups)
+            + sum(unmanaged.values()),
+            grad_bytes=self.zero.grad_bytes(),
+            master_bytes=sum(
+                g.master.numel() * g.master.element_size() for g in self.groups if not g.master_is_alias
+            ),
+            optimizer_bytes=optimizer_bytes,
+            buffer_bytes=self.zero.buffer_bytes(),
+        )
+
+    def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The module's state dict with fp32 master values for trained parameters. Every rank must call it
+        (it all-gathers master shards); other ranks get {} when rank0_only."""
+        from runtime.zero.gather import gather_master_params
+
+        masters = gather_master_params(self.groups, self.comm)
+        if rank0_only and self.comm.rank != 0:
+            return {}
+        by_param = {p: t for g in self.groups for p, t in zip(g.params, masters[g.index], strict=True)}
+        out: dict[str, torch.Tensor] = {}
+        names = dict(self.module.named_parameters(remove_duplicate=False))
+        for key, value in self.module.state_dict().items():
+            param = names.get(key)
+            out[key] = by_param[param] if param in by_param else value.detach().clone()
+        return out
+
+    def destroy(self) -> None:
+        """Remove the engine's gradient hooks from the model."""
+        self.zero.close()
+
+
+def _refuse_unsupported(config: Any) -> None:
+    zero = config.zero_optimization
+    if zero.stage == 3:
+        raise NotImplementedError("zero_optimization.stage 3 is not available yet; use stage 0, 1 or 2")
+    for name in ("offload_optimizer", "offload_param"):
+        if getattr(zero, name).device != "none":
+            raise NotImplementedError(
+                f"zero_optimization.{name}.device={getattr(zero, name).device!r} is not available yet"
+            )
+
+
+def _cast_unmanaged(model: nn.Module, managed: set[nn.Parameter], dtype: torch.dtype) -> None:
+    """Frozen parameters and floating-point buffers follow the working dtype (like module.to(dtype))."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param not in managed and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                    module._buffers[key] = buf.to(dtype)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+__all__ = ["Engine", "MemoryBreakdown"]

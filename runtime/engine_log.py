@@ -1,0 +1,135 @@
+"""What the engine reports every `steps_per_print` steps, and the optional wall-clock breakdown.
+
+Nothing here adds a device sync to ordinary steps: losses are kept as device tensors and read once per
+report (on rank 0 only), throughput is host wall time over the report window, and the
+forward/backward/step timers synchronize the device only when `wall_clock_breakdown` is on.
+fp16 overflows are summarized per report instead of logged one by one (users mistake a burst of
+warm-up overflows for a failure); a long run of consecutive overflows gets a warning early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from runtime.precision.loss_scaler import ScaleUpdate
+
+_log = logging.getLogger("runtime")
+_CONSECUTIVE_OVERFLOW_WARNING = 20
+
+
+def _ensure_handler() -> None:
+    """Show INFO reports when the application configured no logging at all (like DeepSpeed's logger)."""
+    if not _log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"))
+        _log.addHandler(handler)
+        _log.setLevel(logging.INFO)
+        _log.propagate = False
+
+
+class Timers:
+    """Accumulated wall time per phase; a no-op unless enabled (timing needs device syncs)."""
+
+    def __init__(self, *, enabled: bool, device: torch.device) -> None:
+        self.enabled = enabled
+        self.device = device
+        self.totals: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._null = contextlib.nullcontext()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __call__(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self._timed(name) if self.enabled else self._null
+
+    @contextlib.contextmanager
+    def _timed(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+            self.counts[name] = self.counts.get(name, 0) + 1
+
+    def summary_ms(self) -> dict[str, float]:
+        """Mean milliseconds per call of each phase since the last summary; resets."""
+        out = {k: 1000.0 * v / max(self.counts[k], 1) for k, v in self.totals.items()}
+        self.totals.clear()
+        self.counts.clear()
+        return out
+
+
+class StepLog:
+    """Rank 0's periodic report: step, loss, lr, loss scale, grad norm, skipped steps, samples/s."""
+
+    def __init__(self, steps_per_print: int, *, rank: int) -> None:
+        self.every = steps_per_print
+        self.rank = rank
+        self._losses: list[torch.Tensor] = []
+        self._time = time.perf_counter()
+        self._samples = 0
+        self._overflows = 0
+        self._consecutive = 0
+        if rank == 0 and steps_per_print:
+            _ensure_handler()
+
+    def start(self, engine: Any) -> None:
+        self._time = time.perf_counter()
+        self._samples = engine.global_samples
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        if self.every and self.rank == 0:
+            self._losses.append(loss.detach())
+
+    def wants_norm(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    def overflow(self, update: ScaleUpdate, step: int) -> None:
+        self._overflows += 1
+        self._consecutive += 1
+        if self.rank == 0 and self._consecutive == _CONSECUTIVE_OVERFLOW_WARNING:
+            _log.warning(
+                "step %d: %d consecutive fp16 gradient overflows (loss scale now %g); if this continues, "
+                "switch to bf16 or lower the learning rate",
+                step,
+                self._consecutive,
+                update.new_scale,
+            )
+
+    def after_step(self, engine: Any) -> None:
+        if engine.was_step_applied():
+            self._consecutive = 0
+        if not self.every or engine.global_steps % self.every != 0:
+            return
+        now = time.perf_counter()
+        rate = (engine.global_samples - self._samples) / max(now - self._time, 1e-9)
+        self._time, self._samples = now, engine.global_samples
+        overflows, self._overflows = self._overflows, 0
+        losses, self._losses = self._losses, []
+        breakdown = engine._timers.summary_ms() if engine._timers.enabled else {}
+        if self.rank != 0:
+            return
+        parts = [f"step={engine.global_steps}"]
+        if losses:
+            parts.append(f"loss={torch.stack([t.float() for t in losses]).mean().item():.4f}")
+        parts.append("lr=[" + ", ".join(f"{lr:.3e}" for lr in engine.get_lr()) + "]")
+        norm = engine.get_global_grad_norm()
+        if norm is not None:
+            parts.append(f"grad_norm={norm:.4f}")
+        if engine.loss_scaler is not None:
+            parts.append(f"loss_scale={engine.loss_scale:g}")
+        parts.append(f"skipped={engine.skipped_steps} (+{overflows})")
+        parts.append(f"samples/s={rate:.1f}")
+        parts.extend(f"{name}_ms={ms:.2f}" for name, ms in breakdown.items())
+        _log.info(" ".join(parts))

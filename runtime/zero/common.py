@@ -1,0 +1,115 @@
+"""What the ZeRO stages share: gradient hooks, in-flight collectives, and gathering updated weights.
+
+Every stage registers one post-accumulate-grad hook per parameter (only when there is something to
+communicate), hands finished parameters to a `BucketTracker`, and keeps the collectives it launched as
+`InFlight` records until the end of backward. Stages 1 and 2 write their updated master shard into the
+working buffer and all-gather it bucket by bucket (`gather_working`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from runtime.comm import Comm, Pending
+from runtime.zero.buckets import BucketTracker, bucket_order
+from runtime.zero.flat import FlatGroup
+
+
+@dataclass
+class InFlight:
+    """A launched collective, the buffer it reads or writes, and what to do once it is done."""
+
+    pending: Pending
+    buffer: torch.Tensor | None = None  # kept alive until the collective finishes
+    after: Callable[[], None] | None = None
+
+    def finish(self) -> None:
+        self.pending.wait()
+        if self.after is not None:
+            self.after()
+        self.buffer = None
+
+
+class HookedStage:
+    """Base of the stage strategies: hooks, bucket tracking and in-flight bookkeeping."""
+
+    stage: int = -1
+
+    def __init__(
+        self,
+        groups: Sequence[FlatGroup],
+        comm: Comm,
+        *,
+        registration: dict[nn.Parameter, int],
+        overlap_comm: bool,
+        pre_reduce_scale: float,
+        reduce_dtype: torch.dtype | None,
+    ) -> None:
+        self.groups = list(groups)
+        self.comm = comm
+        self.overlap_comm = overlap_comm
+        self.pre_reduce_scale = pre_reduce_scale
+        self.reduce_dtype = reduce_dtype
+        self.tracker = BucketTracker(self.groups, bucket_order(self.groups, registration), self._launch)
+        self._in_flight: list[InFlight] = []
+        self._hooks: list[RemovableHandle] = []
+
+    # -- subclass interface -------------------------------------------------------------------------
+    def _launch(self, group: FlatGroup, bucket: int) -> None:
+        raise NotImplementedError
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        raise NotImplementedError
+
+    # -- shared machinery ---------------------------------------------------------------------------
+    def _register_hooks(self) -> None:
+        for group in self.groups:
+            for param in group.params:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _track(self, record: InFlight) -> None:
+        self._in_flight.append(record)
+        if not self.overlap_comm:
+            self._finish_all()
+
+    def _finish_all(self) -> None:
+        records, self._in_flight = self._in_flight, []
+        for record in records:
+            record.finish()
+
+    def _prepare_for_reduce(self, data: torch.Tensor) -> torch.Tensor:
+        """The tensor to put on the wire for `data`: pre-divided and in the reduce dtype."""
+        if self.pre_reduce_scale != 1.0:
+            data.mul_(self.pre_reduce_scale)
+        if self.reduce_dtype is not None and self.reduce_dtype != data.dtype:
+            return data.to(self.reduce_dtype)
+        return data
+
+    def close(self) -> None:
+        """Remove the hooks (the model then trains without this engine's gradient handling)."""
+        self._finish_all()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+
+    def write_back(self) -> None:
+        raise NotImplementedError
+
+
+def gather_working(groups: Sequence[FlatGroup], comm: Comm) -> None:
+    """Copy each updated master shard into the working buffer and all-gather every bucket in place."""
+    launched: list[Pending] = []
+    for group in groups:
+        group.copy_master_to_working()
+        if comm.world_size == 1:
+            continue
+        for bucket in group.layout.buckets:
+            full = group.bucket_view(group.working, bucket)
+            launched.append(comm.all_gather(full, group.piece(group.working, bucket), async_op=True))
+    for pending in launched:
+        pending.wait()

@@ -1,0 +1,46 @@
+"""Reassembling full parameters from master shards (for full state dicts and checks).
+
+Every rank all-gathers each group's master shard; the shards are then put back into flat-buffer order
+bucket by bucket (rank r's piece of bucket b sits at `b.shard_offset` inside shard r) and cut into
+parameters. Costs one all-gather per group and a full fp32 copy of the model on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from runtime.comm import Comm
+from runtime.zero.flat import FlatGroup
+
+
+def gather_flat_master(group: FlatGroup, comm: Comm) -> torch.Tensor:
+    """The group's full master buffer in flat-layout order (a fresh tensor)."""
+    layout = group.layout
+    master = group.master.detach()
+    if layout.world_size == 1:
+        return master.clone()
+    shards = torch.empty(layout.world_size * layout.shard_numel, dtype=master.dtype, device=master.device)
+    comm.all_gather(shards, master.contiguous())
+    flat = torch.empty(layout.numel, dtype=master.dtype, device=master.device)
+    for bucket in layout.buckets:
+        for rank in range(layout.world_size):
+            start, end = bucket.piece(rank)
+            source = rank * layout.shard_numel + bucket.shard_offset
+            flat[start:end].copy_(shards[source : source + bucket.piece_numel])
+    return flat
+
+
+def gather_master_params(groups: Sequence[FlatGroup], comm: Comm) -> list[list[torch.Tensor]]:
+    """Per group, one full master tensor per parameter (shaped like the parameter), on every rank."""
+    out = []
+    for group in groups:
+        flat = gather_flat_master(group, comm)
+        out.append(
+            [
+                flat.narrow(0, slot.offset, slot.numel).view(param.shape)
+                for param, slot in zip(group.params, group.layout.slots, strict=True)
+            ]
+        )
+    return out

@@ -1,0 +1,178 @@
+"""The optimizer's side of ZeRO: which parameters form which group, and an optimizer over master shards.
+
+`collect_param_groups` reads the user's grouping (a client optimizer's param_groups, `model_parameters`
+as tensors or torch param-group dicts, or all trainable parameters of the model) into `GroupSpec`s.
+`build_shard_optimizer` then builds the optimizer over the flat fp32 master shards, one tensor per group
+with the group's options (weight decay etc.) preserved: from the config, from a callable, or by
+rebuilding a client optimizer instance with the same class, defaults and per-group options.
+
+Limits: a client optimizer's *state* is not carried over (it is normally empty before training), and
+its constructor must accept its own `defaults` as keyword arguments (true for torch.optim classes).
+Elementwise optimizers (Adam, AdamW, SGD, ...) give the same result on a flat shard as on the original
+tensors. Per-tensor ones (Lamb, Adafactor) would see one flat tensor per group: with an unsharded master
+(stage 0 or one rank) they get one view per parameter instead, and with sharding they are refused unless
+the config sets zero_allow_untested_optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.zero.flat import FlatGroup
+
+# Optimizers whose update of an element depends only on that element's history: stepping a flat shard
+# equals stepping the original tensors.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+    torch.optim.Adagrad,
+    torch.optim.Adamax,
+    torch.optim.RMSprop,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adadelta,
+)
+
+OptimizerSource = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+@dataclass
+class GroupSpec:
+    """One param group before flattening."""
+
+    params: list[nn.Parameter]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def collect_param_groups(
+    model: nn.Module,
+    optimizer: OptimizerSource | None = None,
+    model_parameters: Iterable[Any] | None = None,
+) -> list[GroupSpec]:
+    """The param groups to flatten, with frozen parameters dropped and duplicates refused."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raw = [
+            GroupSpec(list(g["params"]), {k: v for k, v in g.items() if k != "params"})
+            for g in optimizer.param_groups
+        ]
+    elif model_parameters is not None:
+        items = list(model_parameters)
+        if items and all(isinstance(item, dict) for item in items):
+            raw = [
+                GroupSpec(_as_list(d["params"]), {k: v for k, v in d.items() if k != "params"}) for d in items
+            ]
+        elif all(isinstance(item, torch.Tensor) for item in items):
+            raw = [GroupSpec(items)]
+        else:
+            raise TypeError(
+                "model_parameters must be an iterable of tensors or of param-group dicts, not a mix"
+            )
+    else:
+        raw = [GroupSpec([p for p in model.parameters() if p.requires_grad])]
+
+    owned = {p for p in model.parameters()}
+    seen: set[nn.Parameter] = set()
+    groups: list[GroupSpec] = []
+    for index, spec in enumerate(raw):
+        params = []
+        for param in spec.params:
+            if param not in owned:
+                raise ValueError(
+                    f"param group {index} holds a tensor of shape {tuple(param.shape)} that is not a "
+                    "parameter of "
+                    "the model given to runtime.initialize"
+                )
+            if param in seen:
+                raise ValueError(
+                    f"a parameter of shape {tuple(param.shape)} appears in more than one param group"
+                )
+            seen.add(param)
+            if param.requires_grad:
+                params.append(param)
+        if params:
+            groups.append(GroupSpec(params, spec.options))
+    if not groups:
+        raise ValueError(
+            "no trainable parameters: every parameter has requires_grad=False or none were given"
+        )
+    return groups
+
+
+def _as_list(params: Any) -> list[nn.Parameter]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def master_param_groups(groups: Sequence[FlatGroup], *, per_tensor: bool) -> list[dict[str, Any]]:
+    """torch param-group dicts over the master shards: one flat tensor per group, or one view per parameter
+    (per_tensor, only for unsharded masters)."""
+    out = []
+    for group in groups:
+        if per_tensor:
+            params = [
+                _master_view(group, param, slot.offset, slot.numel)
+                for param, slot in zip(group.params, group.layout.slots, strict=True)
+            ]
+        else:
+            params = [group.master]
+        out.append({"params": params, **group.options})
+    return out
+
+
+def _master_view(group: FlatGroup, param: nn.Parameter, offset: int, numel: int) -> nn.Parameter:
+    return nn.Parameter(group.master.data.narrow(0, offset, numel).view(param.shape))
+
+
+def rebuild_client_optimizer(
+    client: torch.optim.Optimizer, groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """A new optimizer of the client's class, defaults and per-group options, over `groups`."""
+    cls = type(client)
+    if client.state:
+        import warnings
+
+        warnings.warn(
+            f"the client {cls.__name__} already has state (was it stepped?); "
+            "the engine rebuilds it on the fp32 "
+            "master shards and starts with empty state",
+            stacklevel=3,
+        )
+    try:
+        return cls(groups, **client.defaults)
+    except TypeError as error:
+        raise TypeError(
+            f"cannot rebuild the client optimizer {cls.__name__} on the ZeRO master shards with "
+            f"{cls.__name__}(param_groups, **defaults): {error}. Pass a callable optimizer=lambda params: "
+            f"{cls.__name__}(params, ...) or configure the optimizer in the config instead"
+        ) from error
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)
+
+
+def build_shard_optimizer(
+    groups: Sequence[FlatGroup],
+    build: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
+    *,
+    sharded: bool,
+    allow_untested: bool,
+) -> tuple[torch.optim.Optimizer, bool]:
+    """Build the optimizer over the master shards; returns it and whether it got per-parameter views."""
+    optimizer = build(master_param_groups(groups, per_tensor=False))
+    if is_elementwise(optimizer):
+        return optimizer, False
+    if not sharded:
+        return build(master_param_groups(groups, per_tensor=True)), True
+    if allow_untested:
+        return optimizer, False
+    raise ValueError(
+        f"{type(optimizer).__name__} is not an elementwise optimizer, so stepping it on flat ZeRO "
+        "shards changes its results (it computes per-tensor quantities); use stage 0, an elementwise "
+        'optimizer (Adam, AdamW, SGD, ...), or set "zero_allow_untested_optimizer": true to accept that'
+    )

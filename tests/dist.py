@@ -1,0 +1,158 @@
+"""Run a function on N gloo ranks in fresh processes, for distributed tests.
+
+`run_distributed(fn, world_size, *args)` starts one process per rank, gives each a fresh process group
+(a FileStore in a new temp dir, so concurrent test runs never share a rendezvous; or, with
+rendezvous="env", runtime.init_distributed() on a free TCP port, the path a launched job takes), calls
+`fn(rank, world_size, *args)` and returns the per-rank results in rank order. The first worker exception
+is re-raised in the test process as `WorkerFailed` with the rank and the worker's traceback text; a
+worker that dies without a word, or a run past `timeout` seconds, also fails the test and kills the rest.
+
+Workers come from a forkserver that has already imported torch, so starting a world costs a fork, not a
+torch import (about 5 s on the 2-core CI box). `fn` and its arguments must be picklable (module-level
+functions of an importable module), and results should be small (numbers, small tensors).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_module
+import shutil
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+DEFAULT_TIMEOUT = 120.0
+_CONTEXT: Any = None
+
+
+class WorkerFailed(AssertionError):
+    """A rank raised (or died, or hung) during a distributed test."""
+
+    def __init__(self, rank: int | None, detail: str) -> None:
+        self.rank = rank
+        who = f"rank {rank}" if rank is not None else "workers"
+        super().__init__(f"{who} failed:\n{detail}")
+
+
+def _context() -> Any:
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "runtime"])
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple[Any, ...],
+    store_path: str,
+    port: int,
+    rendezvous: str,
+    results: Any,
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if rendezvous == "file":
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=90)
+            )
+        else:
+            import runtime
+
+            runtime.init_distributed(timeout=timedelta(seconds=90))
+        results.put(("ok", rank, fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including assertion failures and KeyboardInterrupt
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = DEFAULT_TIMEOUT,
+    rendezvous: str = "file",
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank."""
+    if rendezvous not in ("file", "env"):
+        raise ValueError(f"rendezvous must be 'file' or 'env', got {rendezvous!r}")
+    ctx = _context()
+    tmp = tempfile.mkdtemp(prefix="dslaunch-dist-")
+    results = ctx.Queue()
+    port = free_port()  # rank 0 listens on it when rendezvous="env"
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, args, os.path.join(tmp, "store"), port, rendezvous, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        for proc in procs:
+            proc.start()
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        results.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) -> list[Any]:
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    silent_since: dict[int, float] = {}
+    while len(done) < world_size:
+        now = time.monotonic()
+        if now > deadline:
+            missing = sorted(set(range(world_size)) - set(done))
+            raise WorkerFailed(None, f"ranks {missing} did not finish within {timeout:.0f} s (hang?)")
+        try:
+            kind, rank, payload = results.get(timeout=min(0.2, max(deadline - now, 0.01)))
+        except queue_module.Empty:
+            for rank, proc in enumerate(procs):
+                if rank in done or proc.is_alive():
+                    continue
+                # Give its last message a moment to arrive through the pipe before calling it silent.
+                first = silent_since.setdefault(rank, now)
+                if now - first > 2.0:
+                    raise WorkerFailed(
+                        rank, f"process exited with code {proc.exitcode} without a result"
+                    ) from None
+            continue
+        if kind == "error":
+            raise WorkerFailed(rank, payload)
+        done[rank] = payload
+    return [done[rank] for rank in range(world_size)]

@@ -172,7 +172,8 @@ def _check_script(script: str, module: bool, no_python: bool) -> None:
 @click.option("--launcher", default=None, help="local, ssh, pdsh, openmpi, slurm (default: local or ssh).")
 @click.option("--launcher_args", "--launcher-args", default="", help="Extra arguments for the launcher tool.")
 @click.option("--log_dir", "--log-dir", default=None, metavar="DIR", help="Write DIR/rank_N.log per rank.")
-@click.option("--max_restarts", "--max-restarts", type=int, default=0, show_default=True)
+@click.option("--max_restarts", "--max-restarts", type=int, default=0, show_default=True,
+              help="After a failure, restart all workers up to N times (env DSLAUNCH_ATTEMPT).")  # fmt: skip
 @click.option("--grace_period", "--grace-period", type=float, default=5.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping workers.")  # fmt: skip
 @click.option("--env", "env_items", multiple=True, metavar="K=V", help="Set a variable for every worker.")
@@ -271,7 +272,7 @@ def cli(
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(argv) if argv is not None else sys.argv[1:]
     if not args:
-        click.echo(cli.get_help(click.Context(cli, info_name="dslaunch")))
+        cli.main(args=["--help"], prog_name="dslaunch", standalone_mode=False)
         sys.exit(2)
     try:
         code = cli.main(args=args, prog_name="dslaunch", standalone_mode=False)

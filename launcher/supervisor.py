@@ -111,7 +111,7 @@ class _Attempt:
         self.runner = runner
         self.options = options
         self.say = say
-        self.out = sys.stdout.buffer
+        self.out = _Console(sys.stdout.buffer, say)
         self.workers = {w.rank: w for w in plan.workers}
         self.prefix = {r: f"[{w.label}] ".encode() for r, w in self.workers.items()}
         self.tails: dict[int, deque[bytes]] = {r: deque(maxlen=options.tail_lines) for r in self.workers}
@@ -283,6 +283,33 @@ class _Attempt:
         if self.failure is not None:
             return AttemptResult(Outcome.FAILED, self.failure.code, self.failure)
         return AttemptResult(Outcome.SUCCEEDED, 0)
+
+
+class _Console:
+    """The head's stdout for worker lines. If the reader goes away (``dslaunch ... | head``), the job
+    goes on (logs still get written) and the output is dropped, said once on stderr."""
+
+    def __init__(self, stream: IO[bytes], say: Callable[[str], None]) -> None:
+        self.stream: IO[bytes] | None = stream
+        self.say = say
+
+    def _closed(self) -> None:
+        self.stream = None
+        self.say("stdout is closed: worker output is no longer shown (Ctrl-C stops the job)")
+
+    def write(self, data: bytes) -> None:
+        if self.stream is not None:
+            try:
+                self.stream.write(data)
+            except (BrokenPipeError, ValueError):
+                self._closed()
+
+    def flush(self) -> None:
+        if self.stream is not None:
+            try:
+                self.stream.flush()
+            except (BrokenPipeError, ValueError):
+                self._closed()
 
 
 def _read_stream(index: int, handle: AgentHandle, inbox: queue.SimpleQueue) -> None:

@@ -112,6 +112,11 @@ def build_config(args: argparse.Namespace) -> str | dict[str, Any]:
         if not isinstance(optimizer, dict):
             raise UsageError(f"--lr needs an 'optimizer' section in {source}")
         optimizer.setdefault("params", {})["lr"] = args.lr
+        # Schedules that carry their own peak rate would otherwise ignore the override.
+        scheduler_params = (config.get("scheduler") or {}).get("params") or {}
+        for key in ("warmup_max_lr", "cycle_max_lr"):
+            if key in scheduler_params:
+                scheduler_params[key] = args.lr
     if args.micro_batch_size is not None:
         # Keep accumulation as configured and let the runtime derive train_batch_size.
         config["train_micro_batch_size_per_gpu"] = args.micro_batch_size
@@ -171,9 +176,9 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> nn.Module:
             overrides[name] = getattr(args, name)
     # A byte vocabulary (256) is used as is; larger ones are padded to a multiple of 64 for fast matmuls.
     overrides["vocab_size"] = vocab_size if vocab_size <= 256 else 64 * math.ceil(vocab_size / 64)
-    base = GPTConfig.named(args.model_size)
-    overrides["max_seq_len"] = max(base.max_seq_len, args.seq_len)
     try:
+        base = GPTConfig.named(args.model_size)
+        overrides["max_seq_len"] = max(base.max_seq_len, args.seq_len)
         config = GPTConfig.named(args.model_size, **overrides)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

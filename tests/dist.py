@@ -9,13 +9,15 @@ worker that dies without a word, or a run past `timeout` seconds, also fails the
 
 Workers come from a forkserver that has already imported torch, so starting a world costs a fork, not a
 torch import (about 5 s on the 2-core CI box). `fn` and its arguments must be picklable (module-level
-functions of an importable module), and results should be small (numbers, small tensors).
+functions of an importable module), and results should be small (numbers, small tensors); they are
+pickled by value.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import shutil
 import socket
@@ -87,7 +89,9 @@ def _worker(
             import runtime
 
             runtime.init_distributed(timeout=timedelta(seconds=90))
-        results.put(("ok", rank, fn(rank, world_size, *args)))
+        # plain pickle copies tensors into the message; torch's default sharing would hand the parent
+        # file descriptors that vanish when this process exits
+        results.put(("ok", rank, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report everything, including assertion failures and KeyboardInterrupt
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -154,5 +158,5 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
             continue
         if kind == "error":
             raise WorkerFailed(rank, payload)
-        done[rank] = payload
+        done[rank] = pickle.loads(payload)
     return [done[rank] for rank in range(world_size)]

@@ -85,3 +85,119 @@ def test_bad_settings_are_named() -> None:
         DynamicLossScaler(hysteresis=0)
     with pytest.raises(ValueError, match="min_loss_scale"):
         DynamicLossScaler(min_scale=0)
+
+
+# -- end to end: an overflow on one rank skips the step on every rank -------------------------------------
+
+INJECT_STEP = 2
+
+
+def _fp16_config(stage: int, **fp16: float) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 0,
+        "fp16": {"enabled": True, "auto_cast": True, "initial_scale_power": 8, "hysteresis": 1, **fp16},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 1e-2,
+                "warmup_num_steps": 5,
+                "warmup_type": "linear",
+            },
+        },
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 700},
+    }
+
+
+def _poison_on(model: object, rank: int, world_size: int, when: object) -> None:
+    """Make one gradient element inf on the last rank whenever `when()` is true."""
+    import torch
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return grad.index_fill(0, torch.tensor([1]), float("inf")) if when() else grad
+
+    if rank == world_size - 1:
+        model.out.bias.register_hook(hook)  # type: ignore[attr-defined]
+
+
+def _overflow_worker(rank: int, world_size: int) -> dict:
+    import torch
+
+    import runtime
+    from runtime.precision.loss_scaler import LossScaleError
+    from tests.models import loss_fn, make_model, rank_batch
+
+    out: dict = {}
+    for stage in (0, 1, 2):
+        model = make_model(0)
+        engine, _, _, _ = runtime.initialize(model=model, config=_fp16_config(stage))
+        step_box = [0]
+        _poison_on(model, rank, world_size, lambda box=step_box: box[0] == INJECT_STEP)
+        trace = []
+        for step in range(4):
+            step_box[0] = step
+            x, y = rank_batch(step, 0, 2 * world_size, rank, world_size)
+            engine.backward(loss_fn(engine(x), y))
+            engine.step()
+            trace.append(
+                {
+                    "applied": engine.was_step_applied(),
+                    "scale": engine.loss_scale,
+                    "lr": engine.get_lr()[0],
+                    "skipped": engine.skipped_steps,
+                    "master": engine.full_state_dict(rank0_only=False),
+                    "working": {n: p.detach().clone() for n, p in model.named_parameters()},
+                }
+            )
+        out[stage] = trace
+        engine.destroy()
+
+    # at the minimum scale an overflow is an error on every rank, naming the step
+    model = make_model(0)
+    engine, _, _, _ = runtime.initialize(
+        model=model, config=_fp16_config(2, initial_scale_power=1, min_loss_scale=1.0)
+    )
+    _poison_on(model, rank, world_size, lambda: True)
+    out["min_scale_error"] = None
+    for step in range(3):
+        x, y = rank_batch(step, 0, 2 * world_size, rank, world_size)
+        engine.backward(loss_fn(engine(x), y))
+        try:
+            engine.step()
+        except LossScaleError as error:
+            out["min_scale_error"] = (step, str(error), engine.skipped_steps)
+            break
+    engine.destroy()
+    del torch
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
+    from tests.dist import run_distributed
+
+    results = run_distributed(_overflow_worker, 3, timeout=120)
+    for rank, out in enumerate(results):
+        for stage in (0, 1, 2):
+            trace = out[stage]
+            where = f"rank {rank} stage {stage}"
+            assert [t["applied"] for t in trace] == [True, True, False, True], where
+            assert [t["skipped"] for t in trace] == [0, 0, 1, 1], where
+            assert [t["scale"] for t in trace] == [256.0, 256.0, 128.0, 128.0], where
+            # weights untouched by the skipped step, and the scheduler did not advance
+            assert _same(trace[2]["master"], trace[1]["master"]), where
+            assert _same(trace[2]["working"], trace[1]["working"]), where
+            assert trace[2]["lr"] == trace[1]["lr"] and trace[3]["lr"] > trace[2]["lr"], where
+            # the next step trains again, with finite weights
+            assert not _same(trace[3]["master"], trace[2]["master"]), where
+            assert all(v.isfinite().all() for v in trace[3]["master"].values()), where
+        step, message, skipped = out["min_scale_error"]
+        assert step == 1 and skipped == 2, (rank, out["min_scale_error"])  # both steps were skipped
+        assert "at step 2" in message and "min_loss_scale" in message and "bf16" in message

@@ -281,3 +281,23 @@ def test_throughput_bench_reports_every_configuration_and_isolates_failures(tmp_
     else:
         assert "runtime.initialize does not exist" in by_config["ours-zero0"]["error"]
     assert "tokens/s" in proc.stderr  # the closing table
+
+
+def test_throughput_bench_plan_puts_the_baseline_first_and_deepspeed_last() -> None:
+    spec = importlib.util.spec_from_file_location("train_throughput", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(bench)
+    runs = bench.plan_runs(["medium", "xl"], ["deepspeed", "ours", "torch", "fsdp2"], [0, 2], [3])
+    assert [(r.model, r.label) for r in runs] == [
+        ("medium", "torch"),
+        ("medium", "ours-zero0"),
+        ("medium", "ours-zero2"),
+        ("medium", "fsdp2"),
+        ("xl", "torch"),
+        ("xl", "ours-zero0"),
+        ("xl", "ours-zero2"),
+        ("xl", "fsdp2"),
+        ("medium", "deepspeed-zero3"),
+        ("xl", "deepspeed-zero3"),
+    ]

@@ -7,11 +7,13 @@ process group of world size 1. Configurations, in this order for each model:
     torch      plain PyTorch: fp32 params, bf16 autocast, torch.optim.AdamW(fused=True)   (the baseline)
     ours       runtime.initialize with bf16 and zero_optimization.stage in --stages
     fsdp2      fully_shard on each block, then the root, MixedPrecisionPolicy(bf16 params, fp32 reduce)
-    deepspeed  deepspeed.initialize with the same config as ours, for each of --ds_stages (when importable)
+    deepspeed  deepspeed.initialize with the same config as ours, for each of --ds_stages (when importable);
+               all DeepSpeed runs come after every other configuration of every model
 
 Timing: --warmup steps, then --steps steps each bracketed by device synchronization; the median step time
 gives tokens/s and TFLOP/s (6N + 12·L·d·T FLOPs per token, as in shared/research/perf_anchors.md §6.1).
-Peak memory is torch.cuda.max_memory_allocated from model construction to the last step. Each
+Peak memory is torch.cuda.max_memory_allocated from model construction to the last step, less what was
+still allocated before the configuration started (reported as mem_before_gib; it should be 0). Each
 configuration gets a fresh model and frees everything before the next one. A configuration that fails
 (out of memory included) is reported as a JSON line with "error" and the others still run.
 
@@ -88,16 +90,17 @@ class Workload:
 
 
 def plan_runs(models: list[str], peers: list[str], stages: list[int], ds_stages: list[int]) -> list[Run]:
-    """Runs in measuring order: the baseline first for each model, DeepSpeed last (it keeps global state)."""
+    """Runs in measuring order: for each model the baseline first, then ours and FSDP2; DeepSpeed runs come
+    after all the others, because it keeps global state that a later configuration could trip over."""
     runs: list[Run] = []
     for model in models:
-        for peer in sorted(set(peers), key=PEERS.index):
+        for peer in sorted(set(peers) - {"deepspeed"}, key=PEERS.index):
             if peer == "ours":
                 runs += [Run(model, peer, s) for s in stages]
-            elif peer == "deepspeed":
-                runs += [Run(model, peer, s) for s in ds_stages]
             else:
                 runs.append(Run(model, peer))
+    if "deepspeed" in peers:
+        runs += [Run(model, "deepspeed", s) for model in models for s in ds_stages]
     return runs
 
 
@@ -263,8 +266,12 @@ def measure(
         "loss_last": round(losses[-1], 4),
     }
     if device.type == "cuda":
-        result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        result["mem_before_gib"] = round(allocated_before / 2**30, 3)  # nonzero: an earlier run leaked
+        # This configuration's own peak: what an earlier configuration failed to free is subtracted (and
+        # reported, since it should be zero).
+        result["peak_mem_gib"] = round(
+            (torch.cuda.max_memory_allocated(device) - allocated_before) / 2**30, 2
+        )
+        result["mem_before_gib"] = round(allocated_before / 2**30, 3)
     return result
 
 

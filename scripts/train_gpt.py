@@ -193,19 +193,27 @@ def limit_cpu_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def endless(loader: Any) -> Iterator[Any]:
-    """Batches from the loader, epoch after epoch (reshuffling when the sampler supports it)."""
+def endless(loader: Any, micro_batch: int) -> Iterator[Any]:
+    """Full micro-batches from the loader, epoch after epoch (reshuffled when the sampler supports it).
+
+    The short batch at the end of an epoch is skipped, so every step trains on the same number of tokens
+    and every rank's loss carries the same weight in the average.
+    """
     epoch = 0
     while True:
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-        empty = True
+        produced = False
         for batch in loader:
-            empty = False
-            yield batch
-        if empty:
-            raise UsageError("the data loader produced no batch: the dataset is smaller than one batch")
+            if len(batch[0]) == micro_batch:
+                produced = True
+                yield batch
+        if not produced:
+            raise UsageError(
+                f"the dataset gives this rank fewer than one micro-batch ({micro_batch} sequences); use a "
+                "longer text, a smaller --seq_len or a smaller micro batch"
+            )
         epoch += 1
 
 
@@ -242,7 +250,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             flush=True,
         )
 
-    batches = endless(loader)
+    batches = endless(loader, engine.train_micro_batch_size_per_gpu())
     losses: list[tuple[int, float]] = []
     loss_sum = torch.zeros((), device=engine.device)
     micro_steps = 0

@@ -10,7 +10,7 @@
 # Usage: bash scripts/demo.sh [extra train_gpt.py arguments, e.g. --steps 200]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup_env.sh
+source scripts/setup_env.sh ""  # an explicit (empty) argument: do not hand it our "$@"
 
 gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$gpus" -gt 0 ]; then

@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import paramiko
@@ -421,11 +421,17 @@ def run(
 
 @dataclass(frozen=True)
 class RemoteCheck:
-    """What must exist on each host for the job: the working directory, interpreter and a module."""
+    """What must exist on each host for the job: the working directory, interpreter and a module.
+
+    ``call``: a function of ``module`` that the checked process then becomes (``module.call([])``, its
+    return value the exit code), so that the check and the real work share one session and one
+    interpreter start; the SSH runner uses it to start the node agent right away.
+    """
 
     cwd: str
     python: str
     module: str = "launcher.agent"
+    call: str | None = None
 
 
 @dataclass
@@ -437,69 +443,114 @@ class Connection:
     hostname: str = ""  # the host's own name (``hostname`` there)
     address: str = ""  # the host's address on the connection we made (SSH_CONNECTION), for MASTER_ADDR
     python_version: str = ""
-    extra: dict = field(default_factory=dict)
+    # With RemoteCheck.call: the session now running ``module.call`` and its output after the probe line.
+    session: tuple[paramiko.Channel, paramiko.ChannelFile] | None = None
 
     def close(self) -> None:
+        if self.session is not None:
+            self.session[0].close()
+            self.session = None
         self.client.close()
         jump = getattr(self.client, "_dslaunch_jump", None)
         if jump is not None:
             jump.close()
 
 
+PROBE_MARK = b"@dslaunch-probe "
+
 _PROBE = r"""
 import json, os, socket, sys
 try:
-    __import__(sys.argv[1])
+    mod = __import__(sys.argv[1], fromlist=["_"])
 except Exception as e:
     print(f"{type(e).__name__}: {e}", file=sys.stderr)
     sys.exit(103)
 conn = os.environ.get("SSH_CONNECTION", "").split()
-print(json.dumps({"hostname": socket.gethostname(), "address": conn[2] if len(conn) == 4 else "",
-                  "python": sys.version.split()[0]}))
+info = {"hostname": socket.gethostname(), "address": conn[2] if len(conn) == 4 else "",
+        "python": sys.version.split()[0]}
+print("@dslaunch-probe " + json.dumps(info), flush=True)
+if len(sys.argv) > 2:
+    os._exit(getattr(mod, sys.argv[2])([]))
 """
 
 
 def probe_command(check: RemoteCheck) -> str:
     """Shell command that checks a host for the job; exit 101 no cwd, 102 no python, 103 no module."""
     cwd, py = shlex.quote(check.cwd), shlex.quote(check.python)
+    call = f" {shlex.quote(check.call)}" if check.call else ""
     return (
         f"cd -- {cwd} 2>/dev/null || exit 101; "
         f"command -v -- {py} >/dev/null 2>&1 || exit 102; "
-        f"exec {py} -c {shlex.quote(_PROBE)} {shlex.quote(check.module)}"
+        f"exec {py} -c {shlex.quote(_PROBE)} {shlex.quote(check.module)}{call}"
     )
 
 
-def check_host(conn_target: HostTarget, settings: SSHSettings, check: RemoteCheck | None) -> Connection:
-    """Connect to one host and, with ``check``, verify the job can run there. Raises SSHHostError."""
-    client = connect(conn_target, settings)
-    conn = Connection(conn_target, client)
-    if check is None:
-        return conn
-    try:
-        rc, out, err = run(conn_target, probe_command(check), settings, timeout=30, client=client)
-    except SSHHostError:
-        conn.close()
-        raise
-    host = str(conn_target)
-    failure = {
+def _probe_failure(host: str, check: RemoteCheck, rc: int, err: str) -> SSHHostError:
+    err = err.strip()[-300:]
+    cause, detail, hint = {
         101: (Cause.NO_PROJECT, f"working directory {check.cwd} does not exist there",
               "use the same path on every host (shared filesystem or identical checkout)"),
         102: (Cause.NO_PYTHON, f"no interpreter {check.python} there",
               "install the same environment at the same path, or pass --remote_python"),
-        103: (Cause.NO_PROJECT, f"{check.python} cannot import {check.module}: {err.strip()[-300:]}",
+        103: (Cause.NO_PROJECT, f"{check.python} cannot import {check.module}: {err}",
               "install dslaunch into that interpreter on every host (pip install -e <checkout>)"),
-    }.get(rc)  # fmt: skip
-    if failure is None and rc != 0:
-        failure = (Cause.COMMAND, f"probe exited {rc}: {err.strip()[-300:]}", "")
-    if failure is not None:
-        conn.close()
-        raise SSHHostError(host, *failure)
+    }.get(rc, (Cause.COMMAND, f"probe exited {rc}: {err}", ""))  # fmt: skip
+    return SSHHostError(host, cause, detail, hint)
+
+
+def start_checked(conn: Connection, check: RemoteCheck, timeout: float = 60.0) -> None:
+    """Run the probe on an open connection; fill in the host's facts. With ``check.call`` the session
+    stays open in ``conn.session``, now running the called function; otherwise it is closed.
+    Raises :class:`SSHHostError` (the connection stays open)."""
+    host = str(conn.target)
+    chan: paramiko.Channel | None = None
     try:
-        info = json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        conn.close()
-        raise SSHHostError(host, Cause.COMMAND, f"unexpected probe output {out[-200:]!r}") from None
+        transport = conn.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise SSHHostError(host, Cause.DISCONNECTED, "connection closed")
+        chan = transport.open_session(timeout=timeout)
+        chan.set_combine_stderr(True)  # a traceback or shell error is part of the story
+        chan.settimeout(timeout)
+        chan.exec_command(probe_command(check))
+        stream = chan.makefile("rb")
+        before: list[bytes] = []
+        while True:
+            line = stream.readline()
+            if line.startswith(PROBE_MARK):
+                break
+            if not line:  # the probe ended without its line: a failure, told by the exit code
+                rc = chan.recv_exit_status()
+                chan.close()
+                raise _probe_failure(host, check, rc, b"".join(before).decode(errors="replace"))
+            before.append(line)
+    except TimeoutError:
+        if chan is not None:
+            chan.close()
+        raise SSHHostError(host, Cause.COMMAND, f"the probe did not answer within {timeout:g}s") from None
+    except (paramiko.SSHException, OSError, EOFError) as e:
+        raise SSHHostError(host, Cause.DISCONNECTED, f"{type(e).__name__}: {e}") from e
+    chan.settimeout(None)
+    try:
+        info = json.loads(line[len(PROBE_MARK) :])
+    except ValueError:
+        chan.close()
+        raise SSHHostError(host, Cause.COMMAND, f"unexpected probe output {line[:200]!r}") from None
     conn.hostname, conn.address, conn.python_version = info["hostname"], info["address"], info["python"]
+    if check.call:
+        conn.session = (chan, stream)
+    else:
+        chan.close()
+
+
+def check_host(conn_target: HostTarget, settings: SSHSettings, check: RemoteCheck | None) -> Connection:
+    """Connect to one host and, with ``check``, verify the job can run there. Raises SSHHostError."""
+    conn = Connection(conn_target, connect(conn_target, settings))
+    if check is not None:
+        try:
+            start_checked(conn, check)
+        except SSHHostError:
+            conn.close()
+            raise
     return conn
 
 

@@ -281,3 +281,9 @@ def test_unusable_host_starts_nothing(troubled: Testbed, tmp_path: Path, case: s
     assert all(e in msg for e in expect), r.stderr
     assert "Traceback" not in r.stderr
     assert not Path(f"{script}.ran").exists()  # not even on the healthy worker1
+
+
+def test_a_missing_ssh_config_is_a_one_line_error(sshd_hosts: Testbed, tmp_path: Path) -> None:
+    r = run_dslaunch([*base_args(sshd_hosts, ssh_config=tmp_path / "nope"), "x.py"], timeout=60)
+    assert r.returncode == 2
+    assert f"ssh config file not found: {tmp_path / 'nope'}" in r.stderr and "Traceback" not in r.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher import envfwd
+from launcher import envfwd, ssh
 from launcher.agent import decode_spec_arg
 from launcher.errors import LaunchError
 from launcher.plan import HostSlots, JobConfig, make_plan
@@ -21,7 +21,7 @@ from launcher.runners.fanout import agent_shell_command, merge_env_args
 from launcher.runners.openmpi import mpirun_command
 from launcher.runners.pdsh import PDSHRunner, pdsh_command
 from launcher.runners.slurm import SlurmRunner, srun_command
-from launcher.runners.ssh import remote_command, remote_spec
+from launcher.runners.ssh import remote_spec
 
 NASTY_DIR = '/data/my runs/it\'s "here" $HOME'
 
@@ -36,11 +36,24 @@ def _sh_argv(command: str) -> list[str]:
     return out.stdout.decode().split("\0")[:-1]
 
 
-def test_ssh_remote_command_survives_the_remote_shell() -> None:
-    cmd = remote_command(NASTY_DIR, "/opt/py env/bin/python3")
-    parsed = shlex.split(cmd)
-    assert parsed[:4] == ["cd", "--", NASTY_DIR, "&&"]
-    assert parsed[4:] == ["exec", "/opt/py env/bin/python3", "-m", "launcher.agent"]
+def test_ssh_agent_command_survives_a_shell_and_reports_each_failure(tmp_path: Path) -> None:
+    # Run the exact command a remote login shell gets, here, with a directory name a shell could mangle.
+    nasty = tmp_path / 'it\'s "here" $HOME `x`'
+    nasty.mkdir()
+
+    def sh(check: ssh.RemoteCheck) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["sh", "-c", ssh.probe_command(check)], capture_output=True, text=True, stdin=subprocess.DEVNULL
+        )
+
+    ok = sh(ssh.RemoteCheck(str(nasty), sys.executable, "launcher.agent"))
+    assert ok.returncode == 0 and ok.stdout.startswith("@dslaunch-probe {"), ok
+    # With call="main" the probe becomes the agent, which then wants its spec on stdin (here: none).
+    agent = sh(ssh.RemoteCheck(str(nasty), sys.executable, "launcher.agent", call="main"))
+    assert agent.returncode == 2 and "no spec on stdin" in agent.stdout
+    assert sh(ssh.RemoteCheck(str(tmp_path / "gone"), sys.executable)).returncode == 101
+    assert sh(ssh.RemoteCheck(str(nasty), str(tmp_path / "nopython"))).returncode == 102
+    assert sh(ssh.RemoteCheck(str(nasty), sys.executable, "no_such_mod_q")).returncode == 103
 
 
 def test_remote_spec_puts_forwarded_env_under_the_plan_and_swaps_the_interpreter() -> None:

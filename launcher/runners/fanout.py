@@ -101,10 +101,9 @@ class FanoutRunner(SSHRunner):
     def check(self, plan: JobPlan) -> None:
         if shutil.which(self.tool) is None:
             raise LaunchError(f"--launcher {self.name}: {self.tool} is not installed ({self.install_hint})")
-        if self.uses_ssh:
-            super().check(plan)
-        else:
-            self.forwarded = forwarded_env(self.options, plan)
+        self.forwarded = forwarded_env(self.options, plan)
+        if self.uses_ssh:  # the same checks and messages as --launcher ssh; the tool starts the agents
+            self.connect([n.host for n in plan.nodes], plan.cwd)
 
     def master_addr(self, first_host: str) -> str:
         if not self.uses_ssh:

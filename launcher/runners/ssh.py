@@ -1,12 +1,14 @@
 """The SSH runner: one node agent per host over one paramiko channel, the channel being its lifeline.
 
-Per host, one SSH connection (opened and checked in parallel by ``launcher.ssh.preflight`` before anything
-starts, reused for every restart attempt) and, per attempt, one session channel running
-
-    cd -- <cwd> && exec <python> -m launcher.agent
-
+Per host, one SSH connection, reused for every restart attempt, and per attempt one session channel,
 without a pty (a pty would merge streams, rewrite newlines and SIGHUP the agent's workers on its own
-terms). The node spec, environment included, is the first line written to the channel's stdin: JSON
+terms). The session runs ``launcher.ssh.probe_command``: change to the head's working directory (exit 101
+if missing), find the interpreter (102), import ``launcher.agent`` (103), report the host's facts on one
+line, then become the agent (``launcher.agent.main``), which waits for its spec. So the preflight and the
+agent's start are one step, every host in parallel, and a job starts only once every host has an agent
+waiting; if one host fails, the waiting agents are released and nothing has started anywhere.
+
+The node spec, environment included, is the first line written to the channel's stdin: JSON
 carries any value intact and needs neither sshd's ``AcceptEnv`` nor shell quoting. The channel's stdin
 stays open for the life of the job: when the head exits, is SIGKILLed or loses the network path, sshd
 closes the agent's stdin and the agent stops its workers (and only its workers: every stop is scoped to
@@ -23,9 +25,9 @@ path everywhere), ``forward_env`` (default true; see ``launcher.envfwd``).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
-import shlex
 import socket
 import sys
 import threading
@@ -61,6 +63,21 @@ def _primary_address() -> str:
             return socket.gethostname()
 
 
+def _routable_address(hostname: str) -> str | None:
+    """``hostname`` as an IP address if it is one, or if it resolves here to a non-loopback address."""
+    try:
+        return str(ipaddress.ip_address(hostname))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    addrs = [str(i[4][0]) for i in infos]
+    good = [a for a in addrs if not ipaddress.ip_address(a).is_loopback]
+    return good[0] if good else None
+
+
 def settings_from_options(options: RunnerOptions) -> ssh.SSHSettings:
     extra = options.extra
     cfg = extra.get("ssh_config")
@@ -70,11 +87,6 @@ def settings_from_options(options: RunnerOptions) -> ssh.SSHSettings:
         port=int(port) if port else None,
         accept_new_host_keys=bool(extra.get("accept_new_host_keys", False)),
     )
-
-
-def remote_command(cwd: str, python: str) -> str:
-    """The shell command that becomes the agent on a host (run by the user's login shell there)."""
-    return f"cd -- {shlex.quote(cwd)} && exec {shlex.quote(python)} -m {AGENT_MODULE}"
 
 
 def remote_spec(
@@ -102,12 +114,14 @@ def forwarded_env(options: RunnerOptions, plan: JobPlan) -> envfwd.ForwardedEnv:
 class SSHAgentHandle(AgentHandle):
     """One remote agent on one session channel."""
 
-    def __init__(self, conn: ssh.Connection, chan: paramiko.Channel, node_rank: int, name: str) -> None:
+    def __init__(
+        self, conn: ssh.Connection, chan: paramiko.Channel, stream: Any, node_rank: int, name: str
+    ) -> None:
         self.conn = conn
         self.chan = chan  # holding it keeps the remote agent's stdin (its lifeline) open
         self.node_ranks = (node_rank,)
         self.name = name
-        self._out = chan.makefile("rb")
+        self._out = stream
         self._lock = threading.Lock()
 
     def readline(self) -> bytes:
@@ -151,75 +165,108 @@ class SSHRunner(Runner):
         self.forwarded: envfwd.ForwardedEnv | None = None
 
     # -- before anything starts -----------------------------------------------------------------
+    def _agent_check(self, cwd: str | None) -> ssh.RemoteCheck:
+        return ssh.RemoteCheck(cwd or os.getcwd(), self.remote_python, AGENT_MODULE, call="main")
+
     def connect(self, hosts: Sequence[str], cwd: str | None = None) -> dict[str, ssh.Connection]:
-        """Preflight every remote host (parallel, all-or-nothing) and keep the connections."""
-        remote = [h for h in hosts if not is_local_host(h) and h not in self.conns]
-        if remote:
+        """Preflight remote hosts not connected yet (parallel, all-or-nothing) and keep the connections."""
+        todo = [h for h in hosts if not is_local_host(h) and h not in self.conns]
+        if todo:
             check = ssh.RemoteCheck(cwd or os.getcwd(), self.remote_python, AGENT_MODULE)
             try:
-                self.conns.update(ssh.preflight(remote, self.settings, check))
+                self.conns.update(ssh.preflight(todo, self.settings, check))
             except ssh.PreflightError as e:
                 raise LaunchError(str(e)) from None
         return self.conns
 
+    def prepare(self, hosts: Sequence[str], cwd: str | None) -> None:
+        """Give every remote host a checked session whose agent waits for its spec on stdin.
+
+        Connecting, checking the host and starting the agent are one step per host, all hosts in
+        parallel (bounded: stock sshd drops bursts). All-or-nothing: if a host fails, every waiting agent
+        is released (its stdin closes before a spec arrived: it exits without starting anything).
+        """
+        check = self._agent_check(cwd)
+        todo = [h for h in hosts if not is_local_host(h) and not (h in self.conns and self.conns[h].session)]
+        errors: dict[str, ssh.SSHHostError] = {}
+
+        def one(host: str) -> None:
+            try:
+                conn = self.conns.get(host)
+                transport = conn.client.get_transport() if conn else None
+                if conn is not None and transport is not None and transport.is_active():
+                    ssh.start_checked(conn, check)
+                    return
+                if conn is not None:  # lost between restart attempts: connect again
+                    conn.close()
+                self.conns[host] = ssh.check_host(ssh.resolve(host, self.settings), self.settings, check)
+            except ssh.SSHHostError as e:
+                errors[host] = e
+            except Exception as e:  # never lose a host's failure to a thread
+                errors[host] = ssh.SSHHostError(host, ssh.Cause.DISCONNECTED, f"{type(e).__name__}: {e}")
+
+        if todo:
+            with ThreadPoolExecutor(max_workers=max(1, min(self.settings.max_parallel, len(todo)))) as pool:
+                list(pool.map(one, todo))
+        if errors:
+            self.release()
+            raise LaunchError(str(ssh.PreflightError([errors[h] for h in todo if h in errors])))
+
+    def release(self) -> None:
+        """Close the sessions of agents still waiting for a spec."""
+        for conn in self.conns.values():
+            if conn.session is not None:
+                conn.session[0].close()
+                conn.session = None
+
     def master_addr(self, first_host: str) -> str:
         """An address of the first host that every other host can reach.
 
-        A remote first host: the address our connection reached it on, as the host itself reports it
-        (SSH_CONNECTION), i.e. a routable address even behind a jump host; the connection made for it is
-        the one the job then uses. This machine as first host: the address of the interface that its
-        default route leaves by (no packet is sent), else its name.
+        A remote first host: its ssh_config HostName if that is an IP address or resolves here to a
+        non-loopback one (no connection needed); otherwise (a proxy or jump host in between, a name only
+        the cluster resolves) the address our SSH connection reached it on, as the host itself reports it
+        (SSH_CONNECTION). This machine as first host: the address of the interface that its default
+        route leaves by (no packet is sent), else its name.
         """
-        if not is_local_host(first_host):
-            return ssh.master_address(self.connect([first_host])[first_host])
-        return _primary_address()
+        if is_local_host(first_host):
+            return _primary_address()
+        try:
+            target = ssh.resolve(first_host, self.settings)
+        except ssh.SSHHostError as e:
+            raise LaunchError(str(e)) from None
+        if not (target.proxy_jump or target.proxy_command):
+            addr = _routable_address(target.hostname)
+            if addr:
+                return addr
+        return ssh.master_address(self.connect([first_host])[first_host])
 
     def check(self, plan: JobPlan) -> None:
         self.forwarded = forwarded_env(self.options, plan)
-        self.connect([n.host for n in plan.nodes], plan.cwd)
+        self.prepare([n.host for n in plan.nodes], plan.cwd)
 
     # -- start --------------------------------------------------------------------------------------
-    def _reconnect_if_lost(self, host: str, cwd: str) -> ssh.Connection:
-        conn = self.conns[host]
-        transport = conn.client.get_transport()
-        if transport is None or not transport.is_active():  # lost between restart attempts
-            conn.close()
-            del self.conns[host]
-            self.connect([host], cwd)
-            conn = self.conns[host]
-        return conn
-
-    def _start_remote(self, spec: dict[str, Any], cwd: str) -> SSHAgentHandle:
-        host = spec["host"]
-        conn = self._reconnect_if_lost(host, cwd)
-        fwd = self.forwarded.values if self.forwarded else {}
-        payload = json.dumps(remote_spec(spec, fwd, self.remote_python, self.options.python))
-        try:
-            transport = conn.client.get_transport()
-            assert transport is not None
-            chan = transport.open_session(timeout=30)
-            chan.set_combine_stderr(True)  # an agent traceback or a shell error reaches the user
-            chan.exec_command(remote_command(cwd, self.remote_python))
-            chan.sendall(payload.encode() + b"\n")
-        except (paramiko.SSHException, OSError, EOFError) as e:
-            raise LaunchError(f"{conn.target}: could not start the agent: {e}") from None
-        return SSHAgentHandle(conn, chan, spec["node_rank"], host)
-
     def launch(self, plan: JobPlan, specs: Sequence[dict[str, Any]]) -> list[AgentHandle]:
         if self.forwarded is None:
-            self.check(plan)
+            self.forwarded = forwarded_env(self.options, plan)
         cwd = plan.cwd or os.getcwd()
         local = [s for s in specs if is_local_host(s["host"])]
         remote = [s for s in specs if not is_local_host(s["host"])]
+        self.prepare([s["host"] for s in remote], cwd)  # restarts: new agents on the same connections
         handles: list[AgentHandle] = []
         errors: list[str] = []
-        with ThreadPoolExecutor(max_workers=max(1, min(self.settings.max_parallel, len(remote)))) as pool:
-            futures = [pool.submit(self._start_remote, s, cwd) for s in remote]
-            for f in futures:
-                try:
-                    handles.append(f.result())
-                except LaunchError as e:
-                    errors.append(str(e))
+        for spec in remote:  # each agent is up and waiting: sending its spec is all that is left
+            conn = self.conns[spec["host"]]
+            assert conn.session is not None
+            chan, stream = conn.session
+            conn.session = None
+            payload = remote_spec(spec, self.forwarded.values, self.remote_python, self.options.python)
+            try:
+                chan.sendall(json.dumps(payload, separators=(",", ":")).encode() + b"\n")
+            except (paramiko.SSHException, OSError, EOFError) as e:
+                errors.append(f"{conn.target}: could not start the agent: {e}")
+                chan.close()
+                continue
+            handles.append(SSHAgentHandle(conn, chan, stream, spec["node_rank"], spec["host"]))
         if not errors and local:
             handles += LocalRunner(self.options).launch(plan, local)
         if errors:
@@ -229,7 +276,7 @@ class SSHRunner(Runner):
         return sorted(handles, key=lambda h: h.node_ranks[0])
 
     def close(self) -> None:
-        """Close every connection (the supervisor's end of job)."""
+        """Close every connection (the supervisor calls this once, after the last attempt)."""
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()

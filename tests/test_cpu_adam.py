@@ -52,9 +52,12 @@ def test_step_matches_torch_reference_over_20_steps(adamw_mode: bool) -> None:
     ref = ref_cls(_groups(ref_p), betas=(0.9, 0.95), eps=1e-6, foreach=False)
     # The LR schedule must reach the kernel each step, as the engine's scheduler would change it.
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (ours, ref)]
-    for step_grads in _grads(SHAPES, STEPS):
+    for t, step_grads in enumerate(_grads(SHAPES, STEPS)):
         for p, q, g in zip(ours_p, ref_p, step_grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
+        # A parameter without a gradient is skipped and its step count stays behind, as in torch.
+        if t % 3 == 0:
+            ours_p[1].grad = ref_p[1].grad = None
         ours.step()
         ref.step()
         for s in scheds:
@@ -67,7 +70,8 @@ def test_step_matches_torch_reference_over_20_steps(adamw_mode: bool) -> None:
         torch.testing.assert_close(
             ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-9
         )
-        assert ours.state[p]["step"].item() == STEPS
+        assert ours.state[p]["step"].item() == ref.state[q]["step"].item()
+    assert ours.state[ours_p[1]]["step"].item() == STEPS - len(range(0, STEPS, 3))
 
 
 def test_closure_loss_is_returned_and_grads_untouched() -> None:
@@ -283,13 +287,37 @@ def test_bad_inputs_are_named() -> None:
     opt = CPUAdam([master])
     with pytest.raises(ValueError, match="got 2 grads for 1 parameters"):
         opt.step(grads=[torch.randn(100), torch.randn(100)])
-    with pytest.raises(ValueError, match="grad has 99 elements but the parameter has 100"):
+    with pytest.raises(ValueError, match=r"grads\[0\] has 99 elements but the parameter has 100"):
         opt.step(grads=[torch.randn(99)])
-    with pytest.raises(ValueError, match=r"out has dtype torch\.int32"):
+    with pytest.raises(ValueError, match=r"out\[0\] has dtype torch\.int32"):
         opt.step(grads=[torch.randn(100)], out=[torch.empty(100, dtype=torch.int32)])
     with pytest.raises(ValueError, match="chunk_elems must be >= 0"):
         CPUAdam([master], chunk_elems=-1)
     assert master.isfinite().all() and not opt.state  # nothing was stepped by the refused calls
+
+
+def test_refused_step_changes_nothing_and_callback_sees_finished_buffers() -> None:
+    bufs = [torch.randn(300, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    opt = CPUAdam([{"params": bufs[:2]}, {"params": bufs[2:], "lr": 0.1}], lr=1e-2, chunk_elems=128)
+    grads = [torch.randn(300).to(torch.bfloat16) for _ in bufs]
+    outs = [torch.empty(300, dtype=torch.bfloat16) for _ in bufs]
+    before = [b.clone() for b in bufs]
+    with pytest.raises(ValueError, match=r"out\[2\] has 299 elements"):
+        opt.step(grads=grads, out=[*outs[:2], torch.empty(299, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match=r"out\[1\] was given but parameter 1 has no gradient"):
+        opt.step(grads=[grads[0], None, grads[2]], out=outs)
+    assert all(torch.equal(a, b) for a, b in zip(bufs, before, strict=True)) and not opt.state
+
+    seen: list[tuple[int, bool, bool]] = []
+
+    def done(i: int) -> None:
+        # Buffer i is final (its bf16 copy matches), the next one is still untouched.
+        nxt = i + 1 < len(bufs) and torch.equal(bufs[i + 1], before[i + 1])
+        seen.append((i, torch.equal(outs[i], bufs[i].to(torch.bfloat16)), nxt or i + 1 == len(bufs)))
+
+    opt.step(grads=[grads[0], None, grads[2]], out=[outs[0], None, outs[2]], on_param_done=done)
+    assert seen == [(0, True, True), (2, True, True)]
+    assert torch.equal(bufs[1], before[1]) and not torch.equal(bufs[2], before[2])
 
 
 def test_adam_step_functional_core() -> None:

@@ -110,6 +110,35 @@ def _check_flat(who: str, name: str, t: torch.Tensor, numel: int, dtypes: tuple[
         raise ValueError(f"{who}: {name} is not contiguous; the kernel walks memory linearly")
 
 
+def _kernel(
+    hp: AdamHyperparams, grad_scale: float | torch.Tensor | None
+) -> tuple[Callable[..., None], dict[str, Any]]:
+    """torch's fused CPU kernel for the mode, with its keyword arguments."""
+    if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+        grad_scale = torch.tensor(float(grad_scale), dtype=torch.float32)
+    kwargs: dict[str, Any] = dict(
+        lr=hp.lr,
+        beta1=hp.beta1,
+        beta2=hp.beta2,
+        weight_decay=hp.weight_decay,
+        eps=hp.eps,
+        amsgrad=False,
+        maximize=False,
+        grad_scale=grad_scale,
+    )
+    return (torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_), kwargs
+
+
+def _step_tensor(step: float | torch.Tensor, hp: AdamHyperparams) -> torch.Tensor:
+    # The kernel always applies bias correction 1 - beta^step; with step = inf both factors are exactly 1
+    # (beta < 1), which is Adam without bias correction and needs no second kernel.
+    if not hp.bias_correction:
+        return torch.tensor(math.inf, dtype=torch.float32)
+    if isinstance(step, torch.Tensor):
+        return step
+    return torch.tensor(step, dtype=torch.float32)
+
+
 def adam_step_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -149,22 +178,8 @@ def adam_step_(
     if step < 1:
         raise ValueError(f"{who}: step counts updates from 1, got {step}")
 
-    kernel = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
-    # The kernel always applies bias correction 1 - beta^step; with step = inf both factors are exactly 1
-    # (beta < 1), which is Adam without bias correction and needs no second kernel.
-    step_t = torch.tensor(float(step) if hp.bias_correction else math.inf, dtype=torch.float32)
-    if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
-        grad_scale = torch.tensor(float(grad_scale), dtype=torch.float32)
-    kwargs: dict[str, Any] = dict(
-        lr=hp.lr,
-        beta1=hp.beta1,
-        beta2=hp.beta2,
-        weight_decay=hp.weight_decay,
-        eps=hp.eps,
-        amsgrad=False,
-        maximize=False,
-        grad_scale=grad_scale,
-    )
+    kernel, kwargs = _kernel(hp, grad_scale)
+    step_t = _step_tensor(float(step), hp)
     p, g, m, v = param.view(-1), grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1)
     state_dtype = m.dtype
     stage_param = p.dtype != state_dtype
@@ -302,18 +317,8 @@ class CPUAdam(torch.optim.Optimizer):
             self._scratch = torch.empty(need, dtype=dtype)
         return self._scratch
 
-    def _update(
-        self,
-        p: torch.Tensor,
-        grad: torch.Tensor,
-        group: dict[str, Any],
-        out: torch.Tensor | None,
-        grad_scale: float | torch.Tensor | None,
-    ) -> None:
-        # Refuse bad operands before the state changes, so a refused call leaves the optimizer as it was.
-        _check_flat("CPUAdam.step", "grad", grad, p.numel(), _KERNEL_DTYPES)
-        if out is not None:
-            _check_flat("CPUAdam.step", "out", out, p.numel(), _KERNEL_DTYPES)
+    def _advance(self, p: torch.Tensor) -> dict[str, Any]:
+        """p's state, created on first use, with its step count already advanced for this update."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -322,6 +327,17 @@ class CPUAdam(torch.optim.Optimizer):
         elif not isinstance(state["step"], torch.Tensor):  # an int step, as DeepSpeed stores it
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
         state["step"] += 1
+        return state
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        grad: torch.Tensor,
+        group: dict[str, Any],
+        out: torch.Tensor | None,
+        grad_scale: float | torch.Tensor | None,
+    ) -> None:
+        state = self._advance(p)
         m = state["exp_avg"]
         chunk = _resolve_chunk(self.chunk_elems, p.numel())
         need = scratch_elems(p.numel(), chunk, p.dtype != m.dtype, grad.dtype != m.dtype)
@@ -338,6 +354,27 @@ class CPUAdam(torch.optim.Optimizer):
             scratch=self._scratch_for(need, m.dtype) if need else None,
         )
 
+    def _update_many(
+        self,
+        items: list[tuple[torch.Tensor, torch.Tensor]],
+        group: dict[str, Any],
+        grad_scale: float | torch.Tensor | None,
+    ) -> None:
+        """Parameters that need no conversion, in one kernel call: per-call overhead (~30 us in Python)
+        would otherwise dominate models with hundreds of small tensors."""
+        hp = AdamHyperparams.from_group(group)
+        kernel, kwargs = _kernel(hp, grad_scale)
+        states = [self._advance(p) for p, _ in items]
+        kernel(
+            [p for p, _ in items],
+            [g for _, g in items],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [_step_tensor(s["step"], hp) for s in states],
+            **kwargs,
+        )
+
     @torch.no_grad()
     def step(
         self,
@@ -346,6 +383,7 @@ class CPUAdam(torch.optim.Optimizer):
         grads: Sequence[torch.Tensor | None] | None = None,
         out: Sequence[torch.Tensor | None] | None = None,
         grad_scale: float | torch.Tensor | None = None,
+        on_param_done: Callable[[int], None] | None = None,
     ) -> Any:
         """Update the parameters; returns the closure's loss if a closure is given.
 
@@ -358,8 +396,12 @@ class CPUAdam(torch.optim.Optimizer):
           updated parameter in the same pass.
         - gradients are divided by ``grad_scale`` (loss scale / clip factor) inside the kernel; fp32
           grads are left holding the divided values.
+        - ``on_param_done(i)`` runs right after parameter i and ``out[i]`` are final, while the next
+          parameter is not yet touched: the place to start that buffer's non-blocking copy to the GPU so
+          it overlaps the rest of the step.
 
-        Going through ``step`` (not a second method) keeps optimizer hooks and LR schedulers working.
+        Every operand is checked before anything is updated. Going through ``step`` (not a second
+        method) keeps optimizer hooks and LR schedulers working.
         """
         loss = None
         if closure is not None:
@@ -373,12 +415,34 @@ class CPUAdam(torch.optim.Optimizer):
         if out is not None and len(out) != len(params):
             raise ValueError(f"CPUAdam.step: got {len(out)} outputs for {len(params)} parameters")
         outs = out if out is not None else [None] * len(params)
-        for (group, p), grad, o in zip(params, grads, outs, strict=True):
-            if grad is None:
-                if o is not None:
-                    raise ValueError("CPUAdam.step: an output was given for a parameter without a gradient")
-                continue
-            self._update(p, grad, group, o, grad_scale)
+        for i, ((_, p), grad, o) in enumerate(zip(params, grads, outs, strict=True)):
+            if grad is None and o is not None:
+                raise ValueError(f"CPUAdam.step: out[{i}] was given but parameter {i} has no gradient")
+            if grad is not None:
+                _check_flat("CPUAdam.step", f"grads[{i}]", grad, p.numel(), _KERNEL_DTYPES)
+            if o is not None:
+                _check_flat("CPUAdam.step", f"out[{i}]", o, p.numel(), _KERNEL_DTYPES)
+        if out is None and on_param_done is None:
+            # The plain path: batch what needs no conversion, per group; the rest one by one.
+            start = 0
+            for group in self.param_groups:
+                batch = []
+                for p, grad in zip(group["params"], grads[start : start + len(group["params"])], strict=True):
+                    if grad is None:
+                        continue
+                    if grad.dtype == p.dtype == self._state_dtype(p):
+                        batch.append((p, grad))
+                    else:
+                        self._update(p, grad, group, None, grad_scale)
+                if batch:
+                    self._update_many(batch, group, grad_scale)
+                start += len(group["params"])
+            return loss
+        for i, ((group, p), grad, o) in enumerate(zip(params, grads, outs, strict=True)):
+            if grad is not None:
+                self._update(p, grad, group, o, grad_scale)
+                if on_param_done is not None:
+                    on_param_done(i)
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

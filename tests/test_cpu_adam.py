@@ -291,6 +291,8 @@ def test_bad_inputs_are_named() -> None:
         opt.step(grads=[torch.randn(99)])
     with pytest.raises(ValueError, match=r"out\[0\] has dtype torch\.int32"):
         opt.step(grads=[torch.randn(100)], out=[torch.empty(100, dtype=torch.int32)])
+    with pytest.raises(ValueError, match=r"grad_scale must be a finite number > 0, got 0\.0"):
+        opt.step(grads=[torch.randn(100)], grad_scale=0.0)
     with pytest.raises(ValueError, match="chunk_elems must be >= 0"):
         CPUAdam([master], chunk_elems=-1)
     assert master.isfinite().all() and not opt.state  # nothing was stepped by the refused calls

@@ -110,11 +110,19 @@ def _check_flat(who: str, name: str, t: torch.Tensor, numel: int, dtypes: tuple[
         raise ValueError(f"{who}: {name} is not contiguous; the kernel walks memory linearly")
 
 
+def _check_grad_scale(who: str, grad_scale: float | torch.Tensor | None) -> None:
+    # Only plain numbers are checked: a tensor scale is the caller's (reading it may wait on a GPU).
+    if isinstance(grad_scale, (int, float)) and not (math.isfinite(grad_scale) and grad_scale > 0):
+        raise ValueError(f"{who}: grad_scale must be a finite number > 0, got {grad_scale}")
+
+
 def _kernel(
     hp: AdamHyperparams, grad_scale: float | torch.Tensor | None
 ) -> tuple[Callable[..., None], dict[str, Any]]:
     """torch's fused CPU kernel for the mode, with its keyword arguments."""
-    if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+    if isinstance(grad_scale, torch.Tensor):
+        grad_scale = grad_scale.to(device="cpu", dtype=torch.float32)  # the CPU kernel reads a float
+    elif grad_scale is not None:
         grad_scale = torch.tensor(float(grad_scale), dtype=torch.float32)
     kwargs: dict[str, Any] = dict(
         lr=hp.lr,
@@ -177,6 +185,7 @@ def adam_step_(
         _check_flat(who, "out", out, n, _KERNEL_DTYPES)
     if step < 1:
         raise ValueError(f"{who}: step counts updates from 1, got {step}")
+    _check_grad_scale(who, grad_scale)
 
     kernel, kwargs = _kernel(hp, grad_scale)
     step_t = _step_tensor(float(step), hp)
@@ -414,6 +423,7 @@ class CPUAdam(torch.optim.Optimizer):
             raise ValueError(f"CPUAdam.step: got {len(grads)} grads for {len(params)} parameters")
         if out is not None and len(out) != len(params):
             raise ValueError(f"CPUAdam.step: got {len(out)} outputs for {len(params)} parameters")
+        _check_grad_scale("CPUAdam.step", grad_scale)
         outs = out if out is not None else [None] * len(params)
         for i, ((_, p), grad, o) in enumerate(zip(params, grads, outs, strict=True)):
             if grad is None and o is not None:

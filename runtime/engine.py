@@ -121,14 +121,14 @@ class Engine(nn.Module):
             )
         managed = {p for g in self.groups for p in g.params}
         _cast_unmanaged(model, managed, self.policy.param_dtype)
-        prescale = config.prescale_gradients
+        self._pre_reduce_scale = _pre_reduce_scale(config, self.comm.world_size)
         self.zero: ZeroStage = build_zero_stage(
             zero_cfg.stage,
             self.groups,
             self.comm,
             registration=registration,
             overlap_comm=zero_cfg.overlap_comm,
-            pre_reduce_scale=1.0 / config.gradient_predivide_factor if prescale else 1.0,
+            pre_reduce_scale=self._pre_reduce_scale,
             reduce_dtype=self.policy.reduce_dtype,
         )
         self.optimizer, self._per_tensor = self._build_optimizer(optimizer, sharded)
@@ -229,7 +229,8 @@ class Engine(nn.Module):
         accumulation = self.gradient_accumulation_steps() if self._scale_wrt_gas else 1
         result = finish_grads(
             grads,
-            divisor=self.comm.world_size * accumulation,
+            # what is left of the mean over ranks and micro-steps after the pre-reduce scaling
+            divisor=self.comm.world_size * accumulation * self._pre_reduce_scale,
             loss_scale=self.loss_scale,
             max_norm=self.config.gradient_clipping,
             check_overflow=self.loss_scaler is not None,
@@ -363,6 +364,16 @@ def _refuse_unsupported(config: Any) -> None:
             raise NotImplementedError(
                 f"zero_optimization.{name}.device={getattr(zero, name).device!r} is not available yet"
             )
+
+
+def _pre_reduce_scale(config: Any, world_size: int) -> float:
+    """Gradient scaling before the reduction, DeepSpeed's way: prescale_gradients divides by the world size
+    up front; otherwise gradient_predivide_factor (default 1) is divided out before and the rest after."""
+    if world_size == 1:
+        return 1.0
+    if config.prescale_gradients:
+        return 1.0 / world_size
+    return 1.0 / config.gradient_predivide_factor
 
 
 def _cast_unmanaged(model: nn.Module, managed: set[nn.Parameter], dtype: torch.dtype) -> None:

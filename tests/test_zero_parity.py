@@ -40,7 +40,9 @@ class Case:
     bucket: int = 700  # elements: several buckets per group, so pieces and ordering are exercised
     reduce_dtype: str | None = None
     prescale: bool = False
+    predivide: float = 1.0
     overlap: bool = True
+    native_reduce_scatter: bool = True
 
     @property
     def optimizer(self) -> str:
@@ -53,11 +55,13 @@ class Case:
             "steps_per_print": 0,
             "gradient_clipping": self.clip,
             "prescale_gradients": self.prescale,
+            "gradient_predivide_factor": self.predivide,
             "optimizer": {"type": self.optimizer, "params": {"lr": LR[self.optimizer]}},
             "zero_optimization": {
                 "stage": self.stage,
                 "reduce_bucket_size": self.bucket,
                 "overlap_comm": self.overlap,
+                "reduce_scatter": self.native_reduce_scatter,
             },
         }
         if self.optimizer == "SGD":
@@ -81,6 +85,8 @@ GRID = [
 EXTRA = [
     Case(2, "bf16", 2, CLIP, reduce_dtype="fp32"),  # bf16 gradients, fp32 on the wire
     Case(1, "fp32", 1, 0.0, prescale=True),
+    Case(0, "fp16", 2, 0.0, predivide=4.0),
+    Case(2, "fp32", 2, CLIP, native_reduce_scatter=False),  # reduce-scatter emulated by all-reduce
     Case(2, "fp32", 2, 0.0, overlap=False),
     Case(1, "fp32", 2, CLIP, bucket=10**9),  # one bucket per group: the master aliases the working buffer
     Case(0, "bf16", 1, CLIP, overlap=False),

@@ -16,6 +16,7 @@ the config sets zero_allow_untested_optimizer.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,13 +144,21 @@ def rebuild_client_optimizer(
             stacklevel=3,
         )
     try:
-        return cls(groups, **client.defaults)
+        return cls(groups, **_constructor_kwargs(cls, client.defaults))
     except TypeError as error:
         raise TypeError(
             f"cannot rebuild the client optimizer {cls.__name__} on the ZeRO master shards with "
             f"{cls.__name__}(param_groups, **defaults): {error}. Pass a callable optimizer=lambda params: "
             f"{cls.__name__}(params, ...) or configure the optimizer in the config instead"
         ) from error
+
+
+def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The defaults the constructor takes (torch's AdamW records decoupled_weight_decay but refuses it)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in parameters}
 
 
 def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:

@@ -53,6 +53,10 @@ class UsageError(Exception):
     """Bad arguments or inputs: reported as one line and exit code 2, never as a traceback."""
 
 
+class Diverged(Exception):
+    """The loss became NaN or infinite: reported as one line and exit code 1."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="train_gpt.py",
@@ -281,7 +285,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                     flush=True,
                 )
             if not math.isfinite(mean_loss):
-                raise RuntimeError(f"loss is {mean_loss} at step {step}; stopping")
+                raise Diverged(
+                    f"the loss is {mean_loss} at step {step}; try a lower --lr or gradient_clipping"
+                )
     elapsed = time.perf_counter() - start
     summary = {"first_loss": losses[0][1], "final_loss": losses[-1][1], "seconds": elapsed}
     if rank == 0:
@@ -300,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, DataError, ConfigError) as exc:
         print(f"train_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except Diverged as exc:
+        print(f"train_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

@@ -114,12 +114,20 @@ def _local_rank_guess(env: Mapping[str, str], rank: int) -> int:
 
 
 def device_for(local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    """cuda:LOCAL_RANK when CUDA is available, else cpu.
+
+    A process that sees exactly one GPU uses it whatever its LOCAL_RANK (Slurm's --gpus-per-task and
+    similar bindings give each process its own CUDA_VISIBLE_DEVICES).
+    """
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        if local_rank >= count:
-            raise DistEnvError(f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible")
-        return torch.device("cuda", local_rank)
+        if local_rank < count:
+            return torch.device("cuda", local_rank)
+        if count == 1:
+            return torch.device("cuda", 0)
+        raise DistEnvError(
+            f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible to this process"
+        )
     return torch.device("cpu")
 
 
@@ -149,7 +157,7 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
         # `python train.py`: no rendezvous, no port to collide with other jobs.
         kwargs["store"] = dist.HashStore()
     else:
-        # Other tools (Slurm, mpirun) do not set these names; env:// and torch's own helpers read them.
+        # Slurm and mpirun do not set these names; env:// and torch's own helpers read them.
         os.environ.setdefault("MASTER_ADDR", str(env.master_addr))
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         for name, value in (
@@ -158,10 +166,7 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
             ("LOCAL_RANK", env.local_rank),
         ):
             os.environ.setdefault(name, str(value))
-        kwargs["init_method"] = f"tcp://{_host_for_url(str(env.master_addr))}:{env.master_port}"
+        # env:// (not tcp://) so a torchrun worker joins the agent's store instead of opening its own
+        kwargs["init_method"] = "env://"
     _log.debug("init_process_group %s (rank %d/%d from %s)", backend, env.rank, env.world_size, env.source)
     dist.init_process_group(**kwargs)
-
-
-def _host_for_url(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host

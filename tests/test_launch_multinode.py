@@ -287,3 +287,28 @@ def test_a_missing_ssh_config_is_a_one_line_error(sshd_hosts: Testbed, tmp_path:
     r = run_dslaunch([*base_args(sshd_hosts, ssh_config=tmp_path / "nope"), "x.py"], timeout=60)
     assert r.returncode == 2
     assert f"ssh config file not found: {tmp_path / 'nope'}" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_hostfile_may_name_user_address_and_port(sshd_hosts: Testbed, tmp_path: Path) -> None:
+    # No ssh_config alias needed: user@address:port straight from the hostfile (keys from "Host *").
+    script = worker(tmp_path, SLEEP_WORKER)
+    w1, w2 = sshd_hosts.host("worker1"), sshd_hosts.host("worker2")
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(f"root@{w1.address}:{w1.port} slots=1\nroot@{w2.address}:{w2.port} slots=1\n")
+    r = run_dslaunch([*base_args(sshd_hosts, hostfile), "--env", "SLEEP=0", str(script)])
+    assert r.returncode == 0, r.stderr
+    assert f"[root@{w2.address}:{w2.port} rank 1] ready 1" in r.stdout
+
+
+def test_accept_new_host_keys_is_an_explicit_opt_in(troubled: Testbed, tmp_path: Path) -> None:
+    script = worker(tmp_path, "open(__file__ + '.ran', 'a').close()\n")
+    kh = _known_hosts_without(troubled, "worker2", tmp_path / "kh")
+    cfg = troubled.write_ssh_config(tmp_path / "cfg", known_hosts=kh)
+    hostfile = troubled.write_hostfile(tmp_path / "hostfile", hosts=["worker1", "worker2"])
+    args = [*base_args(troubled, hostfile, cfg), str(script)]
+    assert run_dslaunch(args, timeout=60).returncode == 2  # the default refuses
+    r = run_dslaunch(["--accept_new_host_keys", *args], timeout=60)
+    assert r.returncode == 0, r.stderr
+    w2 = troubled.host("worker2")
+    assert f"[{w2.address}]:{w2.port} {w2.host_key_pub.read_text().split()[0]}" in kh.read_text()
+    assert Path(f"{script}.ran").exists()

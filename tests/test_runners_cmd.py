@@ -164,3 +164,11 @@ def test_a_spec_too_large_for_argv_is_refused_with_a_way_out() -> None:
     plan = _plan(["w1", "w2"], BIG=noise)
     with pytest.raises(LaunchError, match="use --launcher ssh"):
         runner.guard_command(plan, _specs(runner, plan))
+
+
+@pytest.mark.parametrize("host", ["alice@w1", "w1:2222"])
+def test_fanout_tools_refuse_per_host_user_or_port(host: str) -> None:
+    runner = PDSHRunner(RunnerOptions(python=sys.executable))
+    plan = _plan([host, "w2"])
+    with pytest.raises(LaunchError, match=rf"host '{host}': user@ and :port .* --launcher ssh only"):
+        runner.check(plan)

@@ -101,6 +101,12 @@ class FanoutRunner(SSHRunner):
     def check(self, plan: JobPlan) -> None:
         if shutil.which(self.tool) is None:
             raise LaunchError(f"--launcher {self.name}: {self.tool} is not installed ({self.install_hint})")
+        odd = [n.host for n in plan.nodes if "@" in n.host or n.host.count(":") == 1]
+        if odd:
+            raise LaunchError(
+                f"--launcher {self.name}: host {odd[0]!r}: user@ and :port in the hostfile work with "
+                f"--launcher ssh only; set User/Port for that host in ssh_config instead"
+            )
         self.forwarded = forwarded_env(self.options, plan)
         if self.uses_ssh:  # the same checks and messages as --launcher ssh; the tool starts the agents
             self.connect([n.host for n in plan.nodes], plan.cwd)

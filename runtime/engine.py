@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm
+from runtime.config import Config
 from runtime.distributed import current_device
 from runtime.engine_log import StepLog, Timers
 from runtime.precision.loss_scaler import LossScaler
@@ -69,7 +70,7 @@ class Engine(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        config: Any,
+        config: Config,
         *,
         optimizer: OptimizerSource | None = None,
         model_parameters: Any = None,
@@ -102,6 +103,7 @@ class Engine(nn.Module):
         sharded = shards_optimizer_state(zero_cfg.stage) and self.comm.world_size > 1
         shard_world, shard_rank = (self.comm.world_size, self.comm.rank) if sharded else (1, 0)
         self.groups = []
+        self._group_sources = [spec.source for spec in specs]
         for index, spec in enumerate(specs):
             # reverse registration order: buckets then fill in the order backward produces gradients
             params = sorted(spec.params, key=lambda p: -registration.get(p, -1))
@@ -177,8 +179,8 @@ class Engine(nn.Module):
         client = self._client_optimizer
         if client is None or getattr(scheduler, "optimizer", None) is not client:
             return
-        for ours, theirs in zip(self.optimizer.param_groups, client.param_groups, strict=True):
-            for key, value in theirs.items():
+        for ours, source in zip(self.optimizer.param_groups, self._group_sources, strict=True):
+            for key, value in client.param_groups[source].items():
                 if key != "params":
                     ours[key] = value
 

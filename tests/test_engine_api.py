@@ -451,3 +451,36 @@ def test_user_errors_are_explained(world: list[dict]) -> None:
     assert kind == "ValueError" and "zero_allow_untested_optimizer" in message
     kind, message = errors["bad_loss"]
     assert kind == "ValueError" and "scalar loss" in message
+
+
+# -- the multi-process test helper itself ---------------------------------------------------------------
+
+
+def _fail_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise KeyError("boom from rank one")
+    return rank
+
+
+def _hang_on_rank_zero(rank: int, world_size: int) -> int:
+    import time
+
+    if rank == 0:
+        time.sleep(60)
+    return rank
+
+
+def test_dist_helper_reraises_the_failing_rank_with_its_traceback() -> None:
+    from tests.dist import WorkerFailed
+
+    with pytest.raises(WorkerFailed) as info:
+        run_distributed(_fail_on_rank_one, 2, timeout=60)
+    assert info.value.rank == 1
+    assert "KeyError: 'boom from rank one'" in str(info.value) and "_fail_on_rank_one" in str(info.value)
+
+
+def test_dist_helper_times_out_on_a_hang() -> None:
+    from tests.dist import WorkerFailed
+
+    with pytest.raises(WorkerFailed, match=r"ranks \[0\] did not finish within 3 s"):
+        run_distributed(_hang_on_rank_zero, 2, timeout=3)

@@ -49,6 +49,7 @@ class GroupSpec:
 
     params: list[nn.Parameter]
     options: dict[str, Any] = field(default_factory=dict)
+    source: int = 0  # index of the user's group it came from (groups without trainable params are dropped)
 
 
 def collect_param_groups(
@@ -97,7 +98,7 @@ def collect_param_groups(
             if param.requires_grad:
                 params.append(param)
         if params:
-            groups.append(GroupSpec(params, spec.options))
+            groups.append(GroupSpec(params, spec.options, index))
     if not groups:
         raise ValueError(
             "no trainable parameters: every parameter has requires_grad=False or none were given"

@@ -6,6 +6,15 @@ _venv="$_root/.venv"
 if [ ! -x "$_venv/bin/python" ]; then
     echo "setup: creating $_venv"
     python3 -m venv "$_venv"
+    # Reuse a torch that python3 already has (a CUDA build, say) rather than installing a second one:
+    # its site-packages directory goes on the venv's path, after the venv's own packages.
+    _torch_site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))" \
+        2>/dev/null || true)
+    if [ -n "$_torch_site" ]; then
+        _site=$("$_venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        echo "$_torch_site" > "$_site/_dslaunch_base_site.pth"
+        echo "setup: using the torch that python3 already has, from $_torch_site"
+    fi
 fi
 _py="$_venv/bin/python"
 if ! "$_py" -c "import torch" >/dev/null 2>&1; then

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher import envfwd, ssh
+from launcher import envfwd
 from launcher.agent import decode_spec_arg
 from launcher.errors import LaunchError
 from launcher.plan import HostSlots, JobConfig, make_plan
+from launcher.preflight import RemoteCheck, probe_command
 from launcher.runners.base import RunnerOptions, agent_spec
 from launcher.runners.fanout import agent_shell_command, merge_env_args
 from launcher.runners.openmpi import mpirun_command
@@ -41,19 +42,19 @@ def test_ssh_agent_command_survives_a_shell_and_reports_each_failure(tmp_path: P
     nasty = tmp_path / 'it\'s "here" $HOME `x`'
     nasty.mkdir()
 
-    def sh(check: ssh.RemoteCheck) -> subprocess.CompletedProcess:
+    def sh(check: RemoteCheck) -> subprocess.CompletedProcess:
         return subprocess.run(
-            ["sh", "-c", ssh.probe_command(check)], capture_output=True, text=True, stdin=subprocess.DEVNULL
+            ["sh", "-c", probe_command(check)], capture_output=True, text=True, stdin=subprocess.DEVNULL
         )
 
-    ok = sh(ssh.RemoteCheck(str(nasty), sys.executable, "launcher.agent"))
+    ok = sh(RemoteCheck(str(nasty), sys.executable, "launcher.agent"))
     assert ok.returncode == 0 and ok.stdout.startswith("@dslaunch-probe {"), ok
     # With call="main" the probe becomes the agent, which then wants its spec on stdin (here: none).
-    agent = sh(ssh.RemoteCheck(str(nasty), sys.executable, "launcher.agent", call="main"))
+    agent = sh(RemoteCheck(str(nasty), sys.executable, "launcher.agent", call="main"))
     assert agent.returncode == 2 and "no spec on stdin" in agent.stdout
-    assert sh(ssh.RemoteCheck(str(tmp_path / "gone"), sys.executable)).returncode == 101
-    assert sh(ssh.RemoteCheck(str(nasty), str(tmp_path / "nopython"))).returncode == 102
-    assert sh(ssh.RemoteCheck(str(nasty), sys.executable, "no_such_mod_q")).returncode == 103
+    assert sh(RemoteCheck(str(tmp_path / "gone"), sys.executable)).returncode == 101
+    assert sh(RemoteCheck(str(nasty), str(tmp_path / "nopython"))).returncode == 102
+    assert sh(RemoteCheck(str(nasty), sys.executable, "no_such_mod_q")).returncode == 103
 
 
 def test_remote_spec_puts_forwarded_env_under_the_plan_and_swaps_the_interpreter() -> None:

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from launcher import ssh
+from launcher.preflight import PreflightError, RemoteCheck, master_address, preflight
 from tests import sshd_testbed
 from tests.sshd_testbed import Testbed
 
-CHECK = ssh.RemoteCheck(cwd=os.getcwd(), python=sys.executable, module="launcher.agent")
+CHECK = RemoteCheck(cwd=os.getcwd(), python=sys.executable, module="launcher.agent")
 
 
 # --- settings (no server needed) -------------------------------------------------------------------------
@@ -43,8 +44,8 @@ def test_resolve_reads_ssh_config_and_flags_override(tmp_path: Path) -> None:
 
 
 def test_bad_settings_are_reported_with_the_file(tmp_path: Path) -> None:
-    with pytest.raises(ssh.PreflightError, match=r"ssh config file not found: .*nope"):
-        ssh.preflight(["h"], ssh.SSHSettings(config_path=tmp_path / "nope"))
+    with pytest.raises(PreflightError, match=r"ssh config file not found: .*nope"):
+        preflight(["h"], ssh.SSHSettings(config_path=tmp_path / "nope"))
     with pytest.raises(ssh.SSHHostError, match=r"bad port 'x'"):
         ssh.resolve("h:x", ssh.SSHSettings(config_path=None))
 
@@ -54,14 +55,14 @@ def test_bad_settings_are_reported_with_the_file(tmp_path: Path) -> None:
 
 @pytest.mark.ssh
 def test_preflight_connects_every_host_and_learns_its_address(sshd_hosts: Testbed) -> None:
-    conns = ssh.preflight(sshd_hosts.names, ssh.SSHSettings(config_path=sshd_hosts.ssh_config), CHECK)
+    conns = preflight(sshd_hosts.names, ssh.SSHSettings(config_path=sshd_hosts.ssh_config), CHECK)
     try:
         assert list(conns) == sshd_hosts.names
         for name, conn in conns.items():
             host = sshd_hosts.host(name)
             assert conn.hostname == sshd_hosts.hostname_of(name)
             # The address the host sees our connection arrive on: what MASTER_ADDR defaults to.
-            assert ssh.master_address(conn) == host.address
+            assert master_address(conn) == host.address
             assert conn.python_version == sys.version.split()[0]
     finally:
         for c in conns.values():
@@ -86,7 +87,7 @@ def test_preflight_bounds_concurrency_below_sshd_maxstartups(sshd_hosts: Testbed
         "".join(f"Host alias{i}\n  HostName {h.address}\n  Port {h.port}\n" for i in range(16)) + base
     )
     names = [f"alias{i}" for i in range(16)]
-    conns = ssh.preflight(names, ssh.SSHSettings(config_path=cfg))
+    conns = preflight(names, ssh.SSHSettings(config_path=cfg))
     assert len(conns) == 16
     for c in conns.values():
         c.close()
@@ -100,7 +101,7 @@ def test_proxy_jump_reaches_a_host_through_another(sshd_hosts: Testbed, tmp_path
         f"Host behind\n  HostName {w2.address}\n  Port {w2.port}\n  ProxyJump worker1\n"
         + sshd_hosts.ssh_config.read_text()
     )
-    conns = ssh.preflight(["behind"], ssh.SSHSettings(config_path=cfg), CHECK)
+    conns = preflight(["behind"], ssh.SSHSettings(config_path=cfg), CHECK)
     try:
         assert conns["behind"].hostname == sshd_hosts.hostname_of("worker2")
     finally:
@@ -120,8 +121,8 @@ def broken(sshd_testbed_factory) -> Testbed:
 
 
 def _errors(hosts: list[str], settings: ssh.SSHSettings, check=CHECK) -> dict[str, ssh.SSHHostError]:
-    with pytest.raises(ssh.PreflightError) as info:
-        ssh.preflight(hosts, settings, check)
+    with pytest.raises(PreflightError) as info:
+        preflight(hosts, settings, check)
     return {e.host.split()[0]: e for e in info.value.errors}
 
 
@@ -156,13 +157,13 @@ def test_unknown_host_key_is_refused_unless_opted_in(broken: Testbed, tmp_path: 
     assert "--accept_new_host_keys" in str(err)
     assert kh.read_text() == ""  # refusing records nothing
 
-    conns = ssh.preflight(["worker1"], ssh.SSHSettings(config_path=cfg, accept_new_host_keys=True), CHECK)
+    conns = preflight(["worker1"], ssh.SSHSettings(config_path=cfg, accept_new_host_keys=True), CHECK)
     conns["worker1"].close()
     recorded = kh.read_text().split()
     assert recorded[0] == f"[{w1.address}]:{w1.port}"
     assert recorded[2] == w1.host_key_pub.read_text().split()[1]
     # Now known: a strict connection works without the flag.
-    ssh.preflight(["worker1"], ssh.SSHSettings(config_path=cfg))["worker1"].close()
+    preflight(["worker1"], ssh.SSHSettings(config_path=cfg))["worker1"].close()
 
 
 @pytest.mark.ssh
@@ -186,9 +187,9 @@ def test_wrong_user_key_is_an_auth_failure(broken: Testbed, tmp_path: Path) -> N
 def test_missing_python_project_or_directory_on_the_host(broken: Testbed) -> None:
     settings = ssh.SSHSettings(config_path=broken.ssh_config)
     cases = {
-        ssh.RemoteCheck(cwd="/no/such/dir", python=sys.executable): (ssh.Cause.NO_PROJECT, "/no/such/dir"),
-        ssh.RemoteCheck(cwd="/", python="/opt/nopython/bin/python3"): (ssh.Cause.NO_PYTHON, "/opt/nopython"),
-        ssh.RemoteCheck(cwd="/", python=sys.executable, module="no_such_module_x"): (
+        RemoteCheck(cwd="/no/such/dir", python=sys.executable): (ssh.Cause.NO_PROJECT, "/no/such/dir"),
+        RemoteCheck(cwd="/", python="/opt/nopython/bin/python3"): (ssh.Cause.NO_PYTHON, "/opt/nopython"),
+        RemoteCheck(cwd="/", python=sys.executable, module="no_such_module_x"): (
             ssh.Cause.NO_PROJECT,
             "No module named 'no_such_module_x'",
         ),

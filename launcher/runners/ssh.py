@@ -2,11 +2,12 @@
 
 Per host, one SSH connection, reused for every restart attempt, and per attempt one session channel,
 without a pty (a pty would merge streams, rewrite newlines and SIGHUP the agent's workers on its own
-terms). The session runs ``launcher.ssh.probe_command``: change to the head's working directory (exit 101
-if missing), find the interpreter (102), import ``launcher.agent`` (103), report the host's facts on one
-line, then become the agent (``launcher.agent.main``), which waits for its spec. So the preflight and the
-agent's start are one step, every host in parallel, and a job starts only once every host has an agent
-waiting; if one host fails, the waiting agents are released and nothing has started anywhere.
+terms). The session runs ``launcher.preflight.probe_command``: change to the head's working directory
+(exit 101 if missing), find the interpreter (102), import ``launcher.agent`` (103), report the host's
+facts on one line, then become the agent (``launcher.agent.main``), which waits for its spec. So the
+preflight and the agent's start are one step, every host in parallel, and a job starts only once every
+host has an agent waiting; if one host fails, the waiting agents are released and nothing has started
+anywhere.
 
 The node spec, environment included, is the first line written to the channel's stdin: JSON
 carries any value intact and needs neither sshd's ``AcceptEnv`` nor shell quoting. The channel's stdin
@@ -38,7 +39,7 @@ from typing import Any, ClassVar
 
 import paramiko
 
-from launcher import envfwd, ssh
+from launcher import envfwd, preflight, ssh
 from launcher.errors import LaunchError
 from launcher.plan import JobPlan
 from launcher.runners.base import AgentHandle, Runner, RunnerOptions
@@ -115,7 +116,7 @@ class SSHAgentHandle(AgentHandle):
     """One remote agent on one session channel."""
 
     def __init__(
-        self, conn: ssh.Connection, chan: paramiko.Channel, stream: Any, node_rank: int, name: str
+        self, conn: preflight.Connection, chan: paramiko.Channel, stream: Any, node_rank: int, name: str
     ) -> None:
         self.conn = conn
         self.chan = chan  # holding it keeps the remote agent's stdin (its lifeline) open
@@ -161,21 +162,21 @@ class SSHRunner(Runner):
         super().__init__(options)
         self.settings = settings_from_options(options)
         self.remote_python = str(options.extra.get("remote_python") or options.python)
-        self.conns: dict[str, ssh.Connection] = {}
+        self.conns: dict[str, preflight.Connection] = {}
         self.forwarded: envfwd.ForwardedEnv | None = None
 
     # -- before anything starts -----------------------------------------------------------------
-    def _agent_check(self, cwd: str | None) -> ssh.RemoteCheck:
-        return ssh.RemoteCheck(cwd or os.getcwd(), self.remote_python, AGENT_MODULE, call="main")
+    def _agent_check(self, cwd: str | None) -> preflight.RemoteCheck:
+        return preflight.RemoteCheck(cwd or os.getcwd(), self.remote_python, AGENT_MODULE, call="main")
 
-    def connect(self, hosts: Sequence[str], cwd: str | None = None) -> dict[str, ssh.Connection]:
+    def connect(self, hosts: Sequence[str], cwd: str | None = None) -> dict[str, preflight.Connection]:
         """Preflight remote hosts not connected yet (parallel, all-or-nothing) and keep the connections."""
         todo = [h for h in hosts if not is_local_host(h) and h not in self.conns]
         if todo:
-            check = ssh.RemoteCheck(cwd or os.getcwd(), self.remote_python, AGENT_MODULE)
+            check = preflight.RemoteCheck(cwd or os.getcwd(), self.remote_python, AGENT_MODULE)
             try:
-                self.conns.update(ssh.preflight(todo, self.settings, check))
-            except ssh.PreflightError as e:
+                self.conns.update(preflight.preflight(todo, self.settings, check))
+            except preflight.PreflightError as e:
                 raise LaunchError(str(e)) from None
         return self.conns
 
@@ -195,11 +196,12 @@ class SSHRunner(Runner):
                 conn = self.conns.get(host)
                 transport = conn.client.get_transport() if conn else None
                 if conn is not None and transport is not None and transport.is_active():
-                    ssh.start_checked(conn, check)
+                    preflight.start_checked(conn, check)
                     return
                 if conn is not None:  # lost between restart attempts: connect again
                     conn.close()
-                self.conns[host] = ssh.check_host(ssh.resolve(host, self.settings), self.settings, check)
+                target = ssh.resolve(host, self.settings)
+                self.conns[host] = preflight.check_host(target, self.settings, check)
             except ssh.SSHHostError as e:
                 errors[host] = e
             except Exception as e:  # never lose a host's failure to a thread
@@ -210,7 +212,7 @@ class SSHRunner(Runner):
                 list(pool.map(one, todo))
         if errors:
             self.release()
-            raise LaunchError(str(ssh.PreflightError([errors[h] for h in todo if h in errors])))
+            raise LaunchError(str(preflight.PreflightError([errors[h] for h in todo if h in errors])))
 
     def release(self) -> None:
         """Close the sessions of agents still waiting for a spec."""
@@ -238,7 +240,7 @@ class SSHRunner(Runner):
             addr = _routable_address(target.hostname)
             if addr:
                 return addr
-        return ssh.master_address(self.connect([first_host])[first_host])
+        return preflight.master_address(self.connect([first_host])[first_host])
 
     def check(self, plan: JobPlan) -> None:
         self.forwarded = forwarded_env(self.options, plan)

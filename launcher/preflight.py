@@ -1,0 +1,213 @@
+"""Preflight: every host checked before anything starts, and the checked connections kept for the job.
+
+:func:`preflight` connects to all hosts in parallel with bounded concurrency (stock sshd drops bursts of
+more than 10 unauthenticated connections, MaxStartups 10:30:100) and runs a probe on each: change to the
+job's working directory, find the interpreter, import the launcher, report the host's name and the
+address our connection reached it on. All-or-nothing: one failing host fails the preflight, with every
+failing host's own cause (:class:`launcher.ssh.SSHHostError`) in :class:`PreflightError`.
+
+With ``RemoteCheck.call`` the probe then *becomes* the named function (the node agent), so that checking
+a host and starting its agent cost one session and one interpreter start (:func:`start_checked`).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import paramiko
+
+from launcher.ssh import Cause, HostTarget, SSHHostError, SSHSettings, connect, load_ssh_config, resolve
+
+
+@dataclass(frozen=True)
+class RemoteCheck:
+    """What must exist on each host for the job: the working directory, interpreter and a module.
+
+    ``call``: a function of ``module`` that the checked process then becomes (``module.call([])``, its
+    return value the exit code), so that the check and the real work share one session and one
+    interpreter start; the SSH runner uses it to start the node agent right away.
+    """
+
+    cwd: str
+    python: str
+    module: str = "launcher.agent"
+    call: str | None = None
+
+
+@dataclass
+class Connection:
+    """An open, checked connection to one host (reused by the runner that starts the agent)."""
+
+    target: HostTarget
+    client: paramiko.SSHClient
+    hostname: str = ""  # the host's own name (``hostname`` there)
+    address: str = ""  # the host's address on the connection we made (SSH_CONNECTION), for MASTER_ADDR
+    python_version: str = ""
+    # With RemoteCheck.call: the session now running ``module.call`` and its output after the probe line.
+    session: tuple[paramiko.Channel, paramiko.ChannelFile] | None = None
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session[0].close()
+            self.session = None
+        self.client.close()
+        jump = getattr(self.client, "_dslaunch_jump", None)
+        if jump is not None:
+            jump.close()
+
+
+PROBE_MARK = b"@dslaunch-probe "
+
+_PROBE = r"""
+import json, os, socket, sys
+try:
+    mod = __import__(sys.argv[1], fromlist=["_"])
+except Exception as e:
+    print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(103)
+conn = os.environ.get("SSH_CONNECTION", "").split()
+info = {"hostname": socket.gethostname(), "address": conn[2] if len(conn) == 4 else "",
+        "python": sys.version.split()[0]}
+print("@dslaunch-probe " + json.dumps(info), flush=True)
+if len(sys.argv) > 2:
+    os._exit(getattr(mod, sys.argv[2])([]))
+"""
+
+
+def probe_command(check: RemoteCheck) -> str:
+    """Shell command that checks a host for the job; exit 101 no cwd, 102 no python, 103 no module."""
+    cwd, py = shlex.quote(check.cwd), shlex.quote(check.python)
+    call = f" {shlex.quote(check.call)}" if check.call else ""
+    return (
+        f"cd -- {cwd} 2>/dev/null || exit 101; "
+        f"command -v -- {py} >/dev/null 2>&1 || exit 102; "
+        f"exec {py} -c {shlex.quote(_PROBE)} {shlex.quote(check.module)}{call}"
+    )
+
+
+def _probe_failure(host: str, check: RemoteCheck, rc: int, err: str) -> SSHHostError:
+    err = err.strip()[-300:]
+    cause, detail, hint = {
+        101: (Cause.NO_PROJECT, f"working directory {check.cwd} does not exist there",
+              "use the same path on every host (shared filesystem or identical checkout)"),
+        102: (Cause.NO_PYTHON, f"no interpreter {check.python} there",
+              "install the same environment at the same path, or pass --remote_python"),
+        103: (Cause.NO_PROJECT, f"{check.python} cannot import {check.module}: {err}",
+              "install dslaunch into that interpreter on every host (pip install -e <checkout>)"),
+    }.get(rc, (Cause.COMMAND, f"probe exited {rc}: {err}", ""))  # fmt: skip
+    return SSHHostError(host, cause, detail, hint)
+
+
+def start_checked(conn: Connection, check: RemoteCheck, timeout: float = 60.0) -> None:
+    """Run the probe on an open connection; fill in the host's facts. With ``check.call`` the session
+    stays open in ``conn.session``, now running the called function; otherwise it is closed.
+    Raises :class:`SSHHostError` (the connection stays open)."""
+    host = str(conn.target)
+    chan: paramiko.Channel | None = None
+    try:
+        transport = conn.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise SSHHostError(host, Cause.DISCONNECTED, "connection closed")
+        chan = transport.open_session(timeout=timeout)
+        chan.set_combine_stderr(True)  # a traceback or shell error is part of the story
+        chan.settimeout(timeout)
+        chan.exec_command(probe_command(check))
+        stream = chan.makefile("rb")
+        before: list[bytes] = []
+        while True:
+            line = stream.readline()
+            if line.startswith(PROBE_MARK):
+                break
+            if not line:  # the probe ended without its line: a failure, told by the exit code
+                rc = chan.recv_exit_status()
+                chan.close()
+                raise _probe_failure(host, check, rc, b"".join(before).decode(errors="replace"))
+            before.append(line)
+    except TimeoutError:
+        if chan is not None:
+            chan.close()
+        raise SSHHostError(host, Cause.COMMAND, f"the probe did not answer within {timeout:g}s") from None
+    except (paramiko.SSHException, OSError, EOFError) as e:
+        raise SSHHostError(host, Cause.DISCONNECTED, f"{type(e).__name__}: {e}") from e
+    chan.settimeout(None)
+    try:
+        info = json.loads(line[len(PROBE_MARK) :])
+    except ValueError:
+        chan.close()
+        raise SSHHostError(host, Cause.COMMAND, f"unexpected probe output {line[:200]!r}") from None
+    conn.hostname, conn.address, conn.python_version = info["hostname"], info["address"], info["python"]
+    if check.call:
+        conn.session = (chan, stream)
+    else:
+        chan.close()
+
+
+def check_host(conn_target: HostTarget, settings: SSHSettings, check: RemoteCheck | None) -> Connection:
+    """Connect to one host and, with ``check``, verify the job can run there. Raises SSHHostError."""
+    conn = Connection(conn_target, connect(conn_target, settings))
+    if check is not None:
+        try:
+            start_checked(conn, check)
+        except SSHHostError:
+            conn.close()
+            raise
+    return conn
+
+
+class PreflightError(Exception):
+    """One or more hosts failed the preflight; nothing was started. ``errors`` holds one per host."""
+
+    def __init__(self, errors: list[SSHHostError]) -> None:
+        self.errors = errors
+        lines = [f"{len(errors)} host(s) failed the SSH preflight; nothing was started:"]
+        lines += [f"  {e}" for e in errors]
+        super().__init__("\n".join(lines))
+
+
+def preflight(
+    hosts: list[str], settings: SSHSettings, check: RemoteCheck | None = None
+) -> dict[str, Connection]:
+    """Connect to and check every host in parallel; return open connections by host name.
+
+    All-or-nothing: if any host fails, every connection is closed and :class:`PreflightError` lists each
+    failing host with its cause (hosts in hostfile order).
+    """
+    try:
+        config = load_ssh_config(settings)
+        targets = {h: resolve(h, settings, config) for h in hosts}
+    except SSHHostError as e:
+        raise PreflightError([e]) from e
+    results: dict[str, Connection | SSHHostError] = {}
+
+    def one(h: str) -> None:
+        try:
+            results[h] = check_host(targets[h], settings, check)
+        except SSHHostError as e:
+            results[h] = e
+        except Exception as e:  # never lose a host's failure to a thread
+            results[h] = SSHHostError(str(targets[h]), Cause.DISCONNECTED, f"{type(e).__name__}: {e}")
+
+    with ThreadPoolExecutor(max_workers=max(1, min(settings.max_parallel, len(hosts)))) as pool:
+        list(pool.map(one, hosts))
+    errors = [r for h in hosts if isinstance(r := results[h], SSHHostError)]
+    conns = {h: r for h in hosts if isinstance(r := results[h], Connection)}
+    if errors:
+        for c in conns.values():
+            c.close()
+        raise PreflightError(errors)
+    return conns
+
+
+def master_address(conn: Connection) -> str:
+    """An address of this host that the other hosts can reach: the one our SSH connection landed on
+    (what the host itself reports in SSH_CONNECTION), else its HostName resolved here."""
+    if conn.address:
+        return conn.address
+    try:
+        return socket.getaddrinfo(conn.target.hostname, None, proto=socket.IPPROTO_TCP)[0][4][0]
+    except OSError:
+        return conn.target.hostname

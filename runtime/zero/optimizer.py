@@ -17,6 +17,7 @@ the config sets zero_allow_untested_optimizer.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,13 @@ def collect_param_groups(
                 params.append(param)
         if params:
             groups.append(GroupSpec(params, spec.options, index))
+    left_out = [p for p in model.parameters() if p.requires_grad and p not in seen]
+    if left_out:
+        warnings.warn(
+            f"{len(left_out)} trainable parameters of the model are in no param group: the engine will not "
+            "update them (set requires_grad=False on them, or include them)",
+            stacklevel=3,
+        )
     if not groups:
         raise ValueError(
             "no trainable parameters: every parameter has requires_grad=False or none were given"
@@ -136,8 +144,6 @@ def rebuild_client_optimizer(
     """A new optimizer of the client's class, defaults and per-group options, over `groups`."""
     cls = type(client)
     if client.state:
-        import warnings
-
         warnings.warn(
             f"the client {cls.__name__} already has state (was it stepped?); "
             "the engine rebuilds it on the fp32 "

@@ -253,7 +253,7 @@ class Testbed:
         host = self.host(name)
         for f in (host.dir / "host_key", host.host_key_pub):
             f.unlink(missing_ok=True)
-        _keygen(host.dir / "host_key", f"{name}-rotated")
+        keygen(host.dir / "host_key", f"{name}-rotated")
         self.start_host(name)
 
     def stop(self) -> None:
@@ -315,7 +315,7 @@ def start(
 
     client_key = directory / "client_key"
     if not client_key.exists():
-        _keygen(client_key, "dslaunch-testbed-client")
+        keygen(client_key, "dslaunch-testbed-client")
     (directory / "authorized_keys").write_text((directory / "client_key.pub").read_text())
 
     hosts = []
@@ -324,7 +324,7 @@ def start(
         hdir = directory / f"worker{i}"
         hdir.mkdir(exist_ok=True)
         if not (hdir / "host_key").exists():
-            _keygen(hdir / "host_key", f"worker{i}")
+            keygen(hdir / "host_key", f"worker{i}")
         hosts.append(Host(f"worker{i}", address, _free_port(address), hdir))
 
     tb = Testbed(directory, hosts, slots, isolated, notice=notice)
@@ -450,7 +450,7 @@ def _namespaces_unavailable() -> str | None:
     return None if r.returncode == 0 else (r.stderr.strip() or f"unshare exited {r.returncode}")
 
 
-def _keygen(path: Path, comment: str) -> None:
+def keygen(path: Path, comment: str) -> None:
     subprocess.run(
         ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)],
         check=True,

@@ -269,7 +269,7 @@ def test_unusable_host_starts_nothing(troubled: Testbed, tmp_path: Path, case: s
     elif case == "sshd stopped":
         bad, expect = "worker4", ["connection refused", "nothing listens on 127.0.0.5"]
     else:
-        sshd_testbed._keygen(tmp_path / "stranger", "stranger")
+        sshd_testbed.keygen(tmp_path / "stranger", "stranger")
         cfg = troubled.write_ssh_config(tmp_path / "cfg", identity=tmp_path / "stranger")
         expect = ["authentication failed", str(tmp_path / "stranger"), "authorized_keys"]
     hostfile = troubled.write_hostfile(tmp_path / "hostfile", hosts=["worker1", bad])

@@ -176,7 +176,7 @@ def test_accept_new_never_overrides_a_changed_key(broken: Testbed) -> None:
 
 @pytest.mark.ssh
 def test_wrong_user_key_is_an_auth_failure(broken: Testbed, tmp_path: Path) -> None:
-    sshd_testbed._keygen(tmp_path / "stranger", "not-authorized")
+    sshd_testbed.keygen(tmp_path / "stranger", "not-authorized")
     cfg = broken.write_ssh_config(tmp_path / "cfg", identity=tmp_path / "stranger")
     err = _errors(["worker1"], ssh.SSHSettings(config_path=cfg))["worker1"]
     assert err.cause is ssh.Cause.AUTH

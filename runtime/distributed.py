@@ -132,8 +132,13 @@ def device_for(local_rank: int) -> torch.device:
 
 
 def current_device() -> torch.device:
-    """This process's device: from LOCAL_RANK (or the resolved environment)."""
-    return device_for(resolve_dist_env(os.environ).local_rank)
+    """This process's device: cuda:LOCAL_RANK (or the current CUDA device when LOCAL_RANK is unset, e.g.
+    a process group created by hand), else cpu."""
+    if "LOCAL_RANK" in os.environ:
+        return device_for(_int(os.environ, "LOCAL_RANK"))
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def init_distributed(dist_backend: str | None = None, timeout: timedelta | None = None) -> None:

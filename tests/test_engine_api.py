@@ -331,8 +331,31 @@ def _checks(rank: int, world_size: int) -> dict:
         )
     )
     errors["bad_loss"] = _error_of(lambda: _bad_backward(rank, world_size))
+    errors["reentrant_checkpoint"] = _error_of(_reentrant_backward)
     out["errors"] = errors
     return out
+
+
+class _CheckpointedTwice(nn.Module):
+    """Uses one Linear inside a reentrant checkpoint and again outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+        return self.lin(hidden).sum()
+
+
+def _reentrant_backward() -> None:
+    engine, _, _, _ = runtime.initialize(
+        model=_CheckpointedTwice(), config=_config(zero_optimization={"stage": 2})
+    )
+    try:
+        engine.backward(engine(torch.randn(2, 4, requires_grad=True)))
+    finally:
+        engine.destroy()
 
 
 def _lamb(model: nn.Module) -> torch.optim.Optimizer:
@@ -451,6 +474,8 @@ def test_user_errors_are_explained(world: list[dict]) -> None:
     assert kind == "ValueError" and "zero_allow_untested_optimizer" in message
     kind, message = errors["bad_loss"]
     assert kind == "ValueError" and "scalar loss" in message
+    kind, message = errors["reentrant_checkpoint"]
+    assert kind == "RuntimeError" and "twice in one backward" in message and "use_reentrant=False" in message
 
 
 # -- the multi-process test helper itself ---------------------------------------------------------------

@@ -64,6 +64,12 @@ class BucketTracker:
         """`param`'s gradient for this backward is final."""
         pos = self._position_of[param]
         self._left[pos] -= 1
+        if self._left[pos] < 0:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} finished its gradient twice in one backward "
+                "pass; the engine reduces each gradient once per backward (reentrant activation "
+                "checkpointing does this: use torch.utils.checkpoint with use_reentrant=False)"
+            )
         if self._left[pos] == 0:
             self._ready[pos] = True
             self._launch_ready()

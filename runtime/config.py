@@ -206,7 +206,7 @@ def _read_bf16(r: SectionReader, model: torch.nn.Module | None) -> BF16Config:
     cfg = BF16Config(
         enabled=r.get("enabled", Bool(), False, auto=lambda: _enabled_from_model(model, torch.bfloat16))
     )
-    r.ignored("immediate_grad_update", False, "gradients are always accumulated in fp32 before the step")
+    r.ignored("immediate_grad_update", False, "gradients are reduced during backward, applied at the step")
     r.ignored("check_grad_overflow", True, "bf16 steps are never skipped")
     r.default_only("bf16_master_weights_and_grads", False, "bf16 master weights")
     r.default_only("bf16_optimizer_states", False, "bf16 optimizer states")

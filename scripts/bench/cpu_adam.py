@@ -19,7 +19,9 @@ variants share one parameter tensor and its gradient; each optimizer keeps its o
 Usage: ``python scripts/bench/cpu_adam.py [--sizes 100e6 1e9] [--rounds 5] [--threads N]``. Bind the
 process to its cores (``taskset``/``numactl``) for stable numbers. DeepSpeedCPUAdam runs when ``deepspeed``
 imports; its first use JIT-builds the cpu_adam op with ninja (set ``TORCH_EXTENSIONS_DIR`` to keep the
-build cache out of ``~/.cache``).
+build cache out of ``~/.cache``). With DeepSpeed in its own venv, run from the repo root as
+``PYTHONPATH=. <ds-venv>/bin/python scripts/bench/cpu_adam.py``. Memory: about 64 B per parameter
+(all optimizers' states live at once), i.e. ~64 GB at 1B; a size that does not fit is refused.
 """
 
 from __future__ import annotations

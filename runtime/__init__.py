@@ -121,6 +121,7 @@ def initialize(
     loader = None
     if training_data is not None:
         loader = build_dataloader(training_data, cfg, collate_fn=collate_fn)
+        engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
@@ -129,13 +130,15 @@ def build_dataloader(
 ) -> torch.utils.data.DataLoader:
     """A DataLoader over this rank's part of `dataset` (DistributedSampler, shuffled, seed 0) with the
     micro batch size. Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new order."""
-    sampler = torch.utils.data.DistributedSampler(
+    from runtime.checkpoint.data_position import ResumableDataLoader, ResumableSampler
+
+    sampler = ResumableSampler(
         dataset,
         num_replicas=dist.get_world_size(),
         rank=dist.get_rank(),
         drop_last=config.dataloader_drop_last,
     )
-    return torch.utils.data.DataLoader(
+    return ResumableDataLoader(
         dataset,
         batch_size=config.train_micro_batch_size_per_gpu,
         sampler=sampler,

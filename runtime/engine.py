@@ -95,6 +95,7 @@ class Engine(nn.Module):
         self._grad_norm: torch.Tensor | None = None
         self._boundary_override: bool | None = None
         self._scale_wrt_gas = True
+        self.training_dataloader: Any = None  # set by runtime.initialize; its position is checkpointed
 
         model.to(self.device)
         specs = collect_param_groups(model, optimizer, model_parameters)
@@ -351,6 +352,42 @@ class Engine(nn.Module):
             param = names.get(key)
             out[key] = by_param[param] if param in by_param else value.detach().clone()
         return out
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Save the full training state under save_dir/<tag> (default "global_step<N>"); every rank must
+        call it. Returns the tag directory. See runtime.checkpoint."""
+        from runtime.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict[str, Any]]:
+        """Resume from load_dir/<tag> (default: the tag `latest` names), at any world size or ZeRO stage;
+        every rank must call it. Returns (tag directory, client_state)."""
+        from runtime.checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
 
     def destroy(self) -> None:
         """Remove the engine's gradient hooks from the model."""

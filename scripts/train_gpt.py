@@ -23,6 +23,7 @@ import argparse
 import copy
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime
+from runtime.checkpoint import CheckpointError, read_latest
 from runtime.config import ConfigError
 from runtime.data import DEFAULT_CORPUS, DataError, TokenBlockDataset, Tokenizer, load_tokenizer
 from runtime.models import GPT, MODEL_SIZES, GPTConfig, GPTOutput
@@ -91,7 +93,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log_interval", type=int, default=10, help="print every N optimizer steps")
     train.add_argument("--local_rank", type=int, default=-1, help="set by launchers; LOCAL_RANK wins")
+    ckpt = parser.add_argument_group("checkpoints")
+    ckpt.add_argument("--save_dir", type=Path, help="directory for engine.save_checkpoint")
+    ckpt.add_argument("--save_interval", type=int, default=0, help="save every N steps and at the end")
+    ckpt.add_argument("--resume", action="store_true", help="continue from the newest checkpoint there")
+    ckpt.add_argument(
+        "--die_at_step",
+        type=int,
+        default=0,
+        help="restart tests: rank 0 SIGKILLs itself after step N on the first attempt (DSLAUNCH_ATTEMPT=0)",
+    )
     args = parser.parse_args(argv)
+    if (args.save_interval or args.resume) and args.save_dir is None:
+        parser.error("--save_interval and --resume need --save_dir")
     for name in ("steps", "seq_len", "log_interval"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
@@ -203,17 +217,18 @@ def endless(loader: Any, micro_batch: int) -> Iterator[Any]:
     The short batch at the end of an epoch is skipped, so every step trains on the same number of tokens
     and every rank's loss carries the same weight in the average.
     """
-    epoch = 0
+    sampler = getattr(loader, "sampler", None)
+    epoch = getattr(sampler, "epoch", 0)  # a resumed loader continues its epoch
     while True:
-        sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
+        resumed_mid_epoch = getattr(sampler, "start_index", 0) > 0
         produced = False
         for batch in loader:
             if len(batch[0]) == micro_batch:
                 produced = True
                 yield batch
-        if not produced:
+        if not produced and not resumed_mid_epoch:
             raise UsageError(
                 f"the dataset gives this rank fewer than one micro-batch ({micro_batch} sequences); use a "
                 "longer text, a smaller --seq_len or a smaller micro batch"
@@ -254,13 +269,19 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             flush=True,
         )
 
+    first_step = 1
+    if args.resume and read_latest(args.save_dir) is not None:
+        path, _ = engine.load_checkpoint(args.save_dir)
+        first_step = engine.global_steps + 1
+        if rank == 0:
+            print(f"train_gpt: resumed from {path} at step {engine.global_steps}", flush=True)
     batches = endless(loader, engine.train_micro_batch_size_per_gpu())
     losses: list[tuple[int, float]] = []
     loss_sum = torch.zeros((), device=engine.device)
     micro_steps = 0
     start = last_log = time.perf_counter()
-    last_log_step = 0
-    for step in range(1, args.steps + 1):
+    last_log_step = first_step - 1
+    for step in range(first_step, args.steps + 1):
         for _ in range(accumulation):
             idx, targets = (t.to(engine.device, non_blocking=True) for t in next(batches))
             _, loss = engine(idx, targets)
@@ -288,6 +309,16 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                 raise Diverged(
                     f"the loss is {mean_loss} at step {step}; try a lower --lr or gradient_clipping"
                 )
+        if args.save_interval and (step % args.save_interval == 0 or step == args.steps):
+            path = engine.save_checkpoint(args.save_dir)
+            if rank == 0:
+                print(f"train_gpt: saved checkpoint {path}", flush=True)
+        if step == args.die_at_step and rank == 0 and os.environ.get("DSLAUNCH_ATTEMPT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+    if not losses:
+        if rank == 0:
+            print(f"train_gpt: nothing to do, the checkpoint is at step {first_step - 1}", flush=True)
+        return {}
     elapsed = time.perf_counter() - start
     summary = {"first_loss": losses[0][1], "final_loss": losses[-1][1], "seconds": elapsed}
     if rank == 0:
@@ -306,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, DataError, ConfigError) as exc:
         print(f"train_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except Diverged as exc:
+    except (Diverged, CheckpointError) as exc:
         print(f"train_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

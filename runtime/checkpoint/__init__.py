@@ -1,0 +1,51 @@
+"""Sharded checkpoints: save in parallel, resume exactly at any world size or ZeRO stage, consolidate.
+
+    engine.save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True)
+    path, client_state = engine.load_checkpoint(load_dir, tag=None, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True, load_module_only=False)
+    state_dict = runtime.checkpoint.get_fp32_state_dict_from_checkpoint(save_dir)   # no process group
+    $ ds_consolidate save_dir model.safetensors [--dtype bf16]
+
+Modules: `manifest` (on-disk layout and errors), `tensorfile` (safetensors-format shard files),
+`durable` (atomic fsynced writes, checksums, the fault-injection hook), `reshard` (pure copy planning),
+`shards` (the engine's flat groups <-> shard files), `engine_state` (counters, scaler, scheduler, RNG,
+buffers, client state), `data_position` (resumable data loader), `save` / `load` (the collective
+procedures), `consolidate` (one state dict from a sharded checkpoint, streamed).
+"""
+
+from __future__ import annotations
+
+from runtime.checkpoint.consolidate import (
+    consolidate,
+    get_fp32_state_dict_from_checkpoint,
+    load_state_dict_file,
+)
+from runtime.checkpoint.data_position import ResumableDataLoader, ResumableSampler
+from runtime.checkpoint.load import load_checkpoint
+from runtime.checkpoint.manifest import (
+    CheckpointCorrupted,
+    CheckpointError,
+    CheckpointIncomplete,
+    CheckpointMismatch,
+    CheckpointNotFound,
+    Manifest,
+    read_latest,
+)
+from runtime.checkpoint.save import save_checkpoint
+
+__all__ = [
+    "CheckpointCorrupted",
+    "CheckpointError",
+    "CheckpointIncomplete",
+    "CheckpointMismatch",
+    "CheckpointNotFound",
+    "Manifest",
+    "ResumableDataLoader",
+    "ResumableSampler",
+    "consolidate",
+    "get_fp32_state_dict_from_checkpoint",
+    "load_checkpoint",
+    "load_state_dict_file",
+    "read_latest",
+    "save_checkpoint",
+]

@@ -1,0 +1,235 @@
+"""The small, non-sharded part of a checkpoint: counters, loss scaler, LR schedule, RNG, data position,
+optimizer hyperparameters and scalar state, module buffers and frozen parameters, and the client's state.
+
+Rank 0 writes it with torch.save into the engine state file; every rank reads it back with
+``torch.load(weights_only=True)``, which unpickles only tensors and plain containers and numbers. So
+everything stored here must be such a value: `check_loadable` walks it at save time and names the
+first key that is not (a client_state holding an arbitrary object fails the save, not the resume).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from runtime.checkpoint.manifest import CheckpointError, CheckpointMismatch
+
+_log = logging.getLogger("runtime.checkpoint")
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.Size)
+
+
+def check_loadable(value: Any, where: str) -> None:
+    """Raise when `value` would not load under torch.load(weights_only=True)."""
+    if isinstance(value, (*_PLAIN, torch.Tensor)):
+        return
+    if isinstance(value, (dict, OrderedDict)):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool, type(None), tuple)):
+                raise CheckpointError(f"{where}: key {key!r} of type {type(key).__name__} cannot be saved")
+            check_loadable(item, f"{where}[{key!r}]")
+        return
+    if isinstance(value, (list, tuple, set)):
+        for i, item in enumerate(value):
+            check_loadable(item, f"{where}[{i}]")
+        return
+    raise CheckpointError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__}; checkpoints store only "
+        "tensors, numbers, strings, None and lists/tuples/dicts of them (they load with "
+        "torch.load(weights_only=True), so loading can never run code)"
+    )
+
+
+# -- RNG --------------------------------------------------------------------------------------------------
+def capture_rng(device: torch.device) -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (
+            kind,
+            torch.from_numpy(keys.astype("int64")),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
+    except ImportError:  # numpy is optional
+        pass
+    return state
+
+
+def restore_rng(state: Mapping[str, Any], device: torch.device) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+    if "numpy" in state:
+        try:
+            import numpy as np
+
+            kind, keys, pos, has_gauss, cached = state["numpy"]
+            np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+        except ImportError:
+            pass
+
+
+# -- module extras ----------------------------------------------------------------------------------------
+def module_keys(engine: Any) -> list[tuple[str, str | None]]:
+    """(state-dict key, managed parameter name or None for an extra), in state-dict order."""
+    managed = {
+        id(p): name for g in engine.groups for p, name in zip(g.params, param_names(engine, g), strict=True)
+    }
+    return [(key, managed.get(id(value))) for key, value in engine.module.state_dict(keep_vars=True).items()]
+
+
+def param_names(engine: Any, group: Any) -> list[str]:
+    """The names of a flat group's parameters (from the group, else looked up in the module)."""
+    if getattr(group, "param_names", None):
+        return list(group.param_names)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    return [names[id(p)] for p in group.params]
+
+
+def module_extras(engine: Any) -> dict[str, Any]:
+    """State-dict entries the flat groups do not hold: buffers, frozen parameters, extra state."""
+    full = engine.module.state_dict()
+    return {key: full[key] for key, name in module_keys(engine) if name is None}
+
+
+def restore_module_extras(engine: Any, extras: Mapping[str, Any], *, strict: bool) -> None:
+    wanted = {key for key, name in module_keys(engine) if name is None}
+    missing = sorted(wanted - set(extras))
+    unexpected = sorted(set(extras) - wanted)
+    if strict and (missing or unexpected):
+        raise CheckpointMismatch(
+            "module buffers/frozen parameters differ from the checkpoint: "
+            + "; ".join(
+                part
+                for part in (
+                    f"missing in the checkpoint: {', '.join(missing)}" if missing else "",
+                    f"not in the model: {', '.join(unexpected)}" if unexpected else "",
+                )
+                if part
+            )
+        )
+    current = engine.module.state_dict()
+    for key in sorted(wanted & set(extras)):
+        value, have = extras[key], current[key]
+        if isinstance(have, torch.Tensor) and isinstance(value, torch.Tensor) and have.shape != value.shape:
+            raise CheckpointMismatch(
+                f"{key}: shape {tuple(value.shape)} in the checkpoint, {tuple(have.shape)} in the model"
+            )
+    engine.module.load_state_dict({k: extras[k] for k in wanted & set(extras)}, strict=False)
+
+
+# -- the whole engine state -------------------------------------------------------------------------------
+def capture(
+    engine: Any, *, client_state: Mapping[str, Any], rng_states: list[Any], optimizer_scalars: list[Any]
+) -> dict[str, Any]:
+    """Everything rank 0 writes into the engine state file."""
+    optimizer = engine.optimizer
+    loader = getattr(engine, "training_dataloader", None)
+    state = {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "micro_steps": engine.micro_steps,
+        "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "lr_scheduler": _scheduler_state(engine.lr_scheduler),
+        "optimizer_param_groups": (
+            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+            if optimizer is not None
+            else None
+        ),
+        "optimizer_scalars": optimizer_scalars,
+        "data_position": loader.state_dict() if hasattr(loader, "load_state_dict") else None,
+        "rng": rng_states,
+        "module_extras": module_extras(engine),
+        "client_state": dict(client_state),
+        "ds_config": engine.config.to_dict(),
+        "dp_world_size": engine.comm.world_size,
+    }
+    for key, value in state.items():
+        check_loadable(value, "client_state" if key == "client_state" else f"engine state {key!r}")
+    return state
+
+
+def _scheduler_state(scheduler: Any) -> Any:
+    if scheduler is None or not hasattr(scheduler, "state_dict"):
+        return None
+    return scheduler.state_dict()
+
+
+def restore(
+    engine: Any,
+    state: Mapping[str, Any],
+    *,
+    saved_world: int,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> None:
+    """Put the engine's non-sharded state back (the shards are loaded separately)."""
+    if load_module_only:
+        return
+    engine.global_steps = int(state["global_steps"])
+    engine.global_samples = int(state["global_samples"])
+    engine.skipped_steps = int(state["skipped_steps"])
+    engine.micro_steps = int(state["micro_steps"])
+    _restore_scaler(engine, state.get("loss_scaler"))
+    if load_optimizer_states and engine.optimizer is not None and state.get("optimizer_param_groups"):
+        saved = state["optimizer_param_groups"]
+        groups = engine.optimizer.param_groups
+        if len(saved) != len(groups):
+            raise CheckpointMismatch(
+                f"the checkpoint's optimizer has {len(saved)} param groups, this one has {len(groups)}"
+            )
+        for group, options in zip(groups, saved, strict=True):
+            group.update(options)
+    if load_lr_scheduler_states and engine.lr_scheduler is not None:
+        saved_scheduler = state.get("lr_scheduler")
+        if saved_scheduler is None:
+            _log.warning("the checkpoint has no LR scheduler state; the scheduler starts from its beginning")
+        else:
+            engine.lr_scheduler.load_state_dict(dict(saved_scheduler))
+    loader = getattr(engine, "training_dataloader", None)
+    position = state.get("data_position")
+    if position is not None and hasattr(loader, "load_state_dict"):
+        loader.load_state_dict(dict(position))
+    rngs = state.get("rng") or []
+    if saved_world == engine.comm.world_size and engine.comm.rank < len(rngs):
+        restore_rng(rngs[engine.comm.rank], engine.device)
+    elif engine.comm.rank == 0:
+        _log.warning(
+            "RNG states were saved by %d ranks and are not restored on %d ranks (each rank keeps its own)",
+            saved_world,
+            engine.comm.world_size,
+        )
+
+
+def _restore_scaler(engine: Any, saved: Any) -> None:
+    scaler = engine.loss_scaler
+    if scaler is None or saved is None:
+        if (scaler is None) != (saved is None) and engine.comm.rank == 0:
+            _log.warning(
+                "the checkpoint %s an fp16 loss scaler and this run %s; the scale starts fresh",
+                "has" if saved is not None else "has no",
+                "uses one" if scaler is not None else "does not",
+            )
+        return
+    if "hysteresis_left" in saved and not getattr(scaler, "dynamic", False):
+        scaler.load_state_dict({"scale": saved["scale"]})
+        return
+    if getattr(scaler, "dynamic", False) and "hysteresis_left" not in saved:
+        scaler.scale = float(saved["scale"])
+        return
+    scaler.load_state_dict(dict(saved))

@@ -1,0 +1,212 @@
+"""engine.load_checkpoint: verify, then fill this rank's shard from whatever layout was saved.
+
+Order, and why:
+1. Resolve the tag (`latest` or the given one) and read the manifest: missing pieces are clear errors.
+2. Verify every file's size and CRC-32 against the manifest, spread over the ranks (file i on rank
+   i mod world); all ranks learn the verdict, so a corrupted or truncated file is the same error,
+   naming it, everywhere. Nothing falls back to another tag.
+3. Check the model against the checkpoint (names, shapes, optimizer groups) and plan every copy before
+   changing anything, then read exactly the element ranges this rank's new shard needs: fp32 master
+   weights and every optimizer state tensor, at any saved world size, stage or bucket layout.
+4. Write the masters into the working weights (all-gathered for sharded stages), then restore buffers,
+   counters, loss scaler, LR schedule, data position and RNG.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.checkpoint import engine_state
+from runtime.checkpoint.agree import agreed
+from runtime.checkpoint.durable import file_crc32
+from runtime.checkpoint.manifest import (
+    ENGINE_STATE,
+    MASTER_KEY,
+    CheckpointCorrupted,
+    CheckpointMismatch,
+    Manifest,
+    read_manifest,
+    resolve_tag_dir,
+)
+from runtime.checkpoint.reshard import Copy, plan_copies, saved_shapes, source_index
+from runtime.checkpoint.shards import ShardReader, load_optimizer_state, optimizer_params, shard_targets
+
+_log = logging.getLogger("runtime.checkpoint")
+
+
+def open_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, Manifest]:
+    tag_dir = resolve_tag_dir(load_dir, tag)
+    return tag_dir, read_manifest(tag_dir)
+
+
+def verify_files(tag_dir: Path, manifest: Manifest, rank: int = 0, world_size: int = 1) -> int:
+    """Check size and CRC-32 of the manifest's files i with i % world_size == rank; returns bytes read."""
+    checked = 0
+    for i, entry in enumerate(manifest.files):
+        if i % world_size != rank:
+            continue
+        path = tag_dir / entry.name
+        if not path.is_file():
+            raise CheckpointCorrupted(f"{path}: missing (the manifest of tag {manifest.tag!r} lists it)")
+        size = path.stat().st_size
+        if size != entry.size:
+            raise CheckpointCorrupted(
+                f"{path}: {size} bytes, but the manifest recorded {entry.size} (truncated or overwritten)"
+            )
+        _, crc = file_crc32(path)
+        if crc != entry.crc32:
+            raise CheckpointCorrupted(
+                f"{path}: checksum mismatch (crc32 {crc:#010x}, manifest {entry.crc32:#010x}): the file is "
+                "corrupted"
+            )
+        checked += size
+    return checked
+
+
+def read_engine_state(tag_dir: Path) -> dict[str, Any]:
+    path = tag_dir / ENGINE_STATE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise CheckpointCorrupted(f"{path}: missing") from None
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointCorrupted(f"{path}: cannot be read safely ({first})") from None
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    *,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str, dict[str, Any]]:
+    """Load a checkpoint into `engine`; all ranks must call it. Returns (tag directory, client_state)."""
+    comm = engine.comm
+    tag_dir, manifest = agreed(comm, lambda: open_checkpoint(load_dir, tag))
+    agreed(comm, lambda: verify_files(tag_dir, manifest, comm.rank, comm.world_size))
+    state = agreed(comm, lambda: read_engine_state(tag_dir))
+    with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    plans = agreed(
+        comm, lambda: _plan(engine, manifest, strict=load_module_strict, with_optimizer=with_optimizer)
+    )
+    agreed(comm, lambda: _fill(engine, tag_dir, manifest, state, plans, with_optimizer=with_optimizer))
+    engine.zero.zero_grad()
+    engine.zero.write_back()  # masters -> working weights, gathered across ranks
+
+    def rest() -> None:
+        engine_state.restore_module_extras(engine, state["module_extras"], strict=load_module_strict)
+        engine_state.restore(
+            engine,
+            state,
+            saved_world=manifest.world_size,
+            load_optimizer_states=with_optimizer,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+
+    agreed(comm, rest)
+    if comm.rank == 0:
+        moved = (manifest.world_size, manifest.zero_stage) != (comm.world_size, engine.zero_stage)
+        _log.info(
+            "loaded checkpoint %s (saved by %d rank(s) at ZeRO stage %d%s)",
+            tag_dir,
+            manifest.world_size,
+            manifest.zero_stage,
+            f"; resharded for {comm.world_size} rank(s) at stage {engine.zero_stage}" if moved else "",
+        )
+    return str(tag_dir), dict(state.get("client_state") or {})
+
+
+def _plan(engine: Any, manifest: Manifest, *, strict: bool, with_optimizer: bool) -> list[list[Copy]]:
+    """Per flat group, the copies that fill this rank's shard; every mismatch is raised here, before any
+    tensor changes."""
+    shapes = saved_shapes(manifest)
+    saved_group = {
+        p.name: manifest.groups[g].optimizer_group
+        for g, grp in enumerate(manifest.groups)
+        for p in grp.params
+    }
+    ours = {
+        name: (param, group)
+        for group in engine.groups
+        for name, param in zip(engine_state.param_names(engine, group), group.params, strict=True)
+    }
+    missing = sorted(set(ours) - set(shapes))
+    unexpected = sorted(set(shapes) - set(ours))
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"trained parameters missing from the checkpoint: {_few(missing)}")
+        if unexpected:
+            parts.append(f"checkpoint parameters not in the model: {_few(unexpected)}")
+        raise CheckpointMismatch("; ".join(parts) + " (load_module_strict=False skips them)")
+    for name, (param, group) in ours.items():
+        if name in shapes and tuple(param.shape) != shapes[name]:
+            raise CheckpointMismatch(
+                f"parameter {name!r}: shape {list(shapes[name])} in the checkpoint, "
+                f"{list(param.shape)} in the model"
+            )
+        if with_optimizer and name in saved_group and saved_group[name] != group.index:
+            raise CheckpointMismatch(
+                f"parameter {name!r} was in optimizer param group {saved_group[name]} when saved and is in "
+                f"group {group.index} now; its optimizer state and hyperparameters would not match "
+                "(load_optimizer_states=False loads the weights only)"
+            )
+    index = source_index(manifest)
+    return [plan_copies(index, shard_targets(engine, group, skip=set(missing))) for group in engine.groups]
+
+
+def _fill(
+    engine: Any,
+    tag_dir: Path,
+    manifest: Manifest,
+    state: dict[str, Any],
+    plans: list[list[Copy]],
+    *,
+    with_optimizer: bool,
+) -> None:
+    reader = ShardReader(tag_dir)
+    keys = manifest.optimizer_state_keys
+    dtypes = {key: getattr(torch, name) for key, name in manifest.state_dtypes.items()}
+    saved_scalars = state.get("optimizer_scalars") or []
+    if with_optimizer and manifest.optimizer_class:
+        current = f"{type(engine.optimizer).__module__}.{type(engine.optimizer).__qualname__}"
+        if current != manifest.optimizer_class and engine.comm.rank == 0:
+            _log.warning(
+                "optimizer state saved by %s is loaded into %s (state keys: %s)",
+                manifest.optimizer_class,
+                current,
+                ", ".join(keys) or "none",
+            )
+    first_group = {p.name: g for g, grp in enumerate(manifest.groups) for p in grp.params}
+    try:
+        with torch.no_grad():
+            for group, copies in zip(engine.groups, plans, strict=True):
+                reader.fill(group.master.data, copies, MASTER_KEY)
+                if not with_optimizer:
+                    continue
+                if not keys:  # saved before the first step: the optimizer starts fresh
+                    for param in optimizer_params(engine, group):
+                        engine.optimizer.state.pop(param, None)
+                    continue
+                names = engine_state.param_names(engine, group)
+                source = first_group.get(names[0]) if names else None
+                scalars = saved_scalars[source] if source is not None and source < len(saved_scalars) else {}
+                load_optimizer_state(engine, group, reader, copies, keys, dtypes, scalars)
+    finally:
+        reader.close()
+
+
+def _few(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

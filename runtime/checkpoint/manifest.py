@@ -1,0 +1,252 @@
+"""The checkpoint's table of contents: what was saved, how it is laid out, and how to check it.
+
+A checkpoint directory looks like this (DeepSpeed's names where DeepSpeed has one)::
+
+    save_dir/latest                          the newest complete tag (text), replaced atomically
+    save_dir/<tag>/manifest.json             `Manifest`; written last: no manifest, no checkpoint
+    save_dir/<tag>/mp_rank_00_model_states.pt          engine state (torch.save, loaded with weights_only)
+    save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.safetensors   one per saving rank
+
+Layout, stage-independent: every flat group (a run of parameters laid out in one 1-D buffer, see
+runtime.zero.partition) has a coordinate system, "flat index", given by its parameters' names, shapes
+and offsets. Each rank's shard file holds, per group, 1-D tensors ("fp32" master weights plus one per
+optimizer state key such as "exp_avg") whose elements are the concatenation of the flat ranges listed
+for that file and group. Any new layout, world size or stage maps onto that by parameter name and
+element range (runtime.checkpoint.reshard), so loading needs no conversion step.
+
+Every file is listed with its size and CRC-32; a tag counts as complete only when its manifest exists.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "dslaunch-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+ENGINE_STATE = "mp_rank_00_model_states.pt"
+MASTER_KEY = "fp32"  # the tensor name suffix of master weights in a shard file
+
+
+def shard_file_name(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.safetensors"
+
+
+def tensor_name(group: int, key: str) -> str:
+    """Name of group `group`'s tensor for state `key` ("fp32", "exp_avg", ...) inside a shard file."""
+    return f"group{group}.{key}"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message says which file or tag and why."""
+
+
+class CheckpointNotFound(CheckpointError):
+    """The directory, the tag, or the `latest` pointer is missing."""
+
+
+class CheckpointIncomplete(CheckpointError):
+    """The tag directory has no manifest: its save never finished."""
+
+
+class CheckpointCorrupted(CheckpointError):
+    """A file's size or checksum differs from the manifest, or its content is malformed."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint does not fit the model or optimizer it is loaded into."""
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One parameter of a flat group."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int  # flat index of its first element
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class GroupEntry:
+    """One flat group: its parameters in flat order and the optimizer param group it belongs to."""
+
+    optimizer_group: int
+    numel: int  # padded flat size
+    params: tuple[ParamEntry, ...]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of the tag: checksum, and for shard files the flat ranges each group's tensors hold."""
+
+    name: str
+    kind: str  # "shard" | "engine_state"
+    rank: int
+    size: int
+    crc32: int
+    ranges: tuple[tuple[tuple[int, int], ...], ...] = ()  # per group: [(flat_start, flat_end), ...]
+
+
+@dataclass(frozen=True)
+class ModuleKey:
+    """One entry of the module's state dict, in state-dict order: a trained parameter (by its flat-group
+    name) or an extra (buffer or frozen parameter) stored in the engine state file."""
+
+    key: str
+    param: str | None = None  # name in a flat group; None: an extra
+
+
+@dataclass(frozen=True)
+class Manifest:
+    tag: str
+    world_size: int  # ranks that saved
+    zero_stage: int
+    param_dtype: str
+    master_dtype: str
+    groups: tuple[GroupEntry, ...]
+    files: tuple[FileEntry, ...]
+    module_keys: tuple[ModuleKey, ...]
+    optimizer_class: str | None = None
+    optimizer_state_keys: tuple[str, ...] = ()
+    state_dtypes: dict[str, str] = field(default_factory=dict)  # state key -> dtype name
+    format: str = FORMAT
+    version: int = VERSION
+
+    def shard_files(self) -> list[FileEntry]:
+        return [f for f in self.files if f.kind == "shard"]
+
+    def file(self, kind: str) -> FileEntry:
+        for entry in self.files:
+            if entry.kind == kind:
+                return entry
+        raise CheckpointCorrupted(f"the manifest lists no {kind} file")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> Manifest:
+        try:
+            raw = json.loads(text)
+            if raw.get("format") != FORMAT:
+                raise CheckpointCorrupted(f"{where}: not a dslaunch checkpoint manifest")
+            if raw.get("version") != VERSION:
+                raise CheckpointError(
+                    f"{where}: checkpoint format version {raw.get('version')}; this runtime reads {VERSION}"
+                )
+            return cls(
+                tag=raw["tag"],
+                world_size=int(raw["world_size"]),
+                zero_stage=int(raw["zero_stage"]),
+                param_dtype=raw["param_dtype"],
+                master_dtype=raw["master_dtype"],
+                groups=tuple(
+                    GroupEntry(
+                        g["optimizer_group"],
+                        g["numel"],
+                        tuple(ParamEntry(p["name"], tuple(p["shape"]), p["offset"]) for p in g["params"]),
+                    )
+                    for g in raw["groups"]
+                ),
+                files=tuple(
+                    FileEntry(
+                        f["name"],
+                        f["kind"],
+                        f["rank"],
+                        f["size"],
+                        f["crc32"],
+                        tuple(tuple((int(a), int(b)) for a, b in group) for group in f["ranges"]),
+                    )
+                    for f in raw["files"]
+                ),
+                module_keys=tuple(ModuleKey(k["key"], k["param"]) for k in raw["module_keys"]),
+                optimizer_class=raw.get("optimizer_class"),
+                optimizer_state_keys=tuple(raw.get("optimizer_state_keys", ())),
+                state_dtypes=dict(raw.get("state_dtypes", {})),
+            )
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CheckpointCorrupted(
+                f"{where}: malformed manifest ({type(error).__name__}: {error})"
+            ) from None
+
+
+_TAG_OK = re.compile(r"^[A-Za-z0-9._+=@-]+$")
+
+
+def check_tag(tag: str) -> str:
+    """A tag is a single directory name."""
+    if not isinstance(tag, str) or not _TAG_OK.match(tag) or tag in (".", ".."):
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not a plain directory name (letters, digits and ._+=@- only)"
+        )
+    return tag
+
+
+def read_latest(save_dir: str | Path) -> str | None:
+    """The tag `latest` names, or None when there is no `latest` file."""
+    path = Path(save_dir) / LATEST
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        return None
+
+
+def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
+    """The directory of `tag` (or of the tag `latest` names), with a clear error for each missing piece."""
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointNotFound(f"checkpoint directory {root} does not exist")
+    if tag is None:
+        tag = read_latest(root)
+        if tag is None:
+            raise CheckpointNotFound(
+                f"{root} has no '{LATEST}' file, so there is no complete checkpoint to resume from; "
+                "pass tag=... to load a specific one"
+            )
+        if not tag:
+            raise CheckpointCorrupted(f"{root / LATEST} is empty")
+        tag_dir = root / check_tag(tag)
+        if not tag_dir.is_dir():
+            raise CheckpointNotFound(f"{root / LATEST} names tag {tag!r}, but {tag_dir} does not exist")
+        return tag_dir
+    tag_dir = root / check_tag(str(tag))
+    if not tag_dir.is_dir():
+        available = sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file())
+        hint = f"; complete tags there: {', '.join(available)}" if available else ""
+        raise CheckpointNotFound(f"checkpoint tag {tag!r} not found: {tag_dir} does not exist{hint}")
+    return tag_dir
+
+
+def read_manifest(tag_dir: Path) -> Manifest:
+    path = tag_dir / MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CheckpointIncomplete(
+            f"{tag_dir} has no {MANIFEST}: the save of tag {tag_dir.name!r} did not finish (the process "
+            "stopped while writing it), so it cannot be loaded"
+        ) from None
+    manifest = Manifest.from_json(text, str(path))
+    if manifest.tag != tag_dir.name:
+        raise CheckpointCorrupted(f"{path} describes tag {manifest.tag!r}, but sits in {tag_dir}")
+    return manifest
+
+
+def describe(value: Any) -> str:
+    """Short text for error messages."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

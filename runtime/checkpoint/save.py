@@ -1,0 +1,208 @@
+"""engine.save_checkpoint: every rank writes its shard in parallel; the tag becomes `latest` only when
+every byte of it is durable and described by a manifest.
+
+Order, and why:
+1. All ranks agree on the tag (a rank saving under another name would split the checkpoint).
+2. Rank 0 removes the manifest of a previous save under the same tag (that tag is incomplete while it is
+   rewritten), then every rank writes its shard file: temporary name, fsync, rename, fsync directory.
+3. The file records (size, CRC-32, flat ranges) and per-rank RNG states are gathered on rank 0, which
+   writes the engine state file, then the manifest, then `latest`, each the same durable way.
+4. A final agreement: every rank returns only once `latest` names the new tag, or raises.
+
+A process killed anywhere in 2-3 leaves `latest` naming the previous complete tag; the new tag has no
+manifest and refuses to load.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runtime.checkpoint import engine_state
+from runtime.checkpoint.agree import agreed, all_gather_objects
+from runtime.checkpoint.durable import DurableFile, fault_point, fsync_dir, write_text_durably
+from runtime.checkpoint.manifest import (
+    ENGINE_STATE,
+    LATEST,
+    MANIFEST,
+    MASTER_KEY,
+    CheckpointError,
+    FileEntry,
+    GroupEntry,
+    Manifest,
+    ModuleKey,
+    ParamEntry,
+    check_tag,
+    read_latest,
+    shard_file_name,
+    tensor_name,
+)
+from runtime.checkpoint.shards import Piece, optimizer_state, saved_pieces
+from runtime.checkpoint.tensorfile import TensorFileWriter
+
+_log = logging.getLogger("runtime.checkpoint")
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    tag: str | None = None,
+    client_state: Mapping[str, Any] | None = None,
+    save_latest: bool = True,
+) -> Path:
+    """Save the engine's full training state under `save_dir/<tag>`; all ranks must call it."""
+    comm = engine.comm
+    tag = _agree_on_tag(engine, str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    root = Path(save_dir)
+    tag_dir = root / tag
+    if engine.micro_steps % engine.gradient_accumulation_steps() and comm.rank == 0:
+        _log.warning(
+            "save_checkpoint inside a gradient accumulation window: the gradients accumulated so far "
+            "are not saved"
+        )
+
+    agreed(comm, lambda: _prepare(root, tag_dir, comm.rank))
+    plan = [
+        (group, saved_pieces(group.layout, group.rank, comm.world_size, comm.rank)) for group in engine.groups
+    ]
+    states = [optimizer_state(engine, group) for group in engine.groups]
+    shard = agreed(comm, lambda: _write_shard(tag_dir, tag, comm.rank, plan, states))
+    records = all_gather_objects(comm, (shard, engine_state.capture_rng(engine.device)))
+
+    def finish() -> None:
+        if comm.rank != 0:
+            return
+        state = engine_state.capture(
+            engine,
+            client_state=client_state or {},
+            rng_states=[rng for _, rng in records],
+            optimizer_scalars=[scalars for _, scalars in states],
+        )
+        with DurableFile(tag_dir / ENGINE_STATE) as out:
+            torch.save(state, out)
+            fault_point("engine_state")
+            engine_record = out.commit()
+        manifest = _manifest(engine, tag, [r for r, _ in records], engine_record, states)
+        fault_point("manifest")
+        write_text_durably(tag_dir / MANIFEST, manifest.to_json())
+        _remove_strays(tag_dir, manifest)
+        fault_point("latest")
+        if save_latest:
+            write_text_durably(root / LATEST, tag)
+
+    agreed(comm, finish)
+    return tag_dir
+
+
+def _agree_on_tag(engine: Any, tag: str) -> str:
+    check_tag(tag)
+    tags = all_gather_objects(engine.comm, tag)
+    if len(set(tags)) == 1:
+        return tag
+    policy = engine.config.checkpoint.tag_validation.upper()
+    detail = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    if policy == "FAIL":
+        raise CheckpointError(f"ranks passed different checkpoint tags ({detail})")
+    if policy == "WARN" and engine.comm.rank == 0:
+        _log.warning("ranks passed different checkpoint tags (%s); saving all under rank 0's", detail)
+    return tags[0]
+
+
+def _prepare(root: Path, tag_dir: Path, rank: int) -> None:
+    if rank != 0:
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    tag_dir.mkdir(exist_ok=True)
+    old = tag_dir / MANIFEST
+    if old.exists():
+        if read_latest(root) == tag_dir.name:
+            _log.warning(
+                "overwriting tag %r, which %s names: until this save finishes there is no complete "
+                "checkpoint to resume from", tag_dir.name, root / LATEST,
+            )  # fmt: skip
+        old.unlink()
+        fsync_dir(tag_dir)
+
+
+def _write_shard(
+    tag_dir: Path,
+    tag: str,
+    rank: int,
+    plan: list[tuple[Any, list[Piece]]],
+    states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+) -> FileEntry:
+    declared = []
+    sources: list[tuple[str, torch.Tensor, list[Piece]]] = []
+    for (group, pieces), (tensors, _) in zip(plan, states, strict=True):
+        numel = sum(p.numel for p in pieces)
+        for key, tensor in [(MASTER_KEY, group.master.detach()), *sorted(tensors.items())]:
+            name = tensor_name(group.index, key)
+            declared.append((name, tensor.dtype, (numel,)))
+            sources.append((name, tensor, pieces))
+    path = tag_dir / shard_file_name(rank)
+    metadata = {"format": "dslaunch-zero-shard", "tag": tag, "rank": str(rank)}
+    with TensorFileWriter(path, declared, metadata) as writer:
+        for i, (name, tensor, pieces) in enumerate(sources):
+            for piece in pieces:
+                writer.write(name, tensor.detach().narrow(0, piece.shard_offset, piece.numel))
+            if i == 0:
+                fault_point("shard")  # part of the file is written under its temporary name
+        record = writer.commit()
+    ranges = tuple(tuple((p.flat_start, p.flat_end) for p in pieces) for _, pieces in plan)
+    return FileEntry(record.name, "shard", rank, record.size, record.crc32, ranges)
+
+
+def _manifest(
+    engine: Any,
+    tag: str,
+    shards: list[FileEntry],
+    engine_record: Any,
+    states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
+) -> Manifest:
+    groups = []
+    for group in engine.groups:
+        names = engine_state.param_names(engine, group)
+        params = tuple(
+            ParamEntry(name, tuple(param.shape), slot.offset)
+            for name, param, slot in zip(names, group.params, group.layout.slots, strict=True)
+        )
+        groups.append(GroupEntry(group.index, group.layout.numel, params))
+    state_keys = sorted({key for tensors, _ in states for key in tensors})
+    state_dtypes = {
+        key: str(tensors[key].dtype).removeprefix("torch.") for tensors, _ in states for key in tensors
+    }
+    optimizer = engine.optimizer
+    return Manifest(
+        tag=tag,
+        world_size=engine.comm.world_size,
+        zero_stage=engine.zero_stage,
+        param_dtype=str(engine.policy.param_dtype).removeprefix("torch."),
+        master_dtype=str(engine.groups[0].master.dtype).removeprefix("torch.")
+        if engine.groups
+        else "float32",
+        groups=tuple(groups),
+        files=(
+            *shards,
+            FileEntry(engine_record.name, "engine_state", 0, engine_record.size, engine_record.crc32),
+        ),
+        module_keys=tuple(ModuleKey(key, name) for key, name in engine_state.module_keys(engine)),
+        optimizer_class=None
+        if optimizer is None
+        else f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        optimizer_state_keys=tuple(state_keys),
+        state_dtypes=state_dtypes,
+    )
+
+
+def _remove_strays(tag_dir: Path, manifest: Manifest) -> None:
+    """Files of an earlier save under this tag that the new manifest does not list (e.g. more ranks)."""
+    keep = {f.name for f in manifest.files} | {MANIFEST}
+    for path in tag_dir.iterdir():
+        stray_shard = path.name.startswith("zero_pp_rank_") and path.name not in keep
+        if stray_shard or (path.name.startswith(".") and ".tmp-" in path.name):
+            path.unlink(missing_ok=True)

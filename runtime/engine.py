@@ -26,14 +26,9 @@ from runtime.comm import Comm
 from runtime.config import Config
 from runtime.distributed import current_device
 from runtime.engine_log import StepLog, Timers
+from runtime.offload import GradMath, MasterPlacement, build_master_placement
 from runtime.precision.loss_scaler import LossScaler
-from runtime.precision.mixed import (
-    cast_floating,
-    finish_grads,
-    master_grads_from,
-    policy_from_config,
-    scaler_from_config,
-)
+from runtime.precision.mixed import cast_floating, policy_from_config, scaler_from_config
 from runtime.zero import ZeroStage, build_zero_stage, flatten_group, shards_optimizer_state
 from runtime.zero.optimizer import (
     OptimizerSource,
@@ -54,10 +49,17 @@ class MemoryBreakdown:
     master_bytes: int  # fp32 master weights that are not the working weights themselves
     optimizer_bytes: int  # optimizer state tensors (Adam: exp_avg, exp_avg_sq, step)
     buffer_bytes: int = 0  # communication staging buffers alive right now
+    host_bytes: int = 0  # of the model states above, the bytes in host memory (CPU offload)
+    host_buffer_bytes: int = 0  # host staging buffers of the offload (gradient landing, copy-back)
 
     @property
     def model_state_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
+
+    @property
+    def device_model_state_bytes(self) -> int:
+        """Model-state bytes on the training device (all of them without offload)."""
+        return self.model_state_bytes - self.host_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -134,6 +136,10 @@ class Engine(nn.Module):
             pre_reduce_scale=self._pre_reduce_scale,
             reduce_dtype=self.policy.reduce_dtype,
         )
+        # where the masters live (device, or host under offload_optimizer); before the optimizer is built
+        self.masters: MasterPlacement = build_master_placement(
+            config, self.groups, self.zero, self.comm, self.device, registration=registration
+        )
         self.optimizer, self._per_tensor = self._build_optimizer(optimizer, sharded)
         self._client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -205,8 +211,10 @@ class Engine(nn.Module):
         scaled = loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
         with self._timers("backward"):
             self.zero.begin_backward(boundary=boundary)
+            self.masters.begin_backward(boundary=boundary)
             scaled.backward(retain_graph=retain_graph)
             self.zero.end_backward(boundary=boundary)
+            self.masters.end_backward(boundary=boundary)
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
@@ -227,11 +235,8 @@ class Engine(nn.Module):
         self._log.after_step(self)
 
     def _apply_step(self, lr_kwargs: dict[str, Any] | None) -> bool:
-        masters = [group.master for group in self.groups]
-        grads = master_grads_from(self.zero.grad_pieces(), masters)
         accumulation = self.gradient_accumulation_steps() if self._scale_wrt_gas else 1
-        result = finish_grads(
-            grads,
+        math = GradMath(
             # what is left of the mean over ranks and micro-steps after the pre-reduce scaling
             divisor=self.comm.world_size * accumulation * self._pre_reduce_scale,
             loss_scale=self.loss_scale,
@@ -240,30 +245,18 @@ class Engine(nn.Module):
             want_norm=self._log.wants_norm(self.global_steps + 1),
             all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
         )
+        result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
         self._grad_norm = result.norm
         if result.overflow:
             self.skipped_steps += 1
             self._update_scaler(overflow=True)
             return False
-        self._attach_master_grads(grads)
-        self.optimizer.step()
-        self._attach_master_grads(None)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
             self._sync_hyperparameters(self.lr_scheduler)
-        self.zero.write_back()
+        self.masters.write_back()
         self._update_scaler(overflow=False)
         return True
-
-    def _attach_master_grads(self, grads: list[torch.Tensor] | None) -> None:
-        for index, group in enumerate(self.groups):
-            grad = None if grads is None else grads[index]
-            if not self._per_tensor:
-                group.master.grad = grad
-                continue
-            views = self.optimizer.param_groups[index]["params"]
-            for view, slot in zip(views, group.layout.slots, strict=True):
-                view.grad = None if grad is None else grad.narrow(0, slot.offset, slot.numel).view(view.shape)
 
     def _update_scaler(self, *, overflow: bool) -> None:
         if self.loss_scaler is None:
@@ -326,6 +319,7 @@ class Engine(nn.Module):
                 optimizer_bytes += sum(
                     t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)
                 )
+        host_bytes, host_buffer_bytes = self.masters.host_bytes(self.optimizer)
         return MemoryBreakdown(
             param_bytes=sum(g.working.numel() * g.working.element_size() for g in self.groups)
             + sum(unmanaged.values()),
@@ -335,6 +329,8 @@ class Engine(nn.Module):
             ),
             optimizer_bytes=optimizer_bytes,
             buffer_bytes=self.zero.buffer_bytes(),
+            host_bytes=host_bytes,
+            host_buffer_bytes=host_buffer_bytes,
         )
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -392,17 +388,18 @@ class Engine(nn.Module):
     def destroy(self) -> None:
         """Remove the engine's gradient hooks from the model."""
         self.zero.close()
+        self.masters.close()
 
 
 def _refuse_unsupported(config: Any) -> None:
     zero = config.zero_optimization
     if zero.stage == 3:
         raise NotImplementedError("zero_optimization.stage 3 is not available yet; use stage 0, 1 or 2")
-    for name in ("offload_optimizer", "offload_param"):
-        if getattr(zero, name).device != "none":
-            raise NotImplementedError(
-                f"zero_optimization.{name}.device={getattr(zero, name).device!r} is not available yet"
-            )
+    if zero.offload_param.device != "none":
+        raise NotImplementedError(
+            f"zero_optimization.offload_param.device={zero.offload_param.device!r} needs ZeRO stage 3, "
+            "which is not available yet; offload_optimizer works with stages 1 and 2"
+        )
 
 
 def _pre_reduce_scale(config: Any, world_size: int) -> float:

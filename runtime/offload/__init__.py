@@ -1,0 +1,21 @@
+"""CPU offload: where the optimizer's master weights and state live, and moving data to and from there.
+
+- `placement.py`: the `MasterPlacement` the engine composes (`DeviceMasters`, or `HostMasters` for
+  `offload_optimizer: {device: cpu}`), and `build_master_placement`.
+- `host_masters.py`: optimizer offload: masters and state in host memory, gradients landing bucket by
+  bucket during backward, the step on the CPU, chunked copy-back.
+- `host_adam.py`: the one-pass Adam/AdamW step on landed gradients (runtime.ops.adam underneath).
+- `copies.py`: device<->host copies on their own CUDA streams (plain copies on CPU-only machines).
+- `host_memory.py`: host buffers, pinned where a copy engine touches them.
+- `spans.py`: pure index math (which shard slices land, step and go back together).
+"""
+
+from runtime.offload.placement import (
+    DeviceMasters,
+    GradMath,
+    MasterPlacement,
+    attach_master_grads,
+    build_master_placement,
+)
+
+__all__ = ["DeviceMasters", "GradMath", "MasterPlacement", "attach_master_grads", "build_master_placement"]

@@ -1,0 +1,135 @@
+"""The offloaded optimizer step for Adam and AdamW: one pass over host memory, straight from landed grads.
+
+Works with the optimizer the engine built over the host master shards, whichever of these it is:
+`runtime.ops.adam.CPUAdam` (DeepSpeedCPUAdam) or `torch.optim.Adam` / `AdamW` (what the config's
+"Adam"/"AdamW" builds). Their state uses the same keys (`step` as a float32 tensor, `exp_avg`,
+`exp_avg_sq`), so a state dict looks the same with and without offload, and checkpoints move between
+the two. The update itself is `runtime.ops.adam.adam_step_` on slices of the flat master, gradient and
+state tensors: fp32 master/m/v, the landed bf16/fp16 gradient converted in cache, the loss-scale and
+clipping factor applied inside the kernel, and the low-precision copy of the updated weights written into
+the landing buffer the gradient came from (the gradient chunk is already consumed by then), so the copy
+back to the device reads what the kernel just wrote. 28 bytes of DRAM traffic a parameter; no
+temporaries.
+
+The engine drives the update chunk by chunk (`update`), so it can start copying chunk i back while the
+host computes chunk i+1. Optimizer step hooks do not run on this path (LR schedulers work: the
+hyperparameters are read from `param_groups` at every step).
+
+Anything else (AMSGrad, maximize, SGD, Lamb, ...) takes the generic path in `host_masters.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from runtime.ops.adam import AdamHyperparams, CPUAdam, adam_step_, default_chunk_elems, scratch_elems
+
+
+def adam_hyperparams(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> AdamHyperparams | None:
+    """The group's settings when `optimizer` is an Adam this path runs exactly; None otherwise."""
+    if isinstance(optimizer, CPUAdam):
+        return AdamHyperparams.from_group(group)
+    if not isinstance(optimizer, torch.optim.Adam):  # AdamW is a subclass in recent torch
+        return None
+    if any(group.get(key, False) for key in ("amsgrad", "maximize", "differentiable", "capturable")):
+        return None
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+    beta1, beta2 = group["betas"]
+    return AdamHyperparams(
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]),
+        adamw_mode=decoupled,
+        bias_correction=True,
+    )
+
+
+def supports(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether every param group of `optimizer` can take the one-pass path."""
+    if optimizer is None:
+        return False
+    groups = optimizer.param_groups
+    return all(len(g["params"]) == 1 and adam_hyperparams(optimizer, g) is not None for g in groups)
+
+
+class HostAdam:
+    """Runs Adam/AdamW updates on slices of the flat host masters, with the optimizer's own state."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor]) -> None:
+        self.optimizer = optimizer
+        self.masters = list(masters)
+        self._settings: list[tuple[int, AdamHyperparams]] = []
+        self._scratch: torch.Tensor | None = None
+        self.cache_chunk = default_chunk_elems()
+        for group, master in zip(optimizer.param_groups, self.masters, strict=True):
+            if group["params"][0] is not master:
+                raise ValueError("HostAdam: the optimizer's param groups must be the host master shards")
+            # allocated now (and every page touched), so a host short of memory fails at setup
+            self._state(master)
+
+    def _state(self, master: torch.Tensor) -> dict[str, Any]:
+        state = self.optimizer.state[master]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros(master.shape, dtype=master.dtype)
+            state["exp_avg_sq"] = torch.zeros(master.shape, dtype=master.dtype)
+        elif not isinstance(state["step"], torch.Tensor):  # an int step, as DeepSpeed stores it
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+        return state
+
+    def begin_step(self) -> None:
+        """Advance every group's step count and read its hyperparameters (the scheduler's current lr)."""
+        self._settings = []
+        for group, master in zip(self.optimizer.param_groups, self.masters, strict=True):
+            hp = adam_hyperparams(self.optimizer, group)
+            if hp is None:
+                raise ValueError("HostAdam: a param group changed to settings this path cannot run")
+            state = self._state(master)
+            state["step"] += 1
+            self._settings.append((int(state["step"].item()), hp))
+
+    def update(
+        self,
+        group: int,
+        offset: int,
+        grad: torch.Tensor,
+        out: torch.Tensor | None,
+        grad_scale: torch.Tensor | None,
+    ) -> None:
+        """Update master[offset : offset + grad.numel()] of `group` with `grad` (divided by `grad_scale`
+        inside the kernel); `out`, when given, receives the updated weights in its own dtype."""
+        master = self.masters[group]
+        state = self.optimizer.state[master]
+        numel = grad.numel()
+        step, hp = self._settings[group]
+        param = master.data.narrow(0, offset, numel)
+        staged_grad = grad.dtype != master.dtype
+        need = scratch_elems(numel, min(self.cache_chunk, numel), False, staged_grad)
+        adam_step_(
+            param,
+            grad,
+            state["exp_avg"].narrow(0, offset, numel),
+            state["exp_avg_sq"].narrow(0, offset, numel),
+            step,
+            hp,
+            out=out,
+            grad_scale=grad_scale,
+            chunk_elems=self.cache_chunk,
+            scratch=self._scratch_for(need, master.dtype) if need else None,
+        )
+
+    def _scratch_for(self, need: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < need or self._scratch.dtype != dtype:
+            self._scratch = torch.empty(need, dtype=dtype)
+        return self._scratch
+
+    def state_bytes(self) -> int:
+        total = 0
+        for master in self.masters:
+            total += sum(t.numel() * t.element_size() for t in self.optimizer.state[master].values())
+        return total

@@ -1,0 +1,291 @@
+"""Optimizer offload (ZeRO-Offload): fp32 master shards and optimizer state in host memory, CPU step.
+
+Per step, for this rank's shard of every param group (bf16 working weights shown; fp16 is the same and
+fp32 copies weights back from the master itself):
+
+1. Gradients land on the host bucket by bucket (`spans.py`): with one rank, a bucket's copy starts from a
+   post-accumulate-grad hook as soon as backward has finished its last parameter, on its own CUDA stream,
+   while backward goes on; with more ranks, after the ZeRO stage has reduced it. One copy per bucket into
+   one pinned landing buffer in the gradient dtype (2 bytes a parameter), never one per parameter.
+2. The norm, the fp16 overflow check and the clipping factor come from the gradients still on the device
+   (a few kernels there instead of another pass over host memory); the host reads one number.
+3. The host updates span by span in landing order, chunk by chunk (`host_adam.py`: one pass, the scale
+   applied in the kernel, the updated bf16 weights written over the consumed gradient chunk), and each
+   chunk's copy back to the device starts as soon as the chunk is done, so it overlaps the next chunk's
+   update. With more ranks, each bucket's all-gather starts when its pieces are back.
+
+Host memory: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 2 = 14 bytes a parameter of the shard; only
+the landing buffer is pinned (and the master in fp32 runs, where it is what gets copied back). The device
+keeps the working weights and the gradient buffers of the ZeRO stage, no fp32 state.
+
+Optimizers other than Adam/AdamW (or Adam with AMSGrad, ...) take the generic path: the landed gradient
+is converted into an fp32 host buffer and scaled, `optimizer.step()` runs on the host masters, and the
+updated masters are cast into the landing buffer and copied back. Correct for any torch optimizer, but
+several passes over host memory.
+
+On a CPU-only machine all of this runs the same way with synchronous copies (copies.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from runtime.comm import Comm, Pending
+from runtime.offload import host_adam
+from runtime.offload.copies import CopyEngine, Ticket
+from runtime.offload.host_memory import HostMemory
+from runtime.offload.placement import GradMath, attach_master_grads
+from runtime.offload.spans import Span, piece_containing, plan_chunks, plan_spans
+from runtime.precision.mixed import GradResult
+from runtime.zero.buckets import BucketTracker, bucket_order
+from runtime.zero.flat import FlatGroup
+
+TRANSFER_CHUNK_ELEMS = 1 << 23
+"""Elements per copy-back chunk: 16 MiB of bf16 (about 0.3 ms on PCIe 5, a few ms of host update), small
+enough that only the last chunk's copy is exposed, large enough that per-chunk overhead stays below 1%."""
+
+
+class HostMasters:
+    """The offload placement for stages 1 and 2 (and any stage that lays out its shards the same way)."""
+
+    def __init__(
+        self,
+        groups: Sequence[FlatGroup],
+        zero: Any,
+        comm: Comm,
+        device: torch.device,
+        *,
+        registration: dict[nn.Parameter, int],
+        pin_memory: bool,
+        gather_working: bool,
+        chunk_elems: int | None = None,
+    ) -> None:
+        self.groups = list(groups)
+        self.zero = zero
+        self.comm = comm
+        self.device = device
+        self.gather_working = gather_working
+        self.chunk_elems = TRANSFER_CHUNK_ELEMS if chunk_elems is None else chunk_elems
+        self.memory = HostMemory(device, pin=pin_memory)
+        self.copies = CopyEngine(device)
+        grad_dtype = zero.grad_pieces()[0][0].dtype
+        self._move_masters_to_host(grad_dtype)
+        # the updated weights go back in the gradient dtype, written over the landed gradient
+        self.landing = [self.memory.zeros(g.layout.shard_numel, grad_dtype, pinned=True) for g in self.groups]
+        self._writes_out = grad_dtype != self.groups[0].master.dtype if self.groups else False
+        order = bucket_order(self.groups, registration)
+        self.spans: list[Span] = plan_spans([g.layout for g in self.groups], order)
+        self._span_at = {(s.group, s.bucket): i for i, s in enumerate(self.spans)}
+        self._sources: list[torch.Tensor] = []
+        self._tickets: list[Ticket] = []
+        self._landed = [False] * len(self.spans)
+        self._boundary = False
+        self._gathers: list[Pending] = []
+        self._last_upload: Ticket = None
+        self._fp32_grads: list[torch.Tensor] | None = None  # generic path only
+        self._adam: host_adam.HostAdam | None = None
+        self._adam_for: torch.optim.Optimizer | None = None
+        # Gradients can stream during backward only when nothing is left to reduce (one rank) and a copy
+        # does not block the autograd thread (pinned memory on CUDA; on CPU every copy is synchronous).
+        self._stream = comm.world_size == 1 and (not self.copies.is_async or self.memory.pin)
+        self._hooks: list[RemovableHandle] = []
+        if self._stream:
+            self.tracker = BucketTracker(self.groups, order, self._land_bucket)
+            for group in self.groups:
+                for param in group.params:
+                    self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _move_masters_to_host(self, grad_dtype: torch.dtype) -> None:
+        for group in self.groups:
+            master = group.master.detach()
+            # in fp32 runs the weights are copied back from the master itself, so that one is pinned
+            host = self.memory.empty(master.numel(), master.dtype, pinned=master.dtype == grad_dtype)
+            host.copy_(master)
+            group.master = nn.Parameter(host, requires_grad=True)
+            group.master_is_alias = False
+
+    # -- landing gradients ------------------------------------------------------------------------------
+    def begin_backward(self, *, boundary: bool) -> None:
+        self._boundary = boundary
+        if boundary:
+            self._prepare_landing()
+            if self._stream:
+                self.tracker.reset()
+
+    def _prepare_landing(self) -> None:
+        pieces = self.zero.grad_pieces()
+        self._sources = []
+        for span in self.spans:
+            group_pieces = pieces[span.group]
+            index, offset = piece_containing([p.numel() for p in group_pieces], span.shard_offset, span.numel)
+            self._sources.append(group_pieces[index].view(-1).narrow(0, offset, span.numel))
+        self._tickets = [None] * len(self.spans)
+        self._landed = [False] * len(self.spans)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if self._boundary:
+            self.tracker.mark(param)
+
+    def _land_bucket(self, group: FlatGroup, bucket: int) -> None:
+        self._land(self._span_at[(group.index, bucket)])
+
+    def _land(self, index: int) -> None:
+        span = self.spans[index]
+        dst = self.landing[span.group].narrow(0, span.shard_offset, span.numel)
+        self._tickets[index] = self.copies.to_host(dst, self._sources[index])
+        self._landed[index] = True
+
+    def end_backward(self, *, boundary: bool) -> None:
+        if not boundary:
+            return
+        if self._stream:
+            self.tracker.flush()  # buckets whose parameters got no gradient this time
+        else:
+            self._land_all()
+        self._boundary = False
+
+    def _land_all(self) -> None:
+        for index, landed in enumerate(self._landed):
+            if not landed:
+                self._land(index)
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> GradResult:
+        pieces = self.zero.grad_pieces()
+        if not any(self._landed):  # no boundary backward went through begin/end_backward
+            self._prepare_landing()
+        self._land_all()
+        result, coef = _scale_from_device_grads(pieces, math)
+        if not result.overflow:
+            # device weights may still be read by kernels queued before this point
+            self.copies.fence_uploads()
+            if not per_tensor and host_adam.supports(optimizer):
+                self._adam_step(optimizer, coef)
+            else:
+                self._generic_step(optimizer, coef, per_tensor=per_tensor)
+        # the stage may zero its gradient buffers next: not before the downloads have read them
+        self.copies.downloads_done()
+        self._landed = [False] * len(self.spans)
+        return result
+
+    def _adam_step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
+        if self._adam_for is not optimizer:
+            self._adam = host_adam.HostAdam(optimizer, [g.master for g in self.groups])
+            self._adam_for = optimizer
+        adam = self._adam
+        assert adam is not None
+        adam.begin_step()
+        grad_scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32)
+        for index, span in enumerate(self.spans):
+            self.copies.host_wait(self._tickets[index])
+            landing = self.landing[span.group]
+            master = self.groups[span.group].master.data
+            dst = self._working_piece(span)
+            for offset, numel in plan_chunks(span.numel, self.chunk_elems):
+                at = span.shard_offset + offset
+                grad = landing.narrow(0, at, numel)
+                out = grad if self._writes_out else None
+                adam.update(span.group, at, grad, out, grad_scale)
+                source = out if out is not None else master.narrow(0, at, numel)
+                self._last_upload = self.copies.to_device(dst.narrow(0, offset, numel), source)
+            self._gather(span)
+
+    def _generic_step(self, optimizer: torch.optim.Optimizer, coef: float, *, per_tensor: bool) -> None:
+        for ticket in self._tickets:
+            self.copies.host_wait(ticket)
+        grads = []
+        for index, group in enumerate(self.groups):
+            landing = self.landing[index]
+            if landing.dtype == group.master.dtype:
+                grad = landing
+            else:
+                if self._fp32_grads is None:
+                    self._fp32_grads = [torch.empty_like(g.master.data) for g in self.groups]
+                grad = self._fp32_grads[index].copy_(landing)
+            if coef != 1.0:
+                grad.mul_(coef)
+            grads.append(grad)
+        attach_master_grads(optimizer, self.groups, grads, per_tensor=per_tensor)
+        optimizer.step()
+        attach_master_grads(optimizer, self.groups, None, per_tensor=per_tensor)
+        for span in self.spans:
+            master = self.groups[span.group].master.data
+            dst = self._working_piece(span)
+            for offset, numel in plan_chunks(span.numel, self.chunk_elems):
+                at = span.shard_offset + offset
+                source = master.narrow(0, at, numel)
+                if self._writes_out:
+                    source = self.landing[span.group].narrow(0, at, numel).copy_(source)
+                self._last_upload = self.copies.to_device(dst.narrow(0, offset, numel), source)
+            self._gather(span)
+
+    def _working_piece(self, span: Span) -> torch.Tensor:
+        group = self.groups[span.group]
+        return group.piece(group.working, group.layout.buckets[span.bucket])
+
+    def _gather(self, span: Span) -> None:
+        """All-gather the span's bucket once this rank's piece of it is back on the device."""
+        if not self.gather_working:
+            return
+        self.copies.device_wait(self._last_upload)
+        group = self.groups[span.group]
+        bucket = group.layout.buckets[span.bucket]
+        full = group.bucket_view(group.working, bucket)
+        self._gathers.append(self.comm.all_gather(full, group.piece(group.working, bucket), async_op=True))
+
+    def write_back(self) -> None:
+        self.copies.device_wait(self._last_upload)
+        gathers, self._gathers = self._gathers, []
+        for pending in gathers:
+            pending.wait()
+
+    # -- bookkeeping ------------------------------------------------------------------------------------
+    def host_bytes(self, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
+        state = 0
+        if optimizer is not None:
+            for values in optimizer.state.values():
+                state += sum(t.numel() * t.element_size() for t in values.values() if torch.is_tensor(t))
+        masters = sum(g.master.numel() * g.master.element_size() for g in self.groups)
+        buffers = sum(t.numel() * t.element_size() for t in self.landing)
+        if self._fp32_grads is not None:
+            buffers += sum(t.numel() * t.element_size() for t in self._fp32_grads)
+        return masters + state, buffers
+
+    def close(self) -> None:
+        self.write_back()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.copies.downloads_done()
+        if self.copies.is_async:
+            torch.cuda.synchronize(self.device)
+        self.memory.close()
+
+
+def _scale_from_device_grads(
+    pieces: Sequence[Sequence[torch.Tensor]], math: GradMath
+) -> tuple[GradResult, float]:
+    """The norm and overflow decision from the reduced gradients on the device, and the one factor the
+    host multiplies the landed gradients by (average over ranks and micro-steps, unscale, clip).
+
+    Same arithmetic as `finish_grads`, without touching the gradients."""
+    inv = 1.0 / (math.divisor * math.loss_scale)
+    if not math.needs_norm:
+        return GradResult(None, False), inv
+    flat = [piece for group in pieces for piece in group]
+    norms = [torch.linalg.vector_norm(piece, dtype=torch.float32) for piece in flat]
+    squared = torch.stack(norms).square().sum()
+    if math.all_reduce_sum is not None:
+        math.all_reduce_sum(squared)
+    norm = squared.sqrt_().mul_(inv)
+    if math.check_overflow and not bool(torch.isfinite(norm)):
+        return GradResult(norm, True), inv
+    if math.max_norm <= 0:
+        return GradResult(norm, False), inv
+    clip = float((math.max_norm / (norm + 1e-6)).clamp_(max=1.0))  # the host needs this number: one sync
+    return GradResult(norm, False), clip * inv

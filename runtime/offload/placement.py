@@ -1,0 +1,156 @@
+"""Where the optimizer's master weights live, as one part the engine composes: on the device or on the host.
+
+The engine's step talks to a `MasterPlacement` and never asks where the state is:
+
+    begin_backward(boundary) / end_backward(boundary)   # around autograd (gradients may start moving)
+    step(optimizer, math, per_tensor) -> GradResult     # norm, overflow, clip, optimizer update
+    write_back()                                        # updated weights into the working buffers
+
+`DeviceMasters` is the plain case (the masters sit next to the gradients: fp32 master gradients, then
+`finish_grads`, then `optimizer.step()`, then the ZeRO stage writes back and all-gathers).
+`HostMasters` (host_masters.py) is `offload_optimizer: {device: cpu}`. `build_master_placement` picks one
+from the config.
+
+`GradMath` carries what the engine knows about the step's gradient arithmetic (how many ranks and
+micro-steps the sums span, the loss scale, the clipping norm, and whether a norm is needed at all), so a
+placement can apply it wherever its gradients are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from runtime.comm import Comm
+from runtime.precision.mixed import GradResult, finish_grads, master_grads_from
+from runtime.zero.flat import FlatGroup
+
+
+@dataclass(frozen=True)
+class GradMath:
+    """The gradient arithmetic of one step (see `runtime.precision.mixed.finish_grads`)."""
+
+    divisor: float  # ranks x micro-steps the reduced sums span, after any pre-reduce scaling
+    loss_scale: float  # fp16 loss scale of the backward passes (1.0 otherwise)
+    max_norm: float  # clip to this global norm; 0 = no clipping
+    check_overflow: bool  # decide on inf/nan (fp16)
+    want_norm: bool  # compute the norm even without clipping or overflow checks (logging)
+    all_reduce_sum: Callable[[torch.Tensor], Any] | None  # sums over ranks when gradients are sharded
+
+    @property
+    def needs_norm(self) -> bool:
+        return self.max_norm > 0 or self.check_overflow or self.want_norm
+
+
+class MasterPlacement(Protocol):
+    def begin_backward(self, *, boundary: bool) -> None: ...
+
+    def end_backward(self, *, boundary: bool) -> None: ...
+
+    def step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> GradResult:
+        """Average, unscale and clip this rank's gradients and update its master shard; on overflow
+        nothing is updated."""
+        ...
+
+    def write_back(self) -> None:
+        """Make the updated weights the working weights (all-gathered where the stage needs it)."""
+        ...
+
+    def host_bytes(self, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
+        """(master + optimizer state bytes in host memory, host staging buffer bytes)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def attach_master_grads(
+    optimizer: torch.optim.Optimizer,
+    groups: Sequence[FlatGroup],
+    grads: Sequence[torch.Tensor] | None,
+    *,
+    per_tensor: bool,
+) -> None:
+    """Point the optimizer's parameters (one flat master per group, or one view per parameter) at the
+    master gradients, or detach them (`grads=None`)."""
+    for index, group in enumerate(groups):
+        grad = None if grads is None else grads[index]
+        if not per_tensor:
+            group.master.grad = grad
+            continue
+        views = optimizer.param_groups[index]["params"]
+        for view, slot in zip(views, group.layout.slots, strict=True):
+            view.grad = None if grad is None else grad.narrow(0, slot.offset, slot.numel).view(view.shape)
+
+
+class DeviceMasters:
+    """Masters on the training device: the optimizer steps them where the gradients are."""
+
+    def __init__(self, groups: Sequence[FlatGroup], zero: Any) -> None:
+        self.groups = list(groups)
+        self.zero = zero
+
+    def begin_backward(self, *, boundary: bool) -> None:
+        pass
+
+    def end_backward(self, *, boundary: bool) -> None:
+        pass
+
+    def step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> GradResult:
+        grads = master_grads_from(self.zero.grad_pieces(), [group.master for group in self.groups])
+        result = finish_grads(
+            grads,
+            divisor=math.divisor,
+            loss_scale=math.loss_scale,
+            max_norm=math.max_norm,
+            check_overflow=math.check_overflow,
+            want_norm=math.want_norm,
+            all_reduce_sum=math.all_reduce_sum,
+        )
+        if result.overflow:
+            return result
+        attach_master_grads(optimizer, self.groups, grads, per_tensor=per_tensor)
+        optimizer.step()
+        attach_master_grads(optimizer, self.groups, None, per_tensor=per_tensor)
+        return result
+
+    def write_back(self) -> None:
+        self.zero.write_back()
+
+    def host_bytes(self, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
+        return 0, 0
+
+    def close(self) -> None:
+        pass
+
+
+def build_master_placement(
+    config: Any,
+    groups: Sequence[FlatGroup],
+    zero: Any,
+    comm: Comm,
+    device: torch.device,
+    *,
+    registration: dict[nn.Parameter, int],
+) -> MasterPlacement:
+    """The placement `config.zero_optimization.offload_optimizer` asks for. Call it after the ZeRO stage
+    is built and before the optimizer is (offload moves the master shards the optimizer will hold)."""
+    offload = config.zero_optimization.offload_optimizer
+    if offload.device == "none":
+        return DeviceMasters(groups, zero)
+    from runtime.offload.host_masters import HostMasters
+
+    # stages 1 and 2 keep full working weights on every rank: each rank's updated piece is all-gathered
+    replicated_working = zero.stage in (1, 2) and comm.world_size > 1
+    return HostMasters(
+        groups,
+        zero,
+        comm,
+        device,
+        registration=registration,
+        pin_memory=offload.pin_memory,
+        gather_working=replicated_working,
+    )

@@ -1,0 +1,65 @@
+"""Pure index math of the offload step: which slices of a master shard move and update together.
+
+A *span* is this rank's piece of one bucket: the unit that lands on the host (one device-to-host copy,
+as soon as the bucket's reduced gradient is final) and the unit the host steps in landing order. Spans
+are split into *chunks* of at most `chunk_elems` elements: the host updates chunk i while chunk i-1 is
+copied back to the device, so the copy-back hides under the update except for the last chunk.
+
+Nothing here touches tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from runtime.zero.partition import FlatLayout, align_up
+
+CHUNK_ALIGN = 64  # elements: chunk boundaries on whole cache lines, and aligned starts for vector kernels
+
+
+@dataclass(frozen=True)
+class Span:
+    """This rank's piece of bucket `bucket` of group `group`, at `shard_offset` inside the group's shard."""
+
+    group: int
+    bucket: int
+    shard_offset: int
+    numel: int
+
+
+def plan_spans(layouts: Sequence[FlatLayout], order: Sequence[tuple[int, int]]) -> list[Span]:
+    """One span per (group, bucket) in `order` (the order their gradients become final)."""
+    spans = []
+    for g, b in order:
+        bucket = layouts[g].buckets[b]
+        spans.append(Span(g, b, bucket.shard_offset, bucket.piece_numel))
+    covered = sorted(set(order))
+    expected = [(g, b.index) for g, layout in enumerate(layouts) for b in layout.buckets]
+    if covered != expected or len(order) != len(expected):
+        raise ValueError(f"order must name every (group, bucket) once; got {list(order)}, need {expected}")
+    return spans
+
+
+def plan_chunks(numel: int, chunk_elems: int) -> list[tuple[int, int]]:
+    """(offset, numel) pieces covering [0, numel), each at most `chunk_elems` (rounded up to CHUNK_ALIGN)
+    elements long; 0 means one piece."""
+    if chunk_elems < 0:
+        raise ValueError(f"chunk_elems must be >= 0 (0 = one chunk), got {chunk_elems}")
+    if numel <= 0:
+        return []
+    step = numel if chunk_elems == 0 else align_up(chunk_elems, CHUNK_ALIGN)
+    return [(start, min(step, numel - start)) for start in range(0, numel, step)]
+
+
+def piece_containing(sizes: Sequence[int], offset: int, numel: int) -> tuple[int, int]:
+    """(index, offset inside it) of the piece that holds [offset, offset + numel), where consecutive
+    pieces of the given sizes tile a shard. Raises when the range straddles two pieces."""
+    start = 0
+    for index, size in enumerate(sizes):
+        if offset < start + size:
+            if offset + numel > start + size:
+                break
+            return index, offset - start
+        start += size
+    raise ValueError(f"range [{offset}, {offset + numel}) is not inside one piece of sizes {list(sizes)}")

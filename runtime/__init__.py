@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from runtime import checkpointing
 from runtime.distributed import init_distributed
 from runtime.engine import Engine, MemoryBreakdown
+from runtime.memory import see_memory_usage
 
 __version__ = "0.1.0"
 
@@ -32,19 +34,28 @@ __all__ = [
     "MemoryBreakdown",
     "__version__",
     "add_config_arguments",
+    "checkpointing",
     "init_distributed",
     "initialize",
+    "see_memory_usage",
 ]
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add DeepSpeed's runtime flags: --deepspeed, --deepspeed_config (and the old --deepscale names)."""
+    """Add DeepSpeed's runtime flags: --deepspeed, --deepspeed_config, --deepspeed_activation_checkpointing
+    (and the old --deepscale names)."""
     group = parser.add_argument_group("runtime", "dslaunch runtime (DeepSpeed-compatible flags)")
     group.add_argument(
         "--deepspeed", default=False, action="store_true", help="enable the runtime (no effect)"
     )
     group.add_argument(
         "--deepspeed_config", default=None, type=str, help="path to the runtime JSON/YAML config"
+    )
+    group.add_argument(
+        "--deepspeed_activation_checkpointing",
+        default=False,
+        action="store_true",
+        help="checkpoint activations (the script picks the blocks; runtime.checkpointing.checkpoint)",
     )
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime import checkpointing
 from runtime.comm import Comm
 from runtime.config import Config
 from runtime.distributed import current_device
 from runtime.engine_log import StepLog, Timers
+from runtime.monitor import TrainingMonitor
 from runtime.offload import GradMath, MasterPlacement, build_master_placement
 from runtime.precision.loss_scaler import LossScaler
 from runtime.precision.mixed import cast_floating, policy_from_config, scaler_from_config
@@ -146,6 +148,10 @@ class Engine(nn.Module):
         self._timers = Timers(enabled=config.wall_clock_breakdown, device=self.device)
         self._log = StepLog(config.steps_per_print, rank=self.comm.rank)
         self._log.start(self)
+        self.monitor = TrainingMonitor.from_config(
+            config, rank=self.comm.rank, world_size=self.comm.world_size, device=self.device, model=model
+        )
+        checkpointing.apply_engine_config(config)
 
     # -- construction helpers -------------------------------------------------------------------------
     def _build_optimizer(self, source: OptimizerSource | None, sharded: bool) -> tuple[Any, bool]:
@@ -196,6 +202,7 @@ class Engine(nn.Module):
         if self.policy.cast_inputs:
             inputs = cast_floating(inputs, self.policy.param_dtype)
             kwargs = cast_floating(kwargs, self.policy.param_dtype)
+        self.monitor.observe_inputs(inputs)
         with self._timers("forward"):
             return self.module(*inputs, **kwargs)
 
@@ -208,12 +215,15 @@ class Engine(nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self._scale_wrt_gas = scale_wrt_gas
         self._log.record_loss(loss)
+        self.monitor.record_loss(loss)
         scaled = loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
         with self._timers("backward"):
             self.zero.begin_backward(boundary=boundary)
             self.masters.begin_backward(boundary=boundary)
-            scaled.backward(retain_graph=retain_graph)
-            self.zero.end_backward(boundary=boundary)
+            with self._timers("backward_inner"):  # autograd, with the overlapped reductions it launches
+                scaled.backward(retain_graph=retain_graph)
+            with self._timers("backward_allreduce"):  # waiting for the reductions still in flight
+                self.zero.end_backward(boundary=boundary)
             self.masters.end_backward(boundary=boundary)
         return loss
 
@@ -233,6 +243,7 @@ class Engine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self._log.after_step(self)
+        self.monitor.after_step(self)
 
     def _apply_step(self, lr_kwargs: dict[str, Any] | None) -> bool:
         accumulation = self.gradient_accumulation_steps() if self._scale_wrt_gas else 1
@@ -242,7 +253,7 @@ class Engine(nn.Module):
             loss_scale=self.loss_scale,
             max_norm=self.config.gradient_clipping,
             check_overflow=self.loss_scaler is not None,
-            want_norm=self._log.wants_norm(self.global_steps + 1),
+            want_norm=self._log.wants_norm(self.global_steps + 1) or self.monitor.wants_norm,
             all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
         )
         result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
@@ -386,8 +397,9 @@ class Engine(nn.Module):
         )
 
     def destroy(self) -> None:
-        """Remove the engine's gradient hooks from the model."""
+        """Remove the engine's gradient hooks from the model; flush and close the monitors."""
         self.zero.close()
+        self.monitor.close()
         self.masters.close()
 
 

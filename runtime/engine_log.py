@@ -2,7 +2,8 @@
 
 Nothing here adds a device sync to ordinary steps: losses are kept as device tensors and read once per
 report (on rank 0 only), throughput is host wall time over the report window, and the
-forward/backward/step timers synchronize the device only when `wall_clock_breakdown` is on.
+forward/backward/step timers synchronize the device only when `wall_clock_breakdown` is on. Each report
+ends with this process's memory (device allocated/reserved/peak and host RSS; host RSS only on CPU).
 fp16 overflows are summarized per report instead of logged one by one (users mistake a burst of
 warm-up overflows for a failure); a long run of consecutive overflows gets a warning early.
 """
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 
+from runtime import checkpointing
+from runtime.memory import format_memory, memory_stats
 from runtime.precision.loss_scaler import ScaleUpdate
 
 _log = logging.getLogger("runtime")
@@ -42,6 +45,7 @@ class Timers:
         self.device = device
         self.totals: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.step_totals: dict[str, float] = {}  # since the last take_step_ms(), for the monitors
         self._null = contextlib.nullcontext()
 
     def _sync(self) -> None:
@@ -59,14 +63,22 @@ class Timers:
             yield
         finally:
             self._sync()
-            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.totals[name] = self.totals.get(name, 0.0) + elapsed
             self.counts[name] = self.counts.get(name, 0) + 1
+            self.step_totals[name] = self.step_totals.get(name, 0.0) + elapsed
 
     def summary_ms(self) -> dict[str, float]:
         """Mean milliseconds per call of each phase since the last summary; resets."""
         out = {k: 1000.0 * v / max(self.counts[k], 1) for k, v in self.totals.items()}
         self.totals.clear()
         self.counts.clear()
+        return out
+
+    def take_step_ms(self) -> dict[str, float]:
+        """Milliseconds per phase summed since the last call (one optimizer step's micro-steps); resets."""
+        out = {k: 1000.0 * v for k, v in self.step_totals.items()}
+        self.step_totals.clear()
         return out
 
 
@@ -131,5 +143,13 @@ class StepLog:
             parts.append(f"loss_scale={engine.loss_scale:g}")
         parts.append(f"skipped={engine.skipped_steps} (+{overflows})")
         parts.append(f"samples/s={rate:.1f}")
+        flops = engine.monitor.flops_per_sample
+        if flops is not None:
+            parts.append(f"tflops/gpu={flops * rate / engine.comm.world_size / 1e12:.2f}")
         parts.extend(f"{name}_ms={ms:.2f}" for name, ms in breakdown.items())
+        recompute = checkpointing.take_profile()
+        if recompute.forward_calls:
+            parts.append(f"ckpt_forward_ms/step={1000 * recompute.forward_seconds / self.every:.2f}")
+            parts.append(f"ckpt_recompute_ms/step={1000 * recompute.recompute_seconds / self.every:.2f}")
+        parts.append("| memory " + format_memory(memory_stats(engine.device)))
         _log.info(" ".join(parts))

@@ -13,8 +13,12 @@ Face GPT2LMHeadModel and --tokenizer picks a Hugging Face tokenizer; with `datas
 
 The batch size, precision, ZeRO stage, optimizer and schedule come from the DeepSpeed-style config;
 --lr and --micro_batch_size override the config's values. --steps counts optimizer steps. Rank 0 prints
-the loss averaged over ranks and accumulation micro-steps every --log_interval steps, and a summary line
-at the end.
+the loss averaged over ranks and accumulation micro-steps every --log_interval steps with an ETA (on a
+terminal also a progress bar), and a summary line at the end.
+
+Activation checkpointing (every transformer block recomputed in backward) is on with
+--deepspeed_activation_checkpointing or when the config has an "activation_checkpointing" section, whose
+options (cpu_checkpointing, ...) then apply.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from runtime.checkpoint import CheckpointError, read_latest
 from runtime.config import ConfigError
 from runtime.data import DEFAULT_CORPUS, DataError, TokenBlockDataset, Tokenizer, load_tokenizer
 from runtime.models import GPT, MODEL_SIZES, GPTConfig, GPTOutput
+from runtime.monitor import ProgressBar
 
 # Used when no --deepspeed_config is given: plain data parallelism, fp32, AdamW.
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -203,6 +208,26 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> nn.Module:
     return GPT(config)
 
 
+def wants_activation_checkpointing(args: argparse.Namespace, config: str | dict[str, Any]) -> bool:
+    if getattr(args, "deepspeed_activation_checkpointing", False):
+        return True
+    if isinstance(config, dict):
+        return "activation_checkpointing" in config
+    from runtime.config_reader import read_config_file
+
+    return "activation_checkpointing" in read_config_file(config)
+
+
+def enable_activation_checkpointing(model: nn.Module) -> str:
+    """Recompute every transformer block in backward; returns how, for the start-up line."""
+    if isinstance(model, GPT):
+        model.checkpoint_fn = runtime.checkpointing.checkpoint
+        return f"activation checkpointing: each of the {len(model.blocks)} blocks"
+    # A Hugging Face model checkpoints its own blocks (torch's non-reentrant checkpoint, not our options).
+    model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return "activation checkpointing: the Hugging Face model's own (gradient_checkpointing_enable)"
+
+
 def limit_cpu_threads() -> None:
     """Give each CPU worker its share of the cores, unless the user chose (OMP_NUM_THREADS)."""
     if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
@@ -250,6 +275,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     tokenizer, dataset = build_tokenizer_and_data(args)
     model = build_model(args, tokenizer.vocab_size)
     config = build_config(args)
+    checkpointing_note = (
+        enable_activation_checkpointing(model) if wants_activation_checkpointing(args, config) else None
+    )
 
     runtime.init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -268,6 +296,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             f"accumulation x {world} ranks)",
             flush=True,
         )
+        if checkpointing_note:
+            print(f"train_gpt: {checkpointing_note}", flush=True)
 
     first_step = 1
     if args.resume and read_latest(args.save_dir) is not None:
@@ -276,6 +306,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         if rank == 0:
             print(f"train_gpt: resumed from {path} at step {engine.global_steps}", flush=True)
     batches = endless(loader, engine.train_micro_batch_size_per_gpu())
+    progress = ProgressBar(args.steps, enabled=rank == 0)
+    last_loss = ""
     losses: list[tuple[int, float]] = []
     loss_sum = torch.zeros((), device=engine.device)
     micro_steps = 0
@@ -289,6 +321,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             engine.step()
             loss_sum += loss.detach().float()
             micro_steps += 1
+        progress.update(step, last_loss)
         if step == 1 or step % args.log_interval == 0 or step == args.steps:
             mean_loss = mean_over_ranks(loss_sum / micro_steps)
             loss_sum.zero_()
@@ -297,13 +330,13 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             tokens_per_s = tokens_per_step * (step - last_log_step) / (now - last_log)
             last_log, last_log_step = now, step
             losses.append((step, mean_loss))
+            last_loss = f"loss {mean_loss:.4f}"
             if rank == 0:
                 lr = engine.get_lr()
                 lr = lr[0] if isinstance(lr, (list, tuple)) else lr
-                print(
+                progress.write(
                     f"step {step}/{args.steps} | loss {mean_loss:.4f} | lr {lr:.3e} | "
-                    f"{tokens_per_s:,.0f} tokens/s",
-                    flush=True,
+                    f"{tokens_per_s:,.0f} tokens/s | {progress.eta()}"
                 )
             if not math.isfinite(mean_loss):
                 raise Diverged(
@@ -315,6 +348,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
                 print(f"train_gpt: saved checkpoint {path}", flush=True)
         if step == args.die_at_step and rank == 0 and os.environ.get("DSLAUNCH_ATTEMPT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)
+    progress.close()
     if not losses:
         if rank == 0:
             print(f"train_gpt: nothing to do, the checkpoint is at step {first_step - 1}", flush=True)

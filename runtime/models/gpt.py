@@ -9,7 +9,8 @@ head tied to the token embedding.
 Two choices exist for the sake of the runtime rather than the model:
 
 - Each block is its own ``nn.Module`` in ``GPT.blocks`` so that ZeRO-3 can gather parameters block by block
-  and activation checkpointing can wrap whole blocks.
+  and activation checkpointing can wrap whole blocks: set ``model.checkpoint_fn`` (for example to
+  ``runtime.checkpointing.checkpoint``) and each block runs as ``checkpoint_fn(block, x)``.
 - The output head is its own ``nn.Linear`` module whose weight *is* the token embedding's ``Parameter``
   (one object, registered under two modules). A gatherer that works module by module (DeepSpeed's ZeRO-3)
   then sees the head's weight used inside the head's own forward, and ``parameters()`` yields it once.
@@ -19,6 +20,7 @@ Two choices exist for the sake of the runtime rather than the model:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -166,6 +168,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.lm_head.weight = self.tok_emb.weight
+        # None: blocks run plainly; else each block runs as checkpoint_fn(block, x) (activation checkpointing)
+        self.checkpoint_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
         if self.tok_emb.weight.device.type != "meta":
             self.init_weights()
 
@@ -200,7 +204,7 @@ class GPT(nn.Module):
         positions = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(positions))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self.checkpoint_fn is None else self.checkpoint_fn(block, x)
         x = self.ln_f(x)
         logits = self.lm_head(x)
         if targets is None:

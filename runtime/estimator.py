@@ -1,0 +1,511 @@
+"""How much memory a ZeRO run's model states take per GPU and per host, before running it.
+
+Model states are the ZeRO paper's term: working weights, gradients, master weights and optimizer state.
+Activations, the CUDA context and allocator fragmentation come on top and are not estimated. The numbers
+follow what this runtime allocates; ``Engine.memory_breakdown()`` reports the same four quantities and
+tests/test_estimator.py checks that both agree within 5% for stages 0-2 at 1, 2 and 3 ranks.
+
+Bytes per parameter with 16-bit working weights (w = 2), fp32 master weights and Adam (8 bytes of state),
+N data-parallel ranks (``N = num_gpus_per_node * num_nodes``):
+
+    stage   weights   gradients   master   optimizer   total
+    0       w         w           4        8           16
+    1       w         w           4/N      8/N         4 + 12/N
+    2       w         w/N         4/N      8/N         2 + 14/N
+    3       w/N       w/N         4/N      8/N         16/N  (+ the largest layer, gathered)
+
+With fp32 working weights (w = 4) the master weights are the working buffer itself whenever a rank's
+shard is one contiguous range of it (one rank, or one reduce bucket), and then cost nothing extra.
+
+Transient device memory, counted separately: stage 2 stages gradients in reduce buckets (up to three
+buckets of ``reduce_bucket_size`` elements alive: one filling, two on the wire); stage 3 gathers a layer's
+weights and produces its full gradient before the reduce-scatter (2 x w x largest layer).
+
+Offload (``offload_optimizer``/``offload_param`` with device "cpu", the ZeRO-Offload design): master
+weights, optimizer state and an fp32 copy of the gradient shard (16/N bytes per parameter) live in host
+memory of each rank; the GPU keeps the working weights (stage 3 with ``offload_param``: none) and
+gradients only while they are reduced. Per host: every local rank's host-resident states, or the fp32 model
+each process builds on the host before the engine moves it to its GPU (4 bytes per parameter, none for
+stage 3 under ``zero.Init``), whichever is larger.
+
+Command line (console script ``ds_estimate``):
+
+    python -m runtime.estimator --params 1.5e9 --num_gpus 8 --num_nodes 1
+    python -m runtime.estimator --model_size xl --num_gpus 8 --num_nodes 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from torch import nn
+
+from runtime.zero.partition import plan_flat_layout
+
+__all__ = [
+    "Estimate",
+    "ModelSizes",
+    "StateBytes",
+    "estimate",
+    "estimate_all",
+    "estimate_zero2_model_states_mem_needs",
+    "estimate_zero2_model_states_mem_needs_all_cold",
+    "estimate_zero2_model_states_mem_needs_all_live",
+    "estimate_zero3_model_states_mem_needs",
+    "estimate_zero3_model_states_mem_needs_all_cold",
+    "estimate_zero3_model_states_mem_needs_all_live",
+    "format_table",
+    "main",
+    "model_sizes",
+]
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# bytes of optimizer state per (master) parameter
+OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lion": 4, "sgd_momentum": 4, "adagrad": 4, "sgd": 0}
+MASTER_BYTES = 4  # fp32 master weights
+DEFAULT_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size default (elements)
+_STAGE2_BUCKETS_ALIVE = 3  # one bucket being filled + two in flight (ShardedGradStage.max_in_flight)
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the estimate needs to know about a model."""
+
+    total_params: int
+    largest_layer_params: int | None = None  # stage 3 gathers one layer (module) at a time
+    numels: tuple[int, ...] | None = None  # every parameter's size: the flat layout's padding becomes exact
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: int = 0
+    grads: int = 0
+    master: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Memory of one configuration: per GPU (each rank) and per host (all local ranks)."""
+
+    stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    gpus_per_node: int
+    num_nodes: int
+    gpu: StateBytes  # model states on each GPU: compare with Engine.memory_breakdown()
+    gpu_transient: int  # peak extra on each GPU: stage-2 reduce buckets, stage-3 gathered layer
+    host_per_rank: StateBytes  # offloaded states in host memory, per rank
+    host_init_per_rank: int  # the fp32 model a process builds on the host before it moves to the GPU
+
+    @property
+    def per_gpu_bytes(self) -> int:
+        return self.gpu.total + self.gpu_transient
+
+    @property
+    def per_host_bytes(self) -> int:
+        return self.gpus_per_node * max(self.host_per_rank.total, self.host_init_per_rank)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["per_gpu_bytes"] = self.per_gpu_bytes
+        out["per_host_bytes"] = self.per_host_bytes
+        return out
+
+
+def model_sizes(model: nn.Module) -> ModelSizes:
+    """Parameter counts of `model`: shared parameters once; the largest layer is the module whose own
+    (non-recursive) parameters are the most elements, as stage 3 gathers them together."""
+    params = list(model.parameters())  # deduplicated (tied weights count once)
+    largest = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        largest = max(largest, sum(p.numel() for p in own))
+    return ModelSizes(
+        total_params=sum(p.numel() for p in params),
+        largest_layer_params=largest,
+        numels=tuple(p.numel() for p in reversed(params)),  # the engine lays out in reverse order
+    )
+
+
+def _flat(sizes: ModelSizes, world: int, bucket: int) -> tuple[int, int, bool]:
+    """(working numel, shard numel, shard contiguous) of the engine's flat buffer for `world` shards."""
+    if sizes.numels is not None:
+        layout = plan_flat_layout(sizes.numels, world_size=world, bucket_numel=bucket)
+        return layout.numel, layout.shard_numel, layout.shard_is_contiguous
+    total = sizes.total_params
+    return total, math.ceil(total / world), world == 1 or total <= bucket
+
+
+def estimate(
+    sizes: ModelSizes | int | float,
+    *,
+    stage: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    dtype: str = "bf16",
+    optimizer: str = "adam",
+    reduce_bucket_size: int = DEFAULT_BUCKET,
+    zero_init: bool = True,
+) -> Estimate:
+    """Model-state bytes of one ZeRO configuration.
+
+    Args:
+        sizes: ``model_sizes(model)``, or a parameter count (stage 3 then needs ``ModelSizes`` with
+            ``largest_layer_params``).
+        stage: ZeRO stage 0-3.
+        num_gpus_per_node, num_nodes: the data-parallel world is their product.
+        offload_optimizer: master weights and optimizer state in host memory (stages 1-3).
+        offload_param: stage 3 only: the weights in host memory too.
+        dtype: working-weight dtype, "bf16", "fp16" or "fp32" (master weights are always fp32).
+        optimizer: one of OPTIMIZER_BYTES (bytes of state per parameter).
+        reduce_bucket_size: zero_optimization.reduce_bucket_size, in elements.
+        zero_init: stage 3 models built under ``runtime.zero.Init`` never exist whole on the host.
+    """
+    if not isinstance(sizes, ModelSizes):
+        sizes = ModelSizes(total_params=_positive_int(sizes, "total_params"))
+    _check_args(stage, num_gpus_per_node, num_nodes, offload_optimizer, offload_param, dtype, optimizer)
+    world = num_gpus_per_node * num_nodes
+    w = DTYPE_BYTES[dtype]
+    opt = OPTIMIZER_BYTES[optimizer]
+    if stage == 3 and sizes.largest_layer_params is None:
+        raise ValueError(
+            "a stage-3 estimate needs the largest layer's parameter count (largest_layer_params)"
+        )
+
+    sharded = stage >= 1 and world > 1
+    numel, shard, contiguous = _flat(sizes, world if sharded else 1, reduce_bucket_size)
+    master_alias = dtype == "fp32" and contiguous and not offload_optimizer
+    master = 0 if master_alias else shard * MASTER_BYTES
+    transient = 0
+    if stage <= 2:
+        params = numel * w
+        grads = shard * w if stage == 2 and world > 1 else numel * w
+        if stage == 2 and world > 1:
+            transient = min(numel, _STAGE2_BUCKETS_ALIVE * reduce_bucket_size) * w
+    else:
+        params = shard * w
+        grads = shard * w
+        transient = 2 * w * sizes.largest_layer_params  # type: ignore[operator]
+    host = StateBytes()
+    if offload_optimizer:
+        # grads leave the GPU as they are reduced: an fp32 copy of the shard feeds the CPU optimizer
+        host = StateBytes(grads=shard * MASTER_BYTES, master=shard * MASTER_BYTES, optimizer=shard * opt)
+        gpu_grads = 0
+        gpu = StateBytes(params=params, grads=gpu_grads)
+        if stage == 3 and offload_param:
+            host = StateBytes(
+                params=shard * w, grads=host.grads, master=host.master, optimizer=host.optimizer
+            )
+            gpu = StateBytes()
+        if stage <= 2:
+            transient = max(transient, min(numel, _STAGE2_BUCKETS_ALIVE * reduce_bucket_size) * w)
+    else:
+        gpu = StateBytes(params=params, grads=grads, master=master, optimizer=shard * opt)
+    init = 0 if stage == 3 and zero_init else sizes.total_params * 4
+    return Estimate(
+        stage=stage,
+        offload_optimizer=offload_optimizer,
+        offload_param=offload_param,
+        gpus_per_node=num_gpus_per_node,
+        num_nodes=num_nodes,
+        gpu=gpu,
+        gpu_transient=transient,
+        host_per_rank=host,
+        host_init_per_rank=init,
+    )
+
+
+def _positive_int(value: int | float, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return int(value)
+
+
+def _check_args(
+    stage: int,
+    gpus: int,
+    nodes: int,
+    offload_optimizer: bool,
+    offload_param: bool,
+    dtype: str,
+    optimizer: str,
+) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    for name, value in (("num_gpus_per_node", gpus), ("num_nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if offload_optimizer and stage == 0:
+        raise ValueError("offload_optimizer needs ZeRO stage 1, 2 or 3")
+    if offload_param and (stage != 3 or not offload_optimizer):
+        raise ValueError("offload_param needs stage 3 and offload_optimizer (as in DeepSpeed)")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    if optimizer not in OPTIMIZER_BYTES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_BYTES)}, got {optimizer!r}")
+
+
+def estimate_all(
+    sizes: ModelSizes | int | float,
+    *,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    stages: Sequence[int] = (0, 1, 2, 3),
+    **options: object,
+) -> list[Estimate]:
+    """Every stage and offload choice in `stages` (stage 3 only when the largest layer is known)."""
+    if not isinstance(sizes, ModelSizes):
+        sizes = ModelSizes(total_params=_positive_int(sizes, "total_params"))
+    out = []
+    for stage in stages:
+        if stage == 3 and sizes.largest_layer_params is None:
+            continue
+        choices = [(False, False)]
+        if stage >= 1:
+            choices.append((True, False))
+        if stage == 3:
+            choices.append((True, True))
+        for offload_optimizer, offload_param in choices:
+            out.append(
+                estimate(
+                    sizes,
+                    stage=stage,
+                    num_gpus_per_node=num_gpus_per_node,
+                    num_nodes=num_nodes,
+                    offload_optimizer=offload_optimizer,
+                    offload_param=offload_param,
+                    **options,  # type: ignore[arg-type]
+                )
+            )
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def format_table(estimates: Sequence[Estimate], sizes: ModelSizes, dtype: str = "bf16") -> str:
+    """A plain-text table of `estimates`, with a header naming the model and the cluster."""
+    if not estimates:
+        return "no configuration to estimate"
+    first = estimates[0]
+    largest = (
+        f", largest layer {sizes.largest_layer_params / 1e6:.1f}M"
+        if sizes.largest_layer_params is not None
+        else " (stage 3 needs --largest_layer_params)"
+    )
+    lines = [
+        f"Model states of {sizes.total_params / 1e9:.3f}B parameters{largest}; {dtype} weights, fp32 master "
+        f"weights; {first.gpus_per_node} GPU(s) per node x {first.num_nodes} node(s)",
+        "Not included: activations, CUDA context, allocator fragmentation.",
+        "",
+        f"{'stage':<6}{'offload_optimizer':<19}{'offload_param':<15}{'per GPU':>12}{'(transient)':>14}"
+        f"{'per host':>13}",
+    ]
+    for e in estimates:
+        lines.append(
+            f"{e.stage:<6}{'cpu' if e.offload_optimizer else 'none':<19}"
+            f"{'cpu' if e.offload_param else 'none':<15}{_gib(e.per_gpu_bytes):>12}"
+            f"{'(' + _gib(e.gpu_transient) + ')':>14}{_gib(e.per_host_bytes):>13}"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# DeepSpeed's function names (deepspeed.runtime.zero.stage_1_and_2 / stage3), returning our numbers.
+
+
+def estimate_zero2_model_states_mem_needs(
+    total_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int]:
+    """(host bytes per node x additional_buffer_factor, bytes per GPU) of ZeRO-2, like DeepSpeed's."""
+    e = estimate(
+        total_params,
+        stage=2,
+        num_gpus_per_node=num_gpus_per_node,
+        num_nodes=num_nodes,
+        offload_optimizer=cpu_offload,
+    )
+    return int(e.per_host_bytes * additional_buffer_factor), e.per_gpu_bytes
+
+
+def estimate_zero3_model_states_mem_needs(
+    total_params: int,
+    largest_layer_params: int,
+    num_gpus_per_node: int = 1,
+    num_nodes: int = 1,
+    cpu_offload: bool = True,
+    cpu_offload_params: bool = True,
+    zero_init: bool = True,
+    additional_buffer_factor: float = 1.5,
+) -> tuple[int, int, int]:
+    """(host bytes per node x factor, bytes per GPU, largest layer's transient bytes) of ZeRO-3."""
+    sizes = ModelSizes(int(total_params), int(largest_layer_params))
+    e = estimate(
+        sizes,
+        stage=3,
+        num_gpus_per_node=num_gpus_per_node,
+        num_nodes=num_nodes,
+        offload_optimizer=cpu_offload,
+        offload_param=cpu_offload and cpu_offload_params,
+        zero_init=zero_init,
+    )
+    return int(e.per_host_bytes * additional_buffer_factor), e.per_gpu_bytes, e.gpu_transient
+
+
+def _print_stage(sizes: ModelSizes, stage: int, gpus: int, nodes: int) -> list[Estimate]:
+    estimates = estimate_all(sizes, num_gpus_per_node=gpus, num_nodes=nodes, stages=(stage,))
+    print(format_table(estimates, sizes))
+    return estimates
+
+
+def estimate_zero2_model_states_mem_needs_all_live(
+    model: nn.Module, num_gpus_per_node: int = 1, num_nodes: int = 1
+) -> list[Estimate]:
+    """Print and return the stage-2 estimates (with and without offload) for `model`."""
+    return _print_stage(model_sizes(model), 2, num_gpus_per_node, num_nodes)
+
+
+def estimate_zero2_model_states_mem_needs_all_cold(
+    total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1
+) -> list[Estimate]:
+    """Print and return the stage-2 estimates for a parameter count (no model needed)."""
+    return _print_stage(ModelSizes(int(total_params)), 2, num_gpus_per_node, num_nodes)
+
+
+def estimate_zero3_model_states_mem_needs_all_live(
+    model: nn.Module, num_gpus_per_node: int = 1, num_nodes: int = 1
+) -> list[Estimate]:
+    """Print and return the stage-3 estimates (no offload, optimizer offload, full offload) for `model`."""
+    return _print_stage(model_sizes(model), 3, num_gpus_per_node, num_nodes)
+
+
+def estimate_zero3_model_states_mem_needs_all_cold(
+    total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1
+) -> list[Estimate]:
+    """Print and return the stage-3 estimates for parameter counts (no model needed)."""
+    sizes = ModelSizes(int(total_params), int(largest_layer_params))
+    return _print_stage(sizes, 3, num_gpus_per_node, num_nodes)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def _gpt_sizes(name: str) -> ModelSizes:
+    """Sizes of a runtime.models.gpt size, from its config (nothing is allocated)."""
+    from runtime.models.gpt import GPTConfig
+
+    config = GPTConfig.named(name)
+    d = config.n_embd
+    b = 1 if config.bias else 0
+    layers = [config.vocab_size * d, d * 4 * d + b * 4 * d, 4 * d * d + b * d, d * 3 * d + b * 3 * d]
+    return ModelSizes(total_params=config.num_params(), largest_layer_params=max(layers))
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number such as 1.5e9, got {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ds_estimate``: print the memory table; exit code 0, or 2 for bad arguments."""
+    from runtime.models.gpt import MODEL_SIZES
+
+    parser = argparse.ArgumentParser(
+        prog="ds_estimate",
+        description="Estimate per-GPU and per-host memory of a ZeRO run's model states "
+        "(weights, gradients, master weights, optimizer state) for every stage and offload choice.",
+    )
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=_number, help="total parameter count, e.g. 1.5e9")
+    what.add_argument(
+        "--model_size", help=f"a runtime.models.gpt size: {', '.join(MODEL_SIZES)} (or gpt2, gpt2-xl, ...)"
+    )
+    parser.add_argument(
+        "--largest_layer_params", type=_number, help="the largest layer's parameter count (for stage 3)"
+    )
+    parser.add_argument("--num_gpus", type=_count, default=1, help="GPUs per node")
+    parser.add_argument("--num_nodes", type=_count, default=1, help="number of nodes")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="working weights")
+    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adam")
+    parser.add_argument(
+        "--reduce_bucket_size", type=_count, default=DEFAULT_BUCKET, help="elements per reduce bucket"
+    )
+    parser.add_argument("--stages", default="0,1,2,3", help="comma-separated stages to show")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    try:
+        stages = tuple(int(s) for s in args.stages.split(","))
+        if any(s not in (0, 1, 2, 3) for s in stages):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--stages: expected stages 0-3 separated by commas, got {args.stages!r}")
+    if args.model_size is not None:
+        try:
+            sizes = _gpt_sizes(args.model_size)
+        except ValueError as error:
+            parser.error(f"--model_size: {error}")
+        if args.largest_layer_params is not None:
+            sizes = ModelSizes(sizes.total_params, int(args.largest_layer_params))
+    else:
+        largest = None if args.largest_layer_params is None else int(args.largest_layer_params)
+        if largest is not None and largest > args.params:
+            parser.error("--largest_layer_params is larger than --params")
+        sizes = ModelSizes(int(args.params), largest)
+    estimates = estimate_all(
+        sizes,
+        num_gpus_per_node=args.num_gpus,
+        num_nodes=args.num_nodes,
+        stages=stages,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+        reduce_bucket_size=args.reduce_bucket_size,
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {"model": asdict(sizes) | {"numels": None}, "estimates": [e.to_dict() for e in estimates]}
+            )
+        )
+    else:
+        print(format_table(estimates, sizes, args.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The memory estimator against what the engine really allocates, and against the ZeRO paper.
+
+One 3-rank spawn builds engines over the whole world, a 2-rank subgroup and a 1-rank subgroup, for
+ZeRO stages 0, 1 and 2 (and 3 once the engine has it) in bf16 and fp32, with the default reduce bucket
+and with small buckets (several buckets: fp32 master weights are then a separate copy). After one step
+(the optimizer state exists), each rank's ``engine.memory_breakdown()`` must be within 5% of the
+estimate, field by field, both from the model (exact flat layout) and from the parameter count alone.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.estimator import (
+    ModelSizes,
+    estimate,
+    estimate_all,
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs,
+    main,
+    model_sizes,
+)
+from runtime.models import GPT, GPTConfig
+from tests.dist import run_distributed
+
+MODEL = GPTConfig(n_layer=2, n_head=4, n_embd=96, vocab_size=256, max_seq_len=64)
+FIELDS = ("param_bytes", "grad_bytes", "master_bytes", "optimizer_bytes")
+CASES = [
+    (stage, dtype, bucket)
+    for stage in (0, 1, 2, 3)
+    for dtype in ("bf16", "fp32")
+    for bucket in (500_000_000, 20_000)
+]
+
+
+def _measure(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from runtime.comm import Comm
+    from runtime.config import load_config
+    from runtime.engine import Engine
+
+    groups = {1: dist.new_group([0]), 2: dist.new_group([0, 1]), 3: dist.group.WORLD}
+    out: dict[Any, Any] = {}
+    for n, group in groups.items():
+        if rank >= n:
+            continue
+        for stage, dtype, bucket in CASES:
+            config = {
+                "train_micro_batch_size_per_gpu": 2,
+                "steps_per_print": 0,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket},
+            }
+            if dtype == "bf16":
+                config["bf16"] = {"enabled": True}
+            torch.manual_seed(0)
+            model = GPT(MODEL)
+            try:
+                engine = Engine(model, load_config(config, world_size=n), comm=Comm(group))
+            except NotImplementedError:
+                out[(n, stage, dtype, bucket)] = None  # stage 3 before it lands
+                continue
+            idx = torch.randint(0, MODEL.vocab_size, (2, 32))
+            _, loss = engine(idx, idx)
+            engine.backward(loss)
+            engine.step()
+            breakdown = engine.memory_breakdown()
+            out[(n, stage, dtype, bucket)] = {f: getattr(breakdown, f) for f in FIELDS}
+            engine.destroy()
+    return out
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[dict]:
+    return run_distributed(_measure, 3, timeout=240)
+
+
+def _expected(sizes: ModelSizes, n: int, stage: int, dtype: str, bucket: int) -> dict[str, int]:
+    e = estimate(sizes, stage=stage, num_gpus_per_node=n, dtype=dtype, reduce_bucket_size=bucket)
+    assert e.host_per_rank.total == 0  # no offload: everything is on the device
+    return {
+        "param_bytes": e.gpu.params,
+        "grad_bytes": e.gpu.grads,
+        "master_bytes": e.gpu.master,
+        "optimizer_bytes": e.gpu.optimizer,
+    }
+
+
+def _check(got: dict[str, int], want: dict[str, int], where: str) -> None:
+    total_got, total_want = sum(got.values()), sum(want.values())
+    assert abs(total_got - total_want) <= 0.05 * total_want, f"{where}: engine {total_got} vs {total_want}"
+    for field in FIELDS:
+        tolerance = 0.05 * max(want[field], 1)
+        assert abs(got[field] - want[field]) <= tolerance, f"{where}: {field} {got[field]} vs {want[field]}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_estimate_matches_engine_memory_breakdown(measured: list[dict], stage: int) -> None:
+    torch.manual_seed(0)
+    sizes = model_sizes(GPT(MODEL))
+    count_only = ModelSizes(sizes.total_params, sizes.largest_layer_params)
+    checked = 0
+    for rank, per_rank in enumerate(measured):
+        for (n, s, dtype, bucket), got in per_rank.items():
+            if s != stage:
+                continue
+            if got is None:
+                pytest.skip("the engine has no ZeRO stage 3 yet")
+            where = f"rank {rank}, N={n}, stage {stage}, {dtype}, bucket {bucket}"
+            _check(got, _expected(sizes, n, stage, dtype, bucket), where + " (model)")
+            _check(got, _expected(count_only, n, stage, dtype, bucket), where + " (count)")
+            checked += 1
+    assert checked == 2 * 2 * (1 + 2 + 3)  # dtypes x buckets x ranks of N = 1, 2, 3
+
+
+def test_zero_paper_bytes_per_parameter() -> None:
+    psi, n = 1.5e9, 8
+    per_param = {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}
+    for stage, expected in per_param.items():
+        sizes = ModelSizes(int(psi), largest_layer_params=10**8)
+        e = estimate(sizes, stage=stage, num_gpus_per_node=n)
+        assert e.gpu.total == pytest.approx(expected * psi, rel=1e-6), stage
+    e3 = estimate(ModelSizes(int(psi), 10**8), stage=3, num_gpus_per_node=n)
+    assert e3.gpu_transient == 2 * 2 * 10**8  # the largest layer's bf16 weights and gradient, gathered
+    # fp32 on one GPU: the master weights are the working buffer itself
+    fp32 = estimate(int(psi), stage=0, dtype="fp32")
+    assert fp32.gpu.master == 0 and fp32.gpu.total == pytest.approx(16 * psi)
+    # offload: 16 bytes per parameter / N on the host of each rank, per host times GPUs per node
+    off = estimate(int(psi), stage=2, num_gpus_per_node=4, num_nodes=2, offload_optimizer=True)
+    assert off.host_per_rank.total == pytest.approx(16 * psi / 8, rel=1e-6)
+    assert off.per_host_bytes == 4 * max(off.host_per_rank.total, off.host_init_per_rank)
+    assert off.gpu.total == pytest.approx(2 * psi)  # the bf16 working weights stay on the GPU
+    full = estimate(ModelSizes(int(psi), 10**8), stage=3, num_gpus_per_node=8, offload_optimizer=True,
+                    offload_param=True)  # fmt: skip
+    assert full.gpu.total == 0 and full.host_per_rank.params == pytest.approx(2 * psi / 8, rel=1e-6)
+    # DeepSpeed-named wrappers return (host bytes x buffer factor, bytes per GPU[, largest layer])
+    cpu, gpu = estimate_zero2_model_states_mem_needs(
+        int(psi), 8, 1, cpu_offload=False, additional_buffer_factor=1.0
+    )
+    plain = estimate(int(psi), stage=2, num_gpus_per_node=8)
+    assert (cpu, gpu) == (plain.per_host_bytes, plain.per_gpu_bytes)
+    assert len(estimate_zero3_model_states_mem_needs(int(psi), 10**8, 8)) == 3
+    # every stage and offload choice; stage 3 only when the largest layer is known
+    assert [(e.stage, e.offload_optimizer) for e in estimate_all(int(psi))] == [
+        (0, False), (1, False), (1, True), (2, False), (2, True)
+    ]  # fmt: skip
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="largest_layer_params"):
+        estimate(10**9, stage=3)
+    with pytest.raises(ValueError, match="offload_optimizer needs ZeRO stage 1, 2 or 3"):
+        estimate(10**9, stage=0, offload_optimizer=True)
+    with pytest.raises(ValueError, match="num_gpus_per_node must be a positive integer"):
+        estimate(10**9, stage=1, num_gpus_per_node=0)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        estimate(10**9, stage=1, dtype="fp8")
+
+
+def test_model_sizes_of_a_gpt() -> None:
+    with torch.device("meta"):
+        model = GPT(GPTConfig.named("xl"))
+    sizes = model_sizes(model)
+    config = GPTConfig.named("xl")
+    assert sizes.total_params == config.num_params()  # the tied head counted once
+    assert sizes.largest_layer_params == config.vocab_size * config.n_embd  # the token embedding
+
+
+def test_cli_table_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--params", "1.5e9", "--num_gpus", "8", "--num_nodes", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "1.500B parameters" in table and "stage 3 needs --largest_layer_params" in table
+    assert f"{24e9 / 2**30:.2f} GiB" in table  # stage 0: 16 bytes per parameter
+    assert main(["--model_size", "xl", "--num_gpus", "8", "--num_nodes", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["total_params"] == GPTConfig.named("xl").num_params()
+    assert {e["stage"] for e in data["estimates"]} == {0, 1, 2, 3}
+    assert all(e["num_nodes"] == 2 and e["gpus_per_node"] == 8 for e in data["estimates"])
+    for argv, message in (
+        (["--params", "-3"], "expected a positive number"),
+        (["--model_size", "huge"], "unknown model size 'huge'"),
+        (["--params", "1e9", "--num_gpus", "0"], "expected a positive integer"),
+        (["--params", "1e9", "--stages", "0,4"], "--stages"),
+        ([], "one of the arguments --params --model_size is required"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, argv
+
+
+def test_module_entry_point() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "runtime.estimator", "--model_size", "small", "--num_gpus", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("Model states of 0.124B parameters, largest layer 38.6M")
+    assert sum(line.split()[0].isdigit() for line in lines[4:]) == 8  # 1 + 2 + 2 + 3 configurations

@@ -14,22 +14,27 @@ same order, synchronously (runtime/offload/copies.py), so these tests exercise t
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 from dataclasses import asdict, dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.dist import run_distributed
 from tests.models import loss_fn, make_model, param_groups, rank_batch
-from tests.test_zero_parity import ROWS, Case, _compare, _train
+from tests.test_zero_parity import ROWS, STEPS, Case, _compare
 
 CHUNK = 128  # elements per copy-back chunk in these tests (buckets are 700)
+HAVE_STAGE3 = importlib.util.find_spec("runtime.zero.stage3") is not None
 
 
 @dataclass(frozen=True)
 class OffloadCase(Case):
     adam_without_clip: bool = False
     pin_memory: bool = False
+    persistence: int | None = None  # stage3_param_persistence_threshold (0: every unit is gathered on use)
 
     @property
     def optimizer(self) -> str:
@@ -38,6 +43,8 @@ class OffloadCase(Case):
     def config(self) -> dict:
         cfg = super().config()
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": self.pin_memory}
+        if self.persistence is not None:
+            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = self.persistence
         return cfg
 
 
@@ -55,6 +62,55 @@ EXTRA = [
     OffloadCase(2, "bf16", 1, 0.5, pin_memory=True),
     OffloadCase(1, "fp32", 2, 0.5, bucket=10**9),  # one bucket: one span per group
 ]
+if HAVE_STAGE3:  # updated weights go to the units' working shards; persistent units re-gather
+    EXTRA += [
+        OffloadCase(3, "fp32", 1, 0.5),
+        OffloadCase(3, "bf16", 2, 0.5),
+        OffloadCase(3, "fp32", 2, 0.0, persistence=0),
+        OffloadCase(3, "bf16", 1, 0.5, persistence=0),
+    ]
+
+
+def _train(case: Case, rank: int, world_size: int) -> dict:
+    """tests/test_zero_parity.py's training run; the working weights are read inside GatheredParameters,
+    since stage-3 units below the persistence threshold are not gathered outside a forward."""
+    import runtime
+
+    model = make_model(0)
+    engine, _, _, _ = runtime.initialize(
+        model=model, model_parameters=param_groups(model), config=case.config()
+    )
+    losses, norms = [], []
+    for step in range(STEPS):
+        for micro in range(case.accumulation):
+            x, y = rank_batch(step, micro, ROWS, rank, world_size)
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        norms.append(engine.get_global_grad_norm())
+    mean_losses = torch.stack(losses)
+    dist.all_reduce(mean_losses)
+    mean_losses /= world_size
+    master = engine.full_state_dict()
+    gathered = contextlib.nullcontext()
+    if case.stage == 3:
+        from runtime.zero import GatheredParameters
+
+        gathered = GatheredParameters(list(engine.module.parameters()))
+    with gathered:
+        working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        dtypes = {str(p.dtype) for p in engine.module.parameters()}
+    out = {
+        "losses": mean_losses.tolist(),
+        "norms": norms,
+        "master": master,
+        "working": working,
+        "skipped": engine.skipped_steps,
+        "dtypes": dtypes,
+    }
+    engine.destroy()
+    return out
 
 
 def _run_grid(rank: int, world_size: int, cases: list[Case]) -> dict[str, list[str]]:

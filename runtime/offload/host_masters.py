@@ -41,6 +41,7 @@ from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.host_memory import HostMemory
 from runtime.offload.placement import GradMath, attach_master_grads
 from runtime.offload.spans import Span, piece_containing, plan_chunks, plan_spans
+from runtime.offload.targets import WorkingTarget
 from runtime.precision.mixed import GradResult
 from runtime.zero.buckets import BucketTracker, bucket_order
 from runtime.zero.flat import FlatGroup
@@ -62,14 +63,14 @@ class HostMasters:
         *,
         registration: dict[nn.Parameter, int],
         pin_memory: bool,
-        gather_working: bool,
+        target: WorkingTarget,
         chunk_elems: int | None = None,
     ) -> None:
         self.groups = list(groups)
         self.zero = zero
         self.comm = comm
         self.device = device
-        self.gather_working = gather_working
+        self.target = target
         self.chunk_elems = TRANSFER_CHUNK_ELEMS if chunk_elems is None else chunk_elems
         self.memory = HostMemory(device, pin=pin_memory)
         self.copies = CopyEngine(device)
@@ -85,7 +86,7 @@ class HostMasters:
         self._tickets: list[Ticket] = []
         self._landed = [False] * len(self.spans)
         self._boundary = False
-        self._gathers: list[Pending] = []
+        self._published: list[Pending] = []
         self._last_upload: Ticket = None
         self._fp32_grads: list[torch.Tensor] | None = None  # generic path only
         self._adam: host_adam.HostAdam | None = None
@@ -193,7 +194,7 @@ class HostMasters:
                 adam.update(span.group, at, grad, out, grad_scale)
                 source = out if out is not None else master.narrow(0, at, numel)
                 self._last_upload = self.copies.to_device(dst.narrow(0, offset, numel), source)
-            self._gather(span)
+            self._publish(span)
 
     def _generic_step(self, optimizer: torch.optim.Optimizer, coef: float, *, per_tensor: bool) -> None:
         for ticket in self._tickets:
@@ -222,26 +223,22 @@ class HostMasters:
                 if self._writes_out:
                     source = self.landing[span.group].narrow(0, at, numel).copy_(source)
                 self._last_upload = self.copies.to_device(dst.narrow(0, offset, numel), source)
-            self._gather(span)
+            self._publish(span)
 
     def _working_piece(self, span: Span) -> torch.Tensor:
-        group = self.groups[span.group]
-        return group.piece(group.working, group.layout.buckets[span.bucket])
+        return self.target.piece(self.groups[span.group], span.bucket)
 
-    def _gather(self, span: Span) -> None:
-        """All-gather the span's bucket once this rank's piece of it is back on the device."""
-        if not self.gather_working:
-            return
+    def _publish(self, span: Span) -> None:
+        """Publish the span's bucket (all-gather it, for stages 1 and 2) once its piece is back."""
         self.copies.device_wait(self._last_upload)
-        group = self.groups[span.group]
-        bucket = group.layout.buckets[span.bucket]
-        full = group.bucket_view(group.working, bucket)
-        self._gathers.append(self.comm.all_gather(full, group.piece(group.working, bucket), async_op=True))
+        pending = self.target.publish(self.groups[span.group], span.bucket)
+        if pending is not None:
+            self._published.append(pending)
 
     def write_back(self) -> None:
         self.copies.device_wait(self._last_upload)
-        gathers, self._gathers = self._gathers, []
-        for pending in gathers:
+        published, self._published = self._published, []
+        for pending in published:
             pending.wait()
 
     # -- bookkeeping ------------------------------------------------------------------------------------

@@ -142,9 +142,8 @@ def build_master_placement(
     if offload.device == "none":
         return DeviceMasters(groups, zero)
     from runtime.offload.host_masters import HostMasters
+    from runtime.offload.targets import working_target
 
-    # stages 1 and 2 keep full working weights on every rank: each rank's updated piece is all-gathered
-    replicated_working = zero.stage in (1, 2) and comm.world_size > 1
     return HostMasters(
         groups,
         zero,
@@ -152,5 +151,5 @@ def build_master_placement(
         device,
         registration=registration,
         pin_memory=offload.pin_memory,
-        gather_working=replicated_working,
+        target=working_target(zero, comm),
     )

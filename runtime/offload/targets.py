@@ -1,0 +1,81 @@
+"""Where an offloaded step puts the updated weights on the device, per ZeRO stage.
+
+After the host has updated this rank's piece of a bucket, the low-precision result is copied into the
+device buffer the stage reads its weights from, and then *published*: made visible to the model.
+
+- `ReplicatedWorking` (stages 1 and 2, and every stage with one rank): the piece lives inside the full
+  working buffer the parameters are views of; with several ranks each bucket is all-gathered in place as
+  soon as this rank's piece is back, while the host goes on with the next bucket.
+- `ShardedWorking` (stage 3 with several ranks): the piece is the unit's resident working shard
+  (`Segment.shard`); a persistent unit is re-gathered right away, the others gather at their next use.
+  With parameter offload the shard itself would live in pinned host memory and `piece` would return it,
+  so the step writes the new weights there and each gather uploads what it needs; that needs the
+  stage's gather to upload the shard first (see the stage-3 unit's `start_gather`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from runtime.comm import Comm, Pending
+from runtime.zero.flat import FlatGroup
+
+
+class WorkingTarget(Protocol):
+    def piece(self, group: FlatGroup, bucket: int) -> torch.Tensor:
+        """The device tensor that receives this rank's updated piece of `bucket` (shard order)."""
+        ...
+
+    def publish(self, group: FlatGroup, bucket: int) -> Pending | None:
+        """Start making the updated piece visible to the model (after it was written); None if nothing
+        is needed."""
+        ...
+
+
+class ReplicatedWorking:
+    """Stages 1 and 2: pieces inside the full working buffer, all-gathered with more than one rank."""
+
+    def __init__(self, comm: Comm, *, gather: bool) -> None:
+        self.comm = comm
+        self.gather = gather
+
+    def piece(self, group: FlatGroup, bucket: int) -> torch.Tensor:
+        return group.piece(group.working, group.layout.buckets[bucket])
+
+    def publish(self, group: FlatGroup, bucket: int) -> Pending | None:
+        if not self.gather:
+            return None
+        spec = group.layout.buckets[bucket]
+        full = group.bucket_view(group.working, spec)
+        return self.comm.all_gather(full, group.piece(group.working, spec), async_op=True)
+
+
+class ShardedWorking:
+    """Stage 3 with several ranks: pieces are the units' working shards (one bucket per segment)."""
+
+    def __init__(self, zero: Any, comm: Comm) -> None:
+        self.comm = comm
+        self._segment = {}
+        for unit in zero.units:
+            for segment in unit.segments:
+                self._segment[id(segment.group)] = (unit, segment)
+
+    def piece(self, group: FlatGroup, bucket: int) -> torch.Tensor:
+        _, segment = self._segment[id(group)]
+        spec = group.layout.buckets[bucket]
+        return segment.shard.narrow(0, spec.shard_offset, spec.piece_numel)
+
+    def publish(self, group: FlatGroup, bucket: int) -> Pending | None:
+        unit, segment = self._segment[id(group)]
+        if not unit.persistent or bucket != len(group.layout.buckets) - 1:
+            return None
+        return self.comm.all_gather(group.working, segment.shard, async_op=True)
+
+
+def working_target(zero: Any, comm: Comm) -> WorkingTarget:
+    """The target for the stage `zero`: sharded working weights (stage 3) or a full working buffer."""
+    if getattr(zero, "units", None) is not None and comm.world_size > 1:
+        return ShardedWorking(zero, comm)
+    return ReplicatedWorking(comm, gather=zero.stage in (1, 2) and comm.world_size > 1)

@@ -127,6 +127,8 @@ def consolidate(
     """Write the full state dict of a sharded checkpoint to one safetensors file, tensor by tensor."""
     start = time.perf_counter()
     output = Path(output)
+    if output.is_dir():
+        output = output / "model.safetensors"
     tag_dir, manifest = open_checkpoint(checkpoint_dir, tag)
     extras = read_engine_state(tag_dir)["module_extras"]
     declared = _entries(manifest, extras, dtype)
@@ -184,9 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     output = Path(args.output)
-    if output.is_dir() or args.output.endswith(os.sep):
+    if args.output.endswith(os.sep):
         output = output / "model.safetensors"
-    if output.suffix != ".safetensors":
+    if output.suffix != ".safetensors" and not output.is_dir():
         parser.error(f"OUTPUT {args.output!r} must end in .safetensors (or be a directory)")
     try:
         result = consolidate(

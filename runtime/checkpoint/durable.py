@@ -24,7 +24,7 @@ from typing import Any
 FAULT_ENV = "DSLAUNCH_CHECKPOINT_FAULT"
 FAULT_MARKER_ENV = "DSLAUNCH_CHECKPOINT_FAULT_MARKER"
 FAULT_POINTS = ("shard", "engine_state", "manifest", "latest")
-_READ_CHUNK = 16 << 20
+_READ_CHUNK = 4 << 20
 
 
 @dataclass(frozen=True)

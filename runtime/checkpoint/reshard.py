@@ -51,7 +51,7 @@ class Copy:
 
 def source_index(manifest: Manifest) -> dict[str, list[Source]]:
     """Per parameter name: the saved element ranges, sorted by start."""
-    index: dict[str, list[Source]] = {}
+    index: dict[str, list[Source]] = {p.name: [] for group in manifest.groups for p in group.params}
     for g, group in enumerate(manifest.groups):
         params = sorted(group.params, key=lambda p: p.offset)
         starts = [p.offset for p in params]
@@ -66,7 +66,7 @@ def source_index(manifest: Manifest) -> dict[str, list[Source]]:
                     p = params[i]
                     lo, hi = max(p.offset, flat_start), min(p.offset + p.numel, flat_end)
                     if lo < hi:
-                        index.setdefault(p.name, []).append(
+                        index[p.name].append(
                             Source(lo - p.offset, hi - p.offset, entry.name, g, file_offset + lo - flat_start)
                         )
                     i += 1

@@ -202,6 +202,7 @@ class TensorFileReader:
             self.specs, self.metadata, self._data_start = self._read_header()
         except BaseException:
             os.close(self._fd)
+            self._fd = -1
             raise
         self.bytes_read = 0
 

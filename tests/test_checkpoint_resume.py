@@ -12,6 +12,9 @@ each checkpoint, trains 3 more steps and compares with the straight run:
   fp32 tolerance (16-bit runs: the tolerance of the ZeRO parity tests), and the data loader resumes at
   the same global sample.
 
+Optimizer offload (masters and Adam state in host memory, the CPU step) is saved and resumed the same
+way, and a checkpoint moves between offloaded and on-device runs.
+
 Every case uses AdamW over two param groups (different weight decay), gradient clipping, a warmup/decay
 LR schedule, and a data loader owned by the engine; fp16 cases start with a loss scale that overflows, so
 skipped steps and the scaler's hysteresis state cross the checkpoint; bf16 cases accumulate 2 micro-steps.
@@ -52,6 +55,7 @@ class Case:
     stage: int
     dtype: str
     optimizer: str = "AdamW"
+    offload: bool = False  # zero_optimization.offload_optimizer: masters and state in host memory
 
     @property
     def accumulation(self) -> int:
@@ -59,7 +63,9 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"w{self.world}-s{self.stage}-{self.dtype}-{self.optimizer}"
+        return f"w{self.world}-s{self.stage}-{self.dtype}-{self.optimizer}" + (
+            "-offload" if self.offload else ""
+        )
 
     def config(self) -> dict:
         cfg: dict = {
@@ -74,6 +80,8 @@ class Case:
             },
             "zero_optimization": {"stage": self.stage, "reduce_bucket_size": 700},
         }
+        if self.offload:
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         if self.optimizer == "SGD":
             cfg["optimizer"]["params"].update(lr=0.05, momentum=0.9)
         if self.dtype == "bf16":
@@ -87,6 +95,11 @@ class Case:
 
 SAVED = [Case(w, s, d) for w in WORLDS for s in (0, 1, 2) for d in ("fp32", "bf16", "fp16")]
 SAVED += [Case(2, 1, "fp32", "SGD"), Case(3, 2, "fp32", "SGD")]  # momentum_buffer instead of Adam's moments
+SAVED += [
+    Case(1, 1, "fp32", offload=True),
+    Case(2, 2, "bf16", offload=True),
+    Case(3, 2, "fp16", offload=True),
+]
 # (saved case, loading case): another world size, another stage, or both
 CROSS = [
     (Case(2, 2, "fp32"), Case(1, 2, "fp32")),
@@ -101,6 +114,10 @@ CROSS = [
     (Case(2, 2, "bf16"), Case(3, 1, "bf16")),
     (Case(2, 2, "fp16"), Case(3, 2, "fp16")),
     (Case(2, 0, "fp16"), Case(1, 1, "fp16")),
+    # optimizer offload on one side only: the host-side state is the same checkpoint
+    (Case(2, 2, "bf16", offload=True), Case(3, 1, "bf16")),
+    (Case(2, 2, "fp32"), Case(1, 1, "fp32", offload=True)),
+    (Case(2, 2, "fp16"), Case(3, 2, "fp16", offload=True)),
 ]
 
 
@@ -112,6 +129,7 @@ def _build(case: Case):
         model=model, model_parameters=param_groups(model), config=case.config(), training_data=IndexDataset()
     )
     loader.sampler.set_epoch(1)
+    assert (type(engine.masters).__name__ == "HostMasters") == case.offload  # really offloaded, or not
     return engine, loader
 
 

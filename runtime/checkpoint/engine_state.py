@@ -91,6 +91,11 @@ def module_keys(engine: Any) -> list[tuple[str, str | None]]:
     return [(key, managed.get(id(value))) for key, value in engine.module.state_dict(keep_vars=True).items()]
 
 
+def spec_index(group: Any) -> int:
+    """The user's param group a flat group came from (stage 3 splits one into a flat group per unit)."""
+    return int(getattr(group, "spec_index", group.index))
+
+
 def param_names(engine: Any, group: Any) -> list[str]:
     """The names of a flat group's parameters (from the group, else looked up in the module)."""
     if getattr(group, "param_names", None):
@@ -145,11 +150,7 @@ def capture(
         "micro_steps": engine.micro_steps,
         "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
         "lr_scheduler": _scheduler_state(engine.lr_scheduler),
-        "optimizer_param_groups": (
-            [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            if optimizer is not None
-            else None
-        ),
+        "optimizer_param_groups": _optimizer_groups(engine) if optimizer is not None else None,
         "optimizer_scalars": optimizer_scalars,
         "data_position": loader.state_dict() if hasattr(loader, "load_state_dict") else None,
         "rng": rng_states,
@@ -161,6 +162,32 @@ def capture(
     for key, value in state.items():
         check_loadable(value, "client_state" if key == "client_state" else f"engine state {key!r}")
     return state
+
+
+def _optimizer_groups(engine: Any) -> list[dict[str, Any]]:
+    """Each optimizer param group's hyperparameters, with the user param group it belongs to."""
+    spec_of = {group.index: spec_index(group) for group in engine.groups}
+    return [
+        {"spec": spec_of.get(i, i), "options": {k: v for k, v in g.items() if k != "params"}}
+        for i, g in enumerate(engine.optimizer.param_groups)
+    ]
+
+
+def _restore_optimizer_groups(engine: Any, saved: list[dict[str, Any]]) -> None:
+    """Hyperparameters (lr, betas, weight decay, ...) by user param group, so a checkpoint whose stage
+    grouped the optimizer differently (stage 3: a group per gather unit) still maps."""
+    by_spec: dict[int, dict[str, Any]] = {}
+    for entry in saved:
+        by_spec.setdefault(int(entry["spec"]), dict(entry["options"]))
+    spec_of = {group.index: spec_index(group) for group in engine.groups}
+    for i, group in enumerate(engine.optimizer.param_groups):
+        spec = spec_of.get(i, i)
+        if spec not in by_spec:
+            raise CheckpointMismatch(
+                f"the checkpoint's optimizer has param groups {sorted(by_spec)}; this one also has "
+                f"group {spec}"
+            )
+        group.update(by_spec[spec])
 
 
 def _scheduler_state(scheduler: Any) -> Any:
@@ -187,14 +214,7 @@ def restore(
     engine.micro_steps = int(state["micro_steps"])
     _restore_scaler(engine, state.get("loss_scaler"))
     if load_optimizer_states and engine.optimizer is not None and state.get("optimizer_param_groups"):
-        saved = state["optimizer_param_groups"]
-        groups = engine.optimizer.param_groups
-        if len(saved) != len(groups):
-            raise CheckpointMismatch(
-                f"the checkpoint's optimizer has {len(saved)} param groups, this one has {len(groups)}"
-            )
-        for group, options in zip(groups, saved, strict=True):
-            group.update(options)
+        _restore_optimizer_groups(engine, state["optimizer_param_groups"])
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
         saved_scheduler = state.get("lr_scheduler")
         if saved_scheduler is None:

@@ -156,10 +156,11 @@ def _plan(engine: Any, manifest: Manifest, *, strict: bool, with_optimizer: bool
                 f"parameter {name!r}: shape {list(shapes[name])} in the checkpoint, "
                 f"{list(param.shape)} in the model"
             )
-        if with_optimizer and name in saved_group and saved_group[name] != group.index:
+        spec = engine_state.spec_index(group)
+        if with_optimizer and name in saved_group and saved_group[name] != spec:
             raise CheckpointMismatch(
                 f"parameter {name!r} was in optimizer param group {saved_group[name]} when saved and is in "
-                f"group {group.index} now; its optimizer state and hyperparameters would not match "
+                f"group {spec} now; its optimizer state and hyperparameters would not match "
                 "(load_optimizer_states=False loads the weights only)"
             )
     index = source_index(manifest)

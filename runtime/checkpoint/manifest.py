@@ -80,7 +80,8 @@ class ParamEntry:
 
 @dataclass(frozen=True)
 class GroupEntry:
-    """One flat group: its parameters in flat order and the optimizer param group it belongs to."""
+    """One flat group: its parameters in flat order and the user's param group (the `model_parameters` /
+    optimizer param group it came from, whatever the stage's own grouping) it belongs to."""
 
     optimizer_group: int
     numel: int  # padded flat size

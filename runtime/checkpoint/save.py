@@ -138,10 +138,10 @@ def _write_shard(
 ) -> FileEntry:
     declared = []
     sources: list[tuple[str, torch.Tensor, list[Piece]]] = []
-    for (group, pieces), (tensors, _) in zip(plan, states, strict=True):
+    for position, ((group, pieces), (tensors, _)) in enumerate(zip(plan, states, strict=True)):
         numel = sum(p.numel for p in pieces)
         for key, tensor in [(MASTER_KEY, group.master.detach()), *sorted(tensors.items())]:
-            name = tensor_name(group.index, key)
+            name = tensor_name(position, key)
             declared.append((name, tensor.dtype, (numel,)))
             sources.append((name, tensor, pieces))
     path = tag_dir / shard_file_name(rank)
@@ -171,7 +171,7 @@ def _manifest(
             ParamEntry(name, tuple(param.shape), slot.offset)
             for name, param, slot in zip(names, group.params, group.layout.slots, strict=True)
         )
-        groups.append(GroupEntry(group.index, group.layout.numel, params))
+        groups.append(GroupEntry(engine_state.spec_index(group), group.layout.numel, params))
     state_keys = sorted({key for tensors, _ in states for key in tensors})
     state_dtypes = {
         key: str(tensors[key].dtype).removeprefix("torch.") for tensors, _ in states for key in tensors

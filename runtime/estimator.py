@@ -15,18 +15,21 @@ N data-parallel ranks (``N = num_gpus_per_node * num_nodes``):
     3       w/N       w/N         4/N      8/N         16/N  (+ the largest layer, gathered)
 
 With fp32 working weights (w = 4) the master weights are the working buffer itself whenever a rank's
-shard is one contiguous range of it (one rank, or one reduce bucket), and then cost nothing extra.
+shard is one contiguous range of it (one rank, one reduce bucket, or stage 3's per-unit shards), and then
+cost nothing extra. Stage 3 keeps units smaller than ``stage3_param_persistence_threshold`` gathered on
+every rank; the estimate assumes large units (true for models that need stage 3) and counts them sharded.
 
 Transient device memory, counted separately: stage 2 stages gradients in reduce buckets (up to three
 buckets of ``reduce_bucket_size`` elements alive: one filling, two on the wire); stage 3 gathers a layer's
 weights and produces its full gradient before the reduce-scatter (2 x w x largest layer).
 
-Offload (``offload_optimizer``/``offload_param`` with device "cpu", the ZeRO-Offload design): master
-weights, optimizer state and an fp32 copy of the gradient shard (16/N bytes per parameter) live in host
-memory of each rank; the GPU keeps the working weights (stage 3 with ``offload_param``: none) and
-gradients only while they are reduced. Per host: every local rank's host-resident states, or the fp32 model
-each process builds on the host before the engine moves it to its GPU (4 bytes per parameter, none for
-stage 3 under ``zero.Init``), whichever is larger.
+Offload (``offload_optimizer`` with device "cpu", runtime/offload): master weights, optimizer state and
+the buffer the gradient shard lands in (4 + 8 + w bytes per parameter of the shard, Adam) live in host
+memory of each rank; the GPU keeps the working weights and the ZeRO stage's gradient buffers. Stage 3
+with ``offload_param`` also keeps the weight shard on the host (the ZeRO-Infinity design; an estimate until
+the engine has it). Per host: every local rank's host-resident states, or the fp32 model each process
+builds on the host before the engine moves it to its GPU (4 bytes per parameter, none for stage 3 under
+``zero.Init``), whichever is larger.
 
 Command line (console script ``ds_estimate``):
 
@@ -105,7 +108,7 @@ class Estimate:
     num_nodes: int
     gpu: StateBytes  # model states on each GPU: compare with Engine.memory_breakdown()
     gpu_transient: int  # peak extra on each GPU: stage-2 reduce buckets, stage-3 gathered layer
-    host_per_rank: StateBytes  # offloaded states in host memory, per rank
+    host_per_rank: StateBytes  # offloaded states in host memory, per rank (grads: the landing buffer)
     host_init_per_rank: int  # the fp32 model a process builds on the host before it moves to the GPU
 
     @property
@@ -189,7 +192,9 @@ def estimate(
 
     sharded = stage >= 1 and world > 1
     numel, shard, contiguous = _flat(sizes, world if sharded else 1, reduce_bucket_size)
-    master_alias = dtype == "fp32" and contiguous and not offload_optimizer
+    # fp32: the master is this rank's range of the working buffer when that range is contiguous (stage 3
+    # keeps each unit's shard as a buffer of its own, so always)
+    master_alias = dtype == "fp32" and (contiguous or stage == 3) and not offload_optimizer
     master = 0 if master_alias else shard * MASTER_BYTES
     transient = 0
     if stage <= 2:
@@ -203,17 +208,16 @@ def estimate(
         transient = 2 * w * sizes.largest_layer_params  # type: ignore[operator]
     host = StateBytes()
     if offload_optimizer:
-        # grads leave the GPU as they are reduced: an fp32 copy of the shard feeds the CPU optimizer
-        host = StateBytes(grads=shard * MASTER_BYTES, master=shard * MASTER_BYTES, optimizer=shard * opt)
-        gpu_grads = 0
-        gpu = StateBytes(params=params, grads=gpu_grads)
+        # runtime.offload.host_masters: the shard's gradients land in a host buffer of their own dtype
+        # (optimizers without the one-pass Adam step also convert them into an fp32 buffer there)
+        landing = shard * w + (0 if optimizer in ("adam", "adamw") else shard * MASTER_BYTES)
+        host = StateBytes(grads=landing, master=shard * MASTER_BYTES, optimizer=shard * opt)
+        gpu = StateBytes(params=params, grads=grads)
         if stage == 3 and offload_param:
             host = StateBytes(
                 params=shard * w, grads=host.grads, master=host.master, optimizer=host.optimizer
             )
-            gpu = StateBytes()
-        if stage <= 2:
-            transient = max(transient, min(numel, _STAGE2_BUCKETS_ALIVE * reduce_bucket_size) * w)
+            gpu = StateBytes(grads=grads)
     else:
         gpu = StateBytes(params=params, grads=grads, master=master, optimizer=shard * opt)
     init = 0 if stage == 3 and zero_init else sizes.total_params * 4

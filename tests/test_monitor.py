@@ -32,7 +32,15 @@ STEPS = 5
 ACCUMULATION = 2
 MICRO = 2
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
-TIMERS = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
+TIMERS = (
+    "forward",
+    "backward",
+    "backward_inner",
+    "backward_allreduce",
+    "step",
+    "optimizer_step",
+    "write_back",
+)
 
 
 def _config(out: str, **extra: Any) -> dict:
@@ -155,6 +163,7 @@ def test_throughput_timers_and_memory_events(world: tuple[list[dict], Path]) -> 
     for i in range(STEPS):
         assert all(timings[name][i] > 0 for name in TIMERS)
         assert timings["backward"][i] >= timings["backward_inner"][i]
+        assert timings["step"][i] >= timings["optimizer_step"][i] + timings["write_back"][i]
     _, rss = _series(directory, "Train/Samples/host_rss_gib")
     assert all(0.05 < value < 64 for value in rss)
 

@@ -11,6 +11,10 @@ carry the number of samples trained so far (``engine.global_samples`` after the 
     Train/Samples/tflops_per_gpu    model FLOPs per sample x samples/s / GPUs, when FLOPs are known
     Train/Samples/elapsed_time_ms_{forward,backward,backward_inner,backward_allreduce,step}
                                     wall_clock_breakdown only; summed over the step's micro-steps
+    Train/Samples/elapsed_time_ms_{optimizer_step,write_back}
+                                    parts of step: the optimizer (on the host under offload, with the
+                                    copies back it overlaps) and the updated weights' way back to the
+                                    model (offload copies, all-gathers)
     Train/Samples/memory_{allocated,reserved,peak}_gib   CUDA only
     Train/Samples/host_rss_gib
 
@@ -42,7 +46,15 @@ from runtime.monitor.writers import Event, EventWriter, open_writers
 __all__ = ["PREFIX", "TrainingMonitor"]
 
 PREFIX = "Train/Samples/"
-_TIMERS = ("forward", "backward", "backward_inner", "backward_allreduce", "step")
+_TIMERS = (
+    "forward",
+    "backward",
+    "backward_inner",
+    "backward_allreduce",
+    "step",
+    "optimizer_step",
+    "write_back",
+)
 
 
 def _flops_per_token_of(model: nn.Module | None) -> Callable[[int], float] | None:

@@ -256,8 +256,7 @@ class Engine(nn.Module):
             want_norm=self._log.wants_norm(self.global_steps + 1) or self.monitor.wants_norm,
             all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
         )
-        with self._timers("optimizer_step"):  # norm, clip, the optimizer (on the host under offload)
-            result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
+        result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
         self._grad_norm = result.norm
         if result.overflow:
             self.skipped_steps += 1
@@ -266,8 +265,7 @@ class Engine(nn.Module):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
             self._sync_hyperparameters(self.lr_scheduler)
-        with self._timers("write_back"):  # updated weights back to the model (offload: copies; all-gathers)
-            self.masters.write_back()
+        self.masters.write_back()
         self._update_scaler(overflow=False)
         return True
 
@@ -351,6 +349,7 @@ class Engine(nn.Module):
         (it all-gathers master shards); other ranks get {} when rank0_only."""
         from runtime.zero.gather import gather_master_params
 
+        self.masters.flush()  # an update still in flight (offload's delayed update) lands first
         masters = gather_master_params(self.groups, self.comm)
         if rank0_only and self.comm.rank != 0:
             return {}
@@ -373,6 +372,7 @@ class Engine(nn.Module):
         call it. Returns the tag directory. See runtime.checkpoint."""
         from runtime.checkpoint import save_checkpoint
 
+        self.masters.flush()
         return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))
 
     def load_checkpoint(
@@ -388,6 +388,7 @@ class Engine(nn.Module):
         every rank must call it. Returns (tag directory, client_state)."""
         from runtime.checkpoint import load_checkpoint
 
+        self.masters.flush()
         return load_checkpoint(
             self,
             load_dir,

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from tests.dist import run_distributed
-from tests.models import loss_fn, make_model, param_groups, rank_batch
-from tests.test_zero_parity import ROWS, STEPS, Case, _compare
+from tests.models import loss_fn, make_model, param_groups, rank_batch, reference_train
+from tests.test_zero_parity import DTYPES, ROWS, STEPS, Case, _compare
 
 CHUNK = 128  # elements per copy-back chunk in these tests (buckets are 700)
 HAVE_STAGE3 = importlib.util.find_spec("runtime.zero.stage3") is not None
@@ -316,3 +316,108 @@ def _state_layout(rank: int, world_size: int) -> dict:
     }
     engine.destroy()
     return out
+
+
+# -- delayed parameter update ---------------------------------------------------------------------------
+DPU_AFTER = 2
+
+
+def _delayed_reference(*, steps: int, accumulation: int, param_dtype: torch.dtype, clip: float) -> dict:
+    """Plain PyTorch with ZeRO-Offload's one-step delay: from step DPU_AFTER on, the forward of step k+1
+    still runs on the weights from before step k's update."""
+    import copy
+
+    from tests.models import build_optimizer, global_batch
+
+    master = make_model(0)
+    working = copy.deepcopy(master).to(param_dtype)
+    opt = build_optimizer("AdamW", param_groups(master), 3e-3)
+    installed = [p.detach().clone() for p in master.parameters()]
+    initial = {n: p.detach().clone() for n, p in master.named_parameters()}
+    losses = []
+    for step in range(steps):
+        with torch.no_grad():
+            for w, value in zip(working.parameters(), installed, strict=True):
+                w.copy_(value)
+        for micro in range(accumulation):
+            x, y = global_batch(step, micro, ROWS)
+            loss = loss_fn(working(x.to(param_dtype)), y)
+            loss.backward()
+            losses.append(loss.item())
+        with torch.no_grad():
+            for pm, pw in zip(master.parameters(), working.parameters(), strict=True):
+                pm.grad = pw.grad.float() / accumulation
+                pw.grad = None
+        torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+        before = [p.detach().clone() for p in master.parameters()]
+        opt.step()
+        opt.zero_grad()
+        installed = [p.detach().clone() for p in master.parameters()] if step < DPU_AFTER else before
+    return {
+        "losses": losses,
+        "master": {n: p.detach().clone() for n, p in master.named_parameters()},
+        "initial": initial,
+    }
+
+
+def _train_delayed(rank: int, world_size: int, cases: list[OffloadCase]) -> list[dict]:
+    import runtime
+    from runtime.offload import enable_delayed_update
+
+    out = []
+    for case in cases:
+        model = make_model(0)
+        engine, _, _, _ = runtime.initialize(
+            model=model, model_parameters=param_groups(model), config=case.config()
+        )
+        enable_delayed_update(engine, after_steps=DPU_AFTER)
+        losses = []
+        for step in range(STEPS):
+            for micro in range(case.accumulation):
+                x, y = rank_batch(step, micro, ROWS, rank, world_size)
+                loss = loss_fn(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach().float())
+        mean_losses = torch.stack(losses)
+        dist.all_reduce(mean_losses)
+        master = engine.full_state_dict()  # flushes the update still in flight
+        working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        out.append({"losses": (mean_losses / world_size).tolist(), "master": master, "working": working})
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_delayed_update_matches_a_one_step_stale_reference(world_size: int) -> None:
+    cases = [OffloadCase(2, "fp32", 2, 0.5), OffloadCase(1, "bf16", 1, 0.5)]
+    results = run_distributed(_train_delayed, world_size, cases, timeout=120)[0]
+    for case, got in zip(cases, results, strict=True):
+        ref = _delayed_reference(
+            steps=STEPS, accumulation=case.accumulation, param_dtype=DTYPES[case.dtype], clip=case.clip
+        )
+        exact = case.dtype == "fp32"
+        for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
+            assert abs(a - b) <= (1e-5 if exact else 2e-2) * abs(b), f"{case}: loss[{i}] {a} vs {b}"
+        for name, want in ref["master"].items():
+            have = got["master"][name]
+            if exact:
+                torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6, msg=f"{case}: {name}")
+            else:
+                delta = (want - ref["initial"][name]).norm()
+                assert float((have - want).norm() / delta) < 0.05, f"{case}: {name}"
+            assert torch.equal(got["working"][name], have.to(got["working"][name].dtype)), name
+    # the delay is real: from the first forward on stale weights, the losses leave the undelayed run's
+    plain = reference_train(
+        steps=STEPS,
+        accumulation=2,
+        rows=ROWS,
+        param_dtype=torch.float32,
+        optimizer="AdamW",
+        lr=3e-3,
+        clip=0.5,
+    )
+    stale = 2 * (DPU_AFTER + 1)
+    assert plain.losses[:stale] == pytest.approx(results[0]["losses"][:stale], rel=1e-5)
+    later = zip(plain.losses[stale:], results[0]["losses"][stale:], strict=True)
+    assert max(abs(a - b) for a, b in later) > 1e-4

@@ -16,6 +16,14 @@ from runtime.offload.placement import (
     MasterPlacement,
     attach_master_grads,
     build_master_placement,
+    enable_delayed_update,
 )
 
-__all__ = ["DeviceMasters", "GradMath", "MasterPlacement", "attach_master_grads", "build_master_placement"]
+__all__ = [
+    "DeviceMasters",
+    "GradMath",
+    "MasterPlacement",
+    "attach_master_grads",
+    "build_master_placement",
+    "enable_delayed_update",
+]

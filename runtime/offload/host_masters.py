@@ -23,12 +23,24 @@ is converted into an fp32 host buffer and scaled, `optimizer.step()` runs on the
 updated masters are cast into the landing buffer and copied back. Correct for any torch optimizer, but
 several passes over host memory.
 
+Delayed parameter update (DPU, ZeRO-Offload §5.2; opt-in through `enable_delayed_update`): after
+`after_steps` ordinary steps, step k only starts the host update with step k's gradients, on a worker
+thread, and returns; the update runs (and its weights are uploaded into a device staging buffer) while
+the device computes forward and backward of step k+1, and step k+1 installs it (one device-side copy)
+before starting its own. So the forward of step k+1 still uses the weights from before step k's update:
+every gradient is computed on weights one update stale. The step then costs about max(device compute,
+host update) instead of their sum. Costs a second landing buffer (2 bytes/param, host) and the staging
+buffer (2 bytes/param of the shard, device). Only the Adam path runs delayed; reading the masters or the
+optimizer state (checkpoints, `full_state_dict`) must first call `flush()`, which installs the update in
+flight.
+
 On a CPU-only machine all of this runs the same way with synchronous copies (copies.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -91,6 +103,12 @@ class HostMasters:
         self._fp32_grads: list[torch.Tensor] | None = None  # generic path only
         self._adam: host_adam.HostAdam | None = None
         self._adam_for: torch.optim.Optimizer | None = None
+        self._steps = 0  # host updates started
+        self._delay_after: int | None = None  # DPU: delayed updates once this many steps are done
+        self._spare_landing: list[torch.Tensor] | None = None  # DPU: the next backward lands here
+        self._staging: list[torch.Tensor] | None = None  # DPU: device copies of the updated shards
+        self._worker: ThreadPoolExecutor | None = None
+        self._in_flight: Future[Ticket] | None = None  # DPU: the update started by the last step
         # Gradients can stream during backward only when nothing is left to reduce (one rank) and a copy
         # does not block the autograd thread (pinned memory on CUDA; on CPU every copy is synchronous).
         self._stream = comm.world_size == 1 and (not self.copies.is_async or self.memory.pin)
@@ -162,39 +180,108 @@ class HostMasters:
             self._prepare_landing()
         self._land_all()
         result, coef = _scale_from_device_grads(pieces, math)
+        self._install_in_flight()  # DPU: the update the last step started becomes the working weights
         if not result.overflow:
             # device weights may still be read by kernels queued before this point
             self.copies.fence_uploads()
-            if not per_tensor and host_adam.supports(optimizer):
-                self._adam_step(optimizer, coef)
+            fast = not per_tensor and host_adam.supports(optimizer)
+            if fast and self._delay_after is not None and self._steps >= self._delay_after:
+                self._start_delayed(optimizer, coef)
+            elif fast:
+                adam = self._host_adam(optimizer)
+                adam.begin_step()
+                self._run_adam(adam, coef, self.landing, self._tickets, self._working_piece, publish=True)
             else:
                 self._generic_step(optimizer, coef, per_tensor=per_tensor)
+            self._steps += 1
         # the stage may zero its gradient buffers next: not before the downloads have read them
         self.copies.downloads_done()
         self._landed = [False] * len(self.spans)
         return result
 
-    def _adam_step(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
-        if self._adam_for is not optimizer:
+    def _host_adam(self, optimizer: torch.optim.Optimizer) -> host_adam.HostAdam:
+        if self._adam is None or self._adam_for is not optimizer:
             self._adam = host_adam.HostAdam(optimizer, [g.master for g in self.groups])
             self._adam_for = optimizer
-        adam = self._adam
-        assert adam is not None
-        adam.begin_step()
+        return self._adam
+
+    def _run_adam(
+        self,
+        adam: host_adam.HostAdam,
+        coef: float,
+        landing: list[torch.Tensor],
+        tickets: list[Ticket],
+        dst_of: Callable[[Span], torch.Tensor],
+        *,
+        publish: bool,
+    ) -> Ticket:
+        """Update every span in landing order, chunk by chunk, each chunk's upload started as soon as the
+        chunk is done; returns the last upload's ticket. Runs on the worker thread under DPU."""
         grad_scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32)
+        last: Ticket = None
         for index, span in enumerate(self.spans):
-            self.copies.host_wait(self._tickets[index])
-            landing = self.landing[span.group]
+            self.copies.host_wait(tickets[index])
             master = self.groups[span.group].master.data
-            dst = self._working_piece(span)
+            dst = dst_of(span)
             for offset, numel in plan_chunks(span.numel, self.chunk_elems):
                 at = span.shard_offset + offset
-                grad = landing.narrow(0, at, numel)
+                grad = landing[span.group].narrow(0, at, numel)
                 out = grad if self._writes_out else None
                 adam.update(span.group, at, grad, out, grad_scale)
                 source = out if out is not None else master.narrow(0, at, numel)
-                self._last_upload = self.copies.to_device(dst.narrow(0, offset, numel), source)
+                last = self.copies.to_device(dst.narrow(0, offset, numel), source)
+            if publish:
+                self._last_upload = last
+                self._publish(span)
+        return last
+
+    # -- delayed parameter update ---------------------------------------------------------------------
+    def delay_updates(self, after_steps: int) -> None:
+        """Turn on the delayed parameter update once `after_steps` steps have run (see the module
+        docstring); None turns it off (the update in flight is installed by the next step)."""
+        if after_steps < 0:
+            raise ValueError(f"delayed update: after_steps must be >= 0, got {after_steps}")
+        self._delay_after = after_steps
+        if self._staging is None:
+            dtype = self.landing[0].dtype if self.landing else torch.float32
+            self._spare_landing = [self.memory.zeros(t.numel(), t.dtype, pinned=True) for t in self.landing]
+            self._staging = [
+                torch.empty(g.layout.shard_numel, dtype=dtype, device=g.working.device) for g in self.groups
+            ]
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
+
+    def _start_delayed(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
+        adam = self._host_adam(optimizer)
+        adam.begin_step()  # here, not on the worker: the scheduler changes the lr as soon as we return
+        assert self._worker is not None and self._staging is not None and self._spare_landing is not None
+        staging = self._staging
+        landing, tickets = self.landing, list(self._tickets)
+        # the next backward lands in the other buffers while this update reads (and writes) these
+        self.landing, self._spare_landing = self._spare_landing, landing
+
+        def dst_of(span: Span) -> torch.Tensor:
+            return staging[span.group].narrow(0, span.shard_offset, span.numel)
+
+        self._in_flight = self._worker.submit(
+            self._run_adam, adam, coef, landing, tickets, dst_of, publish=False
+        )
+
+    def _install_in_flight(self) -> None:
+        """Wait for the delayed update (re-raising its error) and make it the working weights."""
+        if self._in_flight is None:
+            return
+        future, self._in_flight = self._in_flight, None
+        self.copies.device_wait(future.result())
+        assert self._staging is not None
+        for span in self.spans:
+            source = self._staging[span.group].narrow(0, span.shard_offset, span.numel)
+            self._working_piece(span).copy_(source)
             self._publish(span)
+
+    def flush(self) -> None:
+        """Finish everything in flight: the masters, the optimizer state and the working weights agree."""
+        self._install_in_flight()
+        self.write_back()
 
     def _generic_step(self, optimizer: torch.optim.Optimizer, coef: float, *, per_tensor: bool) -> None:
         for ticket in self._tickets:
@@ -230,7 +317,7 @@ class HostMasters:
 
     def _publish(self, span: Span) -> None:
         """Publish the span's bucket (all-gather it, for stages 1 and 2) once its piece is back."""
-        self.copies.device_wait(self._last_upload)
+        self.copies.device_wait(self._last_upload)  # a no-op after an install (the wait came first)
         pending = self.target.publish(self.groups[span.group], span.bucket)
         if pending is not None:
             self._published.append(pending)
@@ -248,13 +335,15 @@ class HostMasters:
             for values in optimizer.state.values():
                 state += sum(t.numel() * t.element_size() for t in values.values() if torch.is_tensor(t))
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups)
-        buffers = sum(t.numel() * t.element_size() for t in self.landing)
+        buffers = sum(t.numel() * t.element_size() for t in self.landing + (self._spare_landing or []))
         if self._fp32_grads is not None:
             buffers += sum(t.numel() * t.element_size() for t in self._fp32_grads)
         return masters + state, buffers
 
     def close(self) -> None:
-        self.write_back()
+        self.flush()
+        if self._worker is not None:
+            self._worker.shutdown()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

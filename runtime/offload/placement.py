@@ -5,6 +5,7 @@ The engine's step talks to a `MasterPlacement` and never asks where the state is
     begin_backward(boundary) / end_backward(boundary)   # around autograd (gradients may start moving)
     step(optimizer, math, per_tensor) -> GradResult     # norm, overflow, clip, optimizer update
     write_back()                                        # updated weights into the working buffers
+    flush()                                             # nothing in flight (before reading the masters)
 
 `DeviceMasters` is the plain case (the masters sit next to the gradients: fp32 master gradients, then
 `finish_grads`, then `optimizer.step()`, then the ZeRO stage writes back and all-gathers).
@@ -62,6 +63,11 @@ class MasterPlacement(Protocol):
 
     def host_bytes(self, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
         """(master + optimizer state bytes in host memory, host staging buffer bytes)."""
+        ...
+
+    def flush(self) -> None:
+        """Finish any update still in flight, so the masters, the optimizer state and the working weights
+        agree (before a checkpoint or a full state dict reads them)."""
         ...
 
     def close(self) -> None: ...
@@ -123,6 +129,9 @@ class DeviceMasters:
     def host_bytes(self, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
         return 0, 0
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -153,3 +162,23 @@ def build_master_placement(
         pin_memory=offload.pin_memory,
         target=working_target(zero, comm),
     )
+
+
+def enable_delayed_update(engine: Any, *, after_steps: int = 40) -> None:
+    """Turn on the delayed parameter update of optimizer offload for `engine` (ZeRO-Offload's DPU).
+
+    After `after_steps` ordinary steps (ZeRO-Offload used about 40, so the fast-changing first steps are
+    exact), each step starts its host update in the background and the next step installs it: every
+    gradient is then computed on weights one update older than without DPU. A step then costs about
+    max(device forward + backward, host update) instead of their sum. Needs
+    `offload_optimizer: {device: cpu}` and an Adam/AdamW optimizer (others keep stepping in place).
+    Checkpoints and `engine.full_state_dict()` flush the update in flight first.
+    """
+    placement = getattr(engine, "masters", None)
+    delay = getattr(placement, "delay_updates", None)
+    if delay is None:
+        raise ValueError(
+            "the delayed parameter update needs optimizer offload: set "
+            'zero_optimization.offload_optimizer = {"device": "cpu"} in the config'
+        )
+    delay(after_steps)

@@ -2,9 +2,10 @@
 
 `Comm` wraps a process group with the three operations ZeRO needs, on 1-D tensors:
 all_reduce (sum, in place), reduce_scatter (sum; rank r receives the r-th equal chunk) and all_gather
-(rank r's chunk lands at the r-th position). Each returns a `Pending` handle; with async_op the caller
-overlaps the collective with compute and calls `wait()` before reading the result. Outputs may alias the
-input (rank r's chunk of it): NCCL and gloo both run that in place, which saves a copy and a buffer.
+(rank r's chunk lands at the r-th position), plus broadcast (ZeRO-3's GatheredParameters). Each returns
+a `Pending` handle; with async_op the caller overlaps the collective with compute and calls `wait()`
+before reading the result. Outputs may alias the input (rank r's chunk of it): NCCL and gloo both run
+that in place, which saves a copy and a buffer.
 
 Backends without reduce_scatter (older gloo) get it emulated as an all-reduce of the input followed by a
 copy of this rank's chunk; the input buffer is then overwritten, so callers must treat a reduce_scatter
@@ -138,6 +139,17 @@ class Comm:
             return DONE
         self.counter.record("all_gather", output.numel() * output.element_size())
         work = _all_gather_flat(output, input, group=self.group, async_op=async_op)
+        return Pending(work)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool = False) -> Pending:
+        """Rank `src`'s `tensor` overwrites every other rank's, in place (`src` is a rank of this group)."""
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: source rank {src} is outside the group of {self.world_size} ranks")
+        if self.world_size == 1:
+            return DONE
+        self.counter.record("broadcast", tensor.numel() * tensor.element_size())
+        root = dist.get_global_rank(self.group, src) if self.group is not None else src
+        work = dist.broadcast(tensor, root, group=self.group, async_op=async_op)
         return Pending(work)
 
     def barrier(self) -> None:

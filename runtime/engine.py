@@ -16,6 +16,7 @@ step on this rank's shard -> scheduler -> working weights written back and all-g
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,7 @@ from runtime.monitor import TrainingMonitor
 from runtime.offload import GradMath, MasterPlacement, build_master_placement
 from runtime.precision.loss_scaler import LossScaler
 from runtime.precision.mixed import cast_floating, policy_from_config, scaler_from_config
-from runtime.zero import ZeroStage, build_zero_stage, flatten_group, shards_optimizer_state
+from runtime.zero import StageSetup, ZeroStage, build_zero_stage, shards_optimizer_state
 from runtime.zero.optimizer import (
     OptimizerSource,
     build_shard_optimizer,
@@ -69,7 +70,7 @@ class MemoryBreakdown:
 
 
 class Engine(nn.Module):
-    """Wraps a model for data-parallel training with ZeRO stage 0, 1 or 2 and mixed precision."""
+    """Wraps a model for data-parallel training with ZeRO stage 0, 1, 2 or 3 and mixed precision."""
 
     def __init__(
         self,
@@ -101,43 +102,25 @@ class Engine(nn.Module):
         self._scale_wrt_gas = True
         self.training_dataloader: Any = None  # set by runtime.initialize; its position is checkpointed
 
-        model.to(self.device)
         specs = collect_param_groups(model, optimizer, model_parameters)
         registration = {p: i for i, p in enumerate(model.parameters())}
-        names = {p: n for n, p in model.named_parameters()}
         sharded = shards_optimizer_state(zero_cfg.stage) and self.comm.world_size > 1
-        shard_world, shard_rank = (self.comm.world_size, self.comm.rank) if sharded else (1, 0)
-        self.groups = []
-        self._group_sources = [spec.source for spec in specs]
-        for index, spec in enumerate(specs):
-            # reverse registration order: buckets then fill in the order backward produces gradients
-            params = sorted(spec.params, key=lambda p: -registration.get(p, -1))
-            self.groups.append(
-                flatten_group(
-                    index,
-                    params,
-                    spec.options,
-                    world_size=shard_world,
-                    rank=shard_rank,
-                    bucket_numel=zero_cfg.reduce_bucket_size,
-                    param_dtype=self.policy.param_dtype,
-                    master_dtype=self.policy.master_dtype,
-                    device=self.device,
-                    names=[names[p] for p in params],
-                )
-            )
+        self._pre_reduce_scale = _pre_reduce_scale(config, self.comm.world_size)
+        # The stage owns the grouping (one flat group per param group, or per ZeRO-3 gather unit and param
+        # group) and moves the model to the device.
+        setup = StageSetup(
+            zero=zero_cfg,
+            param_dtype=self.policy.param_dtype,
+            master_dtype=self.policy.master_dtype,
+            reduce_dtype=self.policy.reduce_dtype,
+            device=self.device,
+            pre_reduce_scale=self._pre_reduce_scale,
+        )
+        self.zero: ZeroStage = build_zero_stage(model, specs, self.comm, setup)
+        self.groups = self.zero.groups
+        self._group_sources = [specs[group.spec_index].source for group in self.groups]
         managed = {p for g in self.groups for p in g.params}
         _cast_unmanaged(model, managed, self.policy.param_dtype)
-        self._pre_reduce_scale = _pre_reduce_scale(config, self.comm.world_size)
-        self.zero: ZeroStage = build_zero_stage(
-            zero_cfg.stage,
-            self.groups,
-            self.comm,
-            registration=registration,
-            overlap_comm=zero_cfg.overlap_comm,
-            pre_reduce_scale=self._pre_reduce_scale,
-            reduce_dtype=self.policy.reduce_dtype,
-        )
         # where the masters live (device, or host under offload_optimizer); before the optimizer is built
         self.masters: MasterPlacement = build_master_placement(
             config, self.groups, self.zero, self.comm, self.device, registration=registration
@@ -256,8 +239,7 @@ class Engine(nn.Module):
             want_norm=self._log.wants_norm(self.global_steps + 1) or self.monitor.wants_norm,
             all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
         )
-        with self._timers("optimizer_step"):  # norm, clip, the optimizer (on the host under offload)
-            result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
+        result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
         self._grad_norm = result.norm
         if result.overflow:
             self.skipped_steps += 1
@@ -266,8 +248,7 @@ class Engine(nn.Module):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
             self._sync_hyperparameters(self.lr_scheduler)
-        with self._timers("write_back"):  # updated weights back to the model (offload: copies; all-gathers)
-            self.masters.write_back()
+        self.masters.write_back()
         self._update_scaler(overflow=False)
         return True
 
@@ -334,8 +315,7 @@ class Engine(nn.Module):
                 )
         host_bytes, host_buffer_bytes = self.masters.host_bytes(self.optimizer)
         return MemoryBreakdown(
-            param_bytes=sum(g.working.numel() * g.working.element_size() for g in self.groups)
-            + sum(unmanaged.values()),
+            param_bytes=self.zero.param_bytes() + sum(unmanaged.values()),
             grad_bytes=self.zero.grad_bytes(),
             master_bytes=sum(
                 g.master.numel() * g.master.element_size() for g in self.groups if not g.master_is_alias
@@ -352,16 +332,27 @@ class Engine(nn.Module):
         from runtime.zero.gather import gather_master_params
 
         self.masters.flush()  # an update still in flight (offload's delayed update) lands first
-        masters = gather_master_params(self.groups, self.comm)
-        if rank0_only and self.comm.rank != 0:
+        keep = not rank0_only or self.comm.rank == 0
+        masters = gather_master_params(self.groups, self.comm, keep=keep)  # one group whole at a time
+        if not keep:
             return {}
         by_param = {p: t for g in self.groups for p, t in zip(g.params, masters[g.index], strict=True)}
         out: dict[str, torch.Tensor] = {}
         names = dict(self.module.named_parameters(remove_duplicate=False))
-        for key, value in self.module.state_dict().items():
+        for key, value in self.module.state_dict(keep_vars=True).items():
             param = names.get(key)
             out[key] = by_param[param] if param in by_param else value.detach().clone()
         return out
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Save the working-dtype (bf16/fp16/fp32) weights as one plain state dict file, written by rank 0;
+        every rank must call it. ZeRO stage 3 gathers the shards unit by unit and needs
+        zero_optimization.stage3_gather_16bit_weights_on_model_save (else it raises rather than write a
+        file with empty tensors). Returns True on the rank that wrote the file."""
+        from runtime.zero.gathered import save_16bit_state_dict
+
+        allow = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        return save_16bit_state_dict(self.module, os.path.join(save_dir, save_filename), allow_gather=allow)
 
     def save_checkpoint(
         self,
@@ -410,8 +401,6 @@ class Engine(nn.Module):
 
 def _refuse_unsupported(config: Any) -> None:
     zero = config.zero_optimization
-    if zero.stage == 3:
-        raise NotImplementedError("zero_optimization.stage 3 is not available yet; use stage 0, 1 or 2")
     if zero.offload_param.device != "none":
         raise NotImplementedError(
             f"zero_optimization.offload_param.device={zero.offload_param.device!r} needs ZeRO stage 3, "

@@ -7,32 +7,42 @@ The engine talks to a `ZeroStage` and never branches on the stage number itself:
     write_back()         # updated master shards -> working weights (all-gathered for stages 1 and 2)
     zero_grad()
 
-`build_zero_stage` picks the strategy: stage 0 and 1 keep full gradients (`ReplicatedGradStage`), stage 2
-keeps a gradient shard (`ShardedGradStage`); with one rank every stage is the replicated one, since a
-shard is the whole buffer. Stage 3 (parameters sharded per module group) will be another strategy over
-the same `partition` math and `Comm`.
+`build_zero_stage` owns the grouping as well as the strategy, since stage 3 groups by module: stages 0-2
+flatten one buffer per optimizer param group; stage 0 and 1 keep full gradients (`ReplicatedGradStage`),
+stage 2 keeps a gradient shard (`ShardedGradStage`), stage 3 shards parameters per gather unit
+(`ParamShardedStage`, runtime.zero.stage3). With one rank every stage is the replicated one, since a
+shard is the whole buffer. `Init` and `GatheredParameters` are ZeRO-3's user-facing context managers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from runtime.comm import Comm
 from runtime.zero.flat import FlatGroup, flatten_group
+from runtime.zero.gathered import GatheredParameters
+from runtime.zero.init import Init
+from runtime.zero.optimizer import GroupSpec
 from runtime.zero.partition import FlatLayout, plan_flat_layout
 from runtime.zero.replicated import GradientViewsReplaced, ReplicatedGradStage
 from runtime.zero.sharded import ShardedGradStage
+from runtime.zero.stage3_param import ParamNotGathered
 
 __all__ = [
     "FlatGroup",
     "FlatLayout",
+    "GatheredParameters",
     "GradientViewsReplaced",
+    "Init",
+    "ParamNotGathered",
     "ReplicatedGradStage",
     "ShardedGradStage",
+    "StageSetup",
     "ZeroStage",
     "build_zero_stage",
     "flatten_group",
@@ -60,6 +70,8 @@ class ZeroStage(Protocol):
 
     def zero_grad(self) -> None: ...
 
+    def param_bytes(self) -> int: ...
+
     def grad_bytes(self) -> int: ...
 
     def buffer_bytes(self) -> int: ...
@@ -72,7 +84,89 @@ def shards_optimizer_state(stage: int) -> bool:
     return stage >= 1
 
 
+@dataclass(frozen=True)
+class StageSetup:
+    """What a stage needs, besides the model and its param groups, to group and shard parameters."""
+
+    zero: Any  # runtime.config_zero.ZeroConfig
+    param_dtype: torch.dtype
+    master_dtype: torch.dtype
+    reduce_dtype: torch.dtype | None
+    device: torch.device
+    pre_reduce_scale: float = 1.0
+
+
 def build_zero_stage(
+    model: nn.Module, specs: Sequence[GroupSpec], comm: Comm, setup: StageSetup
+) -> ZeroStage:
+    """Group and flatten the trainable parameters of `model` the way its stage wants, and build the
+    stage's strategy over them; `stage.groups` are the flat groups the optimizer then steps (one
+    optimizer param group each; `group.spec_index` says which of `specs` it came from)."""
+    from runtime.zero import init as zero_init
+    from runtime.zero.gathered import ResidentGroups
+
+    stage = setup.zero.stage
+    if stage not in (0, 1, 2, 3):
+        raise NotImplementedError(f"zero_optimization.stage {stage} does not exist; use 0, 1, 2 or 3")
+    registration = {p: i for i, p in enumerate(model.parameters())}
+    if stage == 3:
+        from runtime.zero.stage3 import build_stage3, resident_unit_groups, stage3_options
+
+        options = stage3_options(setup)
+        if comm.world_size > 1:
+            return build_stage3(model, specs, comm, options)
+        groups = resident_unit_groups(model, specs, comm, options)
+    else:
+        zero_init.materialize_params(model.parameters())  # built under zero.Init: make them whole again
+        model.to(setup.device)
+        groups = _flatten_specs(model, specs, comm, setup, registration)
+    strategy = _build_strategy(
+        stage,
+        groups,
+        comm,
+        registration=registration,
+        overlap_comm=setup.zero.overlap_comm,
+        pre_reduce_scale=setup.pre_reduce_scale,
+        reduce_dtype=setup.reduce_dtype,
+    )
+    # GatheredParameters(modifier_rank=...) on these always-whole parameters must still reach the masters
+    strategy.resident = ResidentGroups(groups, comm)
+    return strategy
+
+
+def _flatten_specs(
+    model: nn.Module,
+    specs: Sequence[GroupSpec],
+    comm: Comm,
+    setup: StageSetup,
+    registration: dict[nn.Parameter, int],
+) -> list[FlatGroup]:
+    """Stages 0-2: one flat group per param group, sharded for stages 1 and 2."""
+    names = {p: n for n, p in model.named_parameters()}
+    sharded = shards_optimizer_state(setup.zero.stage) and comm.world_size > 1
+    shard_world, shard_rank = (comm.world_size, comm.rank) if sharded else (1, 0)
+    groups = []
+    for index, spec in enumerate(specs):
+        # reverse registration order: buckets then fill in the order backward produces gradients
+        params = sorted(spec.params, key=lambda p: -registration.get(p, -1))
+        groups.append(
+            flatten_group(
+                index,
+                params,
+                spec.options,
+                world_size=shard_world,
+                rank=shard_rank,
+                bucket_numel=setup.zero.reduce_bucket_size,
+                param_dtype=setup.param_dtype,
+                master_dtype=setup.master_dtype,
+                device=setup.device,
+                names=[names[p] for p in params],
+            )
+        )
+    return groups
+
+
+def _build_strategy(
     stage: int,
     groups: Sequence[FlatGroup],
     comm: Comm,
@@ -82,11 +176,7 @@ def build_zero_stage(
     pre_reduce_scale: float = 1.0,
     reduce_dtype: torch.dtype | None = None,
 ) -> ZeroStage:
-    """The strategy for `stage` (0, 1 or 2) over already flattened groups."""
-    if stage not in (0, 1, 2):
-        raise NotImplementedError(
-            f"zero_optimization.stage {stage} is not implemented yet; stages 0, 1 and 2 are available"
-        )
+    """The strategy for `stage` over already flattened groups (stage 3 only with one rank)."""
     kwargs = {
         "registration": registration,
         "overlap_comm": overlap_comm,

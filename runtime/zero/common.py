@@ -58,6 +58,7 @@ class HookedStage:
         self.tracker = BucketTracker(self.groups, bucket_order(self.groups, registration), self._launch)
         self._in_flight: list[InFlight] = []
         self._hooks: list[RemovableHandle] = []
+        self.resident: object | None = None  # runtime.zero.gathered.ResidentGroups, set by the builder
 
     # -- subclass interface -------------------------------------------------------------------------
     def _launch(self, group: FlatGroup, bucket: int) -> None:
@@ -99,6 +100,10 @@ class HookedStage:
 
     def write_back(self) -> None:
         raise NotImplementedError
+
+    def param_bytes(self) -> int:
+        """Working weights held by this rank (the full flat buffers)."""
+        return sum(g.working.numel() * g.working.element_size() for g in self.groups)
 
 
 def gather_working(groups: Sequence[FlatGroup], comm: Comm) -> None:

@@ -33,8 +33,13 @@ class FlatGroup:
     rank: int  # the rank whose shard `master` holds (0 when not sharded)
     working: torch.Tensor  # 1-D, param_dtype, layout.numel elements
     master: nn.Parameter  # 1-D, master dtype, layout.shard_numel elements; what the optimizer steps
-    master_is_alias: bool = False  # master shares memory with `working`
+    master_is_alias: bool = False  # master shares memory with `working` (stage 3: with its shard)
     param_names: list[str] = field(default_factory=list)
+    spec_index: int = -1  # the param group (GroupSpec) it came from; -1: the same as `index`
+
+    def __post_init__(self) -> None:
+        if self.spec_index < 0:
+            self.spec_index = self.index
 
     def piece(self, buffer: torch.Tensor, bucket: Bucket) -> torch.Tensor:
         """This rank's piece of `bucket` in a flat buffer laid out like `working`."""

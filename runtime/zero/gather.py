@@ -2,7 +2,7 @@
 
 Every rank all-gathers each group's master shard; the shards are then put back into flat-buffer order
 bucket by bucket (rank r's piece of bucket b sits at `b.shard_offset` inside shard r) and cut into
-parameters. Costs one all-gather per group and a full fp32 copy of the model on every rank.
+parameters. Costs one all-gather per group; ranks that do not keep the result hold one group at a time.
 """
 
 from __future__ import annotations
@@ -32,11 +32,18 @@ def gather_flat_master(group: FlatGroup, comm: Comm) -> torch.Tensor:
     return flat
 
 
-def gather_master_params(groups: Sequence[FlatGroup], comm: Comm) -> list[list[torch.Tensor]]:
-    """Per group, one full master tensor per parameter (shaped like the parameter), on every rank."""
-    out = []
+def gather_master_params(
+    groups: Sequence[FlatGroup], comm: Comm, *, keep: bool = True
+) -> list[list[torch.Tensor]]:
+    """Per group, one full master tensor per parameter (shaped like the parameter). Every rank takes part;
+    with keep=False this rank drops each group right after its gather and gets empty lists, so it never
+    holds more than one whole group (ZeRO-3 saves on rank 0 without a full model on the others)."""
+    out: list[list[torch.Tensor]] = []
     for group in groups:
         flat = gather_flat_master(group, comm)
+        if not keep:
+            out.append([])
+            continue
         out.append(
             [
                 flat.narrow(0, slot.offset, slot.numel).view(param.shape)

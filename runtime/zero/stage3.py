@@ -1,0 +1,340 @@
+"""ZeRO stage 3: parameters, gradients and optimizer state all sharded; weights gathered per unit.
+
+`build_stage3` owns the grouping: it plans gather units over the model (stage3_plan), shards each unit's
+parameters per optimizer param group into flat segments (stage3_unit), and returns the strategy the
+engine drives through the `ZeroStage` protocol:
+
+    forward   module hooks gather a unit before its module runs and release it after (stage3_hooks)
+    backward  hooks gather again; when a unit's last gradient is accumulated, its gradients are
+              reduce-scattered into this rank's gradient shard and the unit is released
+    step      the engine steps the fp32 master shards; `write_back` copies them into the working
+              shards (no all-gather: the next forward gathers)
+
+Per step each rank moves the parameters twice (forward and backward all-gathers) and the gradients once
+(reduce-scatter): 1.5x the volume of stages 1 and 2 (ZeRO paper, section 7).
+
+With one rank nothing is sharded: units become plain flat groups under the replicated strategy (the
+gather of a 1-rank unit is the buffer itself), so stage 3 costs what stage 0 costs there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from runtime.comm import Comm, Pending
+from runtime.zero import stage3_param
+from runtime.zero.common import InFlight
+from runtime.zero.flat import FlatGroup, flatten_group
+from runtime.zero.optimizer import GroupSpec
+from runtime.zero.stage3_hooks import GatherPolicy, GatherScheduler
+from runtime.zero.stage3_plan import UnitPlan, plan_units
+from runtime.zero.stage3_unit import GatherStats, Segment, ShardedUnit, UnitState, build_segment
+
+_log = logging.getLogger("runtime.zero.stage3")
+
+
+@dataclass(frozen=True)
+class Stage3Options:
+    """What stage 3 needs from the config and the precision policy."""
+
+    param_dtype: torch.dtype
+    master_dtype: torch.dtype
+    reduce_dtype: torch.dtype | None
+    device: torch.device
+    persistence_threshold: int
+    policy: GatherPolicy
+    overlap_comm: bool = True
+    pre_reduce_scale: float = 1.0
+    max_in_flight: int = 2  # reduce-scatters waiting on the network at once
+
+
+class ParamShardedStage:
+    """Stage 3 with more than one rank."""
+
+    stage = 3
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: Sequence[ShardedUnit],
+        comm: Comm,
+        options: Stage3Options,
+        names: dict[nn.Parameter, str],
+    ) -> None:
+        self.comm = comm
+        self.options = options
+        self.units = list(units)
+        self.groups: list[FlatGroup] = [s.group for u in self.units for s in u.segments]
+        self.stats = self.units[0].stats if self.units else GatherStats()
+        self.schedule = GatherScheduler(model, self.units, options.policy, names, self.stats)
+        self._where: dict[nn.Parameter, tuple[ShardedUnit, Segment, int]] = {}
+        for unit in self.units:
+            for segment in unit.segments:
+                for i, param in enumerate(segment.group.params):
+                    self._where[param] = (unit, segment, i)
+        self._staging: dict[int, torch.Tensor] = {}  # id(segment) -> full-size gradient buffer
+        self._left: dict[int, int] = {}  # unit index -> gradients still to come in this backward
+        self._reduced: set[int] = set()  # units reduce-scattered in this backward
+        self._in_flight: list[InFlight] = []
+        self._has_grads = False
+        self._hooks: list[RemovableHandle] = [
+            param.register_post_accumulate_grad_hook(self._on_grad) for param in self._where
+        ]
+
+    @property
+    def grads_are_sharded(self) -> bool:
+        return True
+
+    # -- backward ---------------------------------------------------------------------------------
+    def begin_backward(self, *, boundary: bool) -> None:
+        self._left = {u.index: len(u.params) for u in self.units}
+        self._reduced = set()
+        self.schedule.begin_backward()
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        unit, segment, i = self._where[param]
+        if unit.index not in self._left:  # backward without engine.backward(): start counting now
+            self._left[unit.index] = len(unit.params)
+        if unit.index in self._reduced:
+            raise RuntimeError(
+                f"{self.schedule.param_name(param)} finished its gradient after its unit was already "
+                "reduced in this backward pass; the engine reduces each gradient once per backward "
+                "(reentrant activation checkpointing does this: use torch.utils.checkpoint with "
+                "use_reentrant=False)"
+            )
+        slot = segment.group.layout.slots[i]
+        grad = param.grad
+        if grad is not None:
+            self._staging_buffer(segment).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+            param.grad = None
+        self._left[unit.index] -= 1
+        if self._left[unit.index] == 0:
+            self._reduce(unit)
+
+    def _staging_buffer(self, segment: Segment) -> torch.Tensor:
+        buffer = self._staging.get(id(segment))
+        if buffer is None:
+            dtype = self.options.reduce_dtype or segment.shard.dtype
+            # zeros: padding and parameters without a gradient this pass contribute nothing
+            buffer = torch.zeros(segment.numel, dtype=dtype, device=segment.shard.device)
+            self._staging[id(segment)] = buffer
+        return buffer
+
+    def _reduce(self, unit: ShardedUnit) -> None:
+        """Reduce-scatter the unit's gradients into the shards, then release its weights."""
+        self._reduced.add(unit.index)
+        rank = self.comm.rank
+        for segment in unit.segments:
+            buffer = self._staging_buffer(segment)
+            del self._staging[id(segment)]
+            if self.options.pre_reduce_scale != 1.0:
+                buffer.mul_(self.options.pre_reduce_scale)
+            piece = segment.group.layout.shard_numel
+            chunk = buffer.narrow(0, rank * piece, piece)
+            mine = segment.grad_shard
+            pending = self.comm.reduce_scatter(chunk, buffer, async_op=True)
+            after = functools.partial(mine.add_ if self._has_grads else mine.copy_, chunk)
+            while len(self._in_flight) >= self.options.max_in_flight:
+                self._in_flight.pop(0).finish()
+            self._in_flight.append(InFlight(pending, buffer, after))
+            if not self.options.overlap_comm:
+                self._finish_all()
+        self.schedule.release_after_backward(unit)
+
+    def _finish_all(self) -> None:
+        records, self._in_flight = self._in_flight, []
+        for record in records:
+            record.finish()
+
+    def end_backward(self, *, boundary: bool) -> None:
+        # Units whose gradients did not all arrive (parameters unused in this pass) are reduced now, in
+        # unit order on every rank; units that got no gradient at all need no collective.
+        for unit in self.units:
+            left = self._left.get(unit.index)
+            if left is None or unit.index in self._reduced:
+                continue
+            if left < len(unit.params) or unit.state is not UnitState.SHARDED:
+                self._reduce(unit)
+            elif not self._has_grads:
+                for segment in unit.segments:
+                    segment.grad_shard.zero_()
+        self._finish_all()
+        self.schedule.end_backward()
+        self._has_grads = True
+        self._left = {}
+
+    # -- step -------------------------------------------------------------------------------------
+    def grad_pieces(self) -> list[list[torch.Tensor]]:
+        if not self._has_grads:
+            for unit in self.units:
+                for segment in unit.segments:
+                    segment.grad_shard.zero_()
+        return [[s.grad_shard] for u in self.units for s in u.segments]
+
+    def write_back(self) -> None:
+        launched: list[Pending] = []
+        for unit in self.units:
+            launched += unit.write_back()
+        for pending in launched:
+            pending.wait()
+
+    def zero_grad(self) -> None:
+        self._has_grads = False  # the next backward overwrites the shards instead of adding
+
+    # -- accounting -------------------------------------------------------------------------------
+    def param_bytes(self) -> int:
+        """Working weights held now: the shards plus the gathered buffers (storage sizes)."""
+        return sum(u.shard_bytes() + u.working_bytes() for u in self.units)
+
+    def grad_bytes(self) -> int:
+        return sum(s.grad_shard.numel() * s.grad_shard.element_size() for u in self.units for s in u.segments)
+
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._staging.values())
+
+    def unit_of(self, param: nn.Parameter) -> ShardedUnit | None:
+        return self.schedule.unit_of(param)
+
+    def close(self) -> None:
+        """Remove the hooks and give the model back as a plain module with full parameters."""
+        self._finish_all()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.schedule.close()
+        for unit in self.units:
+            unit.finish_gather()
+            for segment in unit.segments:
+                for param, view in zip(segment.group.params, segment.views, strict=True):
+                    stage3_param.materialize(param, view)
+
+
+def stage3_options(setup: Any) -> Stage3Options:
+    """Stage 3's settings from a runtime.zero.StageSetup (the config's zero_optimization section)."""
+    zero = setup.zero
+    return Stage3Options(
+        param_dtype=setup.param_dtype,
+        master_dtype=setup.master_dtype,
+        reduce_dtype=setup.reduce_dtype,
+        device=setup.device,
+        persistence_threshold=zero.stage3_param_persistence_threshold,
+        policy=GatherPolicy(
+            prefetch_numel=zero.stage3_prefetch_bucket_size,
+            max_live_numel=zero.stage3_max_live_parameters,
+            max_reuse_distance=zero.stage3_max_reuse_distance,
+        ),
+        overlap_comm=zero.overlap_comm,
+        pre_reduce_scale=setup.pre_reduce_scale,
+    )
+
+
+def build_stage3(
+    model: nn.Module, specs: Sequence[GroupSpec], comm: Comm, options: Stage3Options
+) -> ParamShardedStage:
+    """Plan units over `model`, shard its trainable parameters unit by unit (at most one unit is whole at
+    a time, also for a model built under zero.Init), and build the strategy."""
+    from runtime.zero import init as zero_init
+
+    names, plans, segments = _plan(model, specs, comm, options)
+    stats = GatherStats()
+    units: list[ShardedUnit] = []
+    index = 0
+    for plan in plans:
+        built = []
+        for spec_index, params in segments[plan.index]:
+            values = [zero_init.full_value(p, options.device) for p in params]
+            built.append(
+                build_segment(
+                    index,
+                    spec_index,
+                    params,
+                    values,
+                    specs[spec_index].options,
+                    names=[names[p] for p in params],
+                    comm=comm,
+                    param_dtype=options.param_dtype,
+                    master_dtype=options.master_dtype,
+                    device=options.device,
+                )
+            )
+            del values
+            index += 1
+            for param in params:
+                zero_init.forget(param)
+                stage3_param.release(param, dtype=options.param_dtype, device=options.device)
+        unit = ShardedUnit(plan, built, comm, stats)
+        if unit.persistent:
+            unit.finish_gather()
+        units.append(unit)
+    return ParamShardedStage(model, units, comm, options, names)
+
+
+def resident_unit_groups(
+    model: nn.Module, specs: Sequence[GroupSpec], comm: Comm, options: Stage3Options
+) -> list[FlatGroup]:
+    """One rank: the same units as plain flat groups (the shard is the whole buffer, nothing to gather)."""
+    names, plans, segments = _plan(model, specs, comm, options)
+    groups: list[FlatGroup] = []
+    for plan in plans:
+        for spec_index, params in segments[plan.index]:
+            with torch.no_grad():
+                for param in params:
+                    if param.device != options.device:
+                        param.data = param.data.to(options.device)
+            group = flatten_group(
+                len(groups),
+                params,
+                specs[spec_index].options,
+                world_size=1,
+                rank=0,
+                bucket_numel=sys.maxsize,
+                param_dtype=options.param_dtype,
+                master_dtype=options.master_dtype,
+                device=options.device,
+                names=[names[p] for p in params],
+            )
+            group.spec_index = spec_index
+            groups.append(group)
+    return groups
+
+
+def _plan(
+    model: nn.Module, specs: Sequence[GroupSpec], comm: Comm, options: Stage3Options
+) -> tuple[dict[nn.Parameter, str], list[UnitPlan], dict[int, list[tuple[int, list[nn.Parameter]]]]]:
+    """Names, unit plans, and per unit its (param group, parameters) segments; resident state placed."""
+    from runtime.zero import init as zero_init
+
+    spec_of = {p: i for i, spec in enumerate(specs) for p in spec.params}
+    names = {p: n for n, p in model.named_parameters()}
+    plans = plan_units(model, list(spec_of), threshold=options.persistence_threshold)
+    frozen = [p for p in model.parameters() if p not in spec_of]
+    zero_init.materialize_params(frozen)  # frozen parameters are not sharded: whole on every rank
+    if comm.world_size == 1:
+        zero_init.materialize_params(model.parameters())
+    with torch.no_grad():
+        for param in frozen:
+            if param.device != options.device:
+                param.data = param.data.to(options.device)
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.device != options.device:
+                    module._buffers[key] = buf.to(options.device)
+    by_name = dict(model.named_parameters())
+    segments: dict[int, list[tuple[int, list[nn.Parameter]]]] = {}
+    for plan in plans:
+        by_spec: dict[int, list[nn.Parameter]] = {}
+        for name in plan.params:
+            param = by_name[name]
+            by_spec.setdefault(spec_of[param], []).append(param)
+        segments[plan.index] = [(i, by_spec[i]) for i in sorted(by_spec)]
+        _log.debug(plan.describe())
+    return names, plans, segments

@@ -1,0 +1,190 @@
+"""What a ZeRO-3 parameter looks like while its values live only as shards across ranks.
+
+A *released* parameter keeps its Python object, shape, dtype, device and requires_grad, but holds no
+memory: its data is a stride-0 view of one shared NaN element, and its class is switched to
+`ShardedParameter` (a subclass of `nn.Parameter`). The class does two things:
+
+- metadata (shape, numel, dtype, device, requires_grad, grad, hooks, ...) keeps working, so code that only
+  counts or inspects parameters is unaffected;
+- any computation on it asks the parameter's *owner* (the engine's gather unit, or `zero.Init`) whether it
+  can be gathered right here (inside a module forward driven by the engine, or inside zero.Init); if not,
+  it raises `ParamNotGathered` with the parameter's name and what to do, instead of computing on empty
+  data (DeepSpeed users get silently empty saved weights and shape-[0] surprises there).
+
+Gathering switches the class back and points the data at the real values. Owners are kept in a
+weak-identity dictionary (parameter -> owner), not as attributes stuck on the tensor. If code somehow
+reads a released parameter's data without going through torch functions, it reads NaN, never freed memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+class ParamNotGathered(RuntimeError):
+    """A ZeRO-3 sharded parameter was used where its values are not available."""
+
+
+class ParamOwner(Protocol):
+    """Whoever holds a released parameter's shards."""
+
+    def param_name(self, param: nn.Parameter) -> str: ...
+
+    def touch(self, param: nn.Parameter) -> contextlib.AbstractContextManager[None] | None:
+        """A context in which `param` is gathered for one operation, or None when that is not possible
+        here (the caller then raises ParamNotGathered)."""
+        ...
+
+
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> weakref to its ParamOwner
+_CLASSES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Parameter -> its class while gathered
+_SENTINELS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+# Tensor attributes and methods that read metadata only; everything else needs the values.
+_METADATA = frozenset(
+    {
+        "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "layout",
+        "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mps", "is_xpu", "names",
+        "output_nr", "_version", "_base", "itemsize", "nbytes", "_backward_hooks",
+        "_post_accumulate_grad_hooks", "__dict__", "__class__",
+        "size", "dim", "numel", "nelement", "ndimension", "element_size", "is_floating_point",
+        "is_complex", "get_device", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+        "_is_view", "data_ptr", "untyped_storage", "storage_offset", "stride", "is_contiguous",
+        "__hash__", "__len__", "__format__", "_typed_storage", "is_shared", "is_pinned",
+    }
+)  # fmt: skip
+_METADATA_SETTERS = frozenset({"requires_grad", "grad", "_backward_hooks", "_post_accumulate_grad_hooks"})
+
+
+def _func_name(func: Callable[..., Any]) -> tuple[str, bool]:
+    """(name, is_setter) of a torch function; property accessors report the property's name."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__", "__delete__"):
+        owner = getattr(func, "__self__", None)
+        return getattr(owner, "__name__", name), name != "__get__"
+    return name, False
+
+
+class ShardedParameter(nn.Parameter):
+    """The class of a parameter whose values are sharded across ranks and not gathered here."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        name, is_setter = _func_name(func)
+        if (name in _METADATA and not is_setter) or (is_setter and name in _METADATA_SETTERS):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        released = [a for a in tree_flatten((args, kwargs))[0] if type(a) is ShardedParameter]
+        with contextlib.ExitStack() as stack:
+            for param in released:
+                if type(param) is not ShardedParameter:  # gathered by an earlier one (same unit)
+                    continue
+                owner = owner_of(param)
+                context = owner.touch(param) if owner is not None else None
+                if context is None:
+                    raise ParamNotGathered(not_gathered_message(param, f"torch operation {name!r}"))
+                stack.enter_context(context)
+            return func(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedParameter({describe(self)}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            "not gathered: values are sharded across ranks by ZeRO stage 3)"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        owner = owner_of(self)
+        context = owner.touch(self) if owner is not None else None
+        if context is None:
+            raise ParamNotGathered(not_gathered_message(self, "copy.deepcopy"))
+        with context:
+            return _gathered_class(self).__deepcopy__(self, memo)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise ParamNotGathered(not_gathered_message(self, "pickling/torch.save"))
+
+
+def describe(param: nn.Parameter) -> str:
+    owner = owner_of(param)
+    return f"parameter {owner.param_name(param)!r}" if owner is not None else "a parameter"
+
+
+def not_gathered_message(param: nn.Parameter, action: str) -> str:
+    return (
+        f"{describe(param)} (shape {tuple(param.shape)}) is sharded across ranks by ZeRO stage 3 and is not "
+        f"gathered here, so {action} cannot read its values. Modules gather their own parameters when "
+        "called; to read or change parameters outside a forward use `with "
+        "runtime.zero.GatheredParameters(params, modifier_rank=...)` (all ranks), and to save the model "
+        "use engine.full_state_dict() or engine.save_16bit_model() (all ranks)"
+    )
+
+
+def _gathered_class(param: nn.Parameter) -> type:
+    return _CLASSES.get(param, nn.Parameter)
+
+
+def sentinel(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `shape` that holds no memory of its own: every element is one shared NaN (or 0)."""
+    key = (dtype, device)
+    base = _SENTINELS.get(key)
+    if base is None:
+        fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+        base = torch.full((1,), fill, dtype=dtype, device=device)
+        _SENTINELS[key] = base
+    return base.expand(shape) if len(shape) else base.view(())
+
+
+def register(param: nn.Parameter, owner: ParamOwner) -> None:
+    """Make `owner` responsible for gathering `param` when it is touched while released. The registry
+    holds the owner weakly: owners keep their parameters alive, so a strong reference would keep every
+    model ever wrapped alive."""
+    _OWNERS[param] = weakref.ref(owner)
+
+
+def unregister(param: nn.Parameter) -> None:
+    _OWNERS.pop(param, None)
+
+
+def owner_of(param: torch.Tensor) -> ParamOwner | None:
+    ref = _OWNERS.get(param)
+    return ref() if ref is not None else None
+
+
+def is_released(param: torch.Tensor) -> bool:
+    return type(param) is ShardedParameter
+
+
+def release(
+    param: nn.Parameter, *, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> None:
+    """Drop `param`'s values (they live on as shards elsewhere): NaN view, ShardedParameter class.
+    `dtype`/`device` are what the parameter reports from now on (default: unchanged)."""
+    if type(param) is ShardedParameter:
+        return
+    if type(param) is not nn.Parameter:
+        _CLASSES[param] = type(param)
+    param.data = sentinel(param.shape, dtype or param.dtype, device or param.device)
+    param.__class__ = ShardedParameter
+
+
+def materialize(param: nn.Parameter, data: torch.Tensor) -> None:
+    """Point `param` at real values (`data` has its shape) and give it its normal class back."""
+    if type(param) is ShardedParameter:
+        param.__class__ = _gathered_class(param)
+    param.data = data
+
+
+@contextlib.contextmanager
+def guard_disabled() -> Iterator[None]:
+    """Let our own code read released parameters' metadata through any torch function."""
+    with torch._C.DisableTorchFunctionSubclass():
+        yield

@@ -1,0 +1,322 @@
+"""ZeRO stage 3 equals plain PyTorch, and its sharded parameters behave as documented.
+
+One spawn per world size (1, 2, 3). Each trains `ZeroNet` (tied embedding/head, a module called twice, the
+embedding's weight used outside its module, uneven sizes; tests/zero3_models.py) under stage 3 for
+fp32/bf16/fp16 x accumulation 1/2 with prefetching on and a small live-parameter limit, and compares
+every micro-step's loss, the gradient norms and the fp32 master weights (engine.full_state_dict) with a
+single-process reference fed the same global batches (the same checks and tolerances as the stage 0-2
+parity test). The same spawn then checks, on the trained engine:
+
+- evaluation under torch.no_grad gives the reference model's outputs;
+- full_state_dict loads into a plain ZeroNet that gives the engine's loss;
+- GatheredParameters reads the full values, and with modifier_rank writes a change from one rank into
+  every rank's shard and fp32 master (and leaves other masters bit-identical);
+- touching a released parameter outside a forward, module.state_dict() and torch.save raise
+  ParamNotGathered naming the parameter; save_16bit_model refuses without
+  stage3_gather_16bit_weights_on_model_save and, with it, writes the gathered bf16 weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist import run_distributed
+from tests.models import RefResult, build_optimizer, global_batch, loss_fn, param_groups, rank_batch
+from tests.zero3_models import make_zero_net
+
+STEPS = 6
+ROWS = 12
+LR = {"AdamW": 3e-3, "SGD": 0.05}
+CLIP = 0.5
+FP16_SCALE_POWER = 8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    accumulation: int
+    clip: float
+
+    @property
+    def optimizer(self) -> str:
+        return "AdamW" if self.clip > 0 else "SGD"
+
+    def config(self) -> dict:
+        cfg: dict = {
+            "train_batch_size": ROWS * self.accumulation,
+            "gradient_accumulation_steps": self.accumulation,
+            "steps_per_print": 0,
+            "gradient_clipping": self.clip,
+            "optimizer": {"type": self.optimizer, "params": {"lr": LR[self.optimizer]}},
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_param_persistence_threshold": 50,  # `norm` (48 elements) stays gathered
+                "stage3_prefetch_bucket_size": 1000,  # prefetch about one block ahead
+                "stage3_max_live_parameters": 3000,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            },
+        }
+        if self.optimizer == "SGD":
+            cfg["optimizer"]["params"]["momentum"] = 0.9
+        if self.dtype == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        if self.dtype == "fp16":
+            cfg["fp16"] = {"enabled": True, "auto_cast": True, "initial_scale_power": FP16_SCALE_POWER}
+        return cfg
+
+
+CASES = [
+    Case("fp32", 1, CLIP),
+    Case("fp32", 2, 0.0),
+    Case("bf16", 1, 0.0),
+    Case("bf16", 2, CLIP),
+    Case("fp16", 2, 0.0),
+]
+
+
+def reference_train(case: Case) -> tuple[RefResult, torch.nn.Module]:
+    """tests/models.reference_train for ZeroNet: one process, the whole global batch, fp32 masters and a
+    working copy in the run's dtype."""
+    param_dtype = DTYPES[case.dtype]
+    loss_scale = 2.0**FP16_SCALE_POWER if case.dtype == "fp16" else 1.0
+    master = make_zero_net(0)
+    result = RefResult(initial={n: p.detach().clone() for n, p in master.named_parameters()})
+    working = copy.deepcopy(master).to(param_dtype)
+    opt = build_optimizer(case.optimizer, param_groups(master), LR[case.optimizer])
+    pairs = list(zip(master.parameters(), working.parameters(), strict=True))
+    for step in range(STEPS):
+        for micro in range(case.accumulation):
+            x, y = global_batch(step, micro, ROWS)
+            loss = loss_fn(working(x.to(param_dtype)), y)
+            (loss * loss_scale).backward()
+            result.losses.append(loss.item())
+        with torch.no_grad():
+            for pm, pw in pairs:
+                pm.grad = pw.grad.float() / (case.accumulation * loss_scale)
+                pw.grad = None
+        norm = torch.nn.utils.clip_grad_norm_(master.parameters(), case.clip if case.clip > 0 else math.inf)
+        result.norms.append(float(norm))
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for pm, pw in pairs:
+                pw.copy_(pm)
+    result.master = {n: p.detach().clone() for n, p in master.named_parameters()}
+    return result, master
+
+
+def _train(case: Case, rank: int, world_size: int) -> tuple[Any, dict]:
+    import runtime
+
+    model = make_zero_net(0)
+    engine, _, _, _ = runtime.initialize(
+        model=model, model_parameters=param_groups(model), config=case.config()
+    )
+    losses, norms = [], []
+    for step in range(STEPS):
+        for micro in range(case.accumulation):
+            x, y = rank_batch(step, micro, ROWS, rank, world_size)
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        norms.append(engine.get_global_grad_norm())
+    mean_losses = torch.stack(losses)
+    dist.all_reduce(mean_losses)
+    mean_losses /= world_size
+    out = {
+        "losses": mean_losses.tolist(),
+        "norms": norms,
+        "master": engine.full_state_dict(),
+        "skipped": engine.skipped_steps,
+        "stage": engine.zero_stage,
+    }
+    return engine, out
+
+
+def _compare(case: Case, got: dict, ref: RefResult) -> list[str]:
+    problems = []
+    if got["skipped"]:
+        problems.append(f"{got['skipped']} steps skipped")
+    exact = case.dtype == "fp32"
+    loss_tol = 1e-5 if exact else 2e-2
+    for i, (a, b) in enumerate(zip(got["losses"], ref.losses, strict=True)):
+        if abs(a - b) > loss_tol * abs(b):
+            problems.append(f"loss[{i}] {a:.7f} vs reference {b:.7f}")
+            break
+    for i, (a, b) in enumerate(zip(got["norms"], ref.norms, strict=True)):
+        if a is not None and abs(a - b) > (1e-5 if exact else 3e-2) * b:
+            problems.append(f"grad norm[{i}] {a:.7f} vs reference {b:.7f}")
+            break
+    if case.clip > 0 and any(n is None for n in got["norms"]):
+        problems.append("no grad norm with clipping on")
+    if set(got["master"]) != set(ref.master) | {"head.weight"}:
+        problems.append(f"state dict keys {sorted(got['master'])}")
+    for name, want in ref.master.items():
+        have = got["master"][name]
+        if have.dtype != torch.float32 or have.shape != want.shape:
+            problems.append(f"master {name} is {have.dtype} {tuple(have.shape)}")
+        elif exact:
+            if not torch.allclose(have, want, rtol=1e-5, atol=1e-6):
+                problems.append(f"master {name}: max abs diff {float((have - want).abs().max()):.3e}")
+        else:
+            delta = (want - ref.initial[name]).norm()
+            if float((have - want).norm() / max(float(delta), 1e-12)) > 0.05:
+                problems.append(f"master {name}: update error too large")
+    if not torch.equal(got["master"]["head.weight"], got["master"]["emb.weight"]):
+        problems.append("tied head.weight differs from emb.weight")
+    return problems
+
+
+def _check_after_training(
+    engine: Any, case: Case, ref_model: torch.nn.Module, rank: int, ws: int
+) -> list[str]:
+    """Evaluation, full_state_dict round trip, GatheredParameters, errors, 16-bit save (fp32/bf16 runs)."""
+    import runtime
+    from runtime.zero import GatheredParameters, ParamNotGathered
+    from tests.zero3_models import ZeroNet
+
+    problems: list[str] = []
+    model = engine.module
+    dtype = DTYPES[case.dtype]
+    x, y = global_batch(99, 0, ROWS)
+    with torch.no_grad():
+        logits = engine(x)  # every rank runs the forward: it gathers
+    if case.dtype == "fp32":
+        with torch.no_grad():
+            want = ref_model(x)
+        error = float((logits - want).norm() / want.norm())
+        if error > 1e-6:
+            problems.append(f"eval logits differ from the reference model's by {error:.2e} (relative)")
+
+    full = engine.full_state_dict()
+    if rank == 0:
+        plain = ZeroNet()
+        plain.load_state_dict(full)
+        with torch.no_grad():
+            plain_loss = float(loss_fn(plain(x), y))
+            # the engine computes with the masters rounded to the working dtype: the same numbers exactly
+            same = copy.deepcopy(plain).to(dtype)(x.to(dtype))
+        engine_loss = float(loss_fn(logits, y))
+        if not torch.equal(same, logits):
+            problems.append("eval logits differ from a plain model holding the gathered weights")
+        if case.dtype == "fp32" and abs(plain_loss - engine_loss) > 1e-6:
+            problems.append(f"plain model from full_state_dict: loss {plain_loss} vs engine {engine_loss}")
+    full = _broadcast_state(full, rank)
+
+    # GatheredParameters: read
+    weight, bias = model.blocks[0].up.weight, model.out.bias
+    with GatheredParameters([weight, bias]):
+        if tuple(weight.shape) != (37, 24) or not torch.equal(
+            weight.float(), full["blocks.0.up.weight"].to(dtype).float()
+        ):
+            problems.append("GatheredParameters read: blocks.0.up.weight is not the gathered working weight")
+    if ws > 1 and not runtime.zero.stage3_param.is_released(weight):
+        problems.append("blocks.0.up.weight still gathered after GatheredParameters")
+    # GatheredParameters: modify on the last rank
+    with GatheredParameters([weight, bias], modifier_rank=ws - 1), torch.no_grad():
+        if rank == ws - 1:
+            bias.fill_(0.25)
+            weight.mul_(2.0)
+    after = engine.full_state_dict(rank0_only=False)
+    if not torch.equal(after["out.bias"], torch.full((5,), 0.25)):
+        problems.append(f"modified out.bias is {after['out.bias'].tolist()}")
+    doubled = full["blocks.0.up.weight"].to(dtype).float() * 2.0
+    if not torch.equal(after["blocks.0.up.weight"], doubled):
+        problems.append("modified blocks.0.up.weight did not reach the fp32 master")
+    for name, value in after.items():
+        if name not in ("out.bias", "blocks.0.up.weight") and not torch.equal(value, full[name]):
+            problems.append(f"{name} changed though only two other parameters were modified")
+
+    # released parameters refuse clearly
+    if ws > 1:
+        for what, action in (
+            ("sum", lambda: model.blocks[1].down.weight.sum()),
+            ("state_dict", lambda: model.state_dict()),
+            ("torch.save", lambda: torch.save(model.blocks[1].down.weight, io.BytesIO())),
+        ):
+            try:
+                action()
+                problems.append(f"{what} on a released parameter did not raise")
+            except ParamNotGathered as error:
+                if "blocks.1.down.weight" not in str(error) and what != "state_dict":
+                    problems.append(f"{what}: error does not name the parameter: {error}")
+        if model.blocks[1].down.weight.shape != (24, 37) or model.blocks[1].down.weight.numel() != 24 * 37:
+            problems.append("released parameter lost its shape metadata")
+
+    # 16-bit save: refused without the flag, a plain usable file with it
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.config = _with_flag(engine.config, False)
+        try:
+            engine.save_16bit_model(tmp)
+            if ws > 1:
+                problems.append("save_16bit_model without the flag did not refuse")
+        except ValueError:
+            if ws == 1:
+                problems.append("save_16bit_model refused though nothing is sharded at world size 1")
+        engine.config = _with_flag(engine.config, True)
+        path = os.path.join(tmp, "model.bin")
+        wrote = engine.save_16bit_model(tmp, "model.bin")
+        if rank == 0:
+            saved = torch.load(path) if wrote else {}
+            if set(saved) != set(after) or any(saved[k].dtype != dtype for k in saved if k != "norm.weight"):
+                problems.append(f"16-bit file has keys {sorted(saved)}")
+            for key, value in saved.items():
+                if value.numel() == 0 or not torch.equal(value.float(), after[key].to(dtype).float()):
+                    problems.append(f"16-bit file: {key} is not the gathered weight")
+        dist.barrier()
+    return problems
+
+
+def _with_flag(config: Any, value: bool) -> Any:
+    from dataclasses import replace
+
+    return replace(
+        config,
+        zero_optimization=replace(config.zero_optimization, stage3_gather_16bit_weights_on_model_save=value),
+    )
+
+
+def _broadcast_state(state: dict, rank: int) -> dict:
+    box = [state if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _run(rank: int, world_size: int) -> dict[str, list[str]]:
+    report = {}
+    for case in CASES:
+        engine, got = _train(case, rank, world_size)
+        ref, ref_model = reference_train(case)
+        problems = _compare(case, got, ref) if rank == 0 else []
+        if got["stage"] != 3:
+            problems.append(f"engine.zero_stage is {got['stage']}")
+        if case.dtype != "fp16" and case.accumulation == 1:
+            problems += _check_after_training(engine, case, ref_model, rank, world_size)
+        engine.destroy()
+        report[str(asdict(case))] = problems
+    return report
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_stage3_matches_plain_pytorch(world_size: int) -> None:
+    reports = run_distributed(_run, world_size, timeout=240)
+    failures = {
+        f"rank {rank} {case}": problems
+        for rank, report in enumerate(reports)
+        for case, problems in report.items()
+        if problems
+    }
+    assert len(reports[0]) == len(CASES)
+    assert not failures, "\n".join(f"{case}: {problems}" for case, problems in failures.items())

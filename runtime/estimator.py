@@ -317,6 +317,8 @@ def format_table(estimates: Sequence[Estimate], sizes: ModelSizes, dtype: str = 
         f"Model states of {sizes.total_params / 1e9:.3f}B parameters{largest}; {dtype} weights, fp32 master "
         f"weights; {first.gpus_per_node} GPU(s) per node x {first.num_nodes} node(s)",
         "Not included: activations, CUDA context, allocator fragmentation.",
+        "per host = host memory of all local ranks: offloaded states, or the fp32 model each process builds",
+        "before moving it to its GPU (none under zero.Init at stage 3), whichever is larger.",
         "",
         f"{'stage':<6}{'offload_optimizer':<19}{'offload_param':<15}{'per GPU':>12}{'(transient)':>14}"
         f"{'per host':>13}",

@@ -229,4 +229,5 @@ def test_module_entry_point() -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("Model states of 0.124B parameters, largest layer 38.6M")
-    assert sum(line.split()[0].isdigit() for line in lines[4:]) == 8  # 1 + 2 + 2 + 3 configurations
+    rows = [line for line in lines if line.split() and line.split()[0].isdigit()]
+    assert len(rows) == 8  # 1 + 2 + 2 + 3 configurations

@@ -17,43 +17,43 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DSLAUNCH = shutil.which("dslaunch", path=str(Path(sys.executable).parent))
 
 
-def _run(tmp_path: Path, name: str, *extra: str) -> str:
-    args = [
-        DSLAUNCH,
-        "--num_gpus",
-        "2",
-        "--max_restarts",
-        "1",
+def _start(tmp_path: Path, name: str, *extra: str) -> subprocess.Popen:
+    args = [DSLAUNCH, "--num_gpus", "2", "--max_restarts", "1", "--master_port", str(free_port())]
+    args += [
         str(ROOT / "scripts" / "train_gpt.py"),
         "--deepspeed_config",
-        str(ROOT / "scripts" / "configs" / "zero2.json"),
-        "--model_size",
-        "tiny",
-        "--steps",
-        "8",
-        "--seq_len",
-        "32",
-        "--micro_batch_size",
-        "4",
-        "--log_interval",
-        "1",
-        "--save_dir",
-        str(tmp_path / name),
-        "--save_interval",
-        "2",
-        "--resume",
-        *extra,
+        str(ROOT / "scripts/configs/zero2.json"),
     ]
+    args += ["--model_size", "tiny", "--steps", "8", "--seq_len", "32", "--micro_batch_size", "4"]
+    args += ["--log_interval", "1", "--save_dir", str(tmp_path / name), "--save_interval", "2", "--resume"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-    output = proc.stdout + proc.stderr
+    return subprocess.Popen(
+        [*args, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT
+    )
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    output, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, output
     return output
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM first: dslaunch then stops its workers itself."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
 
 
 def _losses(output: str) -> list[tuple[int, str]]:
@@ -67,8 +67,13 @@ def _losses(output: str) -> list[tuple[int, str]]:
 def test_killed_worker_restarts_from_the_last_checkpoint_and_matches_an_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
-    straight = _run(tmp_path, "straight")
-    crashed = _run(tmp_path, "crashed", "--die_at_step", "5")
+    # both jobs at once (own ports): the machine waits on imports more than it computes
+    jobs = [_start(tmp_path, "straight"), _start(tmp_path, "crashed", "--die_at_step", "5")]
+    try:
+        straight, crashed = (_finish(job) for job in jobs)
+    finally:
+        for job in jobs:
+            _stop(job)
     want = dict(_losses(straight))
     assert sorted(want) == list(range(1, 9)), straight
     got = _losses(crashed)

@@ -13,7 +13,9 @@ each checkpoint, trains 3 more steps and compares with the straight run:
   the same global sample.
 
 Optimizer offload (masters and Adam state in host memory, the CPU step) is saved and resumed the same
-way, and a checkpoint moves between offloaded and on-device runs.
+way, and a checkpoint moves between offloaded and on-device runs. With ZeRO stage 3 present (parameters
+sharded per gather unit, one flat group per unit and param group) its cases join the grid, and
+checkpoints move between stage 3 and stages 0-2.
 
 Every case uses AdamW over two param groups (different weight decay), gradient clipping, a warmup/decay
 LR schedule, and a data loader owned by the engine; fp16 cases start with a loss scale that overflows, so
@@ -22,6 +24,7 @@ skipped steps and the scaler's hysteresis state cross the checkpoint; bf16 cases
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +40,7 @@ ROWS = 12  # global rows per micro-step
 STEPS = 6
 SPLIT = 3
 WORLDS = (1, 2, 3)
+HAS_STAGE3 = importlib.util.find_spec("runtime.zero.stage3") is not None
 
 
 class IndexDataset(torch.utils.data.Dataset):
@@ -119,6 +123,17 @@ CROSS = [
     (Case(2, 2, "fp32"), Case(1, 1, "fp32", offload=True)),
     (Case(2, 2, "fp16"), Case(3, 2, "fp16", offload=True)),
 ]
+if HAS_STAGE3:  # parameters sharded per gather unit: another grouping, the same checkpoint
+    SAVED += [Case(w, 3, d) for w in WORLDS for d in ("fp32", "bf16", "fp16")]
+    SAVED += [Case(2, 3, "bf16", offload=True)]
+    CROSS += [
+        (Case(2, 2, "fp32"), Case(3, 3, "fp32")),
+        (Case(3, 3, "fp32"), Case(2, 1, "fp32")),
+        (Case(2, 3, "fp32"), Case(1, 0, "fp32")),
+        (Case(2, 3, "bf16"), Case(3, 2, "bf16")),
+        (Case(2, 3, "fp16"), Case(3, 3, "fp16")),
+        (Case(2, 3, "bf16", offload=True), Case(3, 3, "bf16")),
+    ]
 
 
 def _build(case: Case):
@@ -130,6 +145,8 @@ def _build(case: Case):
     )
     loader.sampler.set_epoch(1)
     assert (type(engine.masters).__name__ == "HostMasters") == case.offload  # really offloaded, or not
+    if case.stage == 3 and case.world > 1:
+        assert type(engine.zero).__name__ == "ParamShardedStage"  # parameters really sharded
     return engine, loader
 
 

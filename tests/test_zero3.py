@@ -201,6 +201,18 @@ def _check_after_training(
             problems.append(f"eval logits differ from the reference model's by {error:.2e} (relative)")
 
     full = engine.full_state_dict()
+    # another path through the model: the recorded forward order no longer applies (prefetch stops, the
+    # trace is recorded again), and the results stay right
+    trace = engine.zero.schedule.forward_trace if ws > 1 else None
+    before = trace.invalidations if trace is not None else 0
+    with torch.no_grad():
+        other_path = engine(x, skip_shared=True)  # departs from the recording, is recorded
+        again = engine(x)  # departs from that recording, is recorded
+        engine(x)  # follows it
+    if trace is not None and trace.invalidations != before + 2:
+        problems.append(f"two path changes invalidated the trace {trace.invalidations - before} times")
+    if not torch.equal(again, logits):
+        problems.append("logits changed after a forward along another path")
     if rank == 0:
         plain = ZeroNet()
         plain.load_state_dict(full)
@@ -211,6 +223,10 @@ def _check_after_training(
         engine_loss = float(loss_fn(logits, y))
         if not torch.equal(same, logits):
             problems.append("eval logits differ from a plain model holding the gathered weights")
+        with torch.no_grad():
+            same_other = copy.deepcopy(plain).to(dtype)(x.to(dtype), skip_shared=True)
+        if not torch.equal(same_other, other_path):
+            problems.append("logits along the other path differ from the plain model's")
         if case.dtype == "fp32" and abs(plain_loss - engine_loss) > 1e-6:
             problems.append(f"plain model from full_state_dict: loss {plain_loss} vs engine {engine_loss}")
     full = _broadcast_state(full, rank)

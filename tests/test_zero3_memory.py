@@ -141,10 +141,19 @@ def _memory(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_stage3_model_states_are_16_over_n_bytes_per_parameter(world_size: int) -> None:
-    results = run_distributed(_memory, world_size, timeout=120)
-    for rank, got in enumerate(results):
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"N={n}")
+def world(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
+    """One spawn per world size measures both memory and communication."""
+    return request.param, run_distributed(_measure, request.param, timeout=180)
+
+
+def _measure(rank: int, world_size: int) -> dict:
+    return {"memory": _memory(rank, world_size), "comm": _comm_volume(rank, world_size)}
+
+
+def test_stage3_model_states_are_16_over_n_bytes_per_parameter(world: tuple[int, list[dict]]) -> None:
+    world_size, results = world
+    for rank, got in enumerate(r["memory"] for r in results):
         where = f"rank {rank}, N={world_size}"
         assert not got["problems"], f"{where}: " + "\n".join(got["problems"])
         assert got["blocks_seen"] == list(range(DEPTH)) * 2, f"{where}: hooks saw {got['blocks_seen']}"
@@ -202,10 +211,9 @@ def _comm_volume(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_stage3_moves_one_and_a_half_times_the_bytes_of_stage2(world_size: int) -> None:
-    results = run_distributed(_comm_volume, world_size, timeout=120)
-    for name, per_stage in results[0].items():
+def test_stage3_moves_one_and_a_half_times_the_bytes_of_stage2(world: tuple[int, list[dict]]) -> None:
+    world_size, results = world
+    for name, per_stage in results[0]["comm"].items():
         (bytes2, ops2), (bytes3, ops3) = per_stage[2], per_stage[3]
         assert set(ops2) == {"reduce_scatter", "all_gather"}, ops2
         assert set(ops3) == {"reduce_scatter", "all_gather"}, ops3

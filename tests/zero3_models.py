@@ -43,11 +43,12 @@ class ZeroNet(nn.Module):
         self.head.weight = self.emb.weight  # tied, as GPT ties its output head to the embedding
         self.out = nn.Linear(IN_FEATURES, CLASSES)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, skip_shared: bool = False) -> torch.Tensor:
         h = x @ self.emb.weight  # the embedding's weight, outside any forward of `emb`
         for block in self.blocks:
             h = block(h)
-        h = self.shared(F.gelu(self.shared(h)))  # one module, called twice
+        if not skip_shared:  # another path through the model, for trace invalidation
+            h = self.shared(F.gelu(self.shared(h)))  # one module, called twice
         return self.out(F.gelu(self.head(self.norm(h))))
 
 

@@ -205,17 +205,13 @@ class ParamShardedStage:
         return self.schedule.unit_of(param)
 
     def close(self) -> None:
-        """Remove the hooks and give the model back as a plain module with full parameters."""
+        """Remove the gradient and module hooks. No collective runs here (a rank may close alone), so the
+        parameters stay sharded: read them before, or through GatheredParameters while the engine lives."""
         self._finish_all()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
         self.schedule.close()
-        for unit in self.units:
-            unit.finish_gather()
-            for segment in unit.segments:
-                for param, view in zip(segment.group.params, segment.views, strict=True):
-                    stage3_param.materialize(param, view)
 
 
 def stage3_options(setup: Any) -> Stage3Options:
@@ -286,10 +282,6 @@ def resident_unit_groups(
     groups: list[FlatGroup] = []
     for plan in plans:
         for spec_index, params in segments[plan.index]:
-            with torch.no_grad():
-                for param in params:
-                    if param.device != options.device:
-                        param.data = param.data.to(options.device)
             group = flatten_group(
                 len(groups),
                 params,

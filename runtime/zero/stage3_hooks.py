@@ -243,8 +243,7 @@ class GatherScheduler:
         return self._unit_of.get(param)
 
     def close(self) -> None:
+        """Stop gathering around module calls (the owner registration dies with this object)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        for param in self._unit_of:
-            stage3_param.unregister(param)

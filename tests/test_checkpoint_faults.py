@@ -8,6 +8,9 @@
 - On 2 ranks, a flipped byte in one shard, a truncated engine state file, a deleted shard, a `latest`
   naming a deleted tag, and a model with a differently shaped layer each give the same clear error on
   every rank, naming the file or the parameter; nothing falls back to another tag.
+- Ranks passing different tags save under rank 0's (or fail with tag_validation FAIL); a client_state that
+  would need code to load fails the save on every rank and leaves `latest` alone; save_latest=False,
+  load_module_only and load_optimizer_states=False load what they say.
 """
 
 from __future__ import annotations
@@ -216,3 +219,71 @@ def test_damaged_or_mismatched_checkpoints_fail_the_same_way_on_every_rank(tmp_p
                 size = (tmp_path / name / "global_step1" / ENGINE_STATE).stat().st_size
                 text = text.format(size)
             assert text in got, (rank, name, got)  # the rank that checked the file and the one told
+
+
+# ------------------------------------------------------------------------------------ misuse and options
+
+
+def _misuse_and_options(rank: int, world: int, root: str) -> dict:
+    import runtime
+
+    seen: dict = {}
+
+    def build(**extra):
+        model = make_model(0)
+        config = {**CONFIG, **extra}
+        engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+        return engine
+
+    def error_of(fn) -> str:
+        try:
+            fn()
+        except Exception as error:  # what each rank saw
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    engine = build()
+    _step(engine, rank, world)
+    # ranks disagree on the tag: by default (WARN) everything is saved under rank 0's
+    engine.save_checkpoint(root, tag=f"tag{rank}")
+    seen["tags"] = sorted(p.name for p in Path(root).iterdir() if p.is_dir())
+    strict = build(checkpoint={"tag_validation": "FAIL"})
+    seen["fail_tag"] = error_of(lambda: strict.save_checkpoint(root, tag=f"other{rank}"))
+    seen["bad_client_state"] = error_of(
+        lambda: engine.save_checkpoint(root, "bad", client_state={"x": object()})
+    )
+    seen["bad_tag_written"] = (Path(root) / "bad").exists()
+    engine.save_checkpoint(root, "quiet", save_latest=False)
+    seen["latest"] = read_latest(root)
+    masters = engine.full_state_dict(rank0_only=False)
+
+    fresh = build()
+    fresh.load_checkpoint(root, "quiet", load_module_only=True)
+    seen["module_only"] = (fresh.global_steps, len(fresh.optimizer.state), _same(fresh, masters))
+    fresh = build()
+    fresh.load_checkpoint(root, load_optimizer_states=False)
+    seen["no_optimizer"] = (fresh.global_steps, len(fresh.optimizer.state), _same(fresh, masters))
+    fresh = build()
+    fresh.load_checkpoint(root)
+    state = fresh.optimizer.state[fresh.groups[0].master]
+    seen["everything"] = (fresh.global_steps, sorted(state), _same(fresh, masters))
+    return seen
+
+
+def _same(engine, masters: dict) -> bool:
+    got = engine.full_state_dict(rank0_only=False)
+    return all(torch.equal(got[k], v) for k, v in masters.items())
+
+
+def test_tag_agreement_unsaveable_client_state_and_partial_loads(tmp_path: Path) -> None:
+    for rank, seen in enumerate(run_distributed(_misuse_and_options, 2, str(tmp_path / "ckpt"))):
+        assert seen["tags"] == ["tag0"], rank  # rank 0's tag, one complete checkpoint
+        assert seen["fail_tag"].startswith("CheckpointError: ranks passed different checkpoint tags"), seen
+        assert "rank 0: 'other0', rank 1: 'other1'" in seen["fail_tag"]
+        assert seen["bad_client_state"].startswith("CheckpointError: "), seen
+        assert "client_state['x'] is a builtins.object" in seen["bad_client_state"]
+        assert seen["bad_tag_written"] is False  # refused before any file was written
+        assert seen["latest"] == "tag0"  # neither the failed save nor save_latest=False moved it
+        assert seen["module_only"] == (0, 0, True)  # weights only: no counters, no optimizer state
+        assert seen["no_optimizer"] == (1, 0, True)  # counters and weights, a fresh optimizer
+        assert seen["everything"] == (1, ["exp_avg", "exp_avg_sq", "step"], True)

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -179,6 +181,17 @@ def _snapshot(engine, losses: list[float], batches: list[list[int]]) -> dict:
     }
 
 
+def _scramble_rng(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _draws() -> list[float]:
+    """One number from each RNG a training script may use (Python, NumPy, torch)."""
+    return [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+
 def _next_batches(iterator, count: int) -> list[list[int]]:
     return [next(iterator).reshape(-1).tolist() for _ in range(count)]
 
@@ -197,7 +210,9 @@ def _phase_save(rank: int, world: int, root: str, cases: list[Case]) -> dict:
         batches = iter(loader)
         _next_batches(batches, SPLIT)
         losses = _steps(engine, rank, world, SPLIT)
+        _scramble_rng(1000 * rank + len(out))  # a state that only a restore brings back
         engine.save_checkpoint(f"{root}/{case.name}", client_state={"case": case.name, "losses": losses})
+        straight["rng_draws"] = _draws()  # per rank, what the RNGs give right after the save
         out[case.name] = {"straight": straight, "skipped": engine.skipped_steps}
         engine.destroy()
     return out
@@ -210,7 +225,10 @@ def _phase_load(rank: int, world: int, root: str, jobs: list[tuple[Case, Case, d
     for saved, loading, straight, other in jobs:
         engine, loader = _build(loading)
         path, client = engine.load_checkpoint(f"{root}/{saved.name}")
+        draws = _draws()  # before anything else uses the RNGs (a DataLoader iterator draws a seed)
         problems = []
+        if saved.world == loading.world and draws != other["rng_draws"]:
+            problems.append(f"RNG draws after the load {draws}, after the save {other['rng_draws']}")
         if not path.endswith(f"{saved.name}/global_step{SPLIT}"):
             problems.append(f"loaded {path}")
         if client.get("case") != saved.name:
@@ -280,13 +298,18 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 def _jobs(results: dict, world: int) -> list[tuple[Case, Case, list[dict], dict]]:
     pairs = [(c, c) for c in SAVED if c.world == world] + [(s, ld) for s, ld in CROSS if ld.world == world]
-    return [(s, ld, results[ld.name]["straight"], results[s.name]["straight"][0]) for s, ld in pairs]
+    return [(s, ld, results[ld.name]["straight"], results[s.name]["straight"]) for s, ld in pairs]
 
 
 def _phase_load_per_rank(rank: int, world: int, root: str, packed: bytes) -> dict:
     # each rank compares against the straight run's values of its own rank (batches are per rank)
     jobs = pickle.loads(packed)
-    return _phase_load(rank, world, root, [(s, ld, straight[rank], at) for s, ld, straight, at in jobs])
+    return _phase_load(
+        rank,
+        world,
+        root,
+        [(s, ld, want[rank], other[min(rank, len(other) - 1)]) for s, ld, want, other in jobs],
+    )
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -66,6 +66,8 @@ def save_checkpoint(
             "are not saved"
         )
 
+    # refused before anything is written: a client_state that torch.load(weights_only=True) cannot read
+    agreed(comm, lambda: engine_state.check_loadable(dict(client_state or {}), "client_state"))
     agreed(comm, lambda: _prepare(root, tag_dir, comm.rank))
     plan = [
         (group, saved_pieces(group.layout, group.rank, comm.world_size, comm.rank)) for group in engine.groups

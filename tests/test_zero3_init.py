@@ -12,7 +12,8 @@ Then, against the same GPT built without Init from the same seed:
   every rank's shard;
 - stage 3 training gives the same losses and weights for both;
 - a released parameter touched outside a gather names itself in the error; a config asking for stage 2
-  is refused; the same model built under Init trains with stage 1 too (the engine gathers it whole).
+  is refused; the same model built under Init trains with stage 1 too (the engine gathers it whole), and
+  GatheredParameters(modifier_rank=...) updates stage 1's fp32 master shards.
 """
 
 from __future__ import annotations
@@ -162,6 +163,13 @@ def _run(rank: int, world_size: int) -> dict:
     stage1_losses = _train(stage1, rank, world_size)
     if stage1_losses[0] != losses[0][0]:
         problems.append(f"stage 1 on an Init-built model: first loss {stage1_losses[0]} vs {losses[0][0]}")
+    # stage 1 keeps whole working weights, but a change must still reach every rank's fp32 master shard
+    with GatheredParameters(model.ln_f.bias, modifier_rank=world_size - 1), torch.no_grad():
+        model.ln_f.bias.fill_(float(rank))
+    if not torch.equal(
+        stage1.full_state_dict(rank0_only=False)["ln_f.bias"], torch.full((128,), world_size - 1.0)
+    ):
+        problems.append("stage 1: GatheredParameters(modifier_rank=...) did not reach the masters")
     stage1.destroy()
     return {"problems": problems, "peak": peak, "limit": limit, "full": full_bytes}
 

@@ -12,7 +12,8 @@ parity test). The same spawn then checks, on the trained engine:
 - GatheredParameters reads the full values, and with modifier_rank writes a change from one rank into
   every rank's shard and fp32 master (and leaves other masters bit-identical);
 - touching a released parameter outside a forward, module.state_dict() and torch.save raise
-  ParamNotGathered naming the parameter; save_16bit_model refuses without
+  ParamNotGathered naming the parameter; loss.backward() instead of engine.backward(loss) is refused
+  with a message that says so; save_16bit_model refuses without
   stage3_gather_16bit_weights_on_model_save and, with it, writes the gathered bf16 weights.
 """
 
@@ -255,8 +256,14 @@ def _check_after_training(
         if name not in ("out.bias", "blocks.0.up.weight") and not torch.equal(value, full[name]):
             problems.append(f"{name} changed though only two other parameters were modified")
 
-    # released parameters refuse clearly
+    # released parameters refuse clearly, and so does a backward the engine did not start
     if ws > 1:
+        try:
+            loss_fn(engine(x), y).backward()
+            problems.append("loss.backward() instead of engine.backward(loss) did not raise")
+        except RuntimeError as error:
+            if "engine.backward(loss)" not in str(error):
+                problems.append(f"unclear error for loss.backward(): {error}")
         for what, action in (
             ("sum", lambda: model.blocks[1].down.weight.sum()),
             ("state_dict", lambda: model.state_dict()),

@@ -35,7 +35,7 @@ from runtime.zero import stage3_param
 from runtime.zero.common import InFlight
 from runtime.zero.flat import FlatGroup, flatten_group
 from runtime.zero.optimizer import GroupSpec
-from runtime.zero.stage3_hooks import GatherPolicy, GatherScheduler
+from runtime.zero.stage3_hooks import OUTSIDE_ENGINE_BACKWARD, GatherPolicy, GatherScheduler
 from runtime.zero.stage3_plan import UnitPlan, plan_units
 from runtime.zero.stage3_unit import GatherStats, Segment, ShardedUnit, UnitState, build_segment
 
@@ -102,8 +102,8 @@ class ParamShardedStage:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         unit, segment, i = self._where[param]
-        if unit.index not in self._left:  # backward without engine.backward(): start counting now
-            self._left[unit.index] = len(unit.params)
+        if unit.index not in self._left:
+            raise RuntimeError(OUTSIDE_ENGINE_BACKWARD)
         if unit.index in self._reduced:
             raise RuntimeError(
                 f"{self.schedule.param_name(param)} finished its gradient after its unit was already "

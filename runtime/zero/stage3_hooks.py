@@ -38,6 +38,12 @@ from runtime.zero.stage3_unit import GatherStats, ShardedUnit, UnitState
 
 _log = logging.getLogger("runtime.zero.stage3")
 
+OUTSIDE_ENGINE_BACKWARD = (
+    "ZeRO stage 3 gathers weights and reduces gradients inside engine.backward(loss); a backward pass "
+    "started elsewhere (loss.backward(), torch.autograd.grad) reached the model's parameters: call "
+    "engine.backward(loss) instead"
+)
+
 
 class TrainingState(enum.Enum):
     IDLE = "idle"  # no pass running
@@ -160,8 +166,8 @@ class GatherScheduler:
         self._prefetched.clear()
 
     def _pre_backward(self, module: nn.Module, grad: torch.Tensor) -> None:
-        if self.state is not TrainingState.BACKWARD:  # loss.backward() without engine.backward()
-            self.begin_backward()
+        if self.state is not TrainingState.BACKWARD:
+            raise RuntimeError(OUTSIDE_ENGINE_BACKWARD)
         needed = self._users[module]
         for index in needed:
             self._need(index, self.backward_trace)

@@ -110,7 +110,8 @@ def module_extras(engine: Any) -> dict[str, Any]:
     return {key: full[key] for key, name in module_keys(engine) if name is None}
 
 
-def restore_module_extras(engine: Any, extras: Mapping[str, Any], *, strict: bool) -> None:
+def check_module_extras(engine: Any, extras: Mapping[str, Any], *, strict: bool) -> list[str]:
+    """The extras to load; raises on a mismatch (strict: missing or unexpected keys; always: shapes)."""
     wanted = {key for key, name in module_keys(engine) if name is None}
     missing = sorted(wanted - set(extras))
     unexpected = sorted(set(extras) - wanted)
@@ -133,7 +134,11 @@ def restore_module_extras(engine: Any, extras: Mapping[str, Any], *, strict: boo
             raise CheckpointMismatch(
                 f"{key}: shape {tuple(value.shape)} in the checkpoint, {tuple(have.shape)} in the model"
             )
-    engine.module.load_state_dict({k: extras[k] for k in wanted & set(extras)}, strict=False)
+    return sorted(wanted & set(extras))
+
+
+def restore_module_extras(engine: Any, extras: Mapping[str, Any], keys: list[str]) -> None:
+    engine.module.load_state_dict({k: extras[k] for k in keys}, strict=False)
 
 
 # -- the whole engine state -------------------------------------------------------------------------------
@@ -173,21 +178,24 @@ def _optimizer_groups(engine: Any) -> list[dict[str, Any]]:
     ]
 
 
-def _restore_optimizer_groups(engine: Any, saved: list[dict[str, Any]]) -> None:
-    """Hyperparameters (lr, betas, weight decay, ...) by user param group, so a checkpoint whose stage
-    grouped the optimizer differently (stage 3: a group per gather unit) still maps."""
+def optimizer_group_options(engine: Any, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The saved hyperparameters (lr, betas, weight decay, ...) for each current optimizer param group,
+    matched by user param group, so a checkpoint whose stage grouped the optimizer differently (stage 3:
+    a group per gather unit) still maps; raises when a group has no saved counterpart."""
     by_spec: dict[int, dict[str, Any]] = {}
     for entry in saved:
         by_spec.setdefault(int(entry["spec"]), dict(entry["options"]))
     spec_of = {group.index: spec_index(group) for group in engine.groups}
-    for i, group in enumerate(engine.optimizer.param_groups):
+    out = []
+    for i in range(len(engine.optimizer.param_groups)):
         spec = spec_of.get(i, i)
         if spec not in by_spec:
             raise CheckpointMismatch(
                 f"the checkpoint's optimizer has param groups {sorted(by_spec)}; this one also has "
                 f"group {spec}"
             )
-        group.update(by_spec[spec])
+        out.append(by_spec[spec])
+    return out
 
 
 def _scheduler_state(scheduler: Any) -> Any:
@@ -214,7 +222,9 @@ def restore(
     engine.micro_steps = int(state["micro_steps"])
     _restore_scaler(engine, state.get("loss_scaler"))
     if load_optimizer_states and engine.optimizer is not None and state.get("optimizer_param_groups"):
-        _restore_optimizer_groups(engine, state["optimizer_param_groups"])
+        options = optimizer_group_options(engine, state["optimizer_param_groups"])
+        for group, saved in zip(engine.optimizer.param_groups, options, strict=True):
+            group.update(saved)
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
         saved_scheduler = state.get("lr_scheduler")
         if saved_scheduler is None:

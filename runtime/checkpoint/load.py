@@ -96,15 +96,15 @@ def load_checkpoint(
     agreed(comm, lambda: verify_files(tag_dir, manifest, comm.rank, comm.world_size))
     state = agreed(comm, lambda: read_engine_state(tag_dir))
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    plans = agreed(
-        comm, lambda: _plan(engine, manifest, strict=load_module_strict, with_optimizer=with_optimizer)
+    plans, extras = agreed(
+        comm, lambda: _plan(engine, manifest, state, strict=load_module_strict, with_optimizer=with_optimizer)
     )
     agreed(comm, lambda: _fill(engine, tag_dir, manifest, state, plans, with_optimizer=with_optimizer))
     engine.zero.zero_grad()
     engine.zero.write_back()  # masters -> working weights, gathered across ranks
 
     def rest() -> None:
-        engine_state.restore_module_extras(engine, state["module_extras"], strict=load_module_strict)
+        engine_state.restore_module_extras(engine, state["module_extras"], extras)
         engine_state.restore(
             engine,
             state,
@@ -127,9 +127,14 @@ def load_checkpoint(
     return str(tag_dir), dict(state.get("client_state") or {})
 
 
-def _plan(engine: Any, manifest: Manifest, *, strict: bool, with_optimizer: bool) -> list[list[Copy]]:
-    """Per flat group, the copies that fill this rank's shard; every mismatch is raised here, before any
-    tensor changes."""
+def _plan(
+    engine: Any, manifest: Manifest, state: dict[str, Any], *, strict: bool, with_optimizer: bool
+) -> tuple[list[list[Copy]], list[str]]:
+    """Per flat group, the copies that fill this rank's shard, and the module extras to load; every
+    mismatch is raised here, before any tensor changes."""
+    extras = engine_state.check_module_extras(engine, state["module_extras"], strict=strict)
+    if with_optimizer and state.get("optimizer_param_groups"):
+        engine_state.optimizer_group_options(engine, state["optimizer_param_groups"])
     shapes = saved_shapes(manifest)
     saved_group = {
         p.name: manifest.groups[g].optimizer_group
@@ -164,7 +169,8 @@ def _plan(engine: Any, manifest: Manifest, *, strict: bool, with_optimizer: bool
                 "(load_optimizer_states=False loads the weights only)"
             )
     index = source_index(manifest)
-    return [plan_copies(index, shard_targets(engine, group, skip=set(missing))) for group in engine.groups]
+    plans = [plan_copies(index, shard_targets(engine, group, skip=set(missing))) for group in engine.groups]
+    return plans, extras
 
 
 def _fill(

@@ -23,7 +23,6 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 FORMAT = "dslaunch-checkpoint"
 VERSION = 1
@@ -127,12 +126,6 @@ class Manifest:
 
     def shard_files(self) -> list[FileEntry]:
         return [f for f in self.files if f.kind == "shard"]
-
-    def file(self, kind: str) -> FileEntry:
-        for entry in self.files:
-            if entry.kind == kind:
-                return entry
-        raise CheckpointCorrupted(f"the manifest lists no {kind} file")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -245,9 +238,3 @@ def read_manifest(tag_dir: Path) -> Manifest:
     if manifest.tag != tag_dir.name:
         raise CheckpointCorrupted(f"{path} describes tag {manifest.tag!r}, but sits in {tag_dir}")
     return manifest
-
-
-def describe(value: Any) -> str:
-    """Short text for error messages."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."

@@ -130,8 +130,3 @@ def merge_copies(copies: Sequence[Copy]) -> list[Copy]:
         else:
             out.append(c)
     return out
-
-
-def whole_param_targets(names_and_numels: Iterable[tuple[str, int]]) -> list[Target]:
-    """Targets that fill each parameter into its own buffer at offset 0."""
-    return [Target(name, 0, 0, numel) for name, numel in names_and_numels]

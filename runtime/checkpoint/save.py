@@ -58,6 +58,11 @@ def save_checkpoint(
     """Save the engine's full training state under `save_dir/<tag>`; all ranks must call it."""
     comm = engine.comm
     tag = _agree_on_tag(engine, str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    if engine.config.checkpoint.use_node_local_storage:
+        raise CheckpointError(
+            "checkpoint.use_node_local_storage is not supported: save_dir must be one filesystem that "
+            "every rank sees (shards are resharded on load, so every rank may read any of them)"
+        )
     root = Path(save_dir)
     tag_dir = root / tag
     if engine.micro_steps % engine.gradient_accumulation_steps() and comm.rank == 0:
@@ -72,7 +77,7 @@ def save_checkpoint(
     plan = [
         (group, saved_pieces(group.layout, group.rank, comm.world_size, comm.rank)) for group in engine.groups
     ]
-    states = [optimizer_state(engine, group) for group in engine.groups]
+    states = agreed(comm, lambda: [optimizer_state(engine, group) for group in engine.groups])
     shard = agreed(comm, lambda: _write_shard(tag_dir, tag, comm.rank, plan, states))
     records = all_gather_objects(comm, (shard, engine_state.capture_rng(engine.device)))
 
@@ -102,17 +107,16 @@ def save_checkpoint(
 
 
 def _agree_on_tag(engine: Any, tag: str) -> str:
-    check_tag(tag)
     tags = all_gather_objects(engine.comm, tag)
     if len(set(tags)) == 1:
-        return tag
+        return check_tag(tag)  # the same verdict on every rank
     policy = engine.config.checkpoint.tag_validation.upper()
     detail = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
     if policy == "FAIL":
         raise CheckpointError(f"ranks passed different checkpoint tags ({detail})")
     if policy == "WARN" and engine.comm.rank == 0:
         _log.warning("ranks passed different checkpoint tags (%s); saving all under rank 0's", detail)
-    return tags[0]
+    return check_tag(tags[0])
 
 
 def _prepare(root: Path, tag_dir: Path, rank: int) -> None:
@@ -138,6 +142,11 @@ def _write_shard(
     plan: list[tuple[Any, list[Piece]]],
     states: list[tuple[dict[str, torch.Tensor], dict[str, Any]]],
 ) -> FileEntry:
+    if not tag_dir.is_dir():
+        raise CheckpointError(
+            f"{tag_dir} (created by rank 0) does not exist on rank {rank}'s host: save_dir must be a "
+            "filesystem shared by all ranks"
+        )
     declared = []
     sources: list[tuple[str, torch.Tensor, list[Piece]]] = []
     for position, ((group, pieces), (tensors, _)) in enumerate(zip(plan, states, strict=True)):

@@ -177,10 +177,6 @@ class TensorFileWriter:
     def abort(self) -> None:
         self._out.abort()
 
-    @property
-    def bytes_written(self) -> int:
-        return self._out.size
-
     def __enter__(self) -> TensorFileWriter:
         return self
 

@@ -1,11 +1,12 @@
 """Optimizer offload (`offload_optimizer: {device: cpu}`) equals a plain PyTorch run, and keeps no fp32 state
 on the device.
 
-Parity: the grid of tests/test_zero_parity.py (same model, batches, reference and tolerances) for ZeRO
-stages 1 and 2 with the optimizer offloaded, at world sizes 1, 2 and 3: fp32 and bf16, accumulation 1
-and 2, clipping on (AdamW: the one-pass host Adam) and off (SGD with momentum: the generic host path,
-where any averaging error shows in the weights), plus AdamW without clipping, fp16 with its loss scale,
-and pin_memory (ignored without CUDA). The copy-back chunk is shrunk to 128 elements so every bucket
+Parity: the cases of tests/test_zero_parity.py (same model, batches, reference and tolerances) for ZeRO
+stages 1 and 2 (and 3 when present) with the optimizer offloaded, at world sizes 1, 2 and 3: fp32 and
+bf16, accumulation 1 and 2, clipping on (AdamW: the one-pass host Adam) and off (SGD with momentum: the
+generic host path, where any averaging error shows in the weights), plus AdamW without clipping, fp16
+with its loss scale, and pin_memory (ignored without CUDA). The delayed parameter update is checked
+against a one-step-stale reference. The copy-back chunk is shrunk to 128 elements so every bucket
 goes back in several chunks, as a large model's would.
 
 On a CPU-only machine "device" and host are both CPU memory; the offload runs the same copies in the
@@ -48,12 +49,11 @@ class OffloadCase(Case):
         return cfg
 
 
+# per stage, every dtype meets accumulation 1 and 2 and clipping on and off (pairwise, not the full product)
 GRID = [
     OffloadCase(stage, dtype, acc, clip)
     for stage in (1, 2)
-    for dtype in ("fp32", "bf16")
-    for acc in (1, 2)
-    for clip in (0.0, 0.5)
+    for dtype, acc, clip in (("fp32", 2, 0.5), ("fp32", 1, 0.0), ("bf16", 2, 0.0), ("bf16", 1, 0.5))
 ]
 EXTRA = [
     OffloadCase(2, "bf16", 2, 0.0, adam_without_clip=True),  # no norm at all: no host sync for the scale
@@ -183,6 +183,9 @@ def _measure(rank: int, world_size: int) -> dict:
             "shared_with_device": len(host_side & device_side),
             "master_dtypes": {str(p.dtype) for p in masters},
             "pinned": any(t.is_pinned() for t in masters + states),
+            "optimizer": type(optimizer).__name__,
+            "state_keys": [sorted(state) for state in optimizer.state.values()],
+            "steps": [float(state["step"]) for state in optimizer.state.values()],
         }
         engine.destroy()
     return out
@@ -211,6 +214,10 @@ def test_device_holds_no_fp32_master_or_optimizer_state(world_size: int) -> None
             assert b.host_buffer_bytes == 2 * got["shard_numel"], where
             assert abs(b.host_bytes / got["shard_numel"] - 12.0) < 0.01, where
             assert not got["pinned"], f"{where}: host memory pinned without CUDA"
+            # torch's AdamW state layout (so checkpoints move between offloaded and on-device runs)
+            assert got["optimizer"] == "AdamW", where
+            assert got["state_keys"] == [["exp_avg", "exp_avg_sq", "step"]] * 2, where
+            assert got["steps"] == [1.0, 1.0], where
 
 
 def _streaming(rank: int, world_size: int) -> list[int]:
@@ -292,30 +299,6 @@ def test_cuda_offload_matches_device_adam() -> None:
     """On a GPU: streams, events, pinned landing buffers; the result equals Adam on the device."""
     gap = run_distributed(_no_offload_vs_offload, 1, timeout=180)[0]
     assert gap < 1e-3, f"offloaded run differs from the on-device run by {gap:.2e} of the update"
-
-
-def test_offloaded_step_count_and_state_keys_match_torch_adamw() -> None:
-    """The host path keeps torch's AdamW state layout: one step count, exp_avg and exp_avg_sq per group."""
-    got = run_distributed(_state_layout, 1, timeout=60)[0]
-    assert got["type"] == "AdamW"
-    assert got["keys"] == [["exp_avg", "exp_avg_sq", "step"]] * 2
-    assert got["steps"] == [3.0, 3.0]
-
-
-def _state_layout(rank: int, world_size: int) -> dict:
-    _, engine, optimizer = _offload_engine(1)
-    for step in range(3):
-        x, y = rank_batch(step, 0, ROWS, rank, world_size)
-        engine.backward(loss_fn(engine(x), y))
-        engine.step()
-    states = list(optimizer.state.values())
-    out = {
-        "type": type(optimizer).__name__,
-        "keys": [sorted(s) for s in states],
-        "steps": [float(s["step"]) for s in states],
-    }
-    engine.destroy()
-    return out
 
 
 # -- delayed parameter update ---------------------------------------------------------------------------
@@ -421,3 +404,103 @@ def test_delayed_update_matches_a_one_step_stale_reference(world_size: int) -> N
     assert plain.losses[:stale] == pytest.approx(results[0]["losses"][:stale], rel=1e-5)
     later = zip(plain.losses[stale:], results[0]["losses"][stale:], strict=True)
     assert max(abs(a - b) for a, b in later) > 1e-4
+
+
+# -- pieces without processes ---------------------------------------------------------------------------
+def test_spans_follow_landing_order_and_chunks_tile_each_span() -> None:
+    from runtime.offload.spans import piece_containing, plan_chunks, plan_spans
+    from runtime.zero.partition import plan_flat_layout
+
+    layouts = [
+        plan_flat_layout([100, 300, 50], world_size=2, bucket_numel=320, align=64),
+        plan_flat_layout([1000], world_size=2, bucket_numel=320, align=64),
+    ]
+    order = [(1, 0), (0, 2), (0, 1), (0, 0)]  # buckets of 100 | 300 | 50 and of 1000
+    spans = plan_spans(layouts, order)
+    assert [(s.group, s.bucket) for s in spans] == order
+    for span in spans:
+        bucket = layouts[span.group].buckets[span.bucket]
+        assert (span.shard_offset, span.numel) == (bucket.shard_offset, bucket.piece_numel)
+    with pytest.raises(ValueError, match="every"):
+        plan_spans(layouts, order[:3])
+    chunks = plan_chunks(1000, 300)  # rounded up to whole cache lines: 320
+    assert chunks == [(0, 320), (320, 320), (640, 320), (960, 40)]
+    assert plan_chunks(1000, 0) == [(0, 1000)] and plan_chunks(0, 64) == []
+    # stage-1 pieces (one per bucket) tile the shard; a bucket's range lies inside exactly one of them
+    sizes = [b.piece_numel for b in layouts[0].buckets]
+    assert piece_containing(sizes, layouts[0].buckets[1].shard_offset, sizes[1]) == (1, 0)
+    with pytest.raises(ValueError, match="not inside one piece"):
+        piece_containing(sizes, sizes[0] - 1, 2)
+
+
+@pytest.mark.parametrize("optimizer_kind", ["torch_adamw", "cpu_adam_l2"])
+def test_host_adam_chunks_equal_torch_adam_on_the_whole_tensor(optimizer_kind: str) -> None:
+    """Chunked updates from bf16 gradients with the scale in the kernel and bf16 weights written over the
+    gradient equal torch's AdamW/Adam on the whole fp32 tensor with the gradient pre-divided."""
+    from runtime.offload.host_adam import HostAdam, supports
+    from runtime.offload.spans import plan_chunks
+    from runtime.ops.adam import CPUAdam
+
+    gen = torch.Generator().manual_seed(0)
+    n = 5000
+    ours = torch.nn.Parameter(torch.randn(n, generator=gen))
+    ref = torch.nn.Parameter(ours.detach().clone())
+    if optimizer_kind == "torch_adamw":
+        opt = torch.optim.AdamW([ours], lr=1e-2, weight_decay=0.1)
+        ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, foreach=False)
+    else:
+        opt = CPUAdam([ours], lr=1e-2, weight_decay=0.1, adamw_mode=False)
+        ref_opt = torch.optim.Adam([ref], lr=1e-2, weight_decay=0.1, foreach=False)
+    assert supports(opt)
+    host = HostAdam(opt, [ours])
+    scale = 4.0
+    for _ in range(4):
+        grad = torch.randn(n, generator=gen).bfloat16()
+        landing = grad.clone()
+        host.begin_step()
+        for offset, numel in plan_chunks(n, 1024):
+            chunk = landing.narrow(0, offset, numel)
+            host.update(0, offset, chunk, chunk, torch.tensor(scale))
+        ref.grad = grad.float() / scale
+        ref_opt.step()
+        torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(landing, ours.detach().bfloat16())  # the copy-back buffer holds the new weights
+    assert float(opt.state[ours]["step"]) == 4.0
+    assert not supports(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], amsgrad=True))
+    assert not supports(torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1))
+
+
+def _bench(*args: str) -> list[dict]:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(repo / "scripts/bench/offload.py"), "--device", "cpu", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=repo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench": "offload"')]
+
+
+def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
+    small = ["--micro_batch", "2", "--seq_len", "32", "--warmup", "1", "--steps", "2", "--adam_steps", "3"]
+    records = {
+        r["config"]: r for r in _bench("--model", "tiny", *small, "--configs", "gpu,adam,pcie,ours-dpu")
+    }
+    for name in ("gpu", "adam", "pcie", "ours-dpu"):
+        assert "error" not in records[name], records[name]
+    summary = records["summary"]
+    parts = [records["gpu"]["step_s"], records["adam"]["step_s"], records["pcie"]["both_s"]]
+    assert summary["bound_s"] == pytest.approx(max(parts), abs=1e-4)
+    dpu = records["ours-dpu"]
+    assert summary["ours-dpu_over_bound"] == pytest.approx(dpu["step_s"] / summary["bound_s"], rel=1e-2)
+    # host memory per parameter: 12 B of fp32 state + 2 B landing, and DPU's second landing buffer
+    assert dpu["host_bytes_per_param"] == pytest.approx(16.0, abs=0.1)
+    assert dpu["loss_last"] < dpu["loss_first"]
+
+    # one size that trains and none above it: the search stops there and reports it
+    found = _bench("--find_max", "--sizes", "64:4:1", "--start_params", "0", *small)
+    assert [r["trained"] for r in found if r["config"] == "trial"] == [True]
+    assert found[-1]["largest_trained"] == {"n_embd": 64, "n_head": 4, "n_layer": 1}
+    assert found[-1]["host_bytes_per_param"] == pytest.approx(14.0, abs=0.1)

@@ -39,6 +39,7 @@ On a CPU-only machine all of this runs the same way with synchronous copies (cop
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -57,6 +58,8 @@ from runtime.offload.targets import WorkingTarget
 from runtime.precision.mixed import GradResult
 from runtime.zero.buckets import BucketTracker, bucket_order
 from runtime.zero.flat import FlatGroup
+
+_log = logging.getLogger("runtime.offload")
 
 TRANSFER_CHUNK_ELEMS = 1 << 23
 """Elements per copy-back chunk: 16 MiB of bf16 (about 0.3 ms on PCIe 5, a few ms of host update), small
@@ -112,6 +115,11 @@ class HostMasters:
         # Gradients can stream during backward only when nothing is left to reduce (one rank) and a copy
         # does not block the autograd thread (pinned memory on CUDA; on CPU every copy is synchronous).
         self._stream = comm.world_size == 1 and (not self.copies.is_async or self.memory.pin)
+        if self.copies.is_async and not self.memory.pin and comm.rank == 0:
+            _log.warning(
+                "offload_optimizer.pin_memory is false: gradients and weights cross PCIe through pageable "
+                "memory, which is slower and does not overlap with backward; set pin_memory: true"
+            )
         self._hooks: list[RemovableHandle] = []
         if self._stream:
             self.tracker = BucketTracker(self.groups, order, self._land_bucket)

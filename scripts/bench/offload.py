@@ -1,0 +1,641 @@
+"""Optimizer offload on one GPU: step time against the hardware lower bound, DeepSpeed, and the largest model.
+
+Step mode (default): GPT-2 XL (runtime.models.gpt, 1.56B), micro batch 8 x 1024 tokens, bf16, ZeRO-2, world
+size 1, AdamW (lr 1e-4, weight decay 0.01), no clipping unless --clip. Every measurement runs in its own
+subprocess (an out-of-memory error or a crashed library cannot spoil the next one), in this order:
+
+    gpu          forward + backward alone (bf16 weights, no optimizer)                   -> T_gpu
+    adam         our host step alone on a shard of the model's size: fp32 master/m/v, bf16
+                 gradient in, bf16 weights out, in the same chunks as the engine            -> T_adam
+                 (plus torch.optim.AdamW(fused=True) on fp32 gradients, for reference)
+    pcie         pinned copies of the bytes a step moves: 2 B/param down (gradients) and
+                 2 B/param up (weights), each alone and both at once                        -> T_pcie
+    ours         runtime.initialize with offload_optimizer {device: cpu, pin_memory: true}
+    ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
+    ours-device  the same engine without offload (for the offload/no-offload ratio)
+    deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable
+
+The summary line gives the lower bound max(T_gpu, T_adam, T_pcie) measured in this run, the serial sum
+T_gpu + T_adam + T_pcie, and each engine's step time over both. Timing: --warmup steps, then --steps
+steps each between device synchronizations; medians. "ours" also reports a phase split from extra steps
+with a synchronization after forward, backward and step (those steps are not in the median).
+
+--find_max: GPT sizes from --sizes (n_embd:n_head:n_layer), micro batch 1, seq 1024, ZeRO-2 with
+optimizer offload, 3 steps each. It starts at the first size with at least --start_params parameters and
+goes up while the runs succeed, or down until one does; one JSON line per try and a summary with the
+largest size that trained (the goal on one H200 with a 128 GiB host is >= 8B).
+
+Output: JSON lines on stdout, each starting with {"bench": "offload"; a table on stderr. Exit code 1 when
+a configuration of ours failed. CPU smoke check (tiny model, the same code paths, copies synchronous):
+
+    python scripts/bench/offload.py --device cpu --model tiny --micro_batch 2 --seq_len 64 --steps 2
+    python scripts/bench/offload.py --device cpu --find_max --sizes 64:4:2,128:4:2 --start_params 0 \
+        --seq_len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from runtime.models import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
+
+LR, WEIGHT_DECAY = 1e-4, 0.01
+CONFIGS = ("gpu", "adam", "pcie", "ours", "ours-dpu", "ours-device", "deepspeed")
+DEFAULT_CONFIGS = ("gpu", "adam", "pcie", "ours", "ours-dpu", "ours-device", "deepspeed")
+# n_embd:n_head:n_layer; 12·d² + 13·d per layer plus (50304 + 1024)·d of embeddings
+DEFAULT_SIZES = (
+    "4096:32:32,4096:32:36,5120:40:24,4096:32:40,5120:40:26,4096:32:44,5120:40:28,4096:32:48,5120:40:32"
+)
+MARK = '{"bench": "offload"'
+
+
+# -- helpers shared by the workers -----------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn: Any, device: torch.device, warmup: int, steps: int) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def _host_rss_gib() -> float | None:
+    try:
+        import psutil
+
+        return round(psutil.Process().memory_info().rss / 2**30, 2)
+    except Exception:  # psutil missing or /proc unreadable: the number is optional
+        return None
+
+
+def _init_group(device: torch.device) -> None:
+    import tempfile
+
+    import torch.distributed as dist
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    fd, path = tempfile.mkstemp(prefix="offload_bench_store_")
+    os.close(fd)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1)
+
+
+def _model_config(spec: dict[str, Any]) -> GPTConfig:
+    if "size" in spec:
+        base = GPTConfig.named(spec["size"])
+    else:
+        base = GPTConfig(n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"])
+    return GPTConfig(
+        n_layer=base.n_layer,
+        n_head=base.n_head,
+        n_embd=base.n_embd,
+        vocab_size=base.vocab_size,
+        max_seq_len=max(base.max_seq_len, spec["seq_len"]),
+    )
+
+
+def _fresh_model(config: GPTConfig, device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the device: seconds instead of minutes at 1.5B+
+        return GPT(config)
+
+
+def _batch(
+    config: GPTConfig, spec: dict[str, Any], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, config.vocab_size, (spec["micro_batch"], spec["seq_len"] + 1), generator=gen)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def engine_config(spec: dict[str, Any], offload: bool) -> dict[str, Any]:
+    """The DeepSpeed-style config shared by our engine and DeepSpeed."""
+    zero: dict[str, Any] = {"stage": spec["stage"], "overlap_comm": True, "contiguous_gradients": True}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": spec["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": spec["clip"],  # DeepSpeed 0.19.8 would default to 1.0
+        "steps_per_print": 1_000_000,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WEIGHT_DECAY},
+        },
+    }
+
+
+# -- workers (one per subprocess) -------------------------------------------------------------------------
+def work_gpu(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    config = _model_config(spec)
+    model = _fresh_model(config, device).to(torch.bfloat16)
+    x, y = _batch(config, spec, device)
+
+    def step() -> None:
+        _, loss = model(x, y)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    median, _ = _median_time(step, device, spec["warmup"], spec["steps"])
+    tokens = spec["micro_batch"] * spec["seq_len"]
+    return {
+        "step_s": round(median, 5),
+        "tflops": round(config.flops_per_token(spec["seq_len"]) * tokens / median / 1e12, 1),
+    }
+
+
+def work_adam(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    from runtime.offload.host_adam import HostAdam
+    from runtime.offload.host_masters import TRANSFER_CHUNK_ELEMS
+    from runtime.offload.spans import plan_chunks
+    from runtime.ops.adam import CPUAdam
+
+    n = _model_config(spec).num_params()
+    master = torch.nn.Parameter(torch.empty(n).normal_(0, 0.02))
+    optimizer = CPUAdam([master], lr=LR, weight_decay=WEIGHT_DECAY)
+    host = HostAdam(optimizer, [master])
+    landing = torch.empty(n, dtype=torch.bfloat16).normal_(0, 1e-3)
+    chunks = plan_chunks(n, TRANSFER_CHUNK_ELEMS)
+
+    def ours() -> None:
+        host.begin_step()
+        for offset, numel in chunks:
+            grad = landing.narrow(0, offset, numel)
+            # the bf16 weights are written over the consumed gradient, as in the engine; the next step
+            # reads them back as its gradient, which costs the same
+            host.update(0, offset, grad, grad, None)
+
+    cpu = torch.device("cpu")
+    t_ours, _ = _median_time(ours, cpu, 1, max(3, spec["adam_steps"]))
+    result: dict[str, Any] = {
+        "params": n,
+        "step_s": round(t_ours, 4),
+        "gparams_per_s": round(n / t_ours / 1e9, 3),
+        "gb_per_s_at_28B": round(28 * n / t_ours / 1e9, 1),
+        "threads": torch.get_num_threads(),
+    }
+    if spec.get("adam_reference", True):
+        del optimizer, host, landing, master  # the reference needs the memory
+        p = torch.nn.Parameter(torch.empty(n).normal_(0, 0.02))
+        p.grad = torch.empty(n).normal_(0, 1e-3)
+        fused = torch.optim.AdamW([p], lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+        t_fused, _ = _median_time(fused.step, cpu, 1, max(3, spec["adam_steps"]))
+        result["torch_fused_fp32_grads_s"] = round(t_fused, 4)
+        result["ours_over_torch_fused"] = round(t_fused / t_ours, 3)
+    return result
+
+
+def work_pcie(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    from runtime.offload.copies import CopyEngine
+    from runtime.offload.host_memory import HostMemory
+
+    n = _model_config(spec).num_params()
+    memory = HostMemory(device, pin=True)
+    down_host = memory.empty(n, torch.bfloat16, pinned=True)
+    up_host = memory.empty(n, torch.bfloat16, pinned=True).fill_(1)
+    down_dev = torch.ones(n, dtype=torch.bfloat16, device=device)
+    up_dev = torch.empty(n, dtype=torch.bfloat16, device=device)
+    copies = CopyEngine(device)
+
+    def down() -> None:
+        copies.to_host(down_host, down_dev)
+        copies.downloads_done()
+
+    def up() -> None:
+        copies.fence_uploads()
+        copies.device_wait(copies.to_device(up_dev, up_host))
+
+    def both() -> None:
+        copies.fence_uploads()
+        copies.to_host(down_host, down_dev)
+        copies.device_wait(copies.to_device(up_dev, up_host))
+        copies.downloads_done()
+
+    reps = 6
+    t_down, _ = _median_time(down, device, 1, reps)
+    t_up, _ = _median_time(up, device, 1, reps)
+    t_both, _ = _median_time(both, device, 1, reps)
+    nbytes = 2 * n
+    result = {
+        "bytes_each_way": nbytes,
+        "pinned": memory.pinned_bytes > 0,
+        "down_s": round(t_down, 5),
+        "up_s": round(t_up, 5),
+        "both_s": round(t_both, 5),
+        "down_gb_per_s": round(nbytes / t_down / 1e9, 1),
+        "up_gb_per_s": round(nbytes / t_up / 1e9, 1),
+        "duplex_gb_per_s": round(2 * nbytes / t_both / 1e9, 1),
+    }
+    memory.close()
+    return result
+
+
+def _engine_steps(spec: dict[str, Any], device: torch.device, make: Any) -> dict[str, Any]:
+    """Time `spec["steps"]` steps of an engine built by `make(model) -> engine`."""
+    config = _model_config(spec)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    setup_start = time.perf_counter()
+    model = _fresh_model(config, device)
+    engine = make(model)
+    _sync(device)
+    setup_s = time.perf_counter() - setup_start
+    x, y = _batch(config, spec, device)
+    losses: list[float] = []
+
+    def step() -> None:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+
+    median, times = _median_time(step, device, spec["warmup"], spec["steps"])
+    tokens = spec["micro_batch"] * spec["seq_len"]
+    result: dict[str, Any] = {
+        "params": config.num_params(),
+        "setup_s": round(setup_s, 1),
+        "step_s": round(median, 4),
+        "step_s_min": round(min(times), 4),
+        "tokens_per_s": round(tokens / median, 1),
+        "loss_first": round(float(losses[0]), 4),
+        "loss_last": round(float(losses[-1]), 4),
+        "host_rss_gib": _host_rss_gib(),
+    }
+    if device.type == "cuda":
+        result["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return {"engine": engine, "step": step, "result": result, "model": model, "batch": (x, y)}
+
+
+def _phases(run: dict[str, Any], device: torch.device, steps: int = 3) -> dict[str, float]:
+    engine, (x, y) = run["engine"], run["batch"]
+    split: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "step_s": []}
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        _, loss = engine(x, y)
+        _sync(device)
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        _sync(device)
+        t2 = time.perf_counter()
+        engine.step()
+        _sync(device)
+        t3 = time.perf_counter()
+        for key, value in zip(split, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            split[key].append(value)
+    return {key: round(statistics.median(values), 4) for key, values in split.items()}
+
+
+def work_ours(
+    spec: dict[str, Any], device: torch.device, *, offload: bool = True, dpu: int | None = None
+) -> dict:
+    import runtime
+    import runtime.offload
+
+    def make(model: GPT) -> Any:
+        engine, _, _, _ = runtime.initialize(
+            model=model, model_parameters=model.parameters(), config=engine_config(spec, offload)
+        )
+        if dpu is not None:
+            runtime.offload.enable_delayed_update(engine, after_steps=dpu)
+        return engine
+
+    run = _engine_steps(spec, device, make)
+    result = run["result"]
+    engine = run["engine"]
+    breakdown = engine.memory_breakdown()
+    result["device_state_gib"] = round(breakdown.device_model_state_bytes / 2**30, 2)
+    result["host_state_gib"] = round((breakdown.host_bytes + breakdown.host_buffer_bytes) / 2**30, 2)
+    result["host_bytes_per_param"] = round(
+        (breakdown.host_bytes + breakdown.host_buffer_bytes) / result["params"], 2
+    )
+    if offload:
+        result["pinned_gib"] = round(engine.masters.memory.pinned_bytes / 2**30, 2)
+        result["phases"] = _phases(run, device)
+    engine.destroy()
+    return result
+
+
+def work_deepspeed(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    import logging
+
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+
+        def make(model: GPT) -> Any:
+            engine, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=engine_config(spec, True)
+            )
+            return engine
+
+        run = _engine_steps(spec, device, make)
+    run["result"]["deepspeed"] = deepspeed.__version__
+    return run["result"]
+
+
+def work_trial(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """--find_max: does this size train 3 steps with optimizer offload?"""
+    result = work_ours(spec, device)
+    result.pop("phases", None)
+    return result
+
+
+WORKERS = {
+    "gpu": work_gpu,
+    "adam": work_adam,
+    "pcie": work_pcie,
+    "ours": work_ours,
+    "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
+    "ours-device": lambda spec, device: work_ours(spec, device, offload=False),
+    "deepspeed": work_deepspeed,
+    "trial": work_trial,
+}
+
+
+def worker_main(name: str, spec: dict[str, Any]) -> int:
+    device = torch.device(spec["device"])
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    record: dict[str, Any] = {"bench": "offload", "config": name}
+    try:
+        if name in ("ours", "ours-dpu", "ours-device", "deepspeed", "trial"):
+            _init_group(device)
+        record.update(WORKERS[name](spec, device))
+    except ImportError as exc:
+        record["skipped"] = f"not importable: {exc}"
+    except Exception as exc:  # reported as a JSON line; the parent goes on with the next configuration
+        text = f"{type(exc).__name__}: {exc}"
+        record["error"] = text[:2000]
+        record["oom"] = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text.lower()
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+# -- the parent -------------------------------------------------------------------------------------------
+def run_worker(name: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Run one configuration in a fresh interpreter; its last JSON line is the result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--spec", json.dumps(spec)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return {"bench": "offload", "config": name, "error": f"timed out after {timeout:.0f} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if lines:
+        record = json.loads(lines[-1])
+    else:
+        # killed without a word: the kernel's OOM killer sends SIGKILL (-9) when the host runs out
+        tail = (proc.stderr or "").strip().splitlines()[-5:]
+        why = "killed (host out of memory?)" if proc.returncode == -9 else f"exit code {proc.returncode}"
+        record = {"bench": "offload", "config": name, "error": f"{why}: {' | '.join(tail)}"[:2000]}
+        record["oom"] = proc.returncode == -9
+    record["wall_s"] = round(time.perf_counter() - start, 1)
+    return record
+
+
+def emit(record: dict[str, Any], out: Path | None) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out is not None:
+        with out.open("a") as f:
+            f.write(line + "\n")
+
+
+def environment(device: str) -> dict[str, Any]:
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "device": device,
+        "cpu_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                env["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(Exception):
+        import psutil
+
+        env["host_mem_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+        env["host_available_gib"] = round(psutil.virtual_memory().available / 2**30, 1)
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["device_name"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The lower bound from the parts measured in this run, and every engine against it."""
+    parts = {
+        "gpu": rows.get("gpu", {}).get("step_s"),
+        "adam": rows.get("adam", {}).get("step_s"),
+        "pcie": rows.get("pcie", {}).get("both_s"),
+    }
+    summary: dict[str, Any] = {
+        "bench": "offload",
+        "config": "summary",
+        **{f"t_{k}_s": v for k, v in parts.items()},
+    }
+    if all(v is not None for v in parts.values()):
+        bound = max(parts.values())
+        serial = sum(parts.values())
+        summary.update(bound_s=round(bound, 4), serial_s=round(serial, 4), bound_by=max(parts, key=parts.get))
+        for name in ("ours", "ours-dpu", "ours-device", "deepspeed"):
+            step = rows.get(name, {}).get("step_s")
+            if step is not None:
+                summary[f"{name}_over_bound"] = round(step / bound, 3)
+                summary[f"{name}_over_serial"] = round(step / serial, 3)
+    ours = rows.get("ours", {}).get("step_s")
+    for name in ("ours-dpu", "ours-device", "deepspeed"):
+        other = rows.get(name, {}).get("step_s")
+        if ours is not None and other is not None:
+            summary[f"{name}_over_ours"] = round(other / ours, 3)
+    return summary
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    print(f"\n{'config':13} {'step s':>9} {'tokens/s':>10}  notes", file=sys.stderr)
+    for r in records:
+        if r.get("config") == "summary":
+            continue
+        note = r.get("error") or r.get("skipped") or ""
+        step = r.get("step_s", r.get("both_s"))
+        step_text = "" if step is None else f"{step:.4f}"
+        tps = "" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"
+        print(f"{r['config']:13} {step_text:>9} {tps:>10}  {note[:80]}", file=sys.stderr)
+
+
+def step_mode(args: argparse.Namespace, spec: dict[str, Any]) -> int:
+    rows: dict[str, dict[str, Any]] = {}
+    records = []
+    for name in args.configs:
+        record = run_worker(name, spec, args.timeout)
+        record.update(model=args.model, params=_model_config(spec).num_params())
+        emit(record, args.out)
+        rows[name] = record
+        records.append(record)
+    summary = summarize(rows)
+    emit(summary, args.out)
+    print_table(records)
+    print(json.dumps(summary, indent=1), file=sys.stderr)
+    ours_failed = any("error" in rows.get(n, {}) for n in ("ours", "ours-dpu"))
+    return 1 if ours_failed else 0
+
+
+def parse_sizes(text: str) -> list[dict[str, int]]:
+    sizes = []
+    for part in text.split(","):
+        try:
+            d, h, layers = (int(v) for v in part.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"size {part!r} is not n_embd:n_head:n_layer") from None
+        sizes.append({"n_embd": d, "n_head": h, "n_layer": layers})
+    return sizes
+
+
+def find_max(args: argparse.Namespace, spec: dict[str, Any]) -> int:
+    sizes = sorted(
+        args.sizes,
+        key=lambda s: GPTConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"]).num_params(),
+    )
+
+    def params_of(size: dict[str, int]) -> int:
+        return _model_config({**spec, **size}).num_params()
+
+    index = next((i for i, s in enumerate(sizes) if params_of(s) >= args.start_params), len(sizes) - 1)
+    tried: dict[int, bool] = {}
+    best: dict[str, Any] | None = None
+    direction = 0
+    while 0 <= index < len(sizes) and index not in tried:
+        size = sizes[index]
+        trial = {**spec, **size, "warmup": 0, "steps": 3, "micro_batch": args.micro_batch or 1}
+        record = run_worker("trial", trial, args.timeout)
+        record.update(size, params=params_of(size))
+        record["trained"] = "error" not in record and "skipped" not in record
+        emit(record, args.out)
+        tried[index] = record["trained"]
+        if record["trained"] and (best is None or record["params"] > best["params"]):
+            best = record
+        step = 1 if record["trained"] else -1
+        if direction and step != direction:
+            break  # crossed the edge: the largest size that trains is known
+        direction = step
+        index += step
+    summary = {
+        "bench": "offload",
+        "config": "find_max_summary",
+        "largest_trained_params": None if best is None else best["params"],
+        "largest_trained": None if best is None else {k: best[k] for k in ("n_embd", "n_head", "n_layer")},
+        "host_bytes_per_param": None if best is None else best.get("host_bytes_per_param"),
+        "step_s": None if best is None else best.get("step_s"),
+        "tried": len(tried),
+    }
+    emit(summary, args.out)
+    print(json.dumps(summary, indent=1), file=sys.stderr)
+    return 0 if best is not None else 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="xl", choices=sorted(MODEL_SIZES))
+    parser.add_argument("--micro_batch", type=int, help="default 8 (1 with --find_max)")
+    parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
+    parser.add_argument("--clip", type=float, default=0.0, help="gradient_clipping (0 = off)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--adam_steps", type=int, default=5)
+    parser.add_argument("--dpu_after", type=int, default=2, help="ours-dpu: synchronous steps before DPU")
+    parser.add_argument("--threads", type=int, help="torch threads in every worker (default: torch's)")
+    parser.add_argument(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma-separated, from {', '.join(CONFIGS)}",
+    )
+    parser.add_argument("--find_max", action="store_true", help="largest GPT that trains with offload")
+    parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES))
+    parser.add_argument("--start_params", type=float, default=8e9, help="--find_max: first size to try")
+    parser.add_argument("--timeout", type=float, default=420.0, help="seconds per configuration")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        return args
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        parser.error(f"unknown --configs {unknown or args.configs!r}; choose from {', '.join(CONFIGS)}")
+    args.configs = names
+    for name in ("seq_len", "steps", "adam_steps"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name} must be positive")
+    if args.warmup < 0 or (args.micro_batch is not None and args.micro_batch <= 0):
+        parser.error("--warmup must be >= 0 and --micro_batch positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        return worker_main(args.worker, json.loads(args.spec))
+    spec = {
+        "device": args.device,
+        "size": args.model,
+        "micro_batch": args.micro_batch or 8,
+        "seq_len": args.seq_len,
+        "stage": args.stage,
+        "clip": args.clip,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "adam_steps": args.adam_steps,
+        "dpu_after": args.dpu_after,
+        "threads": args.threads,
+    }
+    mode = "find_max" if args.find_max else "step"
+    start = {"bench": "offload", "config": "start", "mode": mode, **environment(args.device)}
+    start["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    emit(start, args.out)
+    if args.find_max:
+        spec.pop("size")
+        return find_max(args, spec)
+    return step_mode(args, spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

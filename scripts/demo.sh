@@ -46,6 +46,11 @@ losses=$(sed -n 's/.*| loss \([0-9.]*\) |.*/\1/p' "$log")
 first=$(echo "$losses" | head -n 1)
 last=$(echo "$losses" | tail -n 1)
 echo
-echo "demo: done in ${elapsed}s. $workers processes trained one model together (ZeRO-2: each kept half of"
-echo "demo: the optimizer state and gradients); the loss, averaged over both, went from $first to $last"
+if [ "$workers" -gt 1 ]; then
+    echo "demo: done in ${elapsed}s. $workers processes trained one model together (ZeRO-2: each kept 1/$workers of"
+    echo "demo: the optimizer state and gradients); the loss, averaged over all, went from $first to $last"
+else
+    echo "demo: done in ${elapsed}s. One process trained the model (ZeRO-2 shards nothing with one rank);"
+    echo "demo: the loss went from $first to $last"
+fi
 echo "demo: (a uniform guess over 256 byte values scores 5.55). Run the tests: bash scripts/test.sh"

@@ -161,7 +161,7 @@ def _checks(rank: int, world_size: int) -> dict:
         model=model, training_data=dataset, config=_config()
     )
     out["loader"] = [batch[0].tolist() for batch in loader]
-    out["sampler"] = type(loader.sampler).__name__
+    out["sampler"] = isinstance(loader.sampler, torch.utils.data.DistributedSampler)
     out["returned"] = (optimizer is engine.optimizer, scheduler is None)
     out["device"] = str(engine.device)
     engine.destroy()
@@ -322,9 +322,6 @@ def _checks(rank: int, world_size: int) -> dict:
     model.zero_grad()  # replaces the engine's gradient views
     errors["model_zero_grad"] = _error_of(engine.step)
     engine.destroy()
-    errors["stage3"] = _error_of(
-        lambda: runtime.initialize(model=make_model(0), config=_config(zero_optimization={"stage": 3}))
-    )
     errors["lamb_sharded"] = _error_of(
         lambda: runtime.initialize(
             model=(m := make_model(0)), optimizer=_lamb(m), config=_without_optimizer(_config())
@@ -391,7 +388,7 @@ def world() -> list[dict]:
 
 
 def test_dataloader_splits_the_dataset_over_ranks(world: list[dict]) -> None:
-    assert [out["sampler"] for out in world] == ["DistributedSampler"] * 2
+    assert [out["sampler"] for out in world] == [True, True]  # a DistributedSampler (resumable)
     batches = [out["loader"] for out in world]
     assert all(len(b) == 3 for batches_of_rank in batches for b in batches_of_rank[:-1])
     seen = sorted(v for batches_of_rank in batches for b in batches_of_rank for v in b)
@@ -468,8 +465,6 @@ def test_user_errors_are_explained(world: list[dict]) -> None:
     errors = world[0]["errors"]
     kind, message = errors["model_zero_grad"]
     assert kind == "GradientViewsReplaced" and "engine.zero_grad()" in message
-    kind, message = errors["stage3"]
-    assert kind == "NotImplementedError" and "stage 3" in message
     kind, message = errors["lamb_sharded"]
     assert kind == "ValueError" and "zero_allow_untested_optimizer" in message
     kind, message = errors["bad_loss"]

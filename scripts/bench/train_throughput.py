@@ -83,6 +83,7 @@ class Workload:
     device: torch.device
     compile: bool
     ds_torch_adam: bool
+    activation_checkpointing: bool = False
 
     @property
     def tokens_per_step(self) -> int:
@@ -124,6 +125,10 @@ def fresh_model(work: Workload) -> GPT:
     torch.manual_seed(0)
     with torch.device(work.device):  # initialise on the device: seconds instead of minutes for 1.5B
         model = GPT(work.config)
+    if work.activation_checkpointing:
+        import runtime.checkpointing
+
+        model.checkpoint_fn = runtime.checkpointing.checkpoint  # every block recomputed in backward
     if work.compile:
         for block in model.blocks:
             block.compile()  # per block, in place, so hooks on module boundaries keep working
@@ -363,6 +368,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="DeepSpeed with torch AdamW instead of its JIT-built FusedAdam",
     )
+    parser.add_argument(
+        "--activation_checkpointing",
+        action="store_true",
+        help="recompute every transformer block in backward (runtime.checkpointing), for every peer",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
@@ -423,7 +433,15 @@ def main(argv: list[str] | None = None) -> int:
         base = GPTConfig.named(run.model)
         config = GPTConfig.named(run.model, max_seq_len=max(base.max_seq_len, args.seq_len))
         micro_batch = args.micro_batch or DEFAULT_MICRO_BATCH.get(run.model, 8)
-        work = Workload(config, micro_batch, args.seq_len, device, args.compile, args.ds_torch_adam)
+        work = Workload(
+            config,
+            micro_batch,
+            args.seq_len,
+            device,
+            args.compile,
+            args.ds_torch_adam,
+            args.activation_checkpointing,
+        )
         # The same batch for every configuration of a model: random ids drawn once from a fixed seed.
         gen = torch.Generator().manual_seed(1234)
         tokens = torch.randint(0, config.vocab_size, (micro_batch, args.seq_len + 1), generator=gen)
@@ -441,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "steps": args.steps,
             "compile": args.compile,
+            "activation_checkpointing": args.activation_checkpointing,
             "device": str(device),
         }
         record.update(run_one(run, work, batch, args.warmup, args.steps))

@@ -229,9 +229,11 @@ def _misuse_and_options(rank: int, world: int, root: str) -> dict:
 
     seen: dict = {}
 
+    warmup = {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_type": "linear"}}
+
     def build(**extra):
         model = make_model(0)
-        config = {**CONFIG, **extra}
+        config = {**CONFIG, "scheduler": warmup, **extra}
         engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
         return engine
 
@@ -244,6 +246,7 @@ def _misuse_and_options(rank: int, world: int, root: str) -> dict:
 
     engine = build()
     _step(engine, rank, world)
+    _step(engine, rank, world)  # the warmup has moved the lr off its start
     # ranks disagree on the tag: by default (WARN) everything is saved under rank 0's
     engine.save_checkpoint(root, tag=f"tag{rank}")
     seen["tags"] = sorted(p.name for p in Path(root).iterdir() if p.is_dir())
@@ -256,6 +259,7 @@ def _misuse_and_options(rank: int, world: int, root: str) -> dict:
     engine.save_checkpoint(root, "quiet", save_latest=False)
     seen["latest"] = read_latest(root)
     masters = engine.full_state_dict(rank0_only=False)
+    seen["lr"] = engine.get_lr()
 
     fresh = build()
     fresh.load_checkpoint(root, "quiet", load_module_only=True)
@@ -263,6 +267,7 @@ def _misuse_and_options(rank: int, world: int, root: str) -> dict:
     fresh = build()
     fresh.load_checkpoint(root, load_optimizer_states=False)
     seen["no_optimizer"] = (fresh.global_steps, len(fresh.optimizer.state), _same(fresh, masters))
+    seen["no_optimizer_lr"] = fresh.get_lr()  # the schedule's, not the fresh optimizer's
     fresh = build()
     fresh.load_checkpoint(root)
     state = fresh.optimizer.state[fresh.groups[0].master]
@@ -285,5 +290,6 @@ def test_tag_agreement_unsaveable_client_state_and_partial_loads(tmp_path: Path)
         assert seen["bad_tag_written"] is False  # refused before any file was written
         assert seen["latest"] == "tag0"  # neither the failed save nor save_latest=False moved it
         assert seen["module_only"] == (0, 0, True)  # weights only: no counters, no optimizer state
-        assert seen["no_optimizer"] == (1, 0, True)  # counters and weights, a fresh optimizer
-        assert seen["everything"] == (1, ["exp_avg", "exp_avg_sq", "step"], True)
+        assert seen["no_optimizer"] == (2, 0, True)  # counters and weights, a fresh optimizer
+        assert seen["no_optimizer_lr"] == seen["lr"] and seen["lr"][0] > 0
+        assert seen["everything"] == (2, ["exp_avg", "exp_avg_sq", "step"], True)

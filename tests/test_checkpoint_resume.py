@@ -14,8 +14,9 @@ each checkpoint, trains 3 more steps and compares with the straight run:
 
 Optimizer offload (masters and Adam state in host memory, the CPU step) is saved and resumed the same
 way, and a checkpoint moves between offloaded and on-device runs. With ZeRO stage 3 present (parameters
-sharded per gather unit, one flat group per unit and param group) its cases join the grid, and
-checkpoints move between stage 3 and stages 0-2.
+sharded per gather unit: a flat group and an optimizer param group per unit and user param group, 7 here
+where stages 0-2 have 2) its cases join the grid, and checkpoints move between stage 3 and stages 0-2:
+optimizer hyperparameters and the LR schedule's per-group lists are matched by user param group.
 
 Every case uses AdamW over two param groups (different weight decay), gradient clipping, a warmup/decay
 LR schedule, and a data loader owned by the engine; fp16 cases start with a loss scale that overflows, so
@@ -88,6 +89,8 @@ class Case:
         }
         if self.offload:
             cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        if self.stage == 3:  # a gather unit per linear layer: 7 flat groups where stages 0-2 have 2
+            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
         if self.optimizer == "SGD":
             cfg["optimizer"]["params"].update(lr=0.05, momentum=0.9)
         if self.dtype == "bf16":
@@ -147,8 +150,8 @@ def _build(case: Case):
     )
     loader.sampler.set_epoch(1)
     assert (type(engine.masters).__name__ == "HostMasters") == case.offload  # really offloaded, or not
-    if case.stage == 3 and case.world > 1:
-        assert type(engine.zero).__name__ == "ParamShardedStage"  # parameters really sharded
+    if case.stage == 3 and case.world > 1:  # parameters really sharded, 7 flat groups and optimizer groups
+        assert type(engine.zero).__name__ == "ParamShardedStage" and len(engine.optimizer.param_groups) == 7
     return engine, loader
 
 
@@ -168,11 +171,22 @@ def _steps(engine, rank: int, world: int, count: int) -> list[float]:
     return [float(loss) / world for loss in losses]
 
 
+def _working(engine) -> dict:
+    """The model's working weights (gathered first where ZeRO-3 shards them)."""
+    params = list(engine.module.parameters())
+    if engine.zero_stage == 3:
+        from runtime.zero import GatheredParameters
+
+        with GatheredParameters(params):
+            return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
 def _snapshot(engine, losses: list[float], batches: list[list[int]]) -> dict:
     return {
         "losses": losses,
         "master": engine.full_state_dict(rank0_only=False),
-        "working": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+        "working": _working(engine),
         "skipped": engine.skipped_steps,
         "scale": engine.loss_scale,
         "lr": engine.get_lr(),

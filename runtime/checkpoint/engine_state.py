@@ -105,9 +105,11 @@ def param_names(engine: Any, group: Any) -> list[str]:
 
 
 def module_extras(engine: Any) -> dict[str, Any]:
-    """State-dict entries the flat groups do not hold: buffers, frozen parameters, extra state."""
-    full = engine.module.state_dict()
-    return {key: full[key] for key, name in module_keys(engine) if name is None}
+    """State-dict entries the flat groups do not hold: buffers, frozen parameters, extra state.
+    (keep_vars: the trained parameters are not touched, ZeRO-3 keeps them sharded.)"""
+    full = engine.module.state_dict(keep_vars=True)
+    extras = {key: full[key] for key, name in module_keys(engine) if name is None}
+    return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
 
 
 def check_module_extras(engine: Any, extras: Mapping[str, Any], *, strict: bool) -> list[str]:
@@ -127,7 +129,7 @@ def check_module_extras(engine: Any, extras: Mapping[str, Any], *, strict: bool)
                 if part
             )
         )
-    current = engine.module.state_dict()
+    current = engine.module.state_dict(keep_vars=True)
     for key in sorted(wanted & set(extras)):
         value, have = extras[key], current[key]
         if isinstance(have, torch.Tensor) and isinstance(value, torch.Tensor) and have.shape != value.shape:
@@ -198,6 +200,34 @@ def optimizer_group_options(engine: Any, saved: list[dict[str, Any]]) -> list[di
     return out
 
 
+def regroup_scheduler_state(
+    engine: Any, scheduler_state: dict[str, Any], saved_groups: Any
+) -> dict[str, Any]:
+    """An LR scheduler's state with its per-param-group lists (base_lrs, _last_lr, our schedules' min/max
+    lrs: every top-level list as long as the saved optimizer's group list) re-indexed for this
+    optimizer's groups, matched by user param group. Unchanged when the grouping is the same."""
+    if not saved_groups or engine.optimizer is None:
+        return scheduler_state
+    saved_specs = [int(entry["spec"]) for entry in saved_groups]
+    spec_of = {group.index: spec_index(group) for group in engine.groups}
+    current = [spec_of.get(i, i) for i in range(len(engine.optimizer.param_groups))]
+    if saved_specs == current:
+        return scheduler_state
+    first: dict[int, int] = {}
+    for i, spec in enumerate(saved_specs):
+        first.setdefault(spec, i)
+    missing = sorted(set(current) - set(first))
+    if missing:
+        raise CheckpointMismatch(f"the checkpoint's LR scheduler has no param group {missing[0]}")
+    pick = [first[spec] for spec in current]
+    return {
+        key: type(value)(value[j] for j in pick)
+        if isinstance(value, (list, tuple)) and len(value) == len(saved_specs)
+        else value
+        for key, value in scheduler_state.items()
+    }
+
+
 def _scheduler_state(scheduler: Any) -> Any:
     if scheduler is None or not hasattr(scheduler, "state_dict"):
         return None
@@ -230,7 +260,15 @@ def restore(
         if saved_scheduler is None:
             _log.warning("the checkpoint has no LR scheduler state; the scheduler starts from its beginning")
         else:
-            engine.lr_scheduler.load_state_dict(dict(saved_scheduler))
+            saved_groups = state.get("optimizer_param_groups")
+            scheduler = engine.lr_scheduler
+            scheduler.load_state_dict(regroup_scheduler_state(engine, dict(saved_scheduler), saved_groups))
+            if not load_optimizer_states and hasattr(scheduler, "get_last_lr"):
+                # the next step runs with the schedule's current lr, not the fresh optimizer's
+                for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+                    group["lr"] = lr
+                if hasattr(scheduler, "after_lr_update"):
+                    scheduler.after_lr_update()
     loader = getattr(engine, "training_dataloader", None)
     position = state.get("data_position")
     if position is not None and hasattr(loader, "load_state_dict"):

@@ -1,9 +1,10 @@
 """Consolidation: a sharded checkpoint becomes one state dict that a plain model loads, streamed.
 
-- A GPT with tied embedding/head weights, a buffer and a frozen layer is trained under ZeRO-2 on 3 ranks
-  and saved. `get_fp32_state_dict_from_checkpoint` (no process group) returns the engine's own fp32
-  state dict bitwise, the plain model loads it strictly and computes the engine's loss; `ds_consolidate
-  --dtype bf16` writes a safetensors file whose weights equal the bf16 working weights of a bf16 run.
+- A GPT with tied embedding/head weights, a buffer and a frozen layer is trained on 3 ranks and saved.
+  ZeRO-2, fp32: `get_fp32_state_dict_from_checkpoint` (no process group) returns the engine's own fp32
+  state dict bitwise, the plain model loads it strictly and computes the engine's loss. ZeRO-3 (a gather
+  unit per block), bf16: the same fp32 state dict, and `ds_consolidate --dtype bf16` writes a safetensors
+  file whose weights equal the bf16 working weights.
 - Memory: consolidating a 3-rank checkpoint of a 6M-parameter model in a fresh process raises its peak
   RSS by less than 2x the largest shard file (a naive consolidation holds every shard plus the output,
   4x here); the reader reads exactly the fp32 master bytes, none of the optimizer state.
@@ -52,18 +53,22 @@ def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _train_and_save(rank: int, world: int, save_dir: str, dtype: str) -> dict:
+def _train_and_save(rank: int, world: int, save_dir: str, dtype: str, stage: int) -> dict:
     import runtime
 
     config = {
         "train_batch_size": 6,
         "steps_per_print": 0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 500},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 500},
     }
+    if stage == 3:  # a gather unit per block, embedding and head: parameters sharded unit by unit
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 64
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
     engine, *_ = runtime.initialize(model=GPTWithExtras(), config=config)
+    if stage == 3:
+        assert type(engine.zero).__name__ == "ParamShardedStage" and len(engine.groups) > 2
     per = 6 // world
     for step in range(3):
         x, y = _batch(step, 6)
@@ -73,7 +78,8 @@ def _train_and_save(rank: int, world: int, save_dir: str, dtype: str) -> dict:
     state = engine.full_state_dict(rank0_only=False)
     with torch.no_grad():
         loss = float(engine(*_batch(99, 4)))
-    working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with runtime.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+        working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     engine.destroy()
     return {"state": state, "loss": loss, "working": working}
 
@@ -82,8 +88,9 @@ def _train_and_save(rank: int, world: int, save_dir: str, dtype: str) -> dict:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("consolidate")
     out = {}
-    for dtype in ("fp32", "bf16"):
-        out[dtype] = (root / dtype, run_distributed(_train_and_save, 3, str(root / dtype), dtype)[0])
+    stages = {"fp32": 2, "bf16": 3}
+    for dtype, stage in stages.items():
+        out[dtype] = (root / dtype, run_distributed(_train_and_save, 3, str(root / dtype), dtype, stage)[0])
     return out
 
 
@@ -104,10 +111,13 @@ def test_fp32_state_dict_loads_into_the_plain_model_and_gives_the_engine_loss(ch
 def test_ds_consolidate_writes_bf16_weights_equal_to_the_working_weights(
     checkpoints: dict, tmp_path: Path
 ) -> None:
-    save_dir, engine = checkpoints["bf16"]
+    save_dir, engine = checkpoints["bf16"]  # saved by ZeRO-3: parameters sharded unit by unit
     output = tmp_path / "out" / "model.safetensors"
     assert consolidate_main([str(save_dir), str(output), "--dtype", "bf16"]) == 0
     state = load_state_dict_file(output)
+    fp32 = get_fp32_state_dict_from_checkpoint(save_dir)
+    for key, tensor in engine["state"].items():
+        assert torch.equal(fp32[key], tensor), key
     for name, working in engine["working"].items():
         assert state[name].dtype == torch.bfloat16
         assert torch.equal(state[name], working), name  # working weights are the rounded fp32 masters

@@ -183,7 +183,7 @@ def _save_wide(rank: int, world: int, save_dir: str) -> int:
 _MEASURE = """
 import json, sys
 import torch
-from runtime.checkpoint.consolidate import consolidate
+from runtime.checkpoint.consolidate import consolidate_checkpoint
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -193,7 +193,7 @@ def status(key):
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")
 before = status("VmRSS")
-result = consolidate(sys.argv[1], sys.argv[2])
+result = consolidate_checkpoint(sys.argv[1], sys.argv[2])
 print(json.dumps({"before": before, "peak": status("VmHWM"), "bytes_read": result.bytes_read,
                   "written": result.bytes}))
 """

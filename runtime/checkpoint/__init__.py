@@ -15,11 +15,8 @@ procedures), `consolidate` (one state dict from a sharded checkpoint, streamed).
 
 from __future__ import annotations
 
-from runtime.checkpoint.consolidate import (
-    consolidate,
-    get_fp32_state_dict_from_checkpoint,
-    load_state_dict_file,
-)
+from typing import Any
+
 from runtime.checkpoint.data_position import ResumableDataLoader, ResumableSampler
 from runtime.checkpoint.load import load_checkpoint
 from runtime.checkpoint.manifest import (
@@ -42,10 +39,22 @@ __all__ = [
     "Manifest",
     "ResumableDataLoader",
     "ResumableSampler",
-    "consolidate",
+    "consolidate_checkpoint",
     "get_fp32_state_dict_from_checkpoint",
     "load_checkpoint",
     "load_state_dict_file",
     "read_latest",
     "save_checkpoint",
 ]
+
+
+_CONSOLIDATE = ("consolidate_checkpoint", "get_fp32_state_dict_from_checkpoint", "load_state_dict_file")
+
+
+def __getattr__(name: str) -> Any:
+    # imported on first use, so `python -m runtime.checkpoint.consolidate` runs the module only once
+    if name in _CONSOLIDATE:
+        import importlib
+
+        return getattr(importlib.import_module("runtime.checkpoint.consolidate"), name)
+    raise AttributeError(f"module 'runtime.checkpoint' has no attribute {name!r}")

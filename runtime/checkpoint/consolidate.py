@@ -116,7 +116,7 @@ def get_fp32_state_dict_from_checkpoint(
     return dict(iter_state_dict(checkpoint_dir, tag, verify=verify))
 
 
-def consolidate(
+def consolidate_checkpoint(
     checkpoint_dir: str | os.PathLike[str],
     output: str | os.PathLike[str],
     tag: str | None = None,
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     if output.suffix != ".safetensors" and not output.is_dir():
         parser.error(f"OUTPUT {args.output!r} must end in .safetensors (or be a directory)")
     try:
-        result = consolidate(
+        result = consolidate_checkpoint(
             args.checkpoint_dir, output, args.tag, dtype=_DTYPES[args.dtype], verify=not args.no_verify
         )
     except (CheckpointError, TensorFileError, OSError) as error:

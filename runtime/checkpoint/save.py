@@ -124,6 +124,7 @@ def _prepare(root: Path, tag_dir: Path, rank: int) -> None:
         return
     root.mkdir(parents=True, exist_ok=True)
     tag_dir.mkdir(exist_ok=True)
+    fsync_dir(root)  # the tag directory's own entry
     old = tag_dir / MANIFEST
     if old.exists():
         if read_latest(root) == tag_dir.name:

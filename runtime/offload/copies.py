@@ -33,7 +33,8 @@ class CopyEngine:
             dst.copy_(src)
             return None
         self._down.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._down):
+        # the device context too: the caller may be a thread whose current device is another one
+        with torch.cuda.device(self.device), torch.cuda.stream(self._down):
             dst.copy_(src, non_blocking=True)
         return self._down.record_event()
 
@@ -49,7 +50,7 @@ class CopyEngine:
         if not self.is_async:
             dst.copy_(src)
             return None
-        with torch.cuda.stream(self._up):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._up):
             dst.copy_(src, non_blocking=True)
         return self._up.record_event()
 

@@ -25,7 +25,8 @@ optimizer offload, 3 steps each. It starts at the first size with at least --sta
 goes up while the runs succeed, or down until one does; one JSON line per try and a summary with the
 largest size that trained (the goal on one H200 with a 128 GiB host is >= 8B).
 
-Output: JSON lines on stdout, each starting with {"bench": "offload"; a table on stderr. Exit code 1 when
+Output: JSON lines on stdout, each starting with {"bench": "offload"; a table on stderr. A run split over
+several commands (--configs ... --out FILE each) is summarized with --summarize FILE. Exit code 1 when
 a configuration of ours failed. CPU smoke check (tiny model, the same code paths, copies synchronous):
 
     python scripts/bench/offload.py --device cpu --model tiny --micro_batch 2 --seq_len 64 --steps 2
@@ -317,8 +318,13 @@ def _phases(run: dict[str, Any], device: torch.device, steps: int = 3) -> dict[s
 
 
 def work_ours(
-    spec: dict[str, Any], device: torch.device, *, offload: bool = True, dpu: int | None = None
-) -> dict:
+    spec: dict[str, Any],
+    device: torch.device,
+    *,
+    offload: bool = True,
+    dpu: int | None = None,
+    phases: bool = True,
+) -> dict[str, Any]:
     import runtime
     import runtime.offload
 
@@ -341,6 +347,7 @@ def work_ours(
     )
     if offload:
         result["pinned_gib"] = round(engine.masters.memory.pinned_bytes / 2**30, 2)
+    if phases:
         result["phases"] = _phases(run, device)
     engine.destroy()
     return result
@@ -367,9 +374,7 @@ def work_deepspeed(spec: dict[str, Any], device: torch.device) -> dict[str, Any]
 
 def work_trial(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """--find_max: does this size train 3 steps with optimizer offload?"""
-    result = work_ours(spec, device)
-    result.pop("phases", None)
-    return result
+    return work_ours(spec, device, phases=False)
 
 
 WORKERS = {
@@ -594,6 +599,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per configuration")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    parser.add_argument(
+        "--summarize",
+        type=Path,
+        help="only print the summary of the latest record per configuration in this JSON-lines file "
+        "(for a run split over several commands with the same --out)",
+    )
     args = parser.parse_args(argv)
     if args.worker is not None:
         return args
@@ -614,6 +625,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
         return worker_main(args.worker, json.loads(args.spec))
+    if args.summarize is not None:
+        rows = {}
+        for line in args.summarize.read_text().splitlines():
+            if line.startswith(MARK):
+                record = json.loads(line)
+                rows[record.get("config")] = record
+        emit(summarize(rows), None)
+        return 0
     spec = {
         "device": args.device,
         "size": args.model,

@@ -403,8 +403,8 @@ def _refuse_unsupported(config: Any) -> None:
     zero = config.zero_optimization
     if zero.offload_param.device != "none":
         raise NotImplementedError(
-            f"zero_optimization.offload_param.device={zero.offload_param.device!r} needs ZeRO stage 3, "
-            "which is not available yet; offload_optimizer works with stages 1 and 2"
+            f"zero_optimization.offload_param.device={zero.offload_param.device!r} is not implemented yet "
+            "(ZeRO-3 keeps its parameter shards on the device); offload_optimizer works at stages 1-3"
         )
 
 

@@ -67,7 +67,8 @@ enough that only the last chunk's copy is exposed, large enough that per-chunk o
 
 
 class HostMasters:
-    """The offload placement for stages 1 and 2 (and any stage that lays out its shards the same way)."""
+    """The offload placement, for every ZeRO stage: where the updated weights go is the stage's
+    `WorkingTarget` (targets.py); the spans come from the groups' flat layouts."""
 
     def __init__(
         self,
@@ -246,7 +247,7 @@ class HostMasters:
     # -- delayed parameter update ---------------------------------------------------------------------
     def delay_updates(self, after_steps: int) -> None:
         """Turn on the delayed parameter update once `after_steps` steps have run (see the module
-        docstring); None turns it off (the update in flight is installed by the next step)."""
+        docstring). Allocates the second landing buffer and the device staging buffer."""
         if after_steps < 0:
             raise ValueError(f"delayed update: after_steps must be >= 0, got {after_steps}")
         self._delay_after = after_steps

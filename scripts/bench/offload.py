@@ -23,7 +23,9 @@ with a synchronization after forward, backward and step (those steps are not in 
 --find_max: GPT sizes from --sizes (n_embd:n_head:n_layer), micro batch 1, seq 1024, ZeRO-2 with
 optimizer offload, 3 steps each. It starts at the first size with at least --start_params parameters and
 goes up while the runs succeed, or down until one does; one JSON line per try and a summary with the
-largest size that trained (the goal on one H200 with a 128 GiB host is >= 8B).
+largest size that trained (the goal on one H200 with a 128 GiB host is >= 8B). A size whose estimated
+host memory (14 B/param + 4 GiB) exceeds what is available is reported as skipped instead of tried, so
+the kernel's OOM killer never has to choose a victim (--no_host_guard tries anyway).
 
 Output: JSON lines on stdout, each starting with {"bench": "offload"; a table on stderr. A run split over
 several commands (--configs ... --out FILE each) is summarized with --summarize FILE. Exit code 1 when
@@ -532,6 +534,23 @@ def parse_sizes(text: str) -> list[dict[str, int]]:
     return sizes
 
 
+HOST_BYTES_PER_PARAM = 14  # fp32 master, exp_avg, exp_avg_sq + the bf16 landing buffer
+HOST_OVERHEAD_GIB = 4.0  # interpreter, torch, CUDA context
+
+
+def _host_shortfall(params: int) -> str | None:
+    """Why a model of `params` parameters cannot fit in the host memory available now, or None."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    need = params * HOST_BYTES_PER_PARAM / 2**30 + HOST_OVERHEAD_GIB
+    available = psutil.virtual_memory().available / 2**30
+    if need <= available:
+        return None
+    return f"needs about {need:.1f} GiB of host memory, {available:.1f} GiB available (--no_host_guard tries)"
+
+
 def find_max(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     sizes = sorted(
         args.sizes,
@@ -548,7 +567,11 @@ def find_max(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     while 0 <= index < len(sizes) and index not in tried:
         size = sizes[index]
         trial = {**spec, **size, "warmup": 0, "steps": 3, "micro_batch": args.micro_batch or 1}
-        record = run_worker("trial", trial, args.timeout)
+        short = None if args.no_host_guard else _host_shortfall(params_of(size))
+        if short is not None:  # do not wake the kernel's OOM killer: it may pick another process
+            record = {"bench": "offload", "config": "trial", "skipped": short}
+        else:
+            record = run_worker("trial", trial, args.timeout)
         record.update(size, params=params_of(size))
         record["trained"] = "error" not in record and "skipped" not in record
         emit(record, args.out)
@@ -596,6 +619,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--find_max", action="store_true", help="largest GPT that trains with offload")
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES))
     parser.add_argument("--start_params", type=float, default=8e9, help="--find_max: first size to try")
+    parser.add_argument(
+        "--no_host_guard",
+        action="store_true",
+        help="--find_max: also try sizes whose estimated host memory exceeds what is available",
+    )
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per configuration")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")

@@ -239,7 +239,8 @@ class Engine(nn.Module):
             want_norm=self._log.wants_norm(self.global_steps + 1) or self.monitor.wants_norm,
             all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
         )
-        result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
+        with self._timers("optimizer_step"):  # norm, clip, the optimizer (on the host under offload)
+            result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
         self._grad_norm = result.norm
         if result.overflow:
             self.skipped_steps += 1
@@ -248,7 +249,8 @@ class Engine(nn.Module):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
             self._sync_hyperparameters(self.lr_scheduler)
-        self.masters.write_back()
+        with self._timers("write_back"):  # updated weights back to the model (offload: copies; all-gathers)
+            self.masters.write_back()
         self._update_scaler(overflow=False)
         return True
 
@@ -395,8 +397,8 @@ class Engine(nn.Module):
     def destroy(self) -> None:
         """Remove the engine's gradient hooks from the model; flush and close the monitors."""
         self.zero.close()
-        self.monitor.close()
         self.masters.close()
+        self.monitor.close()
 
 
 def _refuse_unsupported(config: Any) -> None:

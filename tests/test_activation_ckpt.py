@@ -274,7 +274,7 @@ def _engine_run(stage: int, use_checkpoint: bool, rank: int) -> dict:
     losses, norms = [], []
     for _ in range(3):
         for _ in range(2):
-            idx = torch.randint(0, GPT_CONFIG.vocab_size, (2, 16), generator=gen)
+            idx = torch.randint(0, GPT_CONFIG.vocab_size, (2, 16), generator=gen).to(engine.device)
             _, loss = engine(idx, idx)
             engine.backward(loss)
             engine.step()

@@ -63,7 +63,8 @@ def read_hosts(hostfile: str) -> list[HostSpec]:
     from launcher.hostfile import read_hostfile
 
     try:
-        return [HostSpec(entry.name, entry.slots) for entry in read_hostfile(hostfile).entries]
+        # entry.host keeps a user@ and :port from the hostfile, which the connection needs
+        return [HostSpec(entry.host, entry.slots) for entry in read_hostfile(hostfile).entries]
     except HostfileError as error:
         raise click.BadParameter(str(error), param_hint="--hostfile") from None
 

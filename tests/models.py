@@ -66,6 +66,28 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), y)
 
 
+def train_engine(
+    engine: Any, *, steps: int, accumulation: int, rows: int, rank: int, world_size: int
+) -> tuple[list[float], list[float | None]]:
+    """Train `engine` on this rank's part of the global batches; returns the per-micro-step losses averaged
+    over ranks (the global batch mean, comparable with the reference) and the per-step grad norms."""
+    import torch.distributed as dist
+
+    losses, norms = [], []
+    for step in range(steps):
+        for micro in range(accumulation):
+            x, y = rank_batch(step, micro, rows, rank, world_size)
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+        norms.append(engine.get_global_grad_norm())
+    mean_losses = torch.stack(losses)
+    dist.all_reduce(mean_losses)
+    mean_losses /= world_size
+    return mean_losses.tolist(), norms
+
+
 @dataclass
 class RefResult:
     losses: list[float] = field(default_factory=list)  # one per micro-step (global batch mean)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist import run_distributed
-from tests.models import loss_fn, make_model, param_groups, rank_batch, reference_train
+from tests.models import loss_fn, make_model, param_groups, rank_batch, reference_train, train_engine
 from tests.test_zero_parity import DTYPES, ROWS, STEPS, Case, _compare
 
 CHUNK = 128  # elements per copy-back chunk in these tests (buckets are 700)
@@ -80,18 +80,9 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
     engine, _, _, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config()
     )
-    losses, norms = [], []
-    for step in range(STEPS):
-        for micro in range(case.accumulation):
-            x, y = rank_batch(step, micro, ROWS, rank, world_size)
-            loss = loss_fn(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float())
-        norms.append(engine.get_global_grad_norm())
-    mean_losses = torch.stack(losses)
-    dist.all_reduce(mean_losses)
-    mean_losses /= world_size
+    losses, norms = train_engine(
+        engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
+    )
     master = engine.full_state_dict()
     gathered = contextlib.nullcontext()
     if case.stage == 3:
@@ -102,7 +93,7 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
         working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         dtypes = {str(p.dtype) for p in engine.module.parameters()}
     out = {
-        "losses": mean_losses.tolist(),
+        "losses": losses,
         "norms": norms,
         "master": master,
         "working": working,

@@ -32,7 +32,14 @@ import torch
 import torch.distributed as dist
 
 from tests.dist import run_distributed
-from tests.models import RefResult, build_optimizer, global_batch, loss_fn, param_groups, rank_batch
+from tests.models import (
+    RefResult,
+    build_optimizer,
+    global_batch,
+    loss_fn,
+    param_groups,
+    train_engine,
+)
 from tests.zero3_models import make_zero_net
 
 STEPS = 6
@@ -124,20 +131,11 @@ def _train(case: Case, rank: int, world_size: int) -> tuple[Any, dict]:
     engine, _, _, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config()
     )
-    losses, norms = [], []
-    for step in range(STEPS):
-        for micro in range(case.accumulation):
-            x, y = rank_batch(step, micro, ROWS, rank, world_size)
-            loss = loss_fn(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float())
-        norms.append(engine.get_global_grad_norm())
-    mean_losses = torch.stack(losses)
-    dist.all_reduce(mean_losses)
-    mean_losses /= world_size
+    losses, norms = train_engine(
+        engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
+    )
     out = {
-        "losses": mean_losses.tolist(),
+        "losses": losses,
         "norms": norms,
         "master": engine.full_state_dict(),
         "skipped": engine.skipped_steps,

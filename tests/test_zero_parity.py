@@ -18,10 +18,16 @@ from dataclasses import asdict, dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.dist import run_distributed
-from tests.models import global_batch, loss_fn, make_model, param_groups, rank_batch, reference_train
+from tests.models import (
+    global_batch,
+    make_model,
+    param_groups,
+    rank_batch,
+    reference_train,
+    train_engine,
+)
 
 STEPS = 10
 ROWS = 12  # global rows per micro-step: divisible by 1, 2 and 3
@@ -100,20 +106,11 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
     engine, _, _, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config()
     )
-    losses, norms = [], []
-    for step in range(STEPS):
-        for micro in range(case.accumulation):
-            x, y = rank_batch(step, micro, ROWS, rank, world_size)
-            loss = loss_fn(engine(x), y)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach().float())
-        norms.append(engine.get_global_grad_norm())
-    mean_losses = torch.stack(losses)
-    dist.all_reduce(mean_losses)
-    mean_losses /= world_size
+    losses, norms = train_engine(
+        engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
+    )
     out = {
-        "losses": mean_losses.tolist(),
+        "losses": losses,
         "norms": norms,
         "master": engine.full_state_dict(),
         "working": {n: p.detach().clone() for n, p in engine.module.named_parameters()},

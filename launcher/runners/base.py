@@ -38,7 +38,10 @@ Output labels (``[rank N]`` or ``[host rank N]``) come from ``WorkerPlan.label``
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
+import signal
+import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -166,6 +169,45 @@ class AgentHandle(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the transport (pipes, channels). Called once the stream is finished."""
+
+
+class PipeAgentHandle(AgentHandle):
+    """An agent stream read from a local subprocess (the agent itself, or a tool that fans out to agents),
+    controlled through its stdin; when the pipe is gone, a signal to the process does the same."""
+
+    def __init__(self, proc: subprocess.Popen, node_ranks: tuple[int, ...], name: str) -> None:
+        self.proc = proc
+        self.node_ranks = node_ranks
+        self.name = name
+
+    def _command(self, cmd: bytes) -> None:
+        try:
+            self.proc.stdin.write(cmd)
+            self.proc.stdin.flush()
+        except (OSError, ValueError):  # pipe gone or closed: fall back to a signal
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)  # a second SIGTERM means "kill" to the agent
+
+    def readline(self) -> bytes:
+        return self.proc.stdout.readline()
+
+    def stop(self) -> None:
+        self._command(b"stop\n")
+
+    def kill(self) -> None:
+        self._command(b"kill\n")
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        return rc if rc >= 0 else 128 - rc
+
+    def close(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                stream.close()
 
 
 class Runner(abc.ABC):

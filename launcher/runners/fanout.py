@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 from launcher.agent import encode_spec_arg
 from launcher.errors import LaunchError
 from launcher.plan import JobPlan
-from launcher.runners.base import AgentHandle
+from launcher.runners.base import AgentHandle, PipeAgentHandle
 from launcher.runners.ssh import AGENT_MODULE, SSHRunner, forwarded_env, remote_spec
 
 # Linux refuses a single argv string above 128 KiB (MAX_ARG_STRLEN); the remote shell gets the same text.
@@ -45,13 +45,11 @@ def agent_shell_command(cwd: str, python: str, agent_args: Sequence[str]) -> str
     return f"cd -- {shlex.quote(cwd)} && exec {shlex.quote(python)} -m {AGENT_MODULE} {args}"
 
 
-class FanoutHandle(AgentHandle):
+class FanoutHandle(PipeAgentHandle):
     """The guard's stream: every node's agent output through the tool, tool decorations stripped."""
 
     def __init__(self, proc: subprocess.Popen, node_ranks: tuple[int, ...], name: str, strip=()) -> None:
-        self.proc = proc
-        self.node_ranks = node_ranks
-        self.name = name
+        super().__init__(proc, node_ranks, name)
         self._strip = {h.encode() + b": " for h in strip}  # pdsh writes "host: " before each line
 
     def readline(self) -> bytes:
@@ -61,32 +59,6 @@ class FanoutHandle(AgentHandle):
             if sep and head + sep in self._strip:
                 return line[len(head) + 2 :]
         return line
-
-    def _command(self, cmd: bytes) -> None:
-        try:
-            self.proc.stdin.write(cmd)
-            self.proc.stdin.flush()
-        except (OSError, ValueError):
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.terminate()
-
-    def stop(self) -> None:
-        self._command(b"stop\n")
-
-    def kill(self) -> None:
-        self._command(b"kill\n")
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-        return rc if rc >= 0 else 128 - rc
-
-    def close(self) -> None:
-        for stream in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                stream.close()
 
 
 class FanoutRunner(SSHRunner):

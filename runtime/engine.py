@@ -117,6 +117,11 @@ class Engine(nn.Module):
             pre_reduce_scale=self._pre_reduce_scale,
         )
         self.zero: ZeroStage = build_zero_stage(model, specs, self.comm, setup)
+        if zero_cfg.offload_param.device != "none" and self.comm.world_size == 1 and self.comm.rank == 0:
+            _log.warning(
+                "zero_optimization.offload_param: with one rank ZeRO-3 shards nothing, so the parameters "
+                "stay whole on the device (offload_optimizer still moves the optimizer to the host)"
+            )
         self.groups = self.zero.groups
         self._group_sources = [specs[group.spec_index].source for group in self.groups]
         managed = {p for g in self.groups for p in g.params}
@@ -403,10 +408,11 @@ class Engine(nn.Module):
 
 def _refuse_unsupported(config: Any) -> None:
     zero = config.zero_optimization
-    if zero.offload_param.device != "none":
+    if zero.offload_param.device != "none" and zero.offload_optimizer.device != "cpu":
         raise NotImplementedError(
-            f"zero_optimization.offload_param.device={zero.offload_param.device!r} is not implemented yet "
-            "(ZeRO-3 keeps its parameter shards on the device); offload_optimizer works at stages 1-3"
+            f"zero_optimization.offload_param.device={zero.offload_param.device!r} needs "
+            'zero_optimization.offload_optimizer = {"device": "cpu"} too (the host optimizer step writes '
+            "the updated weights into the offloaded shards); parameter offload alone is not implemented"
         )
 
 

@@ -5,9 +5,10 @@ Parity: the cases of tests/test_zero_parity.py (same model, batches, reference a
 stages 1 and 2 (and 3 when present) with the optimizer offloaded, at world sizes 1, 2 and 3: fp32 and
 bf16, accumulation 1 and 2, clipping on (AdamW: the one-pass host Adam) and off (SGD with momentum: the
 generic host path, where any averaging error shows in the weights), plus AdamW without clipping, fp16
-with its loss scale, and pin_memory (ignored without CUDA). The delayed parameter update is checked
-against a one-step-stale reference. The copy-back chunk is shrunk to 128 elements so every bucket
-goes back in several chunks, as a large model's would.
+with its loss scale, and pin_memory (ignored without CUDA); stage 3 also with the parameters
+offloaded (`offload_param`: working shards in host memory, uploaded before each gather). The delayed
+parameter update is checked against a one-step-stale reference. The copy-back chunk is shrunk to 128
+elements so every bucket goes back in several chunks, as a large model's would.
 
 On a CPU-only machine "device" and host are both CPU memory; the offload runs the same copies in the
 same order, synchronously (runtime/offload/copies.py), so these tests exercise the real step logic.
@@ -36,6 +37,7 @@ class OffloadCase(Case):
     adam_without_clip: bool = False
     pin_memory: bool = False
     persistence: int | None = None  # stage3_param_persistence_threshold (0: every unit is gathered on use)
+    offload_param: bool = False  # stage 3: the working shards in host memory too
 
     @property
     def optimizer(self) -> str:
@@ -46,6 +48,8 @@ class OffloadCase(Case):
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": self.pin_memory}
         if self.persistence is not None:
             cfg["zero_optimization"]["stage3_param_persistence_threshold"] = self.persistence
+        if self.offload_param:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": self.pin_memory}
         return cfg
 
 
@@ -68,6 +72,11 @@ if HAVE_STAGE3:  # updated weights go to the units' working shards; persistent u
         OffloadCase(3, "bf16", 2, 0.5),
         OffloadCase(3, "fp32", 2, 0.0, persistence=0),
         OffloadCase(3, "bf16", 1, 0.5, persistence=0),
+        # parameter offload: shards on the host, uploaded before each gather, written by the host step
+        OffloadCase(3, "fp32", 2, 0.5, persistence=0, offload_param=True),
+        OffloadCase(3, "bf16", 1, 0.5, persistence=0, offload_param=True),
+        OffloadCase(3, "fp32", 1, 0.0, offload_param=True),  # generic path; persistent units re-gather
+        OffloadCase(3, "bf16", 2, 0.0, offload_param=True, pin_memory=True),
     ]
 
 
@@ -209,6 +218,85 @@ def test_device_holds_no_fp32_master_or_optimizer_state(world_size: int) -> None
             assert got["optimizer"] == "AdamW", where
             assert got["state_keys"] == [["exp_avg", "exp_avg_sq", "step"]] * 2, where
             assert got["steps"] == [1.0, 1.0], where
+
+
+def _measure_param_offload(rank: int, world_size: int) -> dict:
+    """Stage 3 with offload_param + offload_optimizer: where the bytes are outside and inside a forward."""
+    import runtime
+
+    model = make_model(0, hidden=256, width=250)
+    config = {
+        "train_batch_size": ROWS,
+        "steps_per_print": 0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,  # every unit is gathered on use, released after
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_param": {"device": "cpu", "pin_memory": True},
+        },
+    }
+    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+    zero = engine.zero
+    inside: list[dict] = []
+
+    def during_forward(module, args) -> None:  # after the engine's pre-hook: this unit is gathered now
+        b = engine.memory_breakdown()
+        inside.append({"device_params": b.param_bytes - zero.host_param_bytes(), "gathered": gathered()})
+
+    def gathered() -> int:
+        return sum(u.working_bytes() for u in zero.units)
+
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    handle = linear.register_forward_pre_hook(during_forward)
+    x, y = rank_batch(0, 0, ROWS, rank, world_size)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    handle.remove()
+    b = engine.memory_breakdown()
+    segments = [s for u in zero.units for s in u.segments]
+    out = {
+        "breakdown": b,
+        "inside": inside,
+        "gathered_after": gathered(),
+        "offloaded": all(s.offloaded and s.shard.device.type == "cpu" for s in segments),
+        "shares_working": any(
+            s.shard.untyped_storage().data_ptr() == s.group.working.untyped_storage().data_ptr()
+            for s in segments
+        ),
+        "shard_bytes": sum(s.shard.numel() * s.shard.element_size() for s in segments),
+        "shard_numel": sum(s.group.layout.shard_numel for s in segments),
+        "pinned": any(s.shard.is_pinned() for s in segments),
+    }
+    engine.destroy()
+    # parameter offload alone is refused with a message that names the missing setting
+    del config["zero_optimization"]["offload_optimizer"]
+    try:
+        runtime.initialize(model=make_model(0), config=config)
+    except NotImplementedError as error:
+        out["refusal"] = str(error)
+    return out
+
+
+@pytest.mark.skipif(not HAVE_STAGE3, reason="needs ZeRO stage 3")
+def test_offloaded_params_leave_only_gathered_units_on_the_device() -> None:
+    results = run_distributed(_measure_param_offload, 2, timeout=120)
+    for rank, got in enumerate(results):
+        b = got["breakdown"]
+        # the working shards live in host memory, apart from the working buffers the gathers fill
+        assert got["offloaded"] and not got["shares_working"], rank
+        assert got["shard_bytes"] == 2 * got["shard_numel"] > 0, rank  # bf16 shards
+        # ... and count as host bytes: fp32 master + Adam state (12 B) + the bf16 shard (2 B) per element
+        assert b.host_bytes == b.master_bytes + b.optimizer_bytes + got["shard_bytes"], rank
+        assert abs(b.host_bytes / got["shard_numel"] - 14.0) < 0.01, rank
+        # outside a forward nothing is gathered: the device holds no weights at all, only gradient shards
+        assert got["gathered_after"] == 0, rank
+        assert b.device_model_state_bytes == b.grad_bytes, rank
+        # inside a forward the device holds exactly the gathered units' full buffers, no shard
+        assert got["inside"] and all(i["device_params"] == i["gathered"] > 0 for i in got["inside"]), rank
+        assert not got["pinned"], f"rank {rank}: host memory pinned without CUDA"
+        assert 'offload_optimizer = {"device": "cpu"}' in got["refusal"], got.get("refusal")
 
 
 def _streaming(rank: int, world_size: int) -> list[int]:

@@ -16,7 +16,10 @@ fp32 copies weights back from the master itself):
 
 Host memory: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 2 = 14 bytes a parameter of the shard; only
 the landing buffer is pinned (and the master in fp32 runs, where it is what gets copied back). The device
-keeps the working weights and the gradient buffers of the ZeRO stage, no fp32 state.
+keeps the working weights and the gradient buffers of the ZeRO stage, no fp32 state. With parameter
+offload (stage 3, `offload_param: {device: cpu}`) the working shard is host memory too (+2 bytes, pinned
+with CUDA): the Adam kernel writes the updated bf16 weights straight into it (fp32: one host copy from
+the master), and the device keeps only the gathered units and the gradient shards.
 
 Optimizers other than Adam/AdamW (or Adam with AMSGrad, ...) take the generic path: the landed gradient
 is converted into an fp32 host buffer and scaled, `optimizer.step()` runs on the host masters, and the
@@ -232,9 +235,14 @@ class HostMasters:
             self.copies.host_wait(tickets[index])
             master = self.groups[span.group].master.data
             dst = dst_of(span)
+            # offloaded parameters: the piece is host memory, so the kernel writes the new weights there
+            direct = self._writes_out and dst.device.type == "cpu" and self.target.on_host
             for offset, numel in plan_chunks(span.numel, self.chunk_elems):
                 at = span.shard_offset + offset
                 grad = landing[span.group].narrow(0, at, numel)
+                if direct:
+                    adam.update(span.group, at, grad, dst.narrow(0, offset, numel), grad_scale)
+                    continue
                 out = grad if self._writes_out else None
                 adam.update(span.group, at, grad, out, grad_scale)
                 source = out if out is not None else master.narrow(0, at, numel)
@@ -344,6 +352,7 @@ class HostMasters:
             for values in optimizer.state.values():
                 state += sum(t.numel() * t.element_size() for t in values.values() if torch.is_tensor(t))
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups)
+        masters += self.target.host_bytes()  # offloaded working-weight shards (offload_param)
         buffers = sum(t.numel() * t.element_size() for t in self.landing + (self._spare_landing or []))
         if self._fp32_grads is not None:
             buffers += sum(t.numel() * t.element_size() for t in self._fp32_grads)

@@ -8,9 +8,9 @@ device buffer the stage reads its weights from, and then *published*: made visib
   soon as this rank's piece is back, while the host goes on with the next bucket.
 - `ShardedWorking` (stage 3 with several ranks): the piece is the unit's resident working shard
   (`Segment.shard`); a persistent unit is re-gathered right away, the others gather at their next use.
-  With parameter offload the shard itself would live in pinned host memory and `piece` would return it,
-  so the step writes the new weights there and each gather uploads what it needs; that needs the
-  stage's gather to upload the shard first (see the stage-3 unit's `start_gather`).
+  With parameter offload (`offload_param: {device: cpu}`) the shard lives in host memory (pinned with
+  CUDA): `piece` returns it, the host step writes the new weights straight into it (`on_host`), and
+  each gather uploads the shard before its all-gather (`Segment.gather_source`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,15 @@ from runtime.zero.flat import FlatGroup
 
 
 class WorkingTarget(Protocol):
+    on_host: bool  # pieces are host memory: the host step may write its output straight into them
+
     def piece(self, group: FlatGroup, bucket: int) -> torch.Tensor:
-        """The device tensor that receives this rank's updated piece of `bucket` (shard order)."""
+        """The tensor that receives this rank's updated piece of `bucket` (shard order): on the device,
+        or in host memory when `on_host`."""
+        ...
+
+    def host_bytes(self) -> int:
+        """Working-weight bytes the target keeps in host memory."""
         ...
 
     def publish(self, group: FlatGroup, bucket: int) -> Pending | None:
@@ -37,9 +44,14 @@ class WorkingTarget(Protocol):
 class ReplicatedWorking:
     """Stages 1 and 2: pieces inside the full working buffer, all-gathered with more than one rank."""
 
+    on_host = False
+
     def __init__(self, comm: Comm, *, gather: bool) -> None:
         self.comm = comm
         self.gather = gather
+
+    def host_bytes(self) -> int:
+        return 0
 
     def piece(self, group: FlatGroup, bucket: int) -> torch.Tensor:
         return group.piece(group.working, group.layout.buckets[bucket])
@@ -57,10 +69,15 @@ class ShardedWorking:
 
     def __init__(self, zero: Any, comm: Comm) -> None:
         self.comm = comm
+        self.zero = zero
         self._segment = {}
         for unit in zero.units:
             for segment in unit.segments:
                 self._segment[id(segment.group)] = (unit, segment)
+        self.on_host = any(s.offloaded for _, s in self._segment.values())
+
+    def host_bytes(self) -> int:
+        return int(self.zero.host_param_bytes())
 
     def piece(self, group: FlatGroup, bucket: int) -> torch.Tensor:
         _, segment = self._segment[id(group)]
@@ -71,7 +88,7 @@ class ShardedWorking:
         unit, segment = self._segment[id(group)]
         if not unit.persistent or bucket != len(group.layout.buckets) - 1:
             return None
-        return self.comm.all_gather(group.working, segment.shard, async_op=True)
+        return unit.regather(segment)  # uploads an offloaded shard first
 
 
 def working_target(zero: Any, comm: Comm) -> WorkingTarget:

@@ -13,6 +13,11 @@ engine drives through the `ZeroStage` protocol:
 Per step each rank moves the parameters twice (forward and backward all-gathers) and the gradients once
 (reduce-scatter): 1.5x the volume of stages 1 and 2 (ZeRO paper, section 7).
 
+With `offload_param: {device: cpu}` (needs offload_optimizer cpu) each rank's working shards live in host
+memory (pinned with CUDA): a gather uploads the shard into its chunk of the working buffer first, the
+host optimizer step writes the new weights straight into the shard, and the device holds only the
+gathered units and the gradient shards.
+
 With one rank nothing is sharded: units become plain flat groups under the replicated strategy (the
 gather of a 1-rank unit is the buffer itself), so stage 3 costs what stage 0 costs there.
 """
@@ -55,6 +60,8 @@ class Stage3Options:
     overlap_comm: bool = True
     pre_reduce_scale: float = 1.0
     max_in_flight: int = 2  # reduce-scatters waiting on the network at once
+    offload_param: bool = False  # working shards in host memory (zero_optimization.offload_param cpu)
+    pin_memory: bool = False  # pin those shards (only ever with CUDA)
 
 
 class ParamShardedStage:
@@ -69,8 +76,10 @@ class ParamShardedStage:
         comm: Comm,
         options: Stage3Options,
         names: dict[nn.Parameter, str],
+        host: Any = None,
     ) -> None:
         self.comm = comm
+        self.host = host  # the HostMemory of offloaded shards (offload_param), released by close()
         self.options = options
         self.units = list(units)
         self.groups: list[FlatGroup] = [s.group for u in self.units for s in u.segments]
@@ -125,7 +134,7 @@ class ParamShardedStage:
         if buffer is None:
             dtype = self.options.reduce_dtype or segment.shard.dtype
             # zeros: padding and parameters without a gradient this pass contribute nothing
-            buffer = torch.zeros(segment.numel, dtype=dtype, device=segment.shard.device)
+            buffer = torch.zeros(segment.numel, dtype=dtype, device=segment.grad_shard.device)
             self._staging[id(segment)] = buffer
         return buffer
 
@@ -195,6 +204,10 @@ class ParamShardedStage:
         """Working weights held now: the shards plus the gathered buffers (storage sizes)."""
         return sum(u.shard_bytes() + u.working_bytes() for u in self.units)
 
+    def host_param_bytes(self) -> int:
+        """Of `param_bytes`, the bytes in host memory: the working shards under parameter offload."""
+        return sum(u.host_shard_bytes() for u in self.units)
+
     def grad_bytes(self) -> int:
         return sum(s.grad_shard.numel() * s.grad_shard.element_size() for u in self.units for s in u.segments)
 
@@ -212,11 +225,14 @@ class ParamShardedStage:
             handle.remove()
         self._hooks.clear()
         self.schedule.close()
+        if self.host is not None:
+            self.host.close()
 
 
 def stage3_options(setup: Any) -> Stage3Options:
     """Stage 3's settings from a runtime.zero.StageSetup (the config's zero_optimization section)."""
     zero = setup.zero
+    offload = zero.offload_param
     return Stage3Options(
         param_dtype=setup.param_dtype,
         master_dtype=setup.master_dtype,
@@ -230,6 +246,8 @@ def stage3_options(setup: Any) -> Stage3Options:
         ),
         overlap_comm=zero.overlap_comm,
         pre_reduce_scale=setup.pre_reduce_scale,
+        offload_param=offload.device == "cpu",
+        pin_memory=offload.pin_memory,
     )
 
 
@@ -241,6 +259,11 @@ def build_stage3(
     from runtime.zero import init as zero_init
 
     names, plans, segments = _plan(model, specs, comm, options)
+    host = None
+    if options.offload_param:
+        from runtime.offload.host_memory import HostMemory
+
+        host = HostMemory(options.device, pin=options.pin_memory)
     stats = GatherStats()
     units: list[ShardedUnit] = []
     index = 0
@@ -260,6 +283,7 @@ def build_stage3(
                     param_dtype=options.param_dtype,
                     master_dtype=options.master_dtype,
                     device=options.device,
+                    host=host,
                 )
             )
             del values
@@ -271,7 +295,7 @@ def build_stage3(
         if unit.persistent:
             unit.finish_gather()
         units.append(unit)
-    return ParamShardedStage(model, units, comm, options, names)
+    return ParamShardedStage(model, units, comm, options, names, host)
 
 
 def resident_unit_groups(

@@ -4,7 +4,9 @@ A unit (see stage3_plan) holds one *segment* per optimizer param group it has pa
 an engine-visible `FlatGroup` laid out as a single bucket, so rank r's shard is the r-th contiguous
 1/N of the flat buffer and one all-gather per segment rebuilds it in place. Per segment a rank keeps:
 
-- `shard`: its piece of the working weights (param_dtype), always resident;
+- `shard`: its piece of the working weights (param_dtype), always resident: on the device, or in host
+  memory under `offload_param` (`offloaded`; pinned with CUDA), uploaded into the working buffer's own
+  chunk before each all-gather;
 - `group.master`: its fp32 master piece (the optimizer's tensor; the shard itself when dtypes agree);
 - `grad_shard`: its piece of the reduced gradients;
 - `group.working`: the full working buffer, whose *storage* is resized to 0 bytes while the unit is
@@ -71,7 +73,20 @@ class Segment:
     group: FlatGroup
     shard: torch.Tensor  # 1-D, param_dtype, layout.shard_numel: this rank's working weights
     views: list[torch.Tensor]  # param-shaped views of group.working, one per parameter
-    grad_shard: torch.Tensor  # 1-D, param_dtype: this rank's reduced gradients
+    grad_shard: torch.Tensor  # 1-D, param_dtype: this rank's reduced gradients (on the device)
+    offloaded: bool = False  # `shard` lives in host memory (offload_param); gathers upload it first
+
+    def gather_source(self) -> torch.Tensor:
+        """What this rank contributes to the segment's all-gather: the shard itself, or, when it lives in
+        host memory, this rank's chunk of the (allocated) working buffer after uploading the shard there.
+        The upload is queued on the current stream, so the all-gather that follows sees it."""
+        if not self.offloaded:
+            return self.shard
+        group = self.group
+        piece = group.layout.shard_numel
+        mine = group.working.narrow(0, group.rank * piece, piece)
+        mine.copy_(self.shard, non_blocking=self.shard.is_pinned())
+        return mine
 
     @property
     def numel(self) -> int:
@@ -94,22 +109,29 @@ def build_segment(
     param_dtype: torch.dtype,
     master_dtype: torch.dtype,
     device: torch.device,
+    host: Any = None,
     align: int = ALIGN_ELEMENTS,
 ) -> Segment:
     """Shard one segment: keep this rank's piece of `values` (full parameter values, any dtype) as the
-    working shard and the master, and make an empty full-size working buffer with parameter views."""
+    working shard and the master, and make an empty full-size working buffer with parameter views.
+    With `host` (a runtime.offload.host_memory.HostMemory: parameter offload) the master and the working
+    shard are built in host memory, the shard pinned where that helps; they never alias then."""
     world_size, rank = comm.world_size, comm.rank
     layout = plan_flat_layout(
         [p.numel() for p in params], world_size=world_size, bucket_numel=sys.maxsize, align=align
     )
     with torch.no_grad():
         # The master comes from the original values, before the working copy rounds them.
-        master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=device)
+        master_device = torch.device("cpu") if host is not None else device
+        master = torch.zeros(layout.shard_numel, dtype=master_dtype, device=master_device)
         for piece in layout.param_pieces(rank):
             source = values[piece.param].reshape(-1).narrow(0, piece.param_offset, piece.numel)
             master.narrow(0, piece.shard_offset, piece.numel).copy_(source)
-        alias = master_dtype == param_dtype
-        shard = master if alias else master.to(param_dtype)
+        alias = master_dtype == param_dtype and host is None
+        if host is not None:
+            shard = host.empty(layout.shard_numel, param_dtype, pinned=True).copy_(master)
+        else:
+            shard = master if alias else master.to(param_dtype)
         working = torch.empty(layout.numel, dtype=param_dtype, device=device)
         views = [
             working.narrow(0, slot.offset, slot.numel).view(p.shape)
@@ -128,7 +150,8 @@ def build_segment(
         param_names=list(names),
         spec_index=spec_index,
     )
-    return Segment(group, shard, views, torch.zeros_like(shard))
+    grad_shard = torch.zeros(layout.shard_numel, dtype=param_dtype, device=device)
+    return Segment(group, shard, views, grad_shard, offloaded=host is not None)
 
 
 @dataclass
@@ -170,7 +193,7 @@ class ShardedUnit:
         for segment in self.segments:
             working = segment.group.working
             working.untyped_storage().resize_(working.numel() * working.element_size())
-            self._pending.append(self.comm.all_gather(working, segment.shard, async_op=True))
+            self._pending.append(self.comm.all_gather(working, segment.gather_source(), async_op=True))
         self.state = UnitState.GATHERING
         self.stats.gathers += 1
         self.stats.add(self.nbytes, self.numel)
@@ -211,8 +234,12 @@ class ShardedUnit:
                 if not segment.group.master_is_alias:
                     segment.shard.copy_(segment.group.master.detach())
                 if self.persistent:
-                    launched.append(self.comm.all_gather(segment.group.working, segment.shard, async_op=True))
+                    launched.append(self.regather(segment))
         return launched
+
+    def regather(self, segment: Segment) -> Pending:
+        """Re-gather one segment of a gathered (persistent) unit after its shard changed (async)."""
+        return self.comm.all_gather(segment.group.working, segment.gather_source(), async_op=True)
 
     def write_shards_from_working(self, params: set[nn.Parameter] | None = None) -> None:
         """Copy this rank's piece of the gathered working weights into the shard and the master, for
@@ -238,3 +265,7 @@ class ShardedUnit:
 
     def shard_bytes(self) -> int:
         return sum(s.shard.numel() * s.shard.element_size() for s in self.segments)
+
+    def host_shard_bytes(self) -> int:
+        """Of `shard_bytes`, the bytes in host memory (parameter offload)."""
+        return sum(s.shard.numel() * s.shard.element_size() for s in self.segments if s.offloaded)

@@ -117,11 +117,6 @@ class Engine(nn.Module):
             pre_reduce_scale=self._pre_reduce_scale,
         )
         self.zero: ZeroStage = build_zero_stage(model, specs, self.comm, setup)
-        if zero_cfg.offload_param.device != "none" and self.comm.world_size == 1 and self.comm.rank == 0:
-            _log.warning(
-                "zero_optimization.offload_param: with one rank ZeRO-3 shards nothing, so the parameters "
-                "stay whole on the device (offload_optimizer still moves the optimizer to the host)"
-            )
         self.groups = self.zero.groups
         self._group_sources = [specs[group.spec_index].source for group in self.groups]
         managed = {p for g in self.groups for p in g.params}

@@ -116,9 +116,13 @@ class HostMasters:
         self._staging: list[torch.Tensor] | None = None  # DPU: device copies of the updated shards
         self._worker: ThreadPoolExecutor | None = None
         self._in_flight: Future[Ticket] | None = None  # DPU: the update started by the last step
-        # Gradients can stream during backward only when nothing is left to reduce (one rank) and a copy
-        # does not block the autograd thread (pinned memory on CUDA; on CPU every copy is synchronous).
-        self._stream = comm.world_size == 1 and (not self.copies.is_async or self.memory.pin)
+        # Gradients can stream during backward only when nothing is left to reduce (one rank, and not the
+        # sharded stage 3, whose gradients arrive by reduce-scatter) and a copy does not block the autograd
+        # thread (pinned memory on CUDA; on CPU every copy is synchronous).
+        sharded = getattr(zero, "units", None) is not None
+        self._stream = (
+            comm.world_size == 1 and not sharded and (not self.copies.is_async or self.memory.pin)
+        )
         if self.copies.is_async and not self.memory.pin and comm.rank == 0:
             _log.warning(
                 "offload_optimizer.pin_memory is false: gradients and weights cross PCIe through pageable "

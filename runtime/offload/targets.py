@@ -93,6 +93,6 @@ class ShardedWorking:
 
 def working_target(zero: Any, comm: Comm) -> WorkingTarget:
     """The target for the stage `zero`: sharded working weights (stage 3) or a full working buffer."""
-    if getattr(zero, "units", None) is not None and comm.world_size > 1:
+    if getattr(zero, "units", None) is not None:  # the sharded stage 3 (several ranks, or offload_param)
         return ShardedWorking(zero, comm)
     return ReplicatedWorking(comm, gather=zero.stage in (1, 2) and comm.world_size > 1)

@@ -113,7 +113,8 @@ def build_zero_stage(
         from runtime.zero.stage3 import build_stage3, resident_unit_groups, stage3_options
 
         options = stage3_options(setup)
-        if comm.world_size > 1:
+        # One rank gains nothing from sharding, except when the shards are to live in host memory.
+        if comm.world_size > 1 or setup.zero.offload_param.device != "none":
             return build_stage3(model, specs, comm, options)
         groups = resident_unit_groups(model, specs, comm, options)
     else:

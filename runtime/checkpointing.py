@@ -61,27 +61,9 @@ __all__ = [
 _log = logging.getLogger("runtime.checkpointing")
 
 
-@dataclass(frozen=True)
-class CheckpointSettings:
-    """Where checkpointed inputs are kept; field names follow the config section."""
-
-    partition_activations: bool = False
-    cpu_checkpointing: bool = False
-    contiguous_memory_optimization: bool = False
-    number_checkpoints: int | None = None
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
-
-    @classmethod
-    def from_config(cls, section: ActivationCheckpointingConfig) -> CheckpointSettings:
-        return cls(
-            partition_activations=section.partition_activations,
-            cpu_checkpointing=section.cpu_checkpointing,
-            contiguous_memory_optimization=section.contiguous_memory_optimization,
-            number_checkpoints=section.number_checkpoints,
-            synchronize_checkpoint_boundary=section.synchronize_checkpoint_boundary,
-            profile=section.profile,
-        )
+# The settings are the config section itself: the same fields, whether they come from a config file or
+# from configure(...) arguments.
+CheckpointSettings = ActivationCheckpointingConfig
 
 
 @dataclass
@@ -198,12 +180,10 @@ def take_profile() -> CheckpointStats:
 def _settings_from(source: Any) -> CheckpointSettings:
     if source is None:
         return CheckpointSettings()
-    if isinstance(source, CheckpointSettings):
-        return source
     if isinstance(source, ActivationCheckpointingConfig):
-        return CheckpointSettings.from_config(source)
+        return source
     if isinstance(source, Config):
-        return CheckpointSettings.from_config(source.activation_checkpointing)
+        return source.activation_checkpointing
     from runtime.config import _read_activation_checkpointing
     from runtime.config_reader import ReadContext, SectionReader, read_config_file
 
@@ -213,7 +193,7 @@ def _settings_from(source: Any) -> CheckpointSettings:
         SectionReader(data.get("activation_checkpointing"), "activation_checkpointing", ctx)
     )
     ctx.raise_pending()
-    return CheckpointSettings.from_config(section)
+    return section
 
 
 def _check(chosen: CheckpointSettings) -> None:

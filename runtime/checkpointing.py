@@ -320,11 +320,7 @@ def _unpack(packed: Any) -> torch.Tensor:
 
 def _keeps_inputs_differently() -> bool:
     chosen = _state.settings
-    return (
-        chosen.cpu_checkpointing
-        or chosen.contiguous_memory_optimization
-        or _state.partition is not None
-    )
+    return chosen.cpu_checkpointing or chosen.contiguous_memory_optimization or _state.partition is not None
 
 
 # ---------------------------------------------------------------------------------------------------------

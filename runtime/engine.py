@@ -201,10 +201,13 @@ class Engine(nn.Module):
         self.monitor.record_loss(loss)
         scaled = loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
         with self._timers("backward"):
+            if boundary and self.optimizer is not None:
+                # an offloaded update may start as soon as gradients land, when nothing waits on the norm
+                self.masters.prepare_step(self.optimizer, self._grad_math(), per_tensor=self._per_tensor)
             self.zero.begin_backward(boundary=boundary)
             self.masters.begin_backward(boundary=boundary)
             with self._timers("backward_inner"):  # autograd, with the overlapped reductions it launches
-                scaled.backward(retain_graph=retain_graph)
+                self.masters.run_backward(lambda: scaled.backward(retain_graph=retain_graph))
             with self._timers("backward_allreduce"):  # waiting for the reductions still in flight
                 self.zero.end_backward(boundary=boundary)
             self.masters.end_backward(boundary=boundary)
@@ -228,9 +231,10 @@ class Engine(nn.Module):
         self._log.after_step(self)
         self.monitor.after_step(self)
 
-    def _apply_step(self, lr_kwargs: dict[str, Any] | None) -> bool:
+    def _grad_math(self) -> GradMath:
+        """The gradient arithmetic of the coming step."""
         accumulation = self.gradient_accumulation_steps() if self._scale_wrt_gas else 1
-        math = GradMath(
+        return GradMath(
             # what is left of the mean over ranks and micro-steps after the pre-reduce scaling
             divisor=self.comm.world_size * accumulation * self._pre_reduce_scale,
             loss_scale=self.loss_scale,
@@ -239,6 +243,9 @@ class Engine(nn.Module):
             want_norm=self._log.wants_norm(self.global_steps + 1) or self.monitor.wants_norm,
             all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
         )
+
+    def _apply_step(self, lr_kwargs: dict[str, Any] | None) -> bool:
+        math = self._grad_math()
         with self._timers("optimizer_step"):  # norm, clip, the optimizer (on the host under offload)
             result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
         self._grad_norm = result.norm

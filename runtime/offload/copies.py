@@ -44,6 +44,11 @@ class CopyEngine:
         if self.is_async:
             self._up.wait_stream(torch.cuda.current_stream(self.device))
 
+    def uploads_after(self, ticket: Ticket) -> None:
+        """Order the next uploads after the copy behind `ticket` (and so after what that copy waited for)."""
+        if ticket is not None:
+            self._up.wait_event(ticket)
+
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
         """Copy host `src` into device `dst` (after `fence_uploads`); `src` must stay unchanged until the
         ticket is done."""

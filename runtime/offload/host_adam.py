@@ -93,6 +93,12 @@ class HostAdam:
             state["step"] += 1
             self._settings.append((int(state["step"].item()), hp))
 
+    def cancel_step(self) -> None:
+        """Take back `begin_step` when no update ran after it."""
+        for master in self.masters:
+            self.optimizer.state[master]["step"] -= 1
+        self._settings = []
+
     def update(
         self,
         group: int,

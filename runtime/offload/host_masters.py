@@ -14,6 +14,15 @@ fp32 copies weights back from the master itself):
    chunk's copy back to the device starts as soon as the chunk is done, so it overlaps the next chunk's
    update. With more ranks, each bucket's all-gather starts when its pieces are back.
 
+Streamed step (streamed.py): when gradients stream (one rank, stages 1 and 2) and the step's gradient
+factor does not depend on the gradients (no clipping, no fp16 overflow check), the engine's
+`prepare_step` before the boundary backward lets step 3 start during backward: the calling thread
+updates each span as soon as it has landed while autograd runs on a helper thread (`run_backward`),
+and `step` updates what is left. The step's hyperparameters are read when the boundary backward starts
+(after the previous step's scheduler update, as always). A boundary backward that fails after the first
+span was updated leaves the masters partly updated: the next boundary backward says so instead of
+updating twice.
+
 Host memory: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 2 = 14 bytes a parameter of the shard; only
 the landing buffer is pinned (and the master in fp32 runs, where it is what gets copied back). The device
 keeps the working weights and the gradient buffers of the ZeRO stage, no fp32 state. With parameter
@@ -44,7 +53,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -57,7 +66,9 @@ from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.host_memory import HostMemory
 from runtime.offload.placement import GradMath, attach_master_grads
 from runtime.offload.spans import Span, piece_containing, plan_chunks, plan_spans
+from runtime.offload.streamed import StreamedStep
 from runtime.offload.targets import WorkingTarget
+from runtime.offload.worker import HostWorker
 from runtime.precision.mixed import GradResult
 from runtime.zero.buckets import BucketTracker, bucket_order
 from runtime.zero.flat import FlatGroup
@@ -114,15 +125,14 @@ class HostMasters:
         self._delay_after: int | None = None  # DPU: delayed updates once this many steps are done
         self._spare_landing: list[torch.Tensor] | None = None  # DPU: the next backward lands here
         self._staging: list[torch.Tensor] | None = None  # DPU: device copies of the updated shards
-        self._worker: ThreadPoolExecutor | None = None
+        self._worker: HostWorker | None = None  # DPU: the thread that runs the delayed update
         self._in_flight: Future[Ticket] | None = None  # DPU: the update started by the last step
+        self._streamed: StreamedStep | None = None  # the streamed step of the backward in progress
         # Gradients can stream during backward only when nothing is left to reduce (one rank, and not the
         # sharded stage 3, whose gradients arrive by reduce-scatter) and a copy does not block the autograd
         # thread (pinned memory on CUDA; on CPU every copy is synchronous).
         sharded = getattr(zero, "units", None) is not None
-        self._stream = (
-            comm.world_size == 1 and not sharded and (not self.copies.is_async or self.memory.pin)
-        )
+        self._stream = comm.world_size == 1 and not sharded and (not self.copies.is_async or self.memory.pin)
         if self.copies.is_async and not self.memory.pin and comm.rank == 0:
             _log.warning(
                 "offload_optimizer.pin_memory is false: gradients and weights cross PCIe through pageable "
@@ -145,6 +155,40 @@ class HostMasters:
             group.master_is_alias = False
 
     # -- landing gradients ------------------------------------------------------------------------------
+    def prepare_step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> None:
+        """Start a streamed step when this boundary backward allows one (see the module docstring)."""
+        if self._streamed is not None:
+            if self._streamed.updated:
+                raise RuntimeError(
+                    "engine.backward ran at the gradient accumulation boundary again before engine.step(): "
+                    "the offloaded optimizer had already started updating the weights from the earlier "
+                    "backward (which may have failed part-way), so they are partly updated. Reload the last "
+                    "checkpoint, and call engine.step() after every boundary backward"
+                )
+            self._streamed.adam.cancel_step()  # that backward failed before any gradient landed
+            self._streamed = None
+        factor = math.factor_before_backward
+        if factor is None or not self._stream or per_tensor or self._delayed_now():
+            return
+        if not host_adam.supports(optimizer):
+            return
+        adam = self._host_adam(optimizer)
+        adam.begin_step()
+        grad_scale = _grad_scale(factor)
+
+        def update(index: int) -> Ticket:
+            piece = self._working_piece(self.spans[index])
+            return self._update_span(adam, grad_scale, self.landing, self._tickets[index], index, piece)
+
+        self._streamed = StreamedStep(adam, factor, update, len(self.spans))
+
+    def run_backward(self, backward: Callable[[], None]) -> None:
+        """Run autograd; during a streamed step, with this thread updating spans as they land."""
+        if self._streamed is None:
+            backward()
+        else:
+            self._streamed.run_backward(backward)
+
     def begin_backward(self, *, boundary: bool) -> None:
         self._boundary = boundary
         if boundary:
@@ -174,6 +218,8 @@ class HostMasters:
         dst = self.landing[span.group].narrow(0, span.shard_offset, span.numel)
         self._tickets[index] = self.copies.to_host(dst, self._sources[index])
         self._landed[index] = True
+        if self._streamed is not None:
+            self._streamed.landed(index)
 
     def end_backward(self, *, boundary: bool) -> None:
         if not boundary:
@@ -192,6 +238,8 @@ class HostMasters:
     # -- the step ---------------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> GradResult:
         pieces = self.zero.grad_pieces()
+        if self._streamed is not None:
+            return self._finish_streamed(pieces, math)
         if not any(self._landed):  # no boundary backward went through begin/end_backward
             self._prepare_landing()
         self._land_all()
@@ -201,7 +249,7 @@ class HostMasters:
             # device weights may still be read by kernels queued before this point
             self.copies.fence_uploads()
             fast = not per_tensor and host_adam.supports(optimizer)
-            if fast and self._delay_after is not None and self._steps >= self._delay_after:
+            if fast and self._delayed_now():
                 self._start_delayed(optimizer, coef)
             elif fast:
                 adam = self._host_adam(optimizer)
@@ -214,6 +262,30 @@ class HostMasters:
         self.copies.downloads_done()
         self._landed = [False] * len(self.spans)
         return result
+
+    def _finish_streamed(self, pieces: Sequence[Sequence[torch.Tensor]], math: GradMath) -> GradResult:
+        self._land_all()  # spans end_backward did not land (it always does, through the engine)
+        result, coef = _scale_from_device_grads(pieces, math)
+        streamed = self._streamed
+        assert streamed is not None
+        if coef != streamed.factor:
+            raise RuntimeError(
+                f"offload: the step's gradient factor {coef} differs from {streamed.factor}, the one the "
+                "update started with during backward (the gradient arithmetic changed in between)"
+            )
+        streamed.drain()
+        assert streamed.updated == len(self.spans), (streamed.updated, len(self.spans))
+        self._streamed = None
+        self._last_upload = streamed.last_upload
+        for span in self.spans:
+            self._publish(span)
+        self._steps += 1
+        self.copies.downloads_done()
+        self._landed = [False] * len(self.spans)
+        return result
+
+    def _delayed_now(self) -> bool:
+        return self._delay_after is not None and self._steps >= self._delay_after
 
     def _host_adam(self, optimizer: torch.optim.Optimizer) -> host_adam.HostAdam:
         if self._adam is None or self._adam_for is not optimizer:
@@ -231,29 +303,46 @@ class HostMasters:
         *,
         publish: bool,
     ) -> Ticket:
-        """Update every span in landing order, chunk by chunk, each chunk's upload started as soon as the
-        chunk is done; returns the last upload's ticket. Runs on the worker thread under DPU."""
-        grad_scale = None if coef == 1.0 else torch.tensor(1.0 / coef, dtype=torch.float32)
+        """Update every span in landing order, each span's uploads started as its chunks are done;
+        returns the last upload's ticket. Runs on the worker thread under DPU."""
+        grad_scale = _grad_scale(coef)
         last: Ticket = None
         for index, span in enumerate(self.spans):
-            self.copies.host_wait(tickets[index])
-            master = self.groups[span.group].master.data
-            dst = dst_of(span)
-            # offloaded parameters: the piece is host memory, so the kernel writes the new weights there
-            direct = self._writes_out and dst.device.type == "cpu" and self.target.on_host
-            for offset, numel in plan_chunks(span.numel, self.chunk_elems):
-                at = span.shard_offset + offset
-                grad = landing[span.group].narrow(0, at, numel)
-                if direct:
-                    adam.update(span.group, at, grad, dst.narrow(0, offset, numel), grad_scale)
-                    continue
-                out = grad if self._writes_out else None
-                adam.update(span.group, at, grad, out, grad_scale)
-                source = out if out is not None else master.narrow(0, at, numel)
-                last = self.copies.to_device(dst.narrow(0, offset, numel), source)
+            last = self._update_span(adam, grad_scale, landing, tickets[index], index, dst_of(span)) or last
             if publish:
                 self._last_upload = last
                 self._publish(span)
+        return last
+
+    def _update_span(
+        self,
+        adam: host_adam.HostAdam,
+        grad_scale: torch.Tensor | None,
+        landing: list[torch.Tensor],
+        ticket: Ticket,
+        index: int,
+        dst: torch.Tensor,
+    ) -> Ticket:
+        """Update one landed span chunk by chunk into `dst`, each chunk's upload started as soon as the
+        chunk is done (after the span's download, and so after the kernels that were queued before it);
+        returns the last upload's ticket."""
+        span = self.spans[index]
+        self.copies.host_wait(ticket)
+        self.copies.uploads_after(ticket)
+        master = self.groups[span.group].master.data
+        # offloaded parameters: the piece is host memory, so the kernel writes the new weights there
+        direct = self._writes_out and dst.device.type == "cpu" and self.target.on_host
+        last: Ticket = None
+        for offset, numel in plan_chunks(span.numel, self.chunk_elems):
+            at = span.shard_offset + offset
+            grad = landing[span.group].narrow(0, at, numel)
+            if direct:
+                adam.update(span.group, at, grad, dst.narrow(0, offset, numel), grad_scale)
+                continue
+            out = grad if self._writes_out else None
+            adam.update(span.group, at, grad, out, grad_scale)
+            source = out if out is not None else master.narrow(0, at, numel)
+            last = self.copies.to_device(dst.narrow(0, offset, numel), source)
         return last
 
     # -- delayed parameter update ---------------------------------------------------------------------
@@ -269,7 +358,7 @@ class HostMasters:
             self._staging = [
                 torch.empty(g.layout.shard_numel, dtype=dtype, device=g.working.device) for g in self.groups
             ]
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
+            self._worker = HostWorker()
 
     def _start_delayed(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
         adam = self._host_adam(optimizer)
@@ -302,6 +391,9 @@ class HostMasters:
     def flush(self) -> None:
         """Finish everything in flight: the masters, the optimizer state and the working weights agree."""
         self._install_in_flight()
+        if self._streamed is not None:  # between a boundary backward and its step
+            self._streamed.drain()
+            self._last_upload = self._streamed.last_upload
         self.write_back()
 
     def _generic_step(self, optimizer: torch.optim.Optimizer, coef: float, *, per_tensor: bool) -> None:
@@ -397,3 +489,8 @@ def _scale_from_device_grads(
         return GradResult(norm, False), inv
     clip = float((math.max_norm / (norm + 1e-6)).clamp_(max=1.0))  # the host needs this number: one sync
     return GradResult(norm, False), clip * inv
+
+
+def _grad_scale(factor: float) -> torch.Tensor | None:
+    """What the Adam kernel divides the landed gradients by to multiply them by `factor`."""
+    return None if factor == 1.0 else torch.tensor(1.0 / factor, dtype=torch.float32)

@@ -2,7 +2,9 @@
 
 The engine's step talks to a `MasterPlacement` and never asks where the state is:
 
+    prepare_step(optimizer, math)                       # before the boundary backward
     begin_backward(boundary) / end_backward(boundary)   # around autograd (gradients may start moving)
+    run_backward(backward)                              # autograd itself
     step(optimizer, math, per_tensor) -> GradResult     # norm, overflow, clip, optimizer update
     write_back()                                        # updated weights into the working buffers
     flush()                                             # nothing in flight (before reading the masters)
@@ -46,9 +48,26 @@ class GradMath:
     def needs_norm(self) -> bool:
         return self.max_norm > 0 or self.check_overflow or self.want_norm
 
+    @property
+    def factor_before_backward(self) -> float | None:
+        """The factor every gradient is multiplied by, when it is known before the gradients are (no
+        clipping, no overflow check): what lets an offloaded update start while backward still runs."""
+        if self.max_norm > 0 or self.check_overflow:
+            return None
+        return 1.0 / (self.divisor * self.loss_scale)
+
 
 class MasterPlacement(Protocol):
+    def prepare_step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> None:
+        """Before the boundary backward, with the arithmetic `step` will get: a placement that can update
+        while gradients arrive starts here."""
+        ...
+
     def begin_backward(self, *, boundary: bool) -> None: ...
+
+    def run_backward(self, backward: Callable[[], None]) -> None:
+        """Run `backward` (autograd) between begin_backward and end_backward."""
+        ...
 
     def end_backward(self, *, boundary: bool) -> None: ...
 
@@ -99,8 +118,14 @@ class DeviceMasters:
         self.groups = list(groups)
         self.zero = zero
 
+    def prepare_step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> None:
+        pass
+
     def begin_backward(self, *, boundary: bool) -> None:
         pass
+
+    def run_backward(self, backward: Callable[[], None]) -> None:
+        backward()
 
     def end_backward(self, *, boundary: bool) -> None:
         pass

@@ -10,8 +10,11 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
                  (plus torch.optim.AdamW(fused=True) on fp32 gradients, for reference)
     pcie         pinned copies of the bytes a step moves: 2 B/param down (gradients) and
                  2 B/param up (weights), each alone and both at once                        -> T_pcie
-    ours         runtime.initialize with offload_optimizer {device: cpu, pin_memory: true}
+    ours         runtime.initialize with offload_optimizer {device: cpu, pin_memory: true}; without
+                 clipping the host update runs during backward (the streamed step)
+    ours-clip    the same with gradient_clipping 1.0: the update waits for the norm, after backward
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
+    ours-z3-param  ZeRO-3 with offload_param {device: cpu} too: weight shards in host memory
     ours-device  the same engine without offload (for the offload/no-offload ratio)
     deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable
 
@@ -58,8 +61,9 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from runtime.models import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
-CONFIGS = ("gpu", "adam", "pcie", "ours", "ours-dpu", "ours-device", "deepspeed")
-DEFAULT_CONFIGS = ("gpu", "adam", "pcie", "ours", "ours-dpu", "ours-device", "deepspeed")
+ENGINES = ("ours", "ours-clip", "ours-dpu", "ours-z3-param", "ours-device", "deepspeed")
+CONFIGS = ("gpu", "adam", "pcie", *ENGINES)
+DEFAULT_CONFIGS = CONFIGS
 # n_embd:n_head:n_layer; 12·d² + 13·d per layer plus (50304 + 1024)·d of embeddings
 DEFAULT_SIZES = (
     "4096:32:32,4096:32:36,5120:40:24,4096:32:40,5120:40:26,4096:32:44,5120:40:28,4096:32:48,5120:40:32"
@@ -143,6 +147,8 @@ def engine_config(spec: dict[str, Any], offload: bool) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": spec["stage"], "overlap_comm": True, "contiguous_gradients": True}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload and spec.get("offload_param"):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
         "gradient_accumulation_steps": 1,
@@ -384,7 +390,9 @@ WORKERS = {
     "adam": work_adam,
     "pcie": work_pcie,
     "ours": work_ours,
+    "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
+    "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
     "ours-device": lambda spec, device: work_ours(spec, device, offload=False),
     "deepspeed": work_deepspeed,
     "trial": work_trial,
@@ -399,7 +407,7 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
         torch.set_num_threads(spec["threads"])
     record: dict[str, Any] = {"bench": "offload", "config": name}
     try:
-        if name in ("ours", "ours-dpu", "ours-device", "deepspeed", "trial"):
+        if name in (*ENGINES, "trial"):
             _init_group(device)
         record.update(WORKERS[name](spec, device))
     except ImportError as exc:
@@ -481,13 +489,13 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         bound = max(parts.values())
         serial = sum(parts.values())
         summary.update(bound_s=round(bound, 4), serial_s=round(serial, 4), bound_by=max(parts, key=parts.get))
-        for name in ("ours", "ours-dpu", "ours-device", "deepspeed"):
+        for name in ENGINES:
             step = rows.get(name, {}).get("step_s")
             if step is not None:
                 summary[f"{name}_over_bound"] = round(step / bound, 3)
                 summary[f"{name}_over_serial"] = round(step / serial, 3)
     ours = rows.get("ours", {}).get("step_s")
-    for name in ("ours-dpu", "ours-device", "deepspeed"):
+    for name in ENGINES[1:]:
         other = rows.get(name, {}).get("step_s")
         if ours is not None and other is not None:
             summary[f"{name}_over_ours"] = round(other / ours, 3)
@@ -519,7 +527,7 @@ def step_mode(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     emit(summary, args.out)
     print_table(records)
     print(json.dumps(summary, indent=1), file=sys.stderr)
-    ours_failed = any("error" in rows.get(n, {}) for n in ("ours", "ours-dpu"))
+    ours_failed = any("error" in rows.get(n, {}) for n in ENGINES if n != "deepspeed")
     return 1 if ours_failed else 0
 
 

@@ -35,16 +35,8 @@ is converted into an fp32 host buffer and scaled, `optimizer.step()` runs on the
 updated masters are cast into the landing buffer and copied back. Correct for any torch optimizer, but
 several passes over host memory.
 
-Delayed parameter update (DPU, ZeRO-Offload §5.2; opt-in through `enable_delayed_update`): after
-`after_steps` ordinary steps, step k only starts the host update with step k's gradients, on a worker
-thread, and returns; the update runs (and its weights are uploaded into a device staging buffer) while
-the device computes forward and backward of step k+1, and step k+1 installs it (one device-side copy)
-before starting its own. So the forward of step k+1 still uses the weights from before step k's update:
-every gradient is computed on weights one update stale. The step then costs about max(device compute,
-host update) instead of their sum. Costs a second landing buffer (2 bytes/param, host) and the staging
-buffer (2 bytes/param of the shard, device). Only the Adam path runs delayed; reading the masters or the
-optimizer state (checkpoints, `full_state_dict`) must first call `flush()`, which installs the update in
-flight.
+Delayed parameter update (delayed.py, opt-in): step k's host update runs while the device computes
+step k+1, which installs it first; every gradient is then computed on weights one update stale.
 
 On a CPU-only machine all of this runs the same way with synchronous copies (copies.py).
 """
@@ -53,7 +45,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -63,12 +54,12 @@ from torch.utils.hooks import RemovableHandle
 from runtime.comm import Comm, Pending
 from runtime.offload import host_adam
 from runtime.offload.copies import CopyEngine, Ticket
+from runtime.offload.delayed import DelayedUpdate, check_after_steps
 from runtime.offload.host_memory import HostMemory
-from runtime.offload.placement import GradMath, attach_master_grads
+from runtime.offload.placement import GradMath, attach_master_grads, scale_from_device_grads
 from runtime.offload.spans import Span, piece_containing, plan_chunks, plan_spans
 from runtime.offload.streamed import StreamedStep
 from runtime.offload.targets import WorkingTarget
-from runtime.offload.worker import HostWorker
 from runtime.precision.mixed import GradResult
 from runtime.zero.buckets import BucketTracker, bucket_order
 from runtime.zero.flat import FlatGroup
@@ -122,11 +113,7 @@ class HostMasters:
         self._adam: host_adam.HostAdam | None = None
         self._adam_for: torch.optim.Optimizer | None = None
         self._steps = 0  # host updates started
-        self._delay_after: int | None = None  # DPU: delayed updates once this many steps are done
-        self._spare_landing: list[torch.Tensor] | None = None  # DPU: the next backward lands here
-        self._staging: list[torch.Tensor] | None = None  # DPU: device copies of the updated shards
-        self._worker: HostWorker | None = None  # DPU: the thread that runs the delayed update
-        self._in_flight: Future[Ticket] | None = None  # DPU: the update started by the last step
+        self._delayed: DelayedUpdate | None = None  # set by delay_updates
         self._streamed: StreamedStep | None = None  # the streamed step of the backward in progress
         # Gradients can stream during backward only when nothing is left to reduce (one rank, and not the
         # sharded stage 3, whose gradients arrive by reduce-scatter) and a copy does not block the autograd
@@ -180,7 +167,7 @@ class HostMasters:
             piece = self._working_piece(self.spans[index])
             return self._update_span(adam, grad_scale, self.landing, self._tickets[index], index, piece)
 
-        self._streamed = StreamedStep(adam, factor, update, len(self.spans))
+        self._streamed = StreamedStep(adam, factor, update, len(self.spans), spare_core=self.copies.is_async)
 
     def run_backward(self, backward: Callable[[], None]) -> None:
         """Run autograd; during a streamed step, with this thread updating spans as they land."""
@@ -243,7 +230,7 @@ class HostMasters:
         if not any(self._landed):  # no boundary backward went through begin/end_backward
             self._prepare_landing()
         self._land_all()
-        result, coef = _scale_from_device_grads(pieces, math)
+        result, coef = scale_from_device_grads(pieces, math)
         self._install_in_flight()  # DPU: the update the last step started becomes the working weights
         if not result.overflow:
             # device weights may still be read by kernels queued before this point
@@ -265,7 +252,7 @@ class HostMasters:
 
     def _finish_streamed(self, pieces: Sequence[Sequence[torch.Tensor]], math: GradMath) -> GradResult:
         self._land_all()  # spans end_backward did not land (it always does, through the engine)
-        result, coef = _scale_from_device_grads(pieces, math)
+        result, coef = scale_from_device_grads(pieces, math)
         streamed = self._streamed
         assert streamed is not None
         if coef != streamed.factor:
@@ -285,7 +272,7 @@ class HostMasters:
         return result
 
     def _delayed_now(self) -> bool:
-        return self._delay_after is not None and self._steps >= self._delay_after
+        return self._delayed is not None and self._delayed.due(self._steps)
 
     def _host_adam(self, optimizer: torch.optim.Optimizer) -> host_adam.HostAdam:
         if self._adam is None or self._adam_for is not optimizer:
@@ -347,45 +334,32 @@ class HostMasters:
 
     # -- delayed parameter update ---------------------------------------------------------------------
     def delay_updates(self, after_steps: int) -> None:
-        """Turn on the delayed parameter update once `after_steps` steps have run (see the module
-        docstring). Allocates the second landing buffer and the device staging buffer."""
-        if after_steps < 0:
-            raise ValueError(f"delayed update: after_steps must be >= 0, got {after_steps}")
-        self._delay_after = after_steps
-        if self._staging is None:
-            dtype = self.landing[0].dtype if self.landing else torch.float32
-            self._spare_landing = [self.memory.zeros(t.numel(), t.dtype, pinned=True) for t in self.landing]
-            self._staging = [
-                torch.empty(g.layout.shard_numel, dtype=dtype, device=g.working.device) for g in self.groups
-            ]
-            self._worker = HostWorker()
+        """Turn on the delayed parameter update once `after_steps` steps have run (delayed.py)."""
+        if self._delayed is None:
+            self._delayed = DelayedUpdate(after_steps, self.landing, self.groups, self.memory)
+        else:
+            self._delayed.after_steps = check_after_steps(after_steps)
 
     def _start_delayed(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
         adam = self._host_adam(optimizer)
         adam.begin_step()  # here, not on the worker: the scheduler changes the lr as soon as we return
-        assert self._worker is not None and self._staging is not None and self._spare_landing is not None
-        staging = self._staging
-        landing, tickets = self.landing, list(self._tickets)
+        assert self._delayed is not None
+
+        def update(
+            landing: list[torch.Tensor], tickets: list[Ticket], dst_of: Callable[[Span], torch.Tensor]
+        ):
+            return self._run_adam(adam, coef, landing, tickets, dst_of, publish=False)
+
         # the next backward lands in the other buffers while this update reads (and writes) these
-        self.landing, self._spare_landing = self._spare_landing, landing
-
-        def dst_of(span: Span) -> torch.Tensor:
-            return staging[span.group].narrow(0, span.shard_offset, span.numel)
-
-        self._in_flight = self._worker.submit(
-            self._run_adam, adam, coef, landing, tickets, dst_of, publish=False
-        )
+        self.landing = self._delayed.start(update, self.landing, self._tickets)
 
     def _install_in_flight(self) -> None:
         """Wait for the delayed update (re-raising its error) and make it the working weights."""
-        if self._in_flight is None:
+        if self._delayed is None or not self._delayed.pending:
             return
-        future, self._in_flight = self._in_flight, None
-        self.copies.device_wait(future.result())
-        assert self._staging is not None
+        self.copies.device_wait(self._delayed.wait())
         for span in self.spans:
-            source = self._staging[span.group].narrow(0, span.shard_offset, span.numel)
-            self._working_piece(span).copy_(source)
+            self._working_piece(span).copy_(self._delayed.staged(span))
             self._publish(span)
 
     def flush(self) -> None:
@@ -449,15 +423,17 @@ class HostMasters:
                 state += sum(t.numel() * t.element_size() for t in values.values() if torch.is_tensor(t))
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups)
         masters += self.target.host_bytes()  # offloaded working-weight shards (offload_param)
-        buffers = sum(t.numel() * t.element_size() for t in self.landing + (self._spare_landing or []))
+        buffers = sum(t.numel() * t.element_size() for t in self.landing)
+        if self._delayed is not None:
+            buffers += self._delayed.host_bytes()
         if self._fp32_grads is not None:
             buffers += sum(t.numel() * t.element_size() for t in self._fp32_grads)
         return masters + state, buffers
 
     def close(self) -> None:
         self.flush()
-        if self._worker is not None:
-            self._worker.shutdown()
+        if self._delayed is not None:
+            self._delayed.close()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -465,30 +441,6 @@ class HostMasters:
         if self.copies.is_async:
             torch.cuda.synchronize(self.device)
         self.memory.close()
-
-
-def _scale_from_device_grads(
-    pieces: Sequence[Sequence[torch.Tensor]], math: GradMath
-) -> tuple[GradResult, float]:
-    """The norm and overflow decision from the reduced gradients on the device, and the one factor the
-    host multiplies the landed gradients by (average over ranks and micro-steps, unscale, clip).
-
-    Same arithmetic as `finish_grads`, without touching the gradients."""
-    inv = 1.0 / (math.divisor * math.loss_scale)
-    if not math.needs_norm:
-        return GradResult(None, False), inv
-    flat = [piece for group in pieces for piece in group]
-    norms = [torch.linalg.vector_norm(piece, dtype=torch.float32) for piece in flat]
-    squared = torch.stack(norms).square().sum()
-    if math.all_reduce_sum is not None:
-        math.all_reduce_sum(squared)
-    norm = squared.sqrt_().mul_(inv)
-    if math.check_overflow and not bool(torch.isfinite(norm)):
-        return GradResult(norm, True), inv
-    if math.max_norm <= 0:
-        return GradResult(norm, False), inv
-    clip = float((math.max_norm / (norm + 1e-6)).clamp_(max=1.0))  # the host needs this number: one sync
-    return GradResult(norm, False), clip * inv
 
 
 def _grad_scale(factor: float) -> torch.Tensor | None:

@@ -161,6 +161,30 @@ class DeviceMasters:
         pass
 
 
+def scale_from_device_grads(
+    pieces: Sequence[Sequence[torch.Tensor]], math: GradMath
+) -> tuple[GradResult, float]:
+    """The norm and overflow decision from the reduced gradients on the device, and the one factor the
+    host multiplies the landed gradients by (average over ranks and micro-steps, unscale, clip).
+
+    Same arithmetic as `finish_grads`, without touching the gradients."""
+    inv = 1.0 / (math.divisor * math.loss_scale)
+    if not math.needs_norm:
+        return GradResult(None, False), inv
+    flat = [piece for group in pieces for piece in group]
+    norms = [torch.linalg.vector_norm(piece, dtype=torch.float32) for piece in flat]
+    squared = torch.stack(norms).square().sum()
+    if math.all_reduce_sum is not None:
+        math.all_reduce_sum(squared)
+    norm = squared.sqrt_().mul_(inv)
+    if math.check_overflow and not bool(torch.isfinite(norm)):
+        return GradResult(norm, True), inv
+    if math.max_norm <= 0:
+        return GradResult(norm, False), inv
+    clip = float((math.max_norm / (norm + 1e-6)).clamp_(max=1.0))  # the host needs this number: one sync
+    return GradResult(norm, False), clip * inv
+
+
 def build_master_placement(
     config: Any,
     groups: Sequence[FlatGroup],

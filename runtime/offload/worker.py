@@ -1,15 +1,19 @@
-"""The background thread of the delayed parameter update (`enable_delayed_update`).
+"""The background thread of the delayed parameter update (`enable_delayed_update`), and its share of cores.
 
 Under the delayed update, step k's host update runs while the calling thread computes forward and backward
 of step k+1, so it needs a thread of its own: one `HostWorker`, a single thread, so updates run in the
 order they were submitted and never two at once.
 
-Its cost, measured on the H200 host: that thread's OpenMP pool comes on top of the caller's, and with
-more pool threads than cores libgomp stops spinning between parallel regions, so the update's short
-regions wake their teams from sleep each time and the update runs 1.2x (or, with one thread fewer than
-the cores, 3x) slower than on the calling thread. The streamed step (streamed.py) avoids this by
-running autograd on the helper thread instead; the delayed update cannot, since the caller must run the
-next forward.
+Why it shrinks the caller's OpenMP team: every thread that starts parallel regions gets an OpenMP pool
+of its own, and once the pools together hold more threads than there are cores, libgomp stops spinning
+between regions, so each of the update's thousands of short regions first wakes its team from sleep. On
+the H200 host a 400M-parameter update took 0.188 s on a second thread against 0.142 s on the caller
+(16 threads each). So before the first update the caller's team is cut to 2 threads (a 2-thread region
+on the caller releases the rest of its pool) and the worker gets the other cores: the pools fit the
+machine again. The caller keeps 2 intra-op threads while the delayed update is on (`close` gives the
+old count back); a GPU training loop's own CPU work (kernel launches, small copies) does not need more.
+The streamed step (streamed.py) has no such cost: it runs autograd on a helper thread instead, and
+autograd on CUDA starts no parallel regions.
 """
 
 from __future__ import annotations
@@ -18,17 +22,33 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
+
+CALLER_THREADS = 2
 
 
 class HostWorker:
-    """One background thread for host updates."""
+    """One background thread for host updates, with the cores the calling thread gives up."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step")
+        self._caller_threads = torch.get_num_threads()
+        self.threads = max(1, self._caller_threads - CALLER_THREADS)
+        if self._caller_threads > CALLER_THREADS:
+            torch.set_num_threads(CALLER_THREADS)
+            torch.ones(1 << 20).add_(1)  # a parallel region with the smaller team releases the rest
+        self._pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="offload-step",
+            initializer=torch.set_num_threads,
+            initargs=(self.threads,),
+        )
 
     def submit(self, fn: Callable[..., T], /, *args: object, **kwargs: object) -> Future[T]:
         return self._pool.submit(fn, *args, **kwargs)
 
     def shutdown(self) -> None:
+        """Stop the thread and give the calling thread its intra-op threads back."""
         self._pool.shutdown(wait=True)
+        torch.set_num_threads(self._caller_threads)

@@ -46,6 +46,7 @@ from torch import nn
 
 from runtime.comm import Comm
 from runtime.config import ActivationCheckpointingConfig, Config, ConfigError
+from runtime.distributed import accelerator
 
 __all__ = [
     "CheckpointSettings",
@@ -243,7 +244,7 @@ class _Arena:
         key = (data.numel(), data.dtype, data.device)
         pool = self._pools.get(key)
         if pool is None:
-            pin = data.device.type == "cpu" and torch.cuda.is_available()
+            pin = data.device.type == "cpu" and accelerator() == "cuda"
             buffer = torch.empty(
                 (self.slots, data.numel()), dtype=data.dtype, device=data.device, pin_memory=pin
             )
@@ -290,7 +291,7 @@ def _pack(tensor: torch.Tensor) -> Any:
         data = data.narrow(0, rank * chunk, chunk).clone()  # a copy, so the full input can be freed
         packed.comm = comm
     if chosen.cpu_checkpointing and data.device.type != "cpu":
-        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=torch.cuda.is_available())
+        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=accelerator() == "cuda")
         host.copy_(data, non_blocking=True)
         data = host
     if _state.arena is not None:

@@ -4,6 +4,10 @@ Reads the rank layout that dslaunch, torchrun, Slurm (srun) or Open MPI / MPICH 
 environment, creates the default process group (nccl with CUDA, gloo without), and picks this process's
 device from LOCAL_RANK. Without any of those variables it is a one-process world, so `python train.py`
 works unchanged. `resolve_dist_env` is pure (a mapping in, a `DistEnv` out) and unit-tested.
+
+`DS_ACCELERATOR` (DeepSpeed's name) chooses the device kind: `cpu` trains on CPU with gloo even where
+CUDA is visible (debugging, CPU-only comparisons, tests on a GPU machine), `cuda` insists on a GPU;
+unset means CUDA when torch sees a device, else CPU.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.distributed as dist
 _log = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 29500
+ACCELERATOR_ENV = "DS_ACCELERATOR"
 
 
 class DistEnvError(RuntimeError):
@@ -113,13 +118,27 @@ def _local_rank_guess(env: Mapping[str, str], rank: int) -> int:
     )
 
 
+def accelerator() -> str:
+    """The device kind this process trains on, "cuda" or "cpu" (see the module docstring)."""
+    chosen = os.environ.get(ACCELERATOR_ENV, "").strip().lower()
+    if chosen not in ("", "cuda", "cpu"):
+        raise DistEnvError(f"{ACCELERATOR_ENV}={chosen!r} is not supported here; use 'cuda' or 'cpu'")
+    if chosen == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if chosen == "cuda":
+        raise DistEnvError(f"{ACCELERATOR_ENV}=cuda, but torch sees no CUDA device in this process")
+    return "cpu"
+
+
 def device_for(local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK when CUDA is available, else cpu.
+    """cuda:LOCAL_RANK when training on CUDA (`accelerator()`), else cpu.
 
     A process that sees exactly one GPU uses it whatever its LOCAL_RANK (Slurm's --gpus-per-task and
     similar bindings give each process its own CUDA_VISIBLE_DEVICES).
     """
-    if torch.cuda.is_available():
+    if accelerator() == "cuda":
         count = torch.cuda.device_count()
         if local_rank < count:
             return torch.device("cuda", local_rank)
@@ -136,7 +155,7 @@ def current_device() -> torch.device:
     a process group created by hand), else cpu."""
     if "LOCAL_RANK" in os.environ:
         return device_for(_int(os.environ, "LOCAL_RANK"))
-    if torch.cuda.is_available():
+    if accelerator() == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

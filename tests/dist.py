@@ -3,7 +3,9 @@
 `run_distributed(fn, world_size, *args)` starts one process per rank, gives each a fresh process group
 (a FileStore in a new temp dir, so concurrent test runs never share a rendezvous; or, with
 rendezvous="env", runtime.init_distributed() on a free TCP port, the path a launched job takes), calls
-`fn(rank, world_size, *args)` and returns the per-rank results in rank order. The first worker exception
+`fn(rank, world_size, *args)` and returns the per-rank results in rank order. Ranks train on the CPU
+(`DS_ACCELERATOR=cpu`) even on a machine with GPUs, so the same tests pass there; a test that needs
+CUDA passes `device="cuda"`. The first worker exception
 is re-raised in the test process as `WorkerFailed` with the rank and the worker's traceback text; a
 worker that dies without a word, or a run past `timeout` seconds, also fails the test and kills the rest.
 
@@ -65,9 +67,11 @@ def _worker(
     store_path: str,
     port: int,
     rendezvous: str,
+    device: str,
     results: Any,
 ) -> None:
     os.environ.update(
+        DS_ACCELERATOR=device,
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -106,10 +110,14 @@ def run_distributed(
     *args: Any,
     timeout: float = DEFAULT_TIMEOUT,
     rendezvous: str = "file",
+    device: str = "cpu",
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return the results by rank."""
+    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks training on `device` ("cpu" or
+    "cuda"); return the results by rank."""
     if rendezvous not in ("file", "env"):
         raise ValueError(f"rendezvous must be 'file' or 'env', got {rendezvous!r}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     ctx = _context()
     tmp = tempfile.mkdtemp(prefix="dslaunch-dist-")
     results = ctx.Queue()
@@ -117,7 +125,7 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, args, os.path.join(tmp, "store"), port, rendezvous, results),
+            args=(fn, rank, world_size, args, os.path.join(tmp, "store"), port, rendezvous, device, results),
             daemon=True,
         )
         for rank in range(world_size)

@@ -104,6 +104,23 @@ def test_impossible_environments_are_explained(env: dict[str, str], message: str
         resolve_dist_env(env)
 
 
+def test_ds_accelerator_chooses_the_device_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runtime.distributed import current_device, device_for
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # CPU even where GPUs are visible, whatever LOCAL_RANK
+    assert device_for(3) == torch.device("cpu") and current_device() == torch.device("cpu")
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(DistEnvError, match="DS_ACCELERATOR='xpu' is not supported here; use 'cuda' or 'cpu'"):
+        device_for(0)
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    if torch.cuda.is_available():
+        assert device_for(0) == torch.device("cuda", 0)
+    else:
+        with pytest.raises(DistEnvError, match="DS_ACCELERATOR=cuda, but torch sees no CUDA device"):
+            device_for(0)
+
+
 # -- initialize(): arguments, before any process group exists ------------------------------------------
 
 

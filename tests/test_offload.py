@@ -462,7 +462,8 @@ def test_cuda_offload_matches_device_adam(stage: int, clip: float, offload_param
     """On a GPU: streams, events, pinned landing buffers (and, without clipping, the host update running
     during backward; with offload_param, shards uploaded before each gather): the result equals Adam on
     the device."""
-    got = run_distributed(_no_offload_vs_offload, 1, stage, clip, offload_param, timeout=240)[0]
+    args = (stage, clip, offload_param)
+    got = run_distributed(_no_offload_vs_offload, 1, *args, timeout=240, device="cuda")[0]
     # Copies ordered by events leave nothing to chance: a copy racing a kernel would make reruns differ.
     assert got["repeatable"], "two offloaded runs with the same data ended with different weights"
     # Same fp32 math on two devices, but a last-bit difference can flip the bf16 rounding of a working

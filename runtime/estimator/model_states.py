@@ -31,18 +31,14 @@ the engine has it). Per host: every local rank's host-resident states, or the fp
 builds on the host before the engine moves it to its GPU (4 bytes per parameter, none for stage 3 under
 ``zero.Init``), whichever is larger.
 
-Command line (console script ``ds_estimate``):
-
-    python -m runtime.estimator --params 1.5e9 --num_gpus 8 --num_nodes 1
-    python -m runtime.estimator --model_size xl --num_gpus 8 --num_nodes 2
+This module is the arithmetic only (numbers in, ``Estimate`` out, nothing printed), which is what the
+tests hold against the engine and what other code may call; ``runtime.estimator.cli`` presents it: the
+text table, DeepSpeed's function names and the ``ds_estimate`` command line.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -51,19 +47,15 @@ from torch import nn
 from runtime.zero.partition import plan_flat_layout
 
 __all__ = [
+    "DEFAULT_BUCKET",
+    "DTYPE_BYTES",
+    "MASTER_BYTES",
+    "OPTIMIZER_BYTES",
     "Estimate",
     "ModelSizes",
     "StateBytes",
     "estimate",
     "estimate_all",
-    "estimate_zero2_model_states_mem_needs",
-    "estimate_zero2_model_states_mem_needs_all_cold",
-    "estimate_zero2_model_states_mem_needs_all_live",
-    "estimate_zero3_model_states_mem_needs",
-    "estimate_zero3_model_states_mem_needs_all_cold",
-    "estimate_zero3_model_states_mem_needs_all_live",
-    "format_table",
-    "main",
     "model_sizes",
 ]
 
@@ -73,7 +65,6 @@ OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lion": 4, "sgd_momentum": 
 MASTER_BYTES = 4  # fp32 master weights
 DEFAULT_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size default (elements)
 _STAGE2_BUCKETS_ALIVE = 3  # one bucket being filled + two in flight (ShardedGradStage.max_in_flight)
-GIB = float(1 << 30)
 
 
 @dataclass(frozen=True)
@@ -297,221 +288,3 @@ def estimate_all(
                 )
             )
     return out
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
-
-
-def format_table(estimates: Sequence[Estimate], sizes: ModelSizes, dtype: str = "bf16") -> str:
-    """A plain-text table of `estimates`, with a header naming the model and the cluster."""
-    if not estimates:
-        return "no configuration to estimate"
-    first = estimates[0]
-    largest = (
-        f", largest layer {sizes.largest_layer_params / 1e6:.1f}M"
-        if sizes.largest_layer_params is not None
-        else " (stage 3 needs --largest_layer_params)"
-    )
-    lines = [
-        f"Model states of {sizes.total_params / 1e9:.3f}B parameters{largest}; {dtype} weights, fp32 master "
-        f"weights; {first.gpus_per_node} GPU(s) per node x {first.num_nodes} node(s)",
-        "Not included: activations, CUDA context, allocator fragmentation.",
-        "per host = host memory of all local ranks: offloaded states, or the fp32 model each process builds",
-        "before moving it to its GPU (none under zero.Init at stage 3), whichever is larger.",
-        "",
-        f"{'stage':<6}{'offload_optimizer':<19}{'offload_param':<15}{'per GPU':>12}{'(transient)':>14}"
-        f"{'per host':>13}",
-    ]
-    for e in estimates:
-        lines.append(
-            f"{e.stage:<6}{'cpu' if e.offload_optimizer else 'none':<19}"
-            f"{'cpu' if e.offload_param else 'none':<15}{_gib(e.per_gpu_bytes):>12}"
-            f"{'(' + _gib(e.gpu_transient) + ')':>14}{_gib(e.per_host_bytes):>13}"
-        )
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# DeepSpeed's function names (deepspeed.runtime.zero.stage_1_and_2 / stage3), returning our numbers.
-
-
-def estimate_zero2_model_states_mem_needs(
-    total_params: int,
-    num_gpus_per_node: int = 1,
-    num_nodes: int = 1,
-    cpu_offload: bool = True,
-    additional_buffer_factor: float = 1.5,
-) -> tuple[int, int]:
-    """(host bytes per node x additional_buffer_factor, bytes per GPU) of ZeRO-2, like DeepSpeed's."""
-    e = estimate(
-        total_params,
-        stage=2,
-        num_gpus_per_node=num_gpus_per_node,
-        num_nodes=num_nodes,
-        offload_optimizer=cpu_offload,
-    )
-    return int(e.per_host_bytes * additional_buffer_factor), e.per_gpu_bytes
-
-
-def estimate_zero3_model_states_mem_needs(
-    total_params: int,
-    largest_layer_params: int,
-    num_gpus_per_node: int = 1,
-    num_nodes: int = 1,
-    cpu_offload: bool = True,
-    cpu_offload_params: bool = True,
-    zero_init: bool = True,
-    additional_buffer_factor: float = 1.5,
-) -> tuple[int, int, int]:
-    """(host bytes per node x factor, bytes per GPU, largest layer's transient bytes) of ZeRO-3."""
-    sizes = ModelSizes(int(total_params), int(largest_layer_params))
-    e = estimate(
-        sizes,
-        stage=3,
-        num_gpus_per_node=num_gpus_per_node,
-        num_nodes=num_nodes,
-        offload_optimizer=cpu_offload,
-        offload_param=cpu_offload and cpu_offload_params,
-        zero_init=zero_init,
-    )
-    return int(e.per_host_bytes * additional_buffer_factor), e.per_gpu_bytes, e.gpu_transient
-
-
-def _print_stage(sizes: ModelSizes, stage: int, gpus: int, nodes: int) -> list[Estimate]:
-    estimates = estimate_all(sizes, num_gpus_per_node=gpus, num_nodes=nodes, stages=(stage,))
-    print(format_table(estimates, sizes))
-    return estimates
-
-
-def estimate_zero2_model_states_mem_needs_all_live(
-    model: nn.Module, num_gpus_per_node: int = 1, num_nodes: int = 1
-) -> list[Estimate]:
-    """Print and return the stage-2 estimates (with and without offload) for `model`."""
-    return _print_stage(model_sizes(model), 2, num_gpus_per_node, num_nodes)
-
-
-def estimate_zero2_model_states_mem_needs_all_cold(
-    total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1
-) -> list[Estimate]:
-    """Print and return the stage-2 estimates for a parameter count (no model needed)."""
-    return _print_stage(ModelSizes(int(total_params)), 2, num_gpus_per_node, num_nodes)
-
-
-def estimate_zero3_model_states_mem_needs_all_live(
-    model: nn.Module, num_gpus_per_node: int = 1, num_nodes: int = 1
-) -> list[Estimate]:
-    """Print and return the stage-3 estimates (no offload, optimizer offload, full offload) for `model`."""
-    return _print_stage(model_sizes(model), 3, num_gpus_per_node, num_nodes)
-
-
-def estimate_zero3_model_states_mem_needs_all_cold(
-    total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1
-) -> list[Estimate]:
-    """Print and return the stage-3 estimates for parameter counts (no model needed)."""
-    sizes = ModelSizes(int(total_params), int(largest_layer_params))
-    return _print_stage(sizes, 3, num_gpus_per_node, num_nodes)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Command line
-
-
-def _gpt_sizes(name: str) -> ModelSizes:
-    """Sizes of a runtime.models.gpt size, from its config (nothing is allocated)."""
-    from runtime.models.gpt import GPTConfig
-
-    config = GPTConfig.named(name)
-    d = config.n_embd
-    b = 1 if config.bias else 0
-    layers = [config.vocab_size * d, d * 4 * d + b * 4 * d, 4 * d * d + b * d, d * 3 * d + b * 3 * d]
-    return ModelSizes(total_params=config.num_params(), largest_layer_params=max(layers))
-
-
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number such as 1.5e9, got {text!r}") from None
-    if not value >= 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``ds_estimate``: print the memory table; exit code 0, or 2 for bad arguments."""
-    from runtime.models.gpt import MODEL_SIZES
-
-    parser = argparse.ArgumentParser(
-        prog="ds_estimate",
-        description="Estimate per-GPU and per-host memory of a ZeRO run's model states "
-        "(weights, gradients, master weights, optimizer state) for every stage and offload choice.",
-    )
-    what = parser.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=_number, help="total parameter count, e.g. 1.5e9")
-    what.add_argument(
-        "--model_size", help=f"a runtime.models.gpt size: {', '.join(MODEL_SIZES)} (or gpt2, gpt2-xl, ...)"
-    )
-    parser.add_argument(
-        "--largest_layer_params", type=_number, help="the largest layer's parameter count (for stage 3)"
-    )
-    parser.add_argument("--num_gpus", type=_count, default=1, help="GPUs per node")
-    parser.add_argument("--num_nodes", type=_count, default=1, help="number of nodes")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="working weights")
-    parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adam")
-    parser.add_argument(
-        "--reduce_bucket_size", type=_count, default=DEFAULT_BUCKET, help="elements per reduce bucket"
-    )
-    parser.add_argument("--stages", default="0,1,2,3", help="comma-separated stages to show")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = parser.parse_args(argv)
-    try:
-        stages = tuple(int(s) for s in args.stages.split(","))
-        if any(s not in (0, 1, 2, 3) for s in stages):
-            raise ValueError
-    except ValueError:
-        parser.error(f"--stages: expected stages 0-3 separated by commas, got {args.stages!r}")
-    if args.model_size is not None:
-        try:
-            sizes = _gpt_sizes(args.model_size)
-        except ValueError as error:
-            parser.error(f"--model_size: {error}")
-        if args.largest_layer_params is not None:
-            sizes = ModelSizes(sizes.total_params, int(args.largest_layer_params))
-    else:
-        largest = None if args.largest_layer_params is None else int(args.largest_layer_params)
-        if largest is not None and largest > args.params:
-            parser.error("--largest_layer_params is larger than --params")
-        sizes = ModelSizes(int(args.params), largest)
-    estimates = estimate_all(
-        sizes,
-        num_gpus_per_node=args.num_gpus,
-        num_nodes=args.num_nodes,
-        stages=stages,
-        dtype=args.dtype,
-        optimizer=args.optimizer,
-        reduce_bucket_size=args.reduce_bucket_size,
-    )
-    if args.json:
-        print(
-            json.dumps(
-                {"model": asdict(sizes) | {"numels": None}, "estimates": [e.to_dict() for e in estimates]}
-            )
-        )
-    else:
-        print(format_table(estimates, sizes, args.dtype))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -39,6 +39,7 @@ class OffloadCase(Case):
     pin_memory: bool = False
     persistence: int | None = None  # stage3_param_persistence_threshold (0: every unit is gathered on use)
     offload_param: bool = False  # stage 3: the working shards in host memory too
+    fp32_landing: bool = False  # DSLAUNCH_OFFLOAD_GRAD_TRANSFER=fp32: 16-bit gradients land as fp32
 
     @property
     def optimizer(self) -> str:
@@ -69,6 +70,11 @@ EXTRA = [
     OffloadCase(2, "fp16", 1, 0.0),
     OffloadCase(2, "bf16", 1, 0.5, pin_memory=True),
     OffloadCase(1, "fp32", 2, 0.5, bucket=10**9),  # one bucket: one span per group
+    # gradients landing in fp32: the Adam path after backward and streamed, the generic path, fp16
+    OffloadCase(2, "bf16", 2, 0.5, fp32_landing=True),
+    OffloadCase(1, "bf16", 1, 0.0, adam_without_clip=True, fp32_landing=True),
+    OffloadCase(2, "bf16", 1, 0.0, fp32_landing=True),
+    OffloadCase(1, "fp16", 2, 0.5, fp32_landing=True),
 ]
 if HAVE_STAGE3:  # updated weights go to the units' working shards; persistent units re-gather
     EXTRA += [
@@ -87,12 +93,20 @@ if HAVE_STAGE3:  # updated weights go to the units' working shards; persistent u
 def _train(case: Case, rank: int, world_size: int) -> dict:
     """tests/test_zero_parity.py's training run; the working weights are read inside GatheredParameters,
     since stage-3 units below the persistence threshold are not gathered outside a forward."""
+    import os
+
     import runtime
+    from runtime.offload.host_masters import GRAD_TRANSFER_ENV
 
     model = make_model(0)
+    fp32_landing = isinstance(case, OffloadCase) and case.fp32_landing
+    os.environ[GRAD_TRANSFER_ENV] = "fp32" if fp32_landing else "native"
     engine, _, _, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config()
     )
+    del os.environ[GRAD_TRANSFER_ENV]
+    if fp32_landing:
+        assert all(t.dtype == torch.float32 for t in engine.masters.landing), "gradients did not land as fp32"
     losses, norms = train_engine(
         engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
     )
@@ -520,15 +534,20 @@ def _delayed_reference(*, steps: int, accumulation: int, param_dtype: torch.dtyp
 
 
 def _train_delayed(rank: int, world_size: int, cases: list[OffloadCase]) -> list[dict]:
+    import os
+
     import runtime
     from runtime.offload import enable_delayed_update
+    from runtime.offload.host_masters import GRAD_TRANSFER_ENV
 
     out = []
     for case in cases:
         model = make_model(0)
+        os.environ[GRAD_TRANSFER_ENV] = "fp32" if case.fp32_landing else "native"
         engine, _, _, _ = runtime.initialize(
             model=model, model_parameters=param_groups(model), config=case.config()
         )
+        del os.environ[GRAD_TRANSFER_ENV]
         enable_delayed_update(engine, after_steps=DPU_AFTER)
         losses = []
         for step in range(STEPS):
@@ -549,8 +568,12 @@ def _train_delayed(rank: int, world_size: int, cases: list[OffloadCase]) -> list
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_delayed_update_matches_a_one_step_stale_reference(world_size: int) -> None:
-    cases = [OffloadCase(2, "fp32", 2, 0.5), OffloadCase(1, "bf16", 1, 0.5)]
-    results = run_distributed(_train_delayed, world_size, cases, timeout=120)[0]
+    cases = [
+        OffloadCase(2, "fp32", 2, 0.5),
+        OffloadCase(1, "bf16", 1, 0.5),
+        OffloadCase(1, "bf16", 1, 0.5, fp32_landing=True),
+    ]
+    results = run_distributed(_train_delayed, world_size, cases, timeout=180)[0]
     for case, got in zip(cases, results, strict=True):
         ref = _delayed_reference(
             steps=STEPS, accumulation=case.accumulation, param_dtype=DTYPES[case.dtype], clip=case.clip
@@ -662,9 +685,10 @@ def _bench(*args: str) -> list[dict]:
 def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     small = ["--micro_batch", "2", "--seq_len", "32", "--warmup", "1", "--steps", "2", "--adam_steps", "3"]
     records = {
-        r["config"]: r for r in _bench("--model", "tiny", *small, "--configs", "gpu,adam,pcie,ours-dpu")
+        r["config"]: r
+        for r in _bench("--model", "tiny", *small, "--configs", "gpu,adam,pcie,ours-dpu,ours-fp32grads")
     }
-    for name in ("gpu", "adam", "pcie", "ours-dpu"):
+    for name in ("gpu", "adam", "pcie", "ours-dpu", "ours-fp32grads"):
         assert "error" not in records[name], records[name]
     summary = records["summary"]
     parts = [records["gpu"]["step_s"], records["adam"]["step_s"], records["pcie"]["both_s"]]
@@ -674,6 +698,9 @@ def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     # host memory per parameter: 12 B of fp32 state + 2 B landing, and DPU's second landing buffer
     assert dpu["host_bytes_per_param"] == pytest.approx(16.0, abs=0.1)
     assert dpu["loss_last"] < dpu["loss_first"], dpu
+    fp32 = records["ours-fp32grads"]  # gradients land in fp32: 4 B of landing instead of 2
+    assert fp32["host_bytes_per_param"] == pytest.approx(16.0, abs=0.1)
+    assert fp32["loss_last"] < fp32["loss_first"], fp32
 
     # one size that trains and none above it: the search stops there and reports it
     found = _bench("--find_max", "--sizes", "64:4:1", "--start_params", "0", *small)

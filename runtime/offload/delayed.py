@@ -44,10 +44,11 @@ class DelayedUpdate:
         landing: Sequence[torch.Tensor],
         groups: Sequence[FlatGroup],
         memory: HostMemory,
+        working_dtype: torch.dtype,
     ) -> None:
         self.after_steps = check_after_steps(after_steps)
         self._spare_landing = [memory.zeros(t.numel(), t.dtype, pinned=True) for t in landing]
-        dtype = landing[0].dtype if landing else torch.float32
+        dtype = working_dtype  # the install is a same-dtype device copy
         self._staging = [
             torch.empty(g.layout.shard_numel, dtype=dtype, device=g.working.device) for g in groups
         ]

@@ -15,6 +15,8 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
     ours-clip    the same with gradient_clipping 1.0: the update waits for the norm, after backward
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
     ours-z3-param  ZeRO-3 with offload_param {device: cpu} too: weight shards in host memory
+    ours-fp32grads   "ours" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=fp32: gradients cross PCIe as fp32 and
+                 the host step is torch's fused fp32 kernel (the adam row's torch_fused_fp32_grads_s)
     ours-device  the same engine without offload (for the offload/no-offload ratio)
     deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable
 
@@ -61,7 +63,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from runtime.models import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
-ENGINES = ("ours", "ours-clip", "ours-dpu", "ours-z3-param", "ours-device", "deepspeed")
+ENGINES = ("ours", "ours-clip", "ours-dpu", "ours-z3-param", "ours-fp32grads", "ours-device", "deepspeed")
 CONFIGS = ("gpu", "adam", "pcie", *ENGINES)
 DEFAULT_CONFIGS = CONFIGS
 # n_embd:n_head:n_layer; 12·d² + 13·d per layer plus (50304 + 1024)·d of embeddings
@@ -265,6 +267,14 @@ def work_pcie(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
         "up_gb_per_s": round(nbytes / t_up / 1e9, 1),
         "duplex_gb_per_s": round(2 * nbytes / t_both / 1e9, 1),
     }
+    # the same both ways in fp32: what ours-fp32grads moves (4 bytes a parameter each way)
+    del down_host, up_host, down_dev, up_dev
+    down_host = memory.empty(n, torch.float32, pinned=True)
+    up_host = memory.empty(n, torch.float32, pinned=True).fill_(1)
+    down_dev = torch.ones(n, dtype=torch.float32, device=device)
+    up_dev = torch.empty(n, dtype=torch.float32, device=device)
+    t_both32, _ = _median_time(both, device, 1, reps)
+    result["both_fp32_s"] = round(t_both32, 5)
     memory.close()
     return result
 
@@ -393,6 +403,7 @@ WORKERS = {
     "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
+    "ours-fp32grads": lambda spec, device: work_ours(spec, device),  # the variable is set in worker_main
     "ours-device": lambda spec, device: work_ours(spec, device, offload=False),
     "deepspeed": work_deepspeed,
     "trial": work_trial,
@@ -405,6 +416,8 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
         device = torch.device("cuda", 0)
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
+    if name == "ours-fp32grads":
+        os.environ["DSLAUNCH_OFFLOAD_GRAD_TRANSFER"] = "fp32"
     record: dict[str, Any] = {"bench": "offload", "config": name}
     try:
         if name in (*ENGINES, "trial"):

@@ -4,7 +4,7 @@
   `offload_optimizer: {device: cpu}`), and `build_master_placement`.
 - `host_masters.py`: optimizer offload: masters and state in host memory, gradients landing bucket by
   bucket during backward, the step on the CPU, chunked copy-back.
-- `host_adam.py`: the one-pass Adam/AdamW step on landed gradients (runtime.ops.adam underneath).
+- `host_adam.py`: the one-pass Adam/AdamW step on landed gradients (runtime.ops.adam_step underneath).
 - `copies.py`: device<->host copies on their own CUDA streams (plain copies on CPU-only machines).
 - `host_memory.py`: host buffers, pinned where a copy engine touches them.
 - `spans.py`: pure index math (which shard slices land, step and go back together).

@@ -4,7 +4,7 @@ Works with the optimizer the engine built over the host master shards, whichever
 `runtime.ops.adam.CPUAdam` (DeepSpeedCPUAdam) or `torch.optim.Adam` / `AdamW` (what the config's
 "Adam"/"AdamW" builds). Their state uses the same keys (`step` as a float32 tensor, `exp_avg`,
 `exp_avg_sq`), so a state dict looks the same with and without offload, and checkpoints move between
-the two. The update itself is `runtime.ops.adam.adam_step_` on slices of the flat master, gradient and
+the two. The update itself is `runtime.ops.adam_step.adam_step_` on slices of the flat master, gradient and
 state tensors: fp32 master/m/v, the landed bf16/fp16 gradient converted in cache, the loss-scale and
 clipping factor applied inside the kernel, and the low-precision copy of the updated weights written into
 the landing buffer the gradient came from (the gradient chunk is already consumed by then), so the copy
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from runtime.ops.adam import AdamHyperparams, CPUAdam, adam_step_, default_chunk_elems, scratch_elems
+from runtime.ops.adam import CPUAdam
+from runtime.ops.adam_step import AdamHyperparams, adam_step_, default_chunk_elems, scratch_elems
 
 
 def adam_hyperparams(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> AdamHyperparams | None:

@@ -96,7 +96,7 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
     import os
 
     import runtime
-    from runtime.offload.host_masters import GRAD_TRANSFER_ENV
+    from runtime.offload.landing import GRAD_TRANSFER_ENV
 
     model = make_model(0)
     fp32_landing = isinstance(case, OffloadCase) and case.fp32_landing
@@ -106,7 +106,8 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
     )
     del os.environ[GRAD_TRANSFER_ENV]
     if fp32_landing:
-        assert all(t.dtype == torch.float32 for t in engine.masters.landing), "gradients did not land as fp32"
+        landed = {t.dtype for t in engine.masters.grads.buffers}
+        assert landed == {torch.float32}, f"gradients landed as {landed}, not fp32"
     losses, norms = train_engine(
         engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
     )
@@ -333,7 +334,7 @@ def _streaming(rank: int, world_size: int, clip: float) -> dict:
     def on_last_gradient(param: torch.nn.Parameter) -> None:
         # backward is held here until the host has updated a span (10 s at most): that happens only if
         # the updates run while backward runs
-        landed = sum(engines[0].masters._landed)
+        landed = sum(engines[0].masters.grads.landed)
         deadline = time.monotonic() + 10
         while landed and updates_started() == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -355,7 +356,7 @@ def _streaming(rank: int, world_size: int, clip: float) -> dict:
     engines.append(engine)
     x, y = rank_batch(0, 0, ROWS, rank, world_size)
     engine.backward(loss_fn(engine(x), y))
-    landed_after = sum(engine.masters._landed)
+    landed_after = sum(engine.masters.grads.landed)
     engine.step()
     # a second step, so a streamed step also follows a completed one
     x, y = rank_batch(1, 0, ROWS, rank, world_size)
@@ -441,7 +442,7 @@ def _no_offload_vs_offload(rank: int, world_size: int, stage: int, clip: float, 
         }
         engine, *_ = runtime.initialize(model=model, config=config)
         if offload:
-            assert all(t.is_pinned() for t in engine.masters.landing)
+            assert all(t.is_pinned() for t in engine.masters.grads.buffers)
             if offload_param:
                 assert engine.masters.target.on_host and engine.zero.host_param_bytes() > 0
         gen = torch.Generator().manual_seed(1)
@@ -538,7 +539,7 @@ def _train_delayed(rank: int, world_size: int, cases: list[OffloadCase]) -> list
 
     import runtime
     from runtime.offload import enable_delayed_update
-    from runtime.offload.host_masters import GRAD_TRANSFER_ENV
+    from runtime.offload.landing import GRAD_TRANSFER_ENV
 
     out = []
     for case in cases:

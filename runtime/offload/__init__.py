@@ -2,8 +2,11 @@
 
 - `placement.py`: the `MasterPlacement` the engine composes (`DeviceMasters`, or `HostMasters` for
   `offload_optimizer: {device: cpu}`), and `build_master_placement`.
-- `host_masters.py`: optimizer offload: masters and state in host memory, gradients landing bucket by
-  bucket during backward, the step on the CPU, chunked copy-back.
+- `host_masters.py`: optimizer offload: masters and state in host memory, the step on the CPU, chunked
+  copy-back.
+- `landing.py`: gradients landing on the host bucket by bucket (during backward with one rank).
+- `streamed.py`: the streamed step (the update runs while backward does, when nothing waits on the norm).
+- `delayed.py`, `worker.py`: the opt-in delayed parameter update and its thread.
 - `host_adam.py`: the one-pass Adam/AdamW step on landed gradients (runtime.ops.adam_step underneath).
 - `copies.py`: device<->host copies on their own CUDA streams (plain copies on CPU-only machines).
 - `host_memory.py`: host buffers, pinned where a copy engine touches them.

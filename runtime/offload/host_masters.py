@@ -3,10 +3,8 @@
 Per step, for this rank's shard of every param group (bf16 working weights shown; fp16 is the same and
 fp32 copies weights back from the master itself):
 
-1. Gradients land on the host bucket by bucket (`spans.py`): with one rank, a bucket's copy starts from a
-   post-accumulate-grad hook as soon as backward has finished its last parameter, on its own CUDA stream,
-   while backward goes on; with more ranks, after the ZeRO stage has reduced it. One copy per bucket into
-   one pinned landing buffer in the gradient dtype (2 bytes a parameter), never one per parameter.
+1. Gradients land on the host bucket by bucket (landing.py): with one rank while backward goes on, with
+   more ranks after the ZeRO stage has reduced them; one copy per bucket into a pinned landing buffer.
 2. The norm, the fp16 overflow check and the clipping factor come from the gradients still on the device
    (a few kernels there instead of another pass over host memory); the host reads one number.
 3. The host updates span by span in landing order, chunk by chunk (`host_adam.py`: one pass, the scale
@@ -35,13 +33,12 @@ is converted into an fp32 host buffer and scaled, `optimizer.step()` runs on the
 updated masters are cast into the landing buffer and copied back. Correct for any torch optimizer, but
 several passes over host memory.
 
-Gradients in fp32 (experimental, `DSLAUNCH_OFFLOAD_GRAD_TRANSFER=fp32`): 16-bit gradients are converted
-on the device and cross PCIe as fp32 (4 bytes a parameter each way instead of 2), into an fp32 landing
-buffer; the host step is then torch's fused kernel alone (no conversion passes: on the H200 host that
-kernel took 0.35 s on GPT-2 XL's 1.56B parameters where the bf16-gradient step took 0.61 s), and the
-updated fp32 masters go back to be converted on the device. Host memory: 16 bytes a parameter instead of
-14, the master pinned. Not with parameter offload (its weights are written on the host). It stays opt-in
-until the whole step is measured on a GPU.
+Gradients in fp32 (experimental, `DSLAUNCH_OFFLOAD_GRAD_TRANSFER=fp32`, landing.py): 16-bit gradients
+are converted on the device and cross PCIe as fp32 (4 bytes a parameter each way instead of 2); the
+host step is then torch's fused kernel alone, with no conversion passes (on the H200 host that kernel
+took 0.35 s on GPT-2 XL's 1.56B parameters where the bf16-gradient step took 0.61 s), and the updated
+fp32 masters go back to be converted on the device. Host memory: 16 bytes a parameter instead of 14,
+the master pinned. Not with parameter offload. It stays opt-in until the whole step is measured on a GPU.
 
 Delayed parameter update (delayed.py, opt-in): step k's host update runs while the device computes
 step k+1, which installs it first; every gradient is then computed on weights one update stale.
@@ -52,25 +49,24 @@ On a CPU-only machine all of this runs the same way with synchronous copies (cop
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from runtime.comm import Comm, Pending
 from runtime.offload import host_adam
 from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.delayed import DelayedUpdate, check_after_steps
 from runtime.offload.host_memory import HostMemory
+from runtime.offload.landing import GradLanding, landing_dtype
 from runtime.offload.placement import GradMath, attach_master_grads, scale_from_device_grads
-from runtime.offload.spans import Span, piece_containing, plan_chunks, plan_spans
+from runtime.offload.spans import Span, plan_chunks, plan_spans
 from runtime.offload.streamed import StreamedStep
 from runtime.offload.targets import WorkingTarget
 from runtime.precision.mixed import GradResult
-from runtime.zero.buckets import BucketTracker, bucket_order
+from runtime.zero.buckets import bucket_order
 from runtime.zero.flat import FlatGroup
 
 _log = logging.getLogger("runtime.offload")
@@ -78,21 +74,6 @@ _log = logging.getLogger("runtime.offload")
 TRANSFER_CHUNK_ELEMS = 1 << 23
 """Elements per copy-back chunk: 16 MiB of bf16 (about 0.3 ms on PCIe 5, a few ms of host update), small
 enough that only the last chunk's copy is exposed, large enough that per-chunk overhead stays below 1%."""
-
-GRAD_TRANSFER_ENV = "DSLAUNCH_OFFLOAD_GRAD_TRANSFER"
-
-
-def landing_dtype(
-    grad_dtype: torch.dtype, master_dtype: torch.dtype, *, weights_on_host: bool
-) -> torch.dtype:
-    """The dtype gradients land on the host in: their own, or the master's with `GRAD_TRANSFER_ENV=fp32`
-    (see the module docstring)."""
-    choice = os.environ.get(GRAD_TRANSFER_ENV, "").strip().lower()
-    if choice not in ("", "native", "fp32"):
-        raise ValueError(f"{GRAD_TRANSFER_ENV}={choice!r}: expected 'native' (the default) or 'fp32'")
-    if choice == "fp32" and master_dtype == torch.float32 and not weights_on_host:
-        return torch.float32
-    return grad_dtype
 
 
 class HostMasters:
@@ -125,16 +106,10 @@ class HostMasters:
         self._move_masters_to_host(landed)
         # 16-bit landing: the updated weights go back in that dtype, written over the landed gradient;
         # fp32 landing: straight from the (pinned) master, converted on the device
-        self.landing = [self.memory.zeros(g.layout.shard_numel, landed, pinned=True) for g in self.groups]
         self._writes_out = landed != master_dtype
         self._working_dtype = grad_dtype
         order = bucket_order(self.groups, registration)
         self.spans: list[Span] = plan_spans([g.layout for g in self.groups], order)
-        self._span_at = {(s.group, s.bucket): i for i, s in enumerate(self.spans)}
-        self._sources: list[torch.Tensor] = []
-        self._tickets: list[Ticket] = []
-        self._landed = [False] * len(self.spans)
-        self._boundary = False
         self._published: list[Pending] = []
         self._last_upload: Ticket = None
         self._fp32_grads: list[torch.Tensor] | None = None  # generic path only
@@ -147,18 +122,23 @@ class HostMasters:
         # sharded stage 3, whose gradients arrive by reduce-scatter) and a copy does not block the autograd
         # thread (pinned memory on CUDA; on CPU every copy is synchronous).
         sharded = getattr(zero, "units", None) is not None
-        self._stream = comm.world_size == 1 and not sharded and (not self.copies.is_async or self.memory.pin)
+        stream = comm.world_size == 1 and not sharded and (not self.copies.is_async or self.memory.pin)
         if self.copies.is_async and not self.memory.pin and comm.rank == 0:
             _log.warning(
                 "offload_optimizer.pin_memory is false: gradients and weights cross PCIe through pageable "
                 "memory, which is slower and does not overlap with backward; set pin_memory: true"
             )
-        self._hooks: list[RemovableHandle] = []
-        if self._stream:
-            self.tracker = BucketTracker(self.groups, order, self._land_bucket)
-            for group in self.groups:
-                for param in group.params:
-                    self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+        self.grads = GradLanding(
+            self.groups,
+            zero,
+            self.spans,
+            order,
+            self.copies,
+            self.memory,
+            landed,
+            stream=stream,
+            chunk_elems=self.chunk_elems,
+        )
 
     def _move_masters_to_host(self, landed: torch.dtype) -> None:
         for group in self.groups:
@@ -183,7 +163,7 @@ class HostMasters:
             self._streamed.adam.cancel_step()  # that backward failed before any gradient landed
             self._streamed = None
         factor = math.factor_before_backward
-        if factor is None or not self._stream or per_tensor or self._delayed_now():
+        if factor is None or not self.grads.stream or per_tensor or self._delayed_now():
             return
         if not host_adam.supports(optimizer):
             return
@@ -193,9 +173,12 @@ class HostMasters:
 
         def update(index: int) -> Ticket:
             piece = self._working_piece(self.spans[index])
-            return self._update_span(adam, grad_scale, self.landing, self._tickets[index], index, piece)
+            return self._update_span(
+                adam, grad_scale, self.grads.buffers, self.grads.tickets[index], index, piece
+            )
 
         self._streamed = StreamedStep(adam, factor, update, len(self.spans), spare_core=self.copies.is_async)
+        self.grads.on_landed = self._streamed.landed
 
     def run_backward(self, backward: Callable[[], None]) -> None:
         """Run autograd; during a streamed step, with this thread updating spans as they land."""
@@ -205,65 +188,19 @@ class HostMasters:
             self._streamed.run_backward(backward)
 
     def begin_backward(self, *, boundary: bool) -> None:
-        self._boundary = boundary
-        if boundary:
-            self._prepare_landing()
-            if self._stream:
-                self.tracker.reset()
-
-    def _prepare_landing(self) -> None:
-        pieces = self.zero.grad_pieces()
-        self._sources = []
-        for span in self.spans:
-            group_pieces = pieces[span.group]
-            index, offset = piece_containing([p.numel() for p in group_pieces], span.shard_offset, span.numel)
-            self._sources.append(group_pieces[index].view(-1).narrow(0, offset, span.numel))
-        self._tickets = [None] * len(self.spans)
-        self._landed = [False] * len(self.spans)
-
-    def _on_grad(self, param: nn.Parameter) -> None:
-        if self._boundary:
-            self.tracker.mark(param)
-
-    def _land_bucket(self, group: FlatGroup, bucket: int) -> None:
-        self._land(self._span_at[(group.index, bucket)])
-
-    def _land(self, index: int) -> None:
-        span = self.spans[index]
-        dst = self.landing[span.group].narrow(0, span.shard_offset, span.numel)
-        src = self._sources[index]
-        if dst.dtype == src.dtype:
-            self._tickets[index] = self.copies.to_host(dst, src)
-        else:  # converted on the device a chunk at a time, not through a whole-bucket fp32 temporary
-            for offset, numel in plan_chunks(span.numel, self.chunk_elems):
-                ticket = self.copies.to_host(dst.narrow(0, offset, numel), src.narrow(0, offset, numel))
-            self._tickets[index] = ticket
-        self._landed[index] = True
-        if self._streamed is not None:
-            self._streamed.landed(index)
+        self.grads.begin(boundary=boundary)
 
     def end_backward(self, *, boundary: bool) -> None:
-        if not boundary:
-            return
-        if self._stream:
-            self.tracker.flush()  # buckets whose parameters got no gradient this time
-        else:
-            self._land_all()
-        self._boundary = False
-
-    def _land_all(self) -> None:
-        for index, landed in enumerate(self._landed):
-            if not landed:
-                self._land(index)
+        self.grads.end(boundary=boundary)
 
     # -- the step ---------------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> GradResult:
         pieces = self.zero.grad_pieces()
         if self._streamed is not None:
             return self._finish_streamed(pieces, math)
-        if not any(self._landed):  # no boundary backward went through begin/end_backward
-            self._prepare_landing()
-        self._land_all()
+        if not any(self.grads.landed):  # no boundary backward went through begin/end_backward
+            self.grads.prepare()
+        self.grads.land_all()
         result, coef = scale_from_device_grads(pieces, math)
         self._install_in_flight()  # DPU: the update the last step started becomes the working weights
         if not result.overflow:
@@ -275,17 +212,19 @@ class HostMasters:
             elif fast:
                 adam = self._host_adam(optimizer)
                 adam.begin_step()
-                self._run_adam(adam, coef, self.landing, self._tickets, self._working_piece, publish=True)
+                self._run_adam(
+                    adam, coef, self.grads.buffers, self.grads.tickets, self._working_piece, publish=True
+                )
             else:
                 self._generic_step(optimizer, coef, per_tensor=per_tensor)
             self._steps += 1
         # the stage may zero its gradient buffers next: not before the downloads have read them
         self.copies.downloads_done()
-        self._landed = [False] * len(self.spans)
+        self.grads.done()
         return result
 
     def _finish_streamed(self, pieces: Sequence[Sequence[torch.Tensor]], math: GradMath) -> GradResult:
-        self._land_all()  # spans end_backward did not land (it always does, through the engine)
+        self.grads.land_all()  # spans end_backward did not land (it always does, through the engine)
         result, coef = scale_from_device_grads(pieces, math)
         streamed = self._streamed
         assert streamed is not None
@@ -297,12 +236,13 @@ class HostMasters:
         streamed.drain()
         assert streamed.updated == len(self.spans), (streamed.updated, len(self.spans))
         self._streamed = None
+        self.grads.on_landed = None
         self._last_upload = streamed.last_upload
         for span in self.spans:
             self._publish(span)
         self._steps += 1
         self.copies.downloads_done()
-        self._landed = [False] * len(self.spans)
+        self.grads.done()
         return result
 
     def _delayed_now(self) -> bool:
@@ -371,7 +311,7 @@ class HostMasters:
         """Turn on the delayed parameter update once `after_steps` steps have run (delayed.py)."""
         if self._delayed is None:
             self._delayed = DelayedUpdate(
-                after_steps, self.landing, self.groups, self.memory, self._working_dtype
+                after_steps, self.grads.buffers, self.groups, self.memory, self._working_dtype
             )
         else:
             self._delayed.after_steps = check_after_steps(after_steps)
@@ -387,7 +327,7 @@ class HostMasters:
             return self._run_adam(adam, coef, landing, tickets, dst_of, publish=False)
 
         # the next backward lands in the other buffers while this update reads (and writes) these
-        self.landing = self._delayed.start(update, self.landing, self._tickets)
+        self.grads.buffers = self._delayed.start(update, self.grads.buffers, self.grads.tickets)
 
     def _install_in_flight(self) -> None:
         """Wait for the delayed update (re-raising its error) and make it the working weights."""
@@ -407,11 +347,11 @@ class HostMasters:
         self.write_back()
 
     def _generic_step(self, optimizer: torch.optim.Optimizer, coef: float, *, per_tensor: bool) -> None:
-        for ticket in self._tickets:
+        for ticket in self.grads.tickets:
             self.copies.host_wait(ticket)
         grads = []
         for index, group in enumerate(self.groups):
-            landing = self.landing[index]
+            landing = self.grads.buffers[index]
             if landing.dtype == group.master.dtype:
                 grad = landing
             else:
@@ -431,7 +371,7 @@ class HostMasters:
                 at = span.shard_offset + offset
                 source = master.narrow(0, at, numel)
                 if self._writes_out:
-                    source = self.landing[span.group].narrow(0, at, numel).copy_(source)
+                    source = self.grads.buffers[span.group].narrow(0, at, numel).copy_(source)
                 self._last_upload = self.copies.to_device(dst.narrow(0, offset, numel), source)
             self._publish(span)
 
@@ -459,7 +399,7 @@ class HostMasters:
                 state += sum(t.numel() * t.element_size() for t in values.values() if torch.is_tensor(t))
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups)
         masters += self.target.host_bytes()  # offloaded working-weight shards (offload_param)
-        buffers = sum(t.numel() * t.element_size() for t in self.landing)
+        buffers = self.grads.host_bytes()
         if self._delayed is not None:
             buffers += self._delayed.host_bytes()
         if self._fp32_grads is not None:
@@ -470,9 +410,7 @@ class HostMasters:
         self.flush()
         if self._delayed is not None:
             self._delayed.close()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        self.grads.close()
         self.copies.downloads_done()
         if self.copies.is_async:
             torch.cuda.synchronize(self.device)

@@ -7,7 +7,8 @@ and returns a `Config`. Every `ConfigError` message starts with the key path.
 
 Defaults follow DeepSpeed except where noted: `gradient_clipping` defaults to 0.0 (no clipping) as in
 DeepSpeed <= 0.16; DeepSpeed 0.19.8 defaults to 1.0, so set it explicitly when comparing the two.
-The optimizer/scheduler sections are checked in `runtime.config_optim`.
+The optimizer/scheduler sections are checked in `runtime.config_optim`, `zero_optimization` in
+`runtime.config_zero`, and the batch arithmetic is done by `runtime.config_batch`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from runtime.config_batch import resolve_batch
 from runtime.config_optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
 from runtime.config_reader import (
     AutoRefused,
@@ -272,82 +274,6 @@ def _read_checkpoint(r: SectionReader) -> CheckpointConfig:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Batch arithmetic
-
-
-@dataclass(frozen=True)
-class _BatchTerm:
-    name: str
-    value: int | None
-    source: str  # where the value came from, for error messages
-
-    def show(self) -> str:
-        return f"{self.name} ({self.value}, {self.source})"
-
-
-def _resolve_batch(r: SectionReader, world_size: int) -> tuple[int, int, int]:
-    """Complete (train_batch_size, micro, accumulation) from any two; check the identity when all three."""
-
-    def read(name: str) -> _BatchTerm:
-        given = r.data.get(name)
-        if given == "auto":
-            source = "from auto_values" if r.key_path(name) in r.ctx.auto_values else '"auto"'
-        else:
-            source = "from the config"
-        # "auto" batch terms are derived from the others below, so the reader must not refuse them.
-        value = r.get(name, Int(1, nullable=True), None, auto=lambda: None)
-        return _BatchTerm(name, value, source if given is not None else "")
-
-    tbs, micro, gas = (
-        read("train_batch_size"),
-        read("train_micro_batch_size_per_gpu"),
-        read("gradient_accumulation_steps"),
-    )
-    ws = _BatchTerm("world_size", world_size, "data-parallel ranks")
-
-    def derive(target: _BatchTerm, total: _BatchTerm, *parts: _BatchTerm) -> int:
-        denominator = 1
-        for part in parts:
-            denominator *= part.value  # type: ignore[operator]
-        if total.value % denominator:  # type: ignore[operator]
-            shown = " x ".join(p.show() for p in parts)
-            raise ConfigError(
-                target.name,
-                f"cannot derive it: {total.show()} is not divisible by {shown} = {denominator}",
-            )
-        return total.value // denominator  # type: ignore[operator]
-
-    if tbs.value is None and micro.value is None:
-        if tbs.source == micro.source == '"auto"':
-            raise ConfigError(
-                "train_batch_size",
-                '"auto" batch sizes are derived from the others, but train_batch_size and '
-                'train_micro_batch_size_per_gpu are both "auto"; set one of them to a number',
-            )
-        raise ConfigError(
-            "train_batch_size",
-            "set train_batch_size or train_micro_batch_size_per_gpu (or both); neither is given",
-        )
-    if gas.value is None and (tbs.value is None or micro.value is None):
-        gas = _BatchTerm(gas.name, 1, "default" if not gas.source else 'default for "auto"')
-    if tbs.value is None:
-        tbs = _BatchTerm(tbs.name, micro.value * gas.value * world_size, "derived")  # type: ignore[operator]
-    elif micro.value is None:
-        micro = _BatchTerm(micro.name, derive(micro, tbs, gas, ws), "derived")
-    elif gas.value is None:
-        gas = _BatchTerm(gas.name, derive(gas, tbs, micro, ws), "derived")
-    product = micro.value * gas.value * world_size  # type: ignore[operator]
-    if tbs.value != product:
-        raise ConfigError(
-            "train_batch_size",
-            f"train_batch_size ({tbs.value}) != train_micro_batch_size_per_gpu ({micro.value}) x "
-            f"gradient_accumulation_steps ({gas.value}) x world_size ({world_size}) = {product}; "
-            f"terms: {tbs.show()}, {micro.show()}, {gas.show()}, {ws.show()}",
-        )
-    return tbs.value, micro.value, gas.value  # type: ignore[return-value]
-
-
-# ---------------------------------------------------------------------------------------------------------
 # The whole config
 
 
@@ -411,11 +337,11 @@ def load_config(
     top.ignored("dump_state", False, "no state dump")
     top.default_only("sparse_gradients", False, "sparse gradients")
     for batch_key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        top.has(batch_key)  # read later by _resolve_batch; declared now so finish() knows them
+        top.has(batch_key)  # read later by resolve_batch; declared now so finish() knows them
     top.finish(unsupported=_UNSUPPORTED_TOP_LEVEL)
     ctx.raise_pending()  # typos first: they often explain the errors that would follow
 
-    train_batch_size, micro, gas = _resolve_batch(top, world_size)
+    train_batch_size, micro, gas = resolve_batch(top, world_size)
     ctx.raise_pending()
 
     if fp16.enabled and bf16.enabled:

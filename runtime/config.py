@@ -8,7 +8,8 @@ and returns a `Config`. Every `ConfigError` message starts with the key path.
 Defaults follow DeepSpeed except where noted: `gradient_clipping` defaults to 0.0 (no clipping) as in
 DeepSpeed <= 0.16; DeepSpeed 0.19.8 defaults to 1.0, so set it explicitly when comparing the two.
 The optimizer/scheduler sections are checked in `runtime.config_optim`, `zero_optimization` in
-`runtime.config_zero`, and the batch arithmetic is done by `runtime.config_batch`.
+`runtime.config_zero`, tensorboard/csv_monitor/wandb in `runtime.config_monitor` (their dataclasses are
+re-exported here), and the batch arithmetic is done by `runtime.config_batch`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from runtime.config_batch import resolve_batch
+from runtime.config_monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig, read_monitor, read_wandb
 from runtime.config_optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
 from runtime.config_reader import (
     AutoRefused,
@@ -33,7 +35,6 @@ from runtime.config_reader import (
     Int,
     ReadContext,
     SectionReader,
-    Str,
     freeze,
     read_config_file,
     thaw,
@@ -85,28 +86,6 @@ class ActivationCheckpointingConfig:
     number_checkpoints: int | None = None
     synchronize_checkpoint_boundary: bool = False
     profile: bool = False
-
-
-@dataclass(frozen=True)
-class TensorBoardConfig:
-    enabled: bool = False
-    output_path: str = ""
-    job_name: str = "DeepSpeedJobName"
-
-
-@dataclass(frozen=True)
-class CSVMonitorConfig:
-    enabled: bool = False
-    output_path: str = ""
-    job_name: str = "DeepSpeedJobName"
-
-
-@dataclass(frozen=True)
-class WandbConfig:
-    enabled: bool = False
-    group: str | None = None
-    team: str | None = None
-    project: str = "deepspeed"
 
 
 @dataclass(frozen=True)
@@ -239,27 +218,6 @@ def _read_activation_checkpointing(r: SectionReader) -> ActivationCheckpointingC
     return cfg
 
 
-def _read_monitor(r: SectionReader, cls: type[TensorBoardConfig] | type[CSVMonitorConfig]) -> Any:
-    cfg = cls(
-        enabled=r.get("enabled", Bool(), False),
-        output_path=r.get("output_path", Str(), ""),
-        job_name=r.get("job_name", Str(), "DeepSpeedJobName"),
-    )
-    r.finish()
-    return cfg
-
-
-def _read_wandb(r: SectionReader) -> WandbConfig:
-    cfg = WandbConfig(
-        enabled=r.get("enabled", Bool(), False),
-        group=r.get("group", Str(nullable=True), None),
-        team=r.get("team", Str(nullable=True), None),
-        project=r.get("project", Str(), "deepspeed"),
-    )
-    r.finish()
-    return cfg
-
-
 def _read_checkpoint(r: SectionReader) -> CheckpointConfig:
     cfg = CheckpointConfig(
         tag_validation=r.get("tag_validation", Choice(("WARN", "IGNORE", "FAIL")), "WARN"),
@@ -328,9 +286,9 @@ def load_config(
     }
     sections = {
         "activation_checkpointing": _read_activation_checkpointing(top.section("activation_checkpointing")),
-        "tensorboard": _read_monitor(top.section("tensorboard"), TensorBoardConfig),
-        "csv_monitor": _read_monitor(top.section("csv_monitor"), CSVMonitorConfig),
-        "wandb": _read_wandb(top.section("wandb")),
+        "tensorboard": read_monitor(top.section("tensorboard"), TensorBoardConfig),
+        "csv_monitor": read_monitor(top.section("csv_monitor"), CSVMonitorConfig),
+        "wandb": read_wandb(top.section("wandb")),
         "checkpoint": _read_checkpoint(top.section("checkpoint")),
     }
     top.ignored("zero_force_ds_cpu_optimizer", True, "any torch optimizer runs on offloaded CPU shards")

@@ -23,16 +23,13 @@ from typing import Any
 import torch
 
 from runtime.config_batch import resolve_batch
+from runtime.config_checks import Bool, Choice, Float, Int
 from runtime.config_monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig, read_monitor, read_wandb
 from runtime.config_optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
 from runtime.config_reader import (
     AutoRefused,
-    Bool,
-    Choice,
     ConfigError,
-    Float,
     FrozenDict,
-    Int,
     ReadContext,
     SectionReader,
     freeze,

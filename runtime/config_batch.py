@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.config_reader import ConfigError, Int, SectionReader
+from runtime.config_checks import Int
+from runtime.config_reader import ConfigError, SectionReader
 
 
 @dataclass(frozen=True)

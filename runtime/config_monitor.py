@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.config_reader import Bool, SectionReader, Str
+from runtime.config_checks import Bool, Str
+from runtime.config_reader import SectionReader
 
 
 @dataclass(frozen=True)

@@ -11,20 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.config_reader import (
-    Bool,
-    Choice,
-    ConfigError,
-    Float,
-    FloatOrList,
-    FloatPair,
-    FrozenDict,
-    Int,
-    ReadContext,
-    SectionReader,
-    Str,
-    freeze,
-)
+from runtime.config_checks import Bool, Choice, Float, FloatOrList, FloatPair, Int, Str
+from runtime.config_reader import ConfigError, FrozenDict, ReadContext, SectionReader, freeze
 
 
 @dataclass(frozen=True)

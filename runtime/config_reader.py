@@ -1,16 +1,16 @@
 """Strict reading of DeepSpeed-style config mappings: files, types, "auto", unknown keys.
 
 This module owns the mechanics that make `runtime.config` strict: loading JSON/YAML with duplicate-key
-detection, checking each value's type with the key path in the message, resolving or refusing "auto",
-and telling apart keys that are unknown (a typo: "did you mean ...") from keys DeepSpeed has that we do
-not support yet. `runtime.config` declares the schema on top of it; nothing here knows section names.
+detection, reading each key through a check with the key path in the message (the checks themselves,
+Bool, Int, ..., are in `runtime.config_checks`), resolving or refusing "auto", and telling apart keys
+that are unknown (a typo: "did you mean ...") from keys DeepSpeed has that we do not support yet.
+`runtime.config` declares the schema on top of it; nothing here knows section names.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -29,6 +29,11 @@ class ConfigError(ValueError):
     def __init__(self, path: str, message: str) -> None:
         self.path = path
         super().__init__(f"{path}: {message}")
+
+
+def describe(value: Any) -> str:
+    """A value as "type repr" for error messages: "str '5'" and "int 5" must read differently."""
+    return f"{type(value).__name__} {value!r}"
 
 
 class FrozenDict(dict):
@@ -135,132 +140,6 @@ def read_config_file(path: str | os.PathLike) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Value checks. Each is a callable (path, value) -> value that raises ConfigError naming the path.
-
-
-def _describe(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}"
-
-
-def _range_text(lo: float | None, hi: float | None, lo_open: bool) -> str:
-    if lo is not None and hi is not None:
-        return f" in [{lo}, {hi}]" if not lo_open else f" in ({lo}, {hi}]"
-    if lo is not None:
-        return f" > {lo}" if lo_open else f" >= {lo}"
-    if hi is not None:
-        return f" <= {hi}"
-    return ""
-
-
-@dataclass(frozen=True)
-class Bool:
-    def __call__(self, path: str, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise ConfigError(path, f"expected true or false, got {_describe(value)}")
-        return value
-
-
-@dataclass(frozen=True)
-class Int:
-    lo: int | None = None
-    hi: int | None = None
-    nullable: bool = False
-
-    def __call__(self, path: str, value: Any) -> int | None:
-        if value is None and self.nullable:
-            return None
-        # JSON configs often write sizes as 5e8, which parses as a float: accept whole numbers.
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(
-                path, f"expected an integer{_range_text(self.lo, self.hi, False)}, got {_describe(value)}"
-            )
-        if (self.lo is not None and value < self.lo) or (self.hi is not None and value > self.hi):
-            raise ConfigError(path, f"expected an integer{_range_text(self.lo, self.hi, False)}, got {value}")
-        return value
-
-
-@dataclass(frozen=True)
-class Float:
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    nullable: bool = False
-
-    def __call__(self, path: str, value: Any) -> float | None:
-        if value is None and self.nullable:
-            return None
-        want = f"a number{_range_text(self.lo, self.hi, self.lo_open)}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(path, f"expected {want}, got {_describe(value)}")
-        value = float(value)
-        too_low = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
-        if too_low or (self.hi is not None and value > self.hi):
-            raise ConfigError(path, f"expected {want}, got {value}")
-        return value
-
-
-@dataclass(frozen=True)
-class Str:
-    nullable: bool = False
-
-    def __call__(self, path: str, value: Any) -> str | None:
-        if value is None and self.nullable:
-            return None
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {_describe(value)}")
-        return value
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One of a fixed set of strings, matched case-insensitively; returns the canonical spelling."""
-
-    choices: tuple[str, ...]
-    nullable: bool = False
-
-    def __call__(self, path: str, value: Any) -> str | None:
-        if value is None and self.nullable:
-            return None
-        options = ", ".join(repr(c) for c in self.choices)
-        if isinstance(value, str):
-            for choice in self.choices:
-                if choice.lower() == value.lower():
-                    return choice
-        raise ConfigError(path, f"expected one of {options}, got {_describe(value)}")
-
-
-@dataclass(frozen=True)
-class FloatPair:
-    """Two numbers in [0, 1), like Adam's betas."""
-
-    def __call__(self, path: str, value: Any) -> tuple[float, float]:
-        if not isinstance(value, (list, tuple)) or len(value) != 2:
-            raise ConfigError(path, f"expected a list of two numbers in [0, 1), got {_describe(value)}")
-        check = Float(0.0, 1.0)
-        pair = (check(f"{path}[0]", value[0]), check(f"{path}[1]", value[1]))
-        for i, v in enumerate(pair):
-            if v >= 1.0:
-                raise ConfigError(f"{path}[{i}]", f"expected a number in [0, 1), got {v}")
-        return pair  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class FloatOrList:
-    """A number, or one number per optimizer param group."""
-
-    item: Float = Float()
-
-    def __call__(self, path: str, value: Any) -> float | tuple[float, ...] | None:
-        if isinstance(value, (list, tuple)):
-            if not value:
-                raise ConfigError(path, "expected a number or a non-empty list of numbers, got []")
-            return tuple(self.item(f"{path}[{i}]", v) for i, v in enumerate(value))
-        return self.item(path, value)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Reading a section
 
 
@@ -324,12 +203,10 @@ class SectionReader:
         if data is None:
             data = {}
         if not isinstance(data, Mapping):
-            raise ConfigError(
-                path or "config", f"expected a mapping of keys to values, got {_describe(data)}"
-            )
+            raise ConfigError(path or "config", f"expected a mapping of keys to values, got {describe(data)}")
         for key in data:
             if not isinstance(key, str):
-                raise ConfigError(self._join(path, str(key)), f"keys must be strings, got {_describe(key)}")
+                raise ConfigError(self._join(path, str(key)), f"keys must be strings, got {describe(key)}")
         self.data = data
         self.path = path
         self.ctx = ctx

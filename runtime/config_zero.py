@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from runtime.config_reader import AutoRefused, Bool, Choice, ConfigError, Float, Int, SectionReader
+from runtime.config_checks import Bool, Choice, Float, Int
+from runtime.config_reader import AutoRefused, ConfigError, SectionReader
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,11 @@ class Timers:
 
 
 class StepLog:
-    """Rank 0's periodic report: step, loss, lr, loss scale, grad norm, skipped steps, samples/s."""
+    """Rank 0's periodic report: step, loss, lr, loss scale, grad norm, skipped steps, samples/s.
+
+    The loss is this step's: the mean over every rank and the step's micro-steps (one small all-reduce
+    per report), the number a training script that averages over ranks prints for the same step.
+    """
 
     def __init__(self, steps_per_print: int, *, rank: int) -> None:
         self.every = steps_per_print
@@ -101,7 +105,7 @@ class StepLog:
         self._samples = engine.global_samples
 
     def record_loss(self, loss: torch.Tensor) -> None:
-        if self.every and self.rank == 0:
+        if self.every:
             self._losses.append(loss.detach())
 
     def wants_norm(self, step: int) -> bool:
@@ -122,19 +126,20 @@ class StepLog:
     def after_step(self, engine: Any) -> None:
         if engine.was_step_applied():
             self._consecutive = 0
+        losses, self._losses = self._losses, []  # this step's micro-steps
         if not self.every or engine.global_steps % self.every != 0:
             return
         now = time.perf_counter()
         rate = (engine.global_samples - self._samples) / max(now - self._time, 1e-9)
         self._time, self._samples = now, engine.global_samples
         overflows, self._overflows = self._overflows, 0
-        losses, self._losses = self._losses, []
+        loss = self._mean_over_ranks(losses, engine.comm, engine.device)
         breakdown = engine._timers.summary_ms() if engine._timers.enabled else {}
         if self.rank != 0:
             return
         parts = [f"step={engine.global_steps}"]
-        if losses:
-            parts.append(f"loss={torch.stack([t.float() for t in losses]).mean().item():.4f}")
+        if loss is not None:
+            parts.append(f"loss={loss:.4f}")
         parts.append("lr=[" + ", ".join(f"{lr:.3e}" for lr in engine.get_lr()) + "]")
         norm = engine.get_global_grad_norm()
         if norm is not None:
@@ -153,3 +158,15 @@ class StepLog:
             parts.append(f"ckpt_recompute_ms/step={1000 * recompute.recompute_seconds / self.every:.2f}")
         parts.append("| memory " + format_memory(memory_stats(engine.device)))
         _log.info(" ".join(parts))
+
+    @staticmethod
+    def _mean_over_ranks(losses: list[torch.Tensor], comm: Any, device: torch.device) -> float | None:
+        """Every rank's losses of this step, averaged (a collective: every rank calls it)."""
+        if comm.world_size == 1:
+            return torch.stack([t.float() for t in losses]).mean().item() if losses else None
+        total = torch.zeros(2, dtype=torch.float64, device=device)
+        if losses:
+            total[0] = torch.stack([t.double() for t in losses]).sum()
+            total[1] = len(losses)
+        comm.all_reduce(total)
+        return None if total[1] == 0 else float(total[0] / total[1])

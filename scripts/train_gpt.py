@@ -13,8 +13,9 @@ Face GPT2LMHeadModel and --tokenizer picks a Hugging Face tokenizer; with `datas
 
 The batch size, precision, ZeRO stage, optimizer and schedule come from the DeepSpeed-style config;
 --lr and --micro_batch_size override the config's values. --steps counts optimizer steps. Rank 0 prints
-the loss averaged over ranks and accumulation micro-steps every --log_interval steps with an ETA (on a
-terminal also a progress bar), and a summary line at the end.
+the loss averaged over ranks, accumulation micro-steps and the steps since its last line every
+--log_interval steps with an ETA (on a terminal also a progress bar), and a summary line at the end. The
+engine's own report every `steps_per_print` steps gives that step's loss (averaged over ranks).
 
 Activation checkpointing (every transformer block recomputed in backward) is on with
 --deepspeed_activation_checkpointing or when the config has an "activation_checkpointing" section, whose

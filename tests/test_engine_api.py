@@ -295,7 +295,7 @@ def _checks(rank: int, world_size: int) -> dict:
     engine, _, _, _ = runtime.initialize(
         model=model, config=_config(steps_per_print=2, wall_clock_breakdown=True, gradient_clipping=1.0)
     )
-    _train(engine, rank, world_size, steps=4)
+    out["logged_losses"] = _train(engine, rank, world_size, steps=4)
     logger.removeHandler(handler)
     out["log"] = records
     out["norm_with_clipping"] = engine.get_global_grad_norm()
@@ -469,6 +469,11 @@ def test_rank0_logs_every_steps_per_print(world: list[dict]) -> None:
     ):
         assert part in lines[0], (part, lines[0])
     assert world[1]["log"] == []  # other ranks stay quiet
+    # the loss is the step's, averaged over every rank (what a script averaging over ranks prints)
+    for line, step in zip(lines, (1, 3), strict=True):
+        every = [rank_out["logged_losses"][step] for rank_out in world]
+        logged = float(line.split("loss=")[1].split()[0])
+        assert logged == pytest.approx(sum(every) / len(every), abs=1e-4), line
     assert isinstance(world[0]["norm_with_clipping"], float)
 
 

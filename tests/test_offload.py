@@ -417,6 +417,56 @@ def test_a_second_boundary_backward_before_step_is_refused_once_the_update_start
     assert "before engine.step()" in got["error"] and "checkpoint" in got["error"], got
 
 
+class _FailInBackward(torch.autograd.Function):
+    """Identity forward; backward raises, before any parameter has its gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward failed on purpose")
+
+
+def _backward_fails_before_anything_landed(rank: int, world_size: int) -> dict:
+    import runtime
+
+    model = make_model(0)
+    config = {
+        "train_batch_size": ROWS,
+        "steps_per_print": 0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 300, "offload_optimizer": {"device": "cpu"}},
+    }
+    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+    x, y = rank_batch(0, 0, ROWS, rank, world_size)
+    try:
+        engine.backward(_FailInBackward.apply(loss_fn(engine(x), y)))
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    before = engine.full_state_dict()  # the fp32 masters
+    engine.backward(loss_fn(engine(x), y))  # the retry is an ordinary step
+    engine.step()
+    after = engine.full_state_dict()
+    out = {
+        "error": error,
+        "steps": [float(state["step"]) for state in engine.optimizer.state.values()],
+        "moved": all(not torch.equal(after[n], before[n]) for n in before),
+    }
+    engine.destroy()
+    return out
+
+
+def test_a_backward_that_fails_before_any_gradient_landed_can_be_retried() -> None:
+    got = run_distributed(_backward_fails_before_anything_landed, 1, timeout=60)[0]
+    assert got["error"] == "backward failed on purpose"  # the error of the backward thread, unchanged
+    assert got["steps"] and all(step == 1.0 for step in got["steps"]), got  # counted once, not twice
+    assert got["moved"], "the retried step did not update the weights"
+
+
 def _no_offload_vs_offload(rank: int, world_size: int, stage: int, clip: float, offload_param: bool) -> dict:
     """bf16 GPT on CUDA: Adam on the device, then twice the offloaded run, same data; relative update gaps."""
     import runtime

@@ -44,8 +44,9 @@ FORWARD_PREFIXES: tuple[str, ...] = (
     "NCCL_", "UCX_", "FI_", "GLOO_", "MV2_",  # communication libraries
     "TORCH_", "TORCHINDUCTOR_", "TRITON_", "CUDA_", "PYTHON",  # runtime behaviour
     "MLFLOW", "WANDB_", "HF_",  # experiment tracking, model hub
+    "DSLAUNCH_OFFLOAD_",  # the runtime's offload settings (runtime/offload)
 )  # fmt: skip
-FORWARD_NAMES: frozenset[str] = frozenset({"OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM"})
+FORWARD_NAMES: frozenset[str] = frozenset({"OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "DS_ACCELERATOR"})
 # Matched by a prefix above but different on every host: the plan or the host itself sets them.
 NEVER_FORWARD: frozenset[str] = frozenset(
     {"CUDA_VISIBLE_DEVICES", "CUDA_HOME", "CUDA_PATH", "CUDA_ROOT", "TORCHELASTIC_RUN_ID"}

@@ -13,9 +13,9 @@ from launcher.errors import LaunchError
 def test_forwarded_names_follow_the_documented_rules() -> None:
     yes = ["NCCL_DEBUG", "PYTHONPATH", "UCX_TLS", "MLFLOW_TRACKING_URI", "CUDA_DEVICE_MAX_CONNECTIONS",
            "TORCH_DISTRIBUTED_DEBUG", "GLOO_SOCKET_IFNAME", "FI_PROVIDER", "HF_HOME", "WANDB_PROJECT",
-           "OMP_NUM_THREADS"]  # fmt: skip
+           "OMP_NUM_THREADS", "DS_ACCELERATOR", "DSLAUNCH_OFFLOAD_GRAD_TRANSFER"]  # fmt: skip
     no = ["PATH", "LD_LIBRARY_PATH", "HOME", "SSH_AUTH_SOCK", "CUDA_VISIBLE_DEVICES", "CUDA_HOME",
-          "RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "MY_VAR"]  # fmt: skip
+          "RANK", "MASTER_ADDR", "TORCHELASTIC_RUN_ID", "MY_VAR", "DSLAUNCH_ATTEMPT"]  # fmt: skip
     assert [n for n in yes if not envfwd.is_forwarded(n)] == []
     assert [n for n in no if envfwd.is_forwarded(n)] == []
 

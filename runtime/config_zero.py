@@ -195,7 +195,21 @@ def read_zero(r: SectionReader, model: torch.nn.Module | None) -> ZeroConfig:
     _accept_deepspeed_extras(r)
     r.finish(unsupported=_UNSUPPORTED_ZERO)
     _check_offload_stage(r, cfg)
+    _note_moot_settings(r, cfg)
     return cfg
+
+
+def _note_moot_settings(r: SectionReader, cfg: ZeroConfig) -> None:
+    """DeepSpeed tuning keys this engine's layout makes moot: a non-default value gets a note, so nobody
+    tunes them expecting an effect."""
+    moot = (
+        ("allgather_bucket_size", cfg.allgather_bucket_size, 500_000_000, "gathers go per reduce bucket"),
+        ("contiguous_gradients", cfg.contiguous_gradients, True, "gradients always live in one flat buffer"),
+        ("sub_group_size", cfg.sub_group_size, 1_000_000_000, "each rank steps its whole shard at once"),
+    )
+    for key, value, default, why in moot:
+        if value != default:
+            r.ctx.note(f"{r.key_path(key)}: {value!r} has no effect ({why})")
 
 
 def _map_legacy_offload(r: SectionReader, data: dict[str, Any]) -> None:

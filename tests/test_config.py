@@ -543,6 +543,16 @@ def test_deprecated_names_are_mapped_with_a_note():
         assert old in text
 
 
+def test_moot_zero_tuning_keys_are_noted_only_when_changed():
+    zero = {"stage": 2, "allgather_bucket_size": 2e8, "contiguous_gradients": False, "sub_group_size": 1e9}
+    text = "\n".join(load_config({**MICRO, "zero_optimization": zero}, world_size=1).notes)
+    assert "zero_optimization.allgather_bucket_size: 200000000 has no effect" in text
+    assert "zero_optimization.contiguous_gradients: False has no effect" in text
+    assert "sub_group_size" not in text  # the default value: nothing to say
+    defaults = load_config({**MICRO, "zero_optimization": {"stage": 2}}, world_size=1).notes
+    assert not any("has no effect" in note for note in defaults)
+
+
 def test_legacy_boolean_zero_optimization_means_stage_1():
     cfg = load_config({**MICRO, "zero_optimization": True}, world_size=1)
     assert cfg.zero_optimization.stage == 1 and "legacy" in cfg.notes[0]

@@ -153,13 +153,16 @@ def test_offloaded_optimizer_matches_plain_pytorch(world_size: int) -> None:
     assert not failures, "\n".join(f"{case}: {problems}" for case, problems in failures.items())
 
 
-def _offload_engine(stage: int, *, bucket: int = 700, **sizes: int):
+def _offload_engine(stage: int, *, bucket: int = 700, clip: float = 0.0, model=None, **sizes: int):
+    """bf16 AdamW with the optimizer offloaded; `model` (default: a fresh `make_model(0, **sizes)`) may
+    carry hooks of the test's own, registered before the engine's."""
     import runtime
 
-    model = make_model(0, **sizes)
+    model = make_model(0, **sizes) if model is None else model
     config = {
         "train_batch_size": ROWS,
         "steps_per_print": 0,
+        "gradient_clipping": clip,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {
@@ -321,7 +324,6 @@ def test_offloaded_params_leave_only_gathered_units_on_the_device(world_size: in
 
 def _streaming(rank: int, world_size: int, clip: float) -> dict:
     """What had happened on the host when backward produced its last gradient, and after the step."""
-    import runtime
 
     model = make_model(0)
     seen: list[tuple[int, int]] = []
@@ -344,15 +346,7 @@ def _streaming(rank: int, world_size: int, clip: float) -> dict:
     # on it, so this sees the buckets that landed before that last gradient existed
     first = next(model.parameters())
     first.register_post_accumulate_grad_hook(on_last_gradient)
-    config = {
-        "train_batch_size": ROWS,
-        "steps_per_print": 0,
-        "gradient_clipping": clip,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 300, "offload_optimizer": {"device": "cpu"}},
-    }
-    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+    _, engine, _ = _offload_engine(2, bucket=300, clip=clip, model=model)
     engines.append(engine)
     x, y = rank_batch(0, 0, ROWS, rank, world_size)
     engine.backward(loss_fn(engine(x), y))
@@ -390,17 +384,7 @@ def test_gradients_land_and_update_during_backward_with_one_rank(clip: float) ->
 
 
 def _repeated_boundary_backward(rank: int, world_size: int) -> dict:
-    import runtime
-
-    model = make_model(0)
-    config = {
-        "train_batch_size": ROWS,
-        "steps_per_print": 0,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 1, "reduce_bucket_size": 300, "offload_optimizer": {"device": "cpu"}},
-    }
-    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+    _, engine, _ = _offload_engine(1, bucket=300)
     x, y = rank_batch(0, 0, ROWS, rank, world_size)
     engine.backward(loss_fn(engine(x), y))
     try:
@@ -430,17 +414,7 @@ class _FailInBackward(torch.autograd.Function):
 
 
 def _backward_fails_before_anything_landed(rank: int, world_size: int) -> dict:
-    import runtime
-
-    model = make_model(0)
-    config = {
-        "train_batch_size": ROWS,
-        "steps_per_print": 0,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 300, "offload_optimizer": {"device": "cpu"}},
-    }
-    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+    _, engine, _ = _offload_engine(2, bucket=300)
     x, y = rank_batch(0, 0, ROWS, rank, world_size)
     try:
         engine.backward(_FailInBackward.apply(loss_fn(engine(x), y)))

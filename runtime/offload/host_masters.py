@@ -177,7 +177,7 @@ class HostMasters:
                 adam, grad_scale, self.grads.buffers, self.grads.tickets[index], index, piece
             )
 
-        self._streamed = StreamedStep(adam, factor, update, len(self.spans), spare_core=self.copies.is_async)
+        self._streamed = StreamedStep(adam, factor, update, spare_core=self.copies.is_async)
         self.grads.on_landed = self._streamed.landed
 
     def run_backward(self, backward: Callable[[], None]) -> None:

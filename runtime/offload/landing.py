@@ -135,6 +135,7 @@ class GradLanding:
         if dst.dtype == src.dtype:
             self.tickets[index] = self.copies.to_host(dst, src)
         else:  # converted on the device a chunk at a time, not through a whole-bucket fp32 temporary
+            ticket: Ticket = None  # a rank's piece of a bucket can be empty
             for offset, numel in plan_chunks(span.numel, self.chunk_elems):
                 ticket = self.copies.to_host(dst.narrow(0, offset, numel), src.narrow(0, offset, numel))
             self.tickets[index] = ticket

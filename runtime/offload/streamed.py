@@ -42,12 +42,11 @@ class StreamedStep:
     """The host update of one boundary backward, span by span as the spans land."""
 
     def __init__(
-        self, adam: HostAdam, factor: float, update: Callable[[int], Ticket], spans: int, *, spare_core: bool
+        self, adam: HostAdam, factor: float, update: Callable[[int], Ticket], *, spare_core: bool
     ) -> None:
         self.adam = adam
         self.spare_core = spare_core
         self.factor = factor
-        self.spans = spans
         self.updated = 0  # spans whose master, state and upload are done or under way
         self.last_upload: Ticket = None
         self._update = update

@@ -1,19 +1,33 @@
-"""Memory readings of this process: device allocator counters and host RSS, and ``see_memory_usage``.
+"""Memory readings of this process: device allocator counters and host RSS, ``see_memory_usage``, and
+how much host memory is left to allocate (``host_available_bytes``).
 
 Reading them never synchronizes the device (the CUDA caching allocator's counters are host-side), so the
 engine can report memory every step. On a CPU-only run there is no device allocator: only the host
 resident set size (RSS) is reported.
+
+The host's available memory is not what a container may use: psutil reads /proc/meminfo, which shows
+the whole machine, while a memory cgroup (a Docker ``--memory`` or Kubernetes limit) kills the process
+at its own limit. ``host_available_bytes`` takes the smaller of the two, reading cgroup v2
+(``memory.max``) and v1 (``memory.limit_in_bytes``) along the process's cgroup path.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
 
-__all__ = ["MemoryStats", "format_memory", "memory_stats", "see_memory_usage"]
+__all__ = [
+    "MemoryStats",
+    "cgroup_headroom",
+    "format_memory",
+    "host_available_bytes",
+    "memory_stats",
+    "see_memory_usage",
+]
 
 _log = logging.getLogger("runtime")
 GIB = float(1 << 30)
@@ -96,3 +110,61 @@ def see_memory_usage(message: str, force: bool = False) -> MemoryStats | None:
     if cuda is not None:
         torch.cuda.reset_peak_memory_stats(cuda)
     return stats
+
+
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+def host_available_bytes(
+    *, proc_cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> int:
+    """Bytes this process can still allocate on the host: the host's available memory, or less where a
+    memory cgroup (a container's limit) leaves less."""
+    available = psutil.virtual_memory().available
+    try:
+        membership = proc_cgroup.read_text()
+    except OSError:  # not Linux, or /proc hidden: the host's figure is all there is
+        return available
+    headroom = cgroup_headroom(membership, cgroup_root)
+    return available if headroom is None else min(available, headroom)
+
+
+def cgroup_headroom(membership: str, root: Path) -> int | None:
+    """The least room left under any memory limit on this process's cgroup path, or None without one.
+
+    `membership` is /proc/self/cgroup's text, `root` where cgroupfs is mounted. Room is the limit minus
+    the usage, with inactive page cache counted as free (the kernel reclaims it before it kills), as
+    psutil does for the host."""
+    rooms = []
+    for line in membership.splitlines():
+        hierarchy, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if hierarchy == "0" and controllers == "":  # cgroup v2, the unified hierarchy
+            files = ("memory.max", "memory.current", "inactive_file")
+            rooms += [_room(d, *files) for d in _ancestors(root, path)]
+        elif "memory" in controllers.split(","):  # cgroup v1, the memory controller's own hierarchy
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            rooms += [_room(d, *files) for d in _ancestors(root / "memory", path)]
+    known = [room for room in rooms if room is not None]
+    return min(known) if known else None
+
+
+def _ancestors(base: Path, path: str) -> list[Path]:
+    """`base`/`path` and each of its parents up to `base`: a parent's limit binds its children too."""
+    parts = [p for p in path.strip("/").split("/") if p and p != ".."]
+    return [base.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def _room(directory: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        limit_text = (directory / limit_file).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= _NO_LIMIT:
+            return None
+        usage = int((directory / usage_file).read_text())
+        inactive = 0
+        for line in (directory / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == inactive_key:
+                inactive = int(value)
+    except (OSError, ValueError):  # no such cgroup here, or a file we cannot read: no known limit
+        return None
+    return max(0, int(limit_text) - usage + inactive)

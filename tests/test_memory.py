@@ -91,3 +91,43 @@ def test_model_state_bytes_follow_the_zero_paper(world_size: int) -> None:
             assert breakdown.buffer_bytes == 0, f"{where}: staging buffers left alive after the step"
             if stage == 2:
                 assert got["grads_alive"] == 0, f"{where}: stage 2 must not keep full gradients on parameters"
+
+
+def test_a_container_memory_limit_caps_the_host_memory_left_to_allocate(tmp_path) -> None:
+    """psutil sees the whole machine; a cgroup limit (Docker --memory, a Kubernetes pod) is what kills the
+    process, so the room left under it, on any level of the process's cgroup path, is what counts."""
+    from runtime.memory import cgroup_headroom, host_available_bytes
+
+    gib = 1 << 30
+
+    def write(directory, **files):
+        directory.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (directory / name.replace("_", ".", 1)).write_text(text)
+
+    # cgroup v2: the pod has 8 GiB with 3 in use (1 of it reclaimable cache): 6 left; its parent 4 GiB
+    # with 3.5 in use: 0.5 left, and that binds the pod too
+    v2 = tmp_path / "v2"
+    write(v2, memory_stat="anon 0\n")  # the root: no memory.max, no limit
+    write(v2 / "kubepods", memory_max=str(4 * gib), memory_current=str(7 * gib // 2), memory_stat="")
+    pod = v2 / "kubepods" / "pod1"
+    write(pod, memory_max=str(8 * gib), memory_current=str(3 * gib), memory_stat=f"inactive_file {gib}\n")
+    assert cgroup_headroom("0::/kubepods/pod1\n", v2) == gib // 2
+    write(v2 / "kubepods", memory_max="max")
+    assert cgroup_headroom("0::/kubepods/pod1\n", v2) == 6 * gib
+    # cgroup v1: the memory controller's hierarchy, "no limit" written as a huge number
+    v1 = tmp_path / "v1"
+    unlimited = "9223372036854771712"
+    write(v1 / "memory", memory_limit_in_bytes=unlimited, memory_usage_in_bytes="1", memory_stat="")
+    box = v1 / "memory" / "docker" / "abc"
+    stat = f"cache 5\ntotal_inactive_file {gib // 4}\n"
+    write(box, memory_limit_in_bytes=str(2 * gib), memory_usage_in_bytes=str(gib), memory_stat=stat)
+    membership = "12:pids:/docker/abc\n4:memory:/docker/abc\n0::/\n"
+    assert cgroup_headroom(membership, v1) == gib + gib // 4
+    # no limit anywhere, or no cgroup files at all: nothing to cap with
+    assert cgroup_headroom("4:memory:/docker/abc\n", v1 / "nowhere") is None
+    assert cgroup_headroom("0::/\n", v2) is None
+    # what the engine reads: the smaller of the host's figure and the container's room
+    proc = tmp_path / "cgroup"
+    proc.write_text(membership)
+    assert host_available_bytes(proc_cgroup=proc, cgroup_root=v1) == gib + gib // 4

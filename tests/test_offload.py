@@ -441,10 +441,18 @@ def test_a_backward_that_fails_before_any_gradient_landed_can_be_retried() -> No
     assert got["moved"], "the retried step did not update the weights"
 
 
-def _no_offload_vs_offload(rank: int, world_size: int, stage: int, clip: float, offload_param: bool) -> dict:
-    """bf16 GPT on CUDA: Adam on the device, then twice the offloaded run, same data; relative update gaps."""
+def _no_offload_vs_offload(
+    rank: int, world_size: int, stage: int, clip: float, offload_param: bool, landing: str
+) -> dict:
+    """bf16 GPT on CUDA: Adam on the device, then twice the offloaded run, same data; relative update gaps.
+    `landing`: the DSLAUNCH_OFFLOAD_GRAD_TRANSFER setting."""
+    import os
+
     import runtime
     from runtime.models import GPT, GPTConfig
+    from runtime.offload.landing import GRAD_TRANSFER_ENV
+
+    os.environ[GRAD_TRANSFER_ENV] = landing
 
     results = []
     for offload in (False, True, True):
@@ -467,6 +475,11 @@ def _no_offload_vs_offload(rank: int, world_size: int, stage: int, clip: float, 
         engine, *_ = runtime.initialize(model=model, config=config)
         if offload:
             assert all(t.is_pinned() for t in engine.masters.grads.buffers)
+            # "auto" on a GPU with room on the host: fp32 landing, except where the host writes bf16
+            # weights itself (offload_param)
+            fp32 = landing == "fp32" or (landing == "auto" and not offload_param)
+            want = torch.float32 if fp32 else torch.bfloat16
+            assert {t.dtype for t in engine.masters.grads.buffers} == {want}
             if offload_param:
                 assert engine.masters.target.on_host and engine.zero.host_param_bytes() > 0
         gen = torch.Generator().manual_seed(1)
@@ -493,15 +506,27 @@ def _no_offload_vs_offload(rank: int, world_size: int, stage: int, clip: float, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    ("stage", "clip", "offload_param"),
-    [(2, 1.0, False), (2, 0.0, False), (3, 1.0, True), (3, 0.0, True)],
-    ids=["stage2-clipped", "stage2-streamed", "stage3-param-offload", "stage3-param-offload-noclip"],
+    ("stage", "clip", "offload_param", "landing"),
+    [
+        (2, 1.0, False, "auto"),
+        (2, 0.0, False, "auto"),
+        (2, 0.0, False, "native"),
+        (3, 1.0, True, "auto"),
+        (3, 0.0, True, "auto"),
+    ],
+    ids=[
+        "stage2-clipped",
+        "stage2-streamed",
+        "stage2-streamed-bf16-landing",
+        "stage3-param-offload",
+        "stage3-param-offload-noclip",
+    ],
 )
-def test_cuda_offload_matches_device_adam(stage: int, clip: float, offload_param: bool) -> None:
+def test_cuda_offload_matches_device_adam(stage: int, clip: float, offload_param: bool, landing: str) -> None:
     """On a GPU: streams, events, pinned landing buffers (and, without clipping, the host update running
     during backward; with offload_param, shards uploaded before each gather): the result equals Adam on
-    the device."""
-    args = (stage, clip, offload_param)
+    the device, with gradients landing as fp32 (the default) and as bf16."""
+    args = (stage, clip, offload_param, landing)
     got = run_distributed(_no_offload_vs_offload, 1, *args, timeout=240, device="cuda")[0]
     # Copies ordered by events leave nothing to chance: a copy racing a kernel would make reruns differ.
     assert got["repeatable"], "two offloaded runs with the same data ended with different weights"
@@ -657,6 +682,42 @@ def test_spans_follow_landing_order_and_chunks_tile_each_span() -> None:
         piece_containing(sizes, sizes[0] - 1, 2)
 
 
+def test_gradients_land_as_fp32_on_a_gpu_only_when_the_host_has_room() -> None:
+    from runtime.offload.landing import choose_landing
+
+    gib = 1 << 30
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    def choose(setting="auto", *, on_gpu=True, on_host=False, numel=1 << 30, ranks=1, available=64 * gib):
+        return choose_landing(
+            bf16,
+            fp32,
+            setting=setting,
+            on_gpu=on_gpu,
+            weights_on_host=on_host,
+            shard_numel=numel,
+            local_ranks=ranks,
+            host_available=available,
+        )
+
+    assert choose().dtype == fp32  # 1G parameters: 16 GiB + 4 GiB of headroom, of 64
+    # every rank on the host takes its share: 4 ranks need 68 GiB
+    tight = choose(ranks=4)
+    assert tight.dtype == bf16
+    assert "needs 68.0 GiB for 4 rank(s)" in tight.reason and "64.0 GiB is available" in tight.reason
+    assert choose(on_gpu=False).dtype == bf16  # no PCIe on a CPU-only machine: nothing to gain
+    assert choose(on_host=True).dtype == bf16  # offload_param: the kernel writes bf16 weights on the host
+    assert choose("native").dtype == bf16
+    assert choose("fp32", available=0).dtype == fp32  # asked for: the user's call
+    # fp32 training has nothing to convert
+    fp32_run = choose_landing(
+        fp32, fp32, on_gpu=True, weights_on_host=False, shard_numel=1, local_ranks=1, host_available=0
+    )
+    assert fp32_run.dtype == fp32
+    with pytest.raises(ValueError, match="expected one of auto, fp32, native"):
+        choose("bf32")
+
+
 @pytest.mark.parametrize("optimizer_kind", ["torch_adamw", "cpu_adam_l2"])
 def test_host_adam_chunks_equal_torch_adam_on_the_whole_tensor(optimizer_kind: str) -> None:
     """Chunked updates from bf16 gradients with the scale in the kernel and bf16 weights written over the
@@ -694,38 +755,49 @@ def test_host_adam_chunks_equal_torch_adam_on_the_whole_tensor(optimizer_kind: s
     assert not supports(torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1))
 
 
-def _bench(*args: str) -> list[dict]:
+def _bench(*args: str, env: dict[str, str] | None = None) -> list[dict]:
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, str(repo / "scripts/bench/offload.py"), "--device", "cpu", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=repo)
+    run_env = {**os.environ, **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=repo, env=run_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"bench": "offload"')]
 
 
 def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     small = ["--micro_batch", "2", "--seq_len", "32", "--warmup", "1", "--steps", "2", "--adam_steps", "3"]
-    records = {
-        r["config"]: r
-        for r in _bench("--model", "tiny", *small, "--configs", "gpu,adam,pcie,ours-dpu,ours-fp32grads")
-    }
-    for name in ("gpu", "adam", "pcie", "ours-dpu", "ours-fp32grads"):
+    # on a CPU-only machine the engine lands gradients in their own dtype; fp32 is asked for here, so the
+    # summary's fp32 bound is exercised too
+    env = {"DSLAUNCH_OFFLOAD_GRAD_TRANSFER": "fp32"}
+    configs = "gpu,adam,pcie,ours,ours-dpu,ours-bf16grads"
+    records = {r["config"]: r for r in _bench("--model", "tiny", *small, "--configs", configs, env=env)}
+    for name in ("gpu", "adam", "pcie", "ours", "ours-dpu", "ours-bf16grads"):
         assert "error" not in records[name], records[name]
     summary = records["summary"]
     parts = [records["gpu"]["step_s"], records["adam"]["step_s"], records["pcie"]["both_s"]]
     assert summary["bound_s"] == pytest.approx(max(parts), abs=1e-4)
-    dpu = records["ours-dpu"]
-    assert summary["ours-dpu_over_bound"] == pytest.approx(dpu["step_s"] / max(parts), rel=1e-2, abs=2e-3)
-    # host memory per parameter: 12 B of fp32 state + 2 B landing, and DPU's second landing buffer
-    assert dpu["host_bytes_per_param"] == pytest.approx(16.0, abs=0.1)
+    bf16 = records["ours-bf16grads"]  # 12 B of fp32 state + 2 B of bf16 landing
+    assert bf16["grad_landing"] == "bfloat16"
+    assert bf16["host_bytes_per_param"] == pytest.approx(14.0, abs=0.1)
+    assert bf16["loss_last"] < bf16["loss_first"], bf16
+    want = bf16["step_s"] / max(parts)
+    assert summary["ours-bf16grads_over_bound"] == pytest.approx(want, rel=1e-2, abs=2e-3)
+    ours = records["ours"]  # fp32 landing: 4 B instead of 2, held to the fp32 bound
+    assert ours["grad_landing"] == "float32"
+    assert ours["host_bytes_per_param"] == pytest.approx(16.0, abs=0.1)
+    parts32 = [parts[0], records["adam"]["torch_fused_fp32_grads_s"], records["pcie"]["both_fp32_s"]]
+    assert summary["bound_fp32_s"] == pytest.approx(max(parts32), abs=1e-4)
+    want = ours["step_s"] / max(parts32)
+    assert summary["ours_over_bound"] == pytest.approx(want, rel=1e-2, abs=2e-3)
+    dpu = records["ours-dpu"]  # and the delayed update's second landing buffer
+    assert dpu["host_bytes_per_param"] == pytest.approx(20.0, abs=0.1)
     assert dpu["loss_last"] < dpu["loss_first"], dpu
-    fp32 = records["ours-fp32grads"]  # gradients land in fp32: 4 B of landing instead of 2
-    assert fp32["host_bytes_per_param"] == pytest.approx(16.0, abs=0.1)
-    assert fp32["loss_last"] < fp32["loss_first"], fp32
 
     # one size that trains and none above it: the search stops there and reports it
     found = _bench("--find_max", "--sizes", "64:4:1", "--start_params", "0", *small)

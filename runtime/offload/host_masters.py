@@ -21,8 +21,9 @@ and `step` updates what is left. The step's hyperparameters are read when the bo
 span was updated leaves the masters partly updated: the next boundary backward says so instead of
 updating twice.
 
-Host memory: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 2 = 14 bytes a parameter of the shard; only
-the landing buffer is pinned (and the master in fp32 runs, where it is what gets copied back). The device
+Host memory: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 2 = 14 bytes a parameter of the shard, or 16
+with fp32 landing (below); only the landing buffer is pinned (and the master where it is what gets
+copied back: fp32 runs and fp32 landing). The device
 keeps the working weights and the gradient buffers of the ZeRO stage, no fp32 state. With parameter
 offload (stage 3, `offload_param: {device: cpu}`) the working shard is host memory too (+2 bytes, pinned
 with CUDA): the Adam kernel writes the updated bf16 weights straight into it (fp32: one host copy from
@@ -33,12 +34,11 @@ is converted into an fp32 host buffer and scaled, `optimizer.step()` runs on the
 updated masters are cast into the landing buffer and copied back. Correct for any torch optimizer, but
 several passes over host memory.
 
-Gradients in fp32 (experimental, `DSLAUNCH_OFFLOAD_GRAD_TRANSFER=fp32`, landing.py): 16-bit gradients
+Gradients in fp32 (landing.py decides; the default on a GPU when host memory allows): 16-bit gradients
 are converted on the device and cross PCIe as fp32 (4 bytes a parameter each way instead of 2); the
-host step is then torch's fused kernel alone, with no conversion passes (on the H200 host that kernel
-took 0.35 s on GPT-2 XL's 1.56B parameters where the bf16-gradient step took 0.61 s), and the updated
-fp32 masters go back to be converted on the device. Host memory: 16 bytes a parameter instead of 14,
-the master pinned. Not with parameter offload. It stays opt-in until the whole step is measured on a GPU.
+host step is then torch's fused kernel alone, with no conversion passes, and the updated fp32 masters
+go back to be converted on the device. Host memory: 16 bytes a parameter instead of 14, the master
+pinned. Not with parameter offload.
 
 Delayed parameter update (delayed.py, opt-in): step k's host update runs while the device computes
 step k+1, which installs it first; every gradient is then computed on weights one update stale.
@@ -60,7 +60,7 @@ from runtime.offload import host_adam
 from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.delayed import DelayedUpdate, check_after_steps
 from runtime.offload.host_memory import HostMemory
-from runtime.offload.landing import GradLanding, landing_dtype
+from runtime.offload.landing import GradLanding, landing_choice
 from runtime.offload.placement import GradMath, attach_master_grads, scale_from_device_grads
 from runtime.offload.spans import Span, plan_chunks, plan_spans
 from runtime.offload.streamed import StreamedStep
@@ -102,7 +102,16 @@ class HostMasters:
         self.copies = CopyEngine(device)
         grad_dtype = zero.grad_pieces()[0][0].dtype  # also the working weights' dtype
         master_dtype = self.groups[0].master.dtype if self.groups else torch.float32
-        landed = landing_dtype(grad_dtype, master_dtype, weights_on_host=target.on_host)
+        choice = landing_choice(
+            grad_dtype,
+            master_dtype,
+            on_gpu=self.copies.is_async,
+            weights_on_host=target.on_host,
+            shard_numel=sum(g.layout.shard_numel for g in self.groups),
+        )
+        if comm.rank == 0 and self.copies.is_async and grad_dtype != master_dtype:  # a real choice
+            _log.info("offload: %s", choice.reason)
+        landed = choice.dtype
         self._move_masters_to_host(landed)
         # 16-bit landing: the updated weights go back in that dtype, written over the landed gradient;
         # fp32 landing: straight from the (pinned) master, converted on the device

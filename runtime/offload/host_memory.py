@@ -1,9 +1,10 @@
 """Host memory for offloaded optimizer state: CPU tensors, page-locked (pinned) where that helps.
 
 Only buffers that a copy engine reads or writes need pinning: the gradient landing buffer (device to
-host) and whatever the updated weights are copied back from (host to device). Master weights, exp_avg
-and exp_avg_sq never cross PCIe in bf16/fp16 runs, so they stay pageable: pinning 12 bytes a parameter
-would lock most of the host's memory for nothing.
+host) and whatever the updated weights are copied back from (host to device): the landing buffer in
+bf16/fp16 runs with 16-bit landing, the fp32 master in fp32 runs and with fp32 landing (landing.py).
+exp_avg and exp_avg_sq never cross PCIe, so they stay pageable: pinning all 12 bytes a parameter of
+fp32 state would lock most of the host's memory for nothing.
 
 Pinning registers an ordinary CPU tensor with the CUDA driver (cudaHostRegister, as torch's own
 checkpoint stager does) instead of allocating through torch's pinned caching allocator, which rounds

@@ -7,23 +7,30 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
     gpu          forward + backward alone (bf16 weights, no optimizer)                   -> T_gpu
     adam         our host step alone on a shard of the model's size: fp32 master/m/v, bf16
                  gradient in, bf16 weights out, in the same chunks as the engine            -> T_adam
-                 (plus torch.optim.AdamW(fused=True) on fp32 gradients, for reference)
+                 (plus torch.optim.AdamW(fused=True) on fp32 gradients, the fp32-landing step; on
+                 a GPU also that step while one step's fp32 copies run: the host floor)
     pcie         pinned copies of the bytes a step moves: 2 B/param down (gradients) and
                  2 B/param up (weights), each alone and both at once                        -> T_pcie
     ours         runtime.initialize with offload_optimizer {device: cpu, pin_memory: true}; without
-                 clipping the host update runs during backward (the streamed step)
+                 clipping the host update runs during backward (the streamed step). Gradients land
+                 as the engine chooses (fp32 when host memory allows: runtime/offload/landing.py)
     ours-clip    the same with gradient_clipping 1.0: the update waits for the norm, after backward
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
+    ours-bf16grads   "ours" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=native: gradients land as bf16 and the
+                 host step is ours (the adam row), 14 host bytes a parameter instead of 16
     ours-z3-param  ZeRO-3 with offload_param {device: cpu} too: weight shards in host memory
-    ours-fp32grads   "ours" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=fp32: gradients cross PCIe as fp32 and
-                 the host step is torch's fused fp32 kernel (the adam row's torch_fused_fp32_grads_s)
     ours-device  the same engine without offload (for the offload/no-offload ratio)
     deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable
 
 The summary line gives the lower bound max(T_gpu, T_adam, T_pcie) measured in this run, the serial sum
-T_gpu + T_adam + T_pcie, and each engine's step time over both. Timing: --warmup steps, then --steps
-steps each between device synchronizations; medians. "ours" also reports a phase split from extra steps
-with a synchronization after forward, backward and step (those steps are not in the median).
+T_gpu + T_adam + T_pcie, and each engine's step time over both. An engine whose gradients landed as fp32
+(its row's grad_landing) is held to the fp32 bound instead: T_adam is then torch's fused fp32 step
+(the adam row's torch_fused_fp32_grads_s) and T_pcie the fp32 copies (the pcie row's both_fp32_s), and
+also to host_floor_fp32_s, max(T_gpu, that step with the copies running beside it): the copies and the
+step share the host's memory bandwidth, which the max() of the bound assumes away.
+Timing: --warmup steps, then --steps steps each between device synchronizations; medians. "ours" also
+reports a phase split from extra steps with a synchronization after forward, backward and step (those
+steps are not in the median).
 
 --find_max: GPT sizes from --sizes (n_embd:n_head:n_layer), micro batch 1, seq 1024, ZeRO-2 with
 optimizer offload, 3 steps each. It starts at the first size with at least --start_params parameters and
@@ -63,7 +70,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from runtime.models import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
-ENGINES = ("ours", "ours-clip", "ours-dpu", "ours-z3-param", "ours-fp32grads", "ours-device", "deepspeed")
+ENGINES = ("ours", "ours-clip", "ours-dpu", "ours-bf16grads", "ours-z3-param", "ours-device", "deepspeed")
 CONFIGS = ("gpu", "adam", "pcie", *ENGINES)
 DEFAULT_CONFIGS = CONFIGS
 # n_embd:n_head:n_layer; 12·d² + 13·d per layer plus (50304 + 1024)·d of embeddings
@@ -223,7 +230,35 @@ def work_adam(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
         t_fused, _ = _median_time(fused.step, cpu, 1, max(3, spec["adam_steps"]))
         result["torch_fused_fp32_grads_s"] = round(t_fused, 4)
         result["ours_over_torch_fused"] = round(t_fused / t_ours, 3)
+        if device.type == "cuda":
+            t_shared = _fused_with_copies(fused.step, n, device, max(3, spec["adam_steps"]))
+            result["torch_fused_fp32_with_copies_s"] = round(t_shared, 4)
     return result
+
+
+def _fused_with_copies(step: Any, n: int, device: torch.device, reps: int) -> float:
+    """The fused fp32 step while one step's fp32 copies (n floats down and n up, as fp32 landing moves
+    them) run on the copy engines: both read and write host memory, so this is the host's real floor."""
+    from runtime.offload.copies import CopyEngine
+    from runtime.offload.host_memory import HostMemory
+
+    memory = HostMemory(device, pin=True)
+    down_host = memory.empty(n, torch.float32, pinned=True)
+    up_host = memory.empty(n, torch.float32, pinned=True).fill_(1)
+    down_dev = torch.ones(n, dtype=torch.float32, device=device)
+    up_dev = torch.empty(n, dtype=torch.float32, device=device)
+    copies = CopyEngine(device)
+
+    def shared() -> None:
+        copies.fence_uploads()
+        copies.to_host(down_host, down_dev)
+        copies.device_wait(copies.to_device(up_dev, up_host))
+        step()
+        copies.downloads_done()
+
+    seconds, _ = _median_time(shared, device, 1, reps)
+    memory.close()
+    return seconds
 
 
 def work_pcie(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -267,7 +302,7 @@ def work_pcie(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
         "up_gb_per_s": round(nbytes / t_up / 1e9, 1),
         "duplex_gb_per_s": round(2 * nbytes / t_both / 1e9, 1),
     }
-    # the same both ways in fp32: what ours-fp32grads moves (4 bytes a parameter each way)
+    # the same both ways in fp32: what fp32 landing moves (4 bytes a parameter each way)
     del down_host, up_host, down_dev, up_dev
     down_host = memory.empty(n, torch.float32, pinned=True)
     up_host = memory.empty(n, torch.float32, pinned=True).fill_(1)
@@ -365,6 +400,7 @@ def work_ours(
     )
     if offload:
         result["pinned_gib"] = round(engine.masters.memory.pinned_bytes / 2**30, 2)
+        result["grad_landing"] = str(engine.masters.grads.buffers[0].dtype).removeprefix("torch.")
     if phases:
         result["phases"] = _phases(run, device)
     engine.destroy()
@@ -403,7 +439,7 @@ WORKERS = {
     "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
-    "ours-fp32grads": lambda spec, device: work_ours(spec, device),  # the variable is set in worker_main
+    "ours-bf16grads": lambda spec, device: work_ours(spec, device),  # the variable is set in worker_main
     "ours-device": lambda spec, device: work_ours(spec, device, offload=False),
     "deepspeed": work_deepspeed,
     "trial": work_trial,
@@ -416,8 +452,8 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
         device = torch.device("cuda", 0)
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    if name == "ours-fp32grads":
-        os.environ["DSLAUNCH_OFFLOAD_GRAD_TRANSFER"] = "fp32"
+    if name == "ours-bf16grads":
+        os.environ["DSLAUNCH_OFFLOAD_GRAD_TRANSFER"] = "native"
     record: dict[str, Any] = {"bench": "offload", "config": name}
     try:
         if name in (*ENGINES, "trial"):
@@ -487,26 +523,44 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The lower bound from the parts measured in this run, and every engine against it."""
-    parts = {
-        "gpu": rows.get("gpu", {}).get("step_s"),
-        "adam": rows.get("adam", {}).get("step_s"),
-        "pcie": rows.get("pcie", {}).get("both_s"),
-    }
+    """The lower bound from the parts measured in this run, and every engine against it.
+
+    An engine whose gradients landed as fp32 runs a different host step and moves twice the bytes, so it
+    is held to that bound: torch's fused fp32 kernel and the fp32 copies."""
+    adam, pcie = rows.get("adam", {}), rows.get("pcie", {})
+    parts = {"gpu": rows.get("gpu", {}).get("step_s"), "adam": adam.get("step_s"), "pcie": pcie.get("both_s")}
+    parts32 = {**parts, "adam": adam.get("torch_fused_fp32_grads_s"), "pcie": pcie.get("both_fp32_s")}
+    # the host's real floor for fp32 landing: its step with the copies sharing host memory bandwidth
+    shared = adam.get("torch_fused_fp32_with_copies_s")
+    host_floor = None if shared is None or parts["gpu"] is None else max(parts["gpu"], shared)
     summary: dict[str, Any] = {
         "bench": "offload",
         "config": "summary",
         **{f"t_{k}_s": v for k, v in parts.items()},
     }
-    if all(v is not None for v in parts.values()):
-        bound = max(parts.values())
-        serial = sum(parts.values())
-        summary.update(bound_s=round(bound, 4), serial_s=round(serial, 4), bound_by=max(parts, key=parts.get))
-        for name in ENGINES:
-            step = rows.get(name, {}).get("step_s")
-            if step is not None:
-                summary[f"{name}_over_bound"] = round(step / bound, 3)
-                summary[f"{name}_over_serial"] = round(step / serial, 3)
+    bounds = {}
+    for label, values in (("", parts), ("_fp32", parts32)):
+        if all(v is not None for v in values.values()):
+            bound = max(values.values())
+            bounds[label] = (bound, sum(values.values()))
+            summary.update(
+                {
+                    f"bound{label}_s": round(bound, 4),
+                    f"serial{label}_s": round(sum(values.values()), 4),
+                    f"bound{label}_by": max(values, key=values.get),
+                }
+            )
+    if host_floor is not None:
+        summary["host_floor_fp32_s"] = round(host_floor, 4)
+    for name in ENGINES:
+        step = rows.get(name, {}).get("step_s")
+        label = "_fp32" if rows.get(name, {}).get("grad_landing") == "float32" else ""
+        if step is not None and label in bounds:
+            bound, serial = bounds[label]
+            summary[f"{name}_over_bound"] = round(step / bound, 3)
+            summary[f"{name}_over_serial"] = round(step / serial, 3)
+            if label and host_floor is not None:
+                summary[f"{name}_over_host_floor"] = round(step / host_floor, 3)
     ours = rows.get("ours", {}).get("step_s")
     for name in ENGINES[1:]:
         other = rows.get(name, {}).get("step_s")
@@ -555,18 +609,18 @@ def parse_sizes(text: str) -> list[dict[str, int]]:
     return sizes
 
 
-HOST_BYTES_PER_PARAM = 14  # fp32 master, exp_avg, exp_avg_sq + the bf16 landing buffer
+# fp32 master, exp_avg, exp_avg_sq + the bf16 landing buffer: the least the engine needs (it lands fp32,
+# 16 bytes, only where that fits)
+HOST_BYTES_PER_PARAM = 14
 HOST_OVERHEAD_GIB = 4.0  # interpreter, torch, CUDA context
 
 
 def _host_shortfall(params: int) -> str | None:
     """Why a model of `params` parameters cannot fit in the host memory available now, or None."""
-    try:
-        import psutil
-    except ImportError:
-        return None
+    from runtime.memory import host_available_bytes
+
     need = params * HOST_BYTES_PER_PARAM / 2**30 + HOST_OVERHEAD_GIB
-    available = psutil.virtual_memory().available / 2**30
+    available = host_available_bytes() / 2**30
     if need <= available:
         return None
     return f"needs about {need:.1f} GiB of host memory, {available:.1f} GiB available (--no_host_guard tries)"

@@ -110,6 +110,28 @@ def resolve_dist_env(env: Mapping[str, str]) -> DistEnv:
     return DistEnv(rank, world, local, addr, port, source)
 
 
+LOCAL_SIZE_VARIABLES = (
+    "LOCAL_WORLD_SIZE",  # dslaunch, torchrun
+    "OMPI_COMM_WORLD_LOCAL_SIZE",  # Open MPI
+    "MPI_LOCALNRANKS",  # MPICH, Intel MPI
+    "SLURM_NTASKS_PER_NODE",  # srun
+)
+
+
+def local_world_size(env: Mapping[str, str] | None = None) -> int:
+    """How many ranks of the job run on this host, from the first launcher variable that is set (1
+    without any): what a rank sizing its share of the host's memory must divide by."""
+    env = os.environ if env is None else env
+    for name in LOCAL_SIZE_VARIABLES:
+        if env.get(name, "").strip():
+            # Slurm may write "4(x2)" (4 tasks on each of 2 nodes): the count comes first
+            value = re.match(r"\s*(\d+)", env[name])
+            if value is None or int(value.group(1)) < 1:
+                raise DistEnvError(f"environment variable {name}={env[name]!r} is not a rank count")
+            return int(value.group(1))
+    return 1
+
+
 def _local_rank_guess(env: Mapping[str, str], rank: int) -> int:
     if "LOCAL_WORLD_SIZE" in env:
         return rank % _int(env, "LOCAL_WORLD_SIZE")

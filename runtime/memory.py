@@ -159,12 +159,19 @@ def _room(directory: Path, limit_file: str, usage_file: str, inactive_key: str) 
         limit_text = (directory / limit_file).read_text().strip()
         if limit_text == "max" or int(limit_text) >= _NO_LIMIT:
             return None
-        usage = int((directory / usage_file).read_text())
-        inactive = 0
-        for line in (directory / "memory.stat").read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == inactive_key:
-                inactive = int(value)
+        limit, usage = int(limit_text), int((directory / usage_file).read_text())
     except (OSError, ValueError):  # no such cgroup here, or a file we cannot read: no known limit
         return None
-    return max(0, int(limit_text) - usage + inactive)
+    return max(0, limit - usage + _inactive_file(directory, inactive_key))
+
+
+def _inactive_file(directory: Path, key: str) -> int:
+    """Reclaimable page cache from memory.stat; 0 when unreadable (a known limit is never dropped)."""
+    try:
+        for line in (directory / "memory.stat").read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0

@@ -9,6 +9,8 @@ through the model, gradients, master weights and optimizer state through the opt
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -93,14 +95,14 @@ def test_model_state_bytes_follow_the_zero_paper(world_size: int) -> None:
                 assert got["grads_alive"] == 0, f"{where}: stage 2 must not keep full gradients on parameters"
 
 
-def test_a_container_memory_limit_caps_the_host_memory_left_to_allocate(tmp_path) -> None:
+def test_a_container_memory_limit_caps_the_host_memory_left_to_allocate(tmp_path: Path) -> None:
     """psutil sees the whole machine; a cgroup limit (Docker --memory, a Kubernetes pod) is what kills the
     process, so the room left under it, on any level of the process's cgroup path, is what counts."""
     from runtime.memory import cgroup_headroom, host_available_bytes
 
     gib = 1 << 30
 
-    def write(directory, **files):
+    def write(directory: Path, **files: str) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
             (directory / name.replace("_", ".", 1)).write_text(text)
@@ -124,10 +126,13 @@ def test_a_container_memory_limit_caps_the_host_memory_left_to_allocate(tmp_path
     write(box, memory_limit_in_bytes=str(2 * gib), memory_usage_in_bytes=str(gib), memory_stat=stat)
     membership = "12:pids:/docker/abc\n4:memory:/docker/abc\n0::/\n"
     assert cgroup_headroom(membership, v1) == gib + gib // 4
+    # a limit whose memory.stat cannot be read still counts, with no cache taken as reclaimable
+    (box / "memory.stat").unlink()
+    assert cgroup_headroom(membership, v1) == gib
     # no limit anywhere, or no cgroup files at all: nothing to cap with
     assert cgroup_headroom("4:memory:/docker/abc\n", v1 / "nowhere") is None
     assert cgroup_headroom("0::/\n", v2) is None
     # what the engine reads: the smaller of the host's figure and the container's room
     proc = tmp_path / "cgroup"
     proc.write_text(membership)
-    assert host_available_bytes(proc_cgroup=proc, cgroup_root=v1) == gib + gib // 4
+    assert host_available_bytes(proc_cgroup=proc, cgroup_root=v1) == gib

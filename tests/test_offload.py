@@ -683,39 +683,95 @@ def test_spans_follow_landing_order_and_chunks_tile_each_span() -> None:
 
 
 def test_gradients_land_as_fp32_on_a_gpu_only_when_the_host_has_room() -> None:
-    from runtime.offload.landing import choose_landing
+    """fp32 landing (the faster host step) costs 2 host bytes a parameter more: the default takes it on a
+    GPU when every rank on the host fits, and says why it did or did not."""
+    from runtime.offload.landing import LandingChoice, choose_landing
 
     gib = 1 << 30
     bf16, fp32 = torch.bfloat16, torch.float32
 
-    def choose(setting="auto", *, on_gpu=True, on_host=False, numel=1 << 30, ranks=1, available=64 * gib):
+    def choose(
+        setting: str = "auto",
+        *,
+        on_gpu: bool = True,
+        on_host: bool = False,
+        ranks: int = 1,
+        available: int = 64 * gib,
+    ) -> LandingChoice:
         return choose_landing(
             bf16,
             fp32,
             setting=setting,
             on_gpu=on_gpu,
             weights_on_host=on_host,
-            shard_numel=numel,
+            shard_numel=1 << 30,
             local_ranks=ranks,
             host_available=available,
         )
 
     assert choose().dtype == fp32  # 1G parameters: 16 GiB + 4 GiB of headroom, of 64
-    # every rank on the host takes its share: 4 ranks need 68 GiB
+    # every rank on the host takes its share: 4 ranks need 80 GiB
     tight = choose(ranks=4)
     assert tight.dtype == bf16
-    assert "needs 68.0 GiB for 4 rank(s)" in tight.reason and "64.0 GiB is available" in tight.reason
+    assert "needs 80.0 GiB for 4 rank(s)" in tight.reason and "64.0 GiB is available" in tight.reason
     assert choose(on_gpu=False).dtype == bf16  # no PCIe on a CPU-only machine: nothing to gain
     assert choose(on_host=True).dtype == bf16  # offload_param: the kernel writes bf16 weights on the host
     assert choose("native").dtype == bf16
     assert choose("fp32", available=0).dtype == fp32  # asked for: the user's call
-    # fp32 training has nothing to convert
-    fp32_run = choose_landing(
-        fp32, fp32, on_gpu=True, weights_on_host=False, shard_numel=1, local_ranks=1, host_available=0
-    )
-    assert fp32_run.dtype == fp32
+    # fp32 training has nothing to convert; bf16 masters have no fused fp32 step to gain
+    for grad, master in ((fp32, fp32), (torch.float16, bf16)):
+        kept = choose_landing(
+            grad, master, on_gpu=True, weights_on_host=False, shard_numel=1, local_ranks=1, host_available=0
+        )
+        assert kept.dtype == grad, kept
+    assert "not fp32" in kept.reason
     with pytest.raises(ValueError, match="expected one of auto, fp32, native"):
         choose("bf32")
+
+
+def test_landing_setting_and_rank_count_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variable is read case- and space-insensitively, empty means auto, and the ranks sharing the
+    host come from whichever launcher started them."""
+    from runtime.distributed import LOCAL_SIZE_VARIABLES, DistEnvError
+    from runtime.offload.landing import GRAD_TRANSFER_ENV, landing_choice
+
+    def choice() -> torch.dtype:
+        kwargs = dict(on_gpu=True, weights_on_host=False, shard_numel=1 << 20)
+        return landing_choice(torch.bfloat16, torch.float32, **kwargs).dtype
+
+    for name in LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(GRAD_TRANSFER_ENV, " NATIVE ")
+    assert choice() == torch.bfloat16
+    monkeypatch.setenv(GRAD_TRANSFER_ENV, "")
+    assert choice() == torch.float32  # auto, and 16 MiB of shard fits any host
+    # a million ranks on this host (srun's "N(xM)" form) leave no room for 16 bytes a parameter each
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "1000000(x2)")
+    assert choice() == torch.bfloat16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")  # the first variable set wins, and must be a count
+    with pytest.raises(DistEnvError, match="LOCAL_WORLD_SIZE='four' is not a rank count"):
+        choice()
+
+
+def _landing_votes(rank: int, world_size: int) -> list[str]:
+    from runtime.comm import Comm
+    from runtime.offload.landing import LandingChoice, agree_on_landing
+
+    comm = Comm()
+    out = []
+    for wants_fp32 in ([True] * world_size, [r == 0 for r in range(world_size)]):
+        mine = LandingChoice(torch.float32 if wants_fp32[rank] else torch.bfloat16, "own")
+        agreed = agree_on_landing(mine, torch.bfloat16, comm, torch.device("cpu"))
+        out.append(f"{agreed.dtype} {agreed.reason}")
+    return out
+
+
+def test_ranks_land_fp32_only_when_every_rank_has_room() -> None:
+    """Each rank reads its own host's memory; one without room for fp32 landing makes all land bf16."""
+    results = run_distributed(_landing_votes, 3)
+    for all_agree, one_fits in results:
+        assert all_agree == "torch.float32 own"
+        assert one_fits.startswith("torch.bfloat16") and "2 of 3 ranks have no room" in one_fits
 
 
 @pytest.mark.parametrize("optimizer_kind", ["torch_adamw", "cpu_adam_l2"])
@@ -804,3 +860,38 @@ def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     assert [r["trained"] for r in found if r["config"] == "trial"] == [True], found
     assert found[-1]["largest_trained"] == {"n_embd": 64, "n_head": 4, "n_layer": 1}
     assert found[-1]["host_bytes_per_param"] == pytest.approx(14.0, abs=0.1)
+
+
+def test_benchmark_summary_holds_each_row_to_its_own_bound_and_skips_what_is_missing() -> None:
+    """A bound is only reported when every part of it was measured, and each engine row is compared with
+    the bound of the gradients it moved (DeepSpeed's offload lands fp32 too)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts/bench/offload.py"
+    spec = importlib.util.spec_from_file_location("offload_bench_under_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    parts = {
+        "gpu": {"step_s": 0.2},
+        "adam": {"step_s": 0.5, "torch_fused_fp32_grads_s": 0.4, "torch_fused_fp32_with_copies_s": 0.45},
+        "pcie": {"both_s": 0.06, "both_fp32_s": 0.12},
+    }
+    engines = {
+        "ours": {"step_s": 0.6, "grad_landing": "float32"},
+        "ours-bf16grads": {"step_s": 0.75, "grad_landing": "bfloat16"},
+        "deepspeed": {"step_s": 1.0, "grad_landing": "float32"},
+    }
+    full = bench.summarize({**parts, **engines})
+    assert (full["bound_s"], full["bound_fp32_s"], full["host_floor_fp32_s"]) == (0.5, 0.4, 0.45)
+    assert full["ours_over_bound"] == 1.5 and full["ours_over_host_floor"] == pytest.approx(1.333, abs=1e-3)
+    assert full["ours-bf16grads_over_bound"] == 1.5 and "ours-bf16grads_over_host_floor" not in full
+    assert full["deepspeed_over_bound"] == 2.5  # held to the fp32 bound, like ours
+    assert full["deepspeed_over_ours"] == pytest.approx(1.667, abs=1e-3)
+    # the host step failed: no bound at all, but the engines still compare with each other
+    failed = bench.summarize({**parts, "adam": {"error": "killed"}, **engines})
+    assert not any(key.startswith(("bound", "host_floor")) or "_over_bound" in key for key in failed)
+    assert failed["deepspeed_over_ours"] == pytest.approx(1.667, abs=1e-3)
+    # no fp32 copies measured: the bf16 bound stands, the fp32 rows get no ratio to a bound
+    partial = bench.summarize({**parts, "pcie": {"both_s": 0.06}, **engines})
+    assert partial["bound_s"] == 0.5 and "bound_fp32_s" not in partial and "ours_over_bound" not in partial

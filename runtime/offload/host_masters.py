@@ -60,7 +60,7 @@ from runtime.offload import host_adam
 from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.delayed import DelayedUpdate, check_after_steps
 from runtime.offload.host_memory import HostMemory
-from runtime.offload.landing import GradLanding, landing_choice
+from runtime.offload.landing import GradLanding, agree_on_landing, landing_choice
 from runtime.offload.placement import GradMath, attach_master_grads, scale_from_device_grads
 from runtime.offload.spans import Span, plan_chunks, plan_spans
 from runtime.offload.streamed import StreamedStep
@@ -109,6 +109,7 @@ class HostMasters:
             weights_on_host=target.on_host,
             shard_numel=sum(g.layout.shard_numel for g in self.groups),
         )
+        choice = agree_on_landing(choice, grad_dtype, comm, device)
         if comm.rank == 0 and self.copies.is_async and grad_dtype != master_dtype:  # a real choice
             _log.info("offload: %s", choice.reason)
         landed = choice.dtype

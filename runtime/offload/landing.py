@@ -11,11 +11,13 @@ in, the copy of each span (its `Ticket`), and when it starts:
 
 One copy per bucket, never one per parameter. The buffers are pinned where a copy engine reads them.
 
-What lands (`choose_landing`, set with `DSLAUNCH_OFFLOAD_GRAD_TRANSFER=auto|fp32|native`): on a GPU,
-16-bit gradients are converted to fp32 on the device, a transfer chunk at a time, and land as fp32
-whenever host memory holds the 16 bytes a parameter that costs (fp32 master, two Adam moments, the
-fp32 landing buffer); the host step is then torch's fused fp32 kernel alone. Otherwise they land in
-their own dtype (2 bytes a parameter) and the host step converts them in cache (14 bytes a parameter).
+What lands (`choose_landing`, set with `DSLAUNCH_OFFLOAD_GRAD_TRANSFER=auto|fp32|native`): by default,
+on a GPU, 16-bit gradients of fp32 masters are converted to fp32 on the device, a transfer chunk at a
+time, and land as fp32 whenever host memory holds the 16 bytes a parameter that costs (fp32 master, two
+Adam moments, the fp32 landing buffer) on every rank (`agree_on_landing`); the host step is then
+torch's fused fp32 kernel alone. Otherwise, with `native`, and always with `offload_param` (whose
+kernel writes the new 16-bit weights on the host), they land in their own dtype (2 bytes a parameter)
+and the host step converts them in cache (14 bytes a parameter).
 On the H200 GPT-2 XL's whole offloaded step was 1.15-1.31x faster with fp32 landing in three runs
 (0.634 s against 0.758 s in the one BENCHMARKS.md tabulates), although it moves twice the bytes over
 PCIe: the host's memory bandwidth, which the copies and the update share, limits the step, and the
@@ -33,6 +35,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from runtime.comm import Comm
+from runtime.distributed import local_world_size
 from runtime.memory import host_available_bytes
 from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.host_memory import HostMemory
@@ -43,7 +47,8 @@ from runtime.zero.flat import FlatGroup
 GRAD_TRANSFER_ENV = "DSLAUNCH_OFFLOAD_GRAD_TRANSFER"
 GRAD_TRANSFER_SETTINGS = ("auto", "fp32", "native")
 FP32_LANDING_HOST_BYTES = 16  # per parameter of the shard: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 4
-FP32_LANDING_HEADROOM = 4 << 30  # what the rest of the process (and the host) keeps under "auto"
+FP32_LANDING_HEADROOM = 4 << 30  # per rank, what the rest of the process keeps under "auto" (CUDA context,
+# pinned staging, checkpoint buffers), as the offload bench's own host guard assumes
 
 
 @dataclass(frozen=True)
@@ -70,8 +75,10 @@ def choose_landing(
     if setting not in GRAD_TRANSFER_SETTINGS:
         choices = ", ".join(GRAD_TRANSFER_SETTINGS)
         raise ValueError(f"{GRAD_TRANSFER_ENV}={setting!r}: expected one of {choices} (default auto)")
-    if grad_dtype == master_dtype or master_dtype != torch.float32:
+    if grad_dtype == master_dtype:
         return LandingChoice(grad_dtype, f"gradients land as {_name(grad_dtype)}, the master's dtype")
+    if master_dtype != torch.float32:  # the fused fp32 kernel is what fp32 landing buys
+        return LandingChoice(grad_dtype, f"gradients land as {_name(grad_dtype)}: the master is not fp32")
     native = _name(grad_dtype)
     if weights_on_host:  # the kernel writes the new 16-bit weights straight into the offloaded shard
         return LandingChoice(grad_dtype, f"gradients land as {native}: offload_param updates on the host")
@@ -81,7 +88,7 @@ def choose_landing(
         return LandingChoice(torch.float32, f"gradients land as fp32 ({GRAD_TRANSFER_ENV}=fp32)")
     if not on_gpu:
         return LandingChoice(grad_dtype, f"gradients land as {native}: no PCIe to trade bytes on")
-    need = shard_numel * FP32_LANDING_HOST_BYTES * local_ranks + FP32_LANDING_HEADROOM
+    need = (shard_numel * FP32_LANDING_HOST_BYTES + FP32_LANDING_HEADROOM) * local_ranks
     gib = 1 << 30
     if host_available < need:
         return LandingChoice(
@@ -107,7 +114,7 @@ def landing_choice(
     shard_numel: int,
 ) -> LandingChoice:
     """`choose_landing` with the variable, the host memory left to this process (a container's limit
-    included) and LOCAL_WORLD_SIZE read here."""
+    included) and the number of ranks on this host read here."""
     setting = os.environ.get(GRAD_TRANSFER_ENV, "").strip().lower() or "auto"
     return choose_landing(
         grad_dtype,
@@ -116,8 +123,28 @@ def landing_choice(
         on_gpu=on_gpu,
         weights_on_host=weights_on_host,
         shard_numel=shard_numel,
-        local_ranks=max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)),
+        local_ranks=local_world_size(),
         host_available=host_available_bytes(),
+    )
+
+
+def agree_on_landing(
+    choice: LandingChoice, grad_dtype: torch.dtype, comm: Comm, device: torch.device
+) -> LandingChoice:
+    """The landing every rank uses: fp32 only where all ranks chose it. Each rank chose from its own
+    reading of its host's memory, and ranks that read it later see what earlier ones allocated; one
+    rank landing bf16 would set the pace of all of them anyway."""
+    if comm.world_size == 1:
+        return choice
+    votes = torch.tensor([0.0 if choice.dtype == grad_dtype else 1.0], device=device)
+    comm.all_reduce(votes)
+    wide = round(votes.item())
+    if wide in (0, comm.world_size):
+        return choice
+    return LandingChoice(
+        grad_dtype,
+        f"gradients land as {_name(grad_dtype)}: {comm.world_size - wide} of {comm.world_size} ranks have "
+        "no room for fp32 landing on their host",
     )
 
 

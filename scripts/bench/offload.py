@@ -11,6 +11,7 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
                  a GPU also that step while one step's fp32 copies run: the host floor)
     pcie         pinned copies of the bytes a step moves: 2 B/param down (gradients) and
                  2 B/param up (weights), each alone and both at once                        -> T_pcie
+                 (and 4 B/param both ways at once, what fp32 landing moves: both_fp32_s)
     ours         runtime.initialize with offload_optimizer {device: cpu, pin_memory: true}; without
                  clipping the host update runs during backward (the streamed step). Gradients land
                  as the engine chooses (fp32 when host memory allows: runtime/offload/landing.py)
@@ -18,6 +19,8 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
     ours-bf16grads   "ours" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=native: gradients land as bf16 and the
                  host step is ours (the adam row), 14 host bytes a parameter instead of 16
+    ours-buckets64m  "ours" with reduce_bucket_size 2^26 instead of DeepSpeed's 5e8 (four buckets for
+                 GPT-2 XL): with one rank, bucket size only decides how soon the host update starts
     ours-z3-param  ZeRO-3 with offload_param {device: cpu} too: weight shards in host memory
     ours-device  the same engine without offload (for the offload/no-offload ratio)
     deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable
@@ -70,7 +73,16 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from runtime.models import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
-ENGINES = ("ours", "ours-clip", "ours-dpu", "ours-bf16grads", "ours-z3-param", "ours-device", "deepspeed")
+ENGINES = (
+    "ours",
+    "ours-clip",
+    "ours-dpu",
+    "ours-bf16grads",
+    "ours-buckets64m",
+    "ours-z3-param",
+    "ours-device",
+    "deepspeed",
+)
 CONFIGS = ("gpu", "adam", "pcie", *ENGINES)
 DEFAULT_CONFIGS = CONFIGS
 # n_embd:n_head:n_layer; 12·d² + 13·d per layer plus (50304 + 1024)·d of embeddings
@@ -154,6 +166,8 @@ def _batch(
 def engine_config(spec: dict[str, Any], offload: bool) -> dict[str, Any]:
     """The DeepSpeed-style config shared by our engine and DeepSpeed."""
     zero: dict[str, Any] = {"stage": spec["stage"], "overlap_comm": True, "contiguous_gradients": True}
+    if spec.get("reduce_bucket_size"):
+        zero["reduce_bucket_size"] = spec["reduce_bucket_size"]
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if offload and spec.get("offload_param"):
@@ -256,8 +270,10 @@ def _fused_with_copies(step: Any, n: int, device: torch.device, reps: int) -> fl
         step()
         copies.downloads_done()
 
-    seconds, _ = _median_time(shared, device, 1, reps)
-    memory.close()
+    try:
+        seconds, _ = _median_time(shared, device, 1, reps)
+    finally:
+        memory.close()
     return seconds
 
 
@@ -423,6 +439,9 @@ def work_deepspeed(spec: dict[str, Any], device: torch.device) -> dict[str, Any]
 
         run = _engine_steps(spec, device, make)
     run["result"]["deepspeed"] = deepspeed.__version__
+    # its ZeRO-1/2 offload converts each gradient to fp32 on the GPU and copies it into an fp32 host
+    # buffer, so it is held to the same bound as our fp32 landing
+    run["result"]["grad_landing"] = "float32"
     return run["result"]
 
 
@@ -437,6 +456,7 @@ WORKERS = {
     "pcie": work_pcie,
     "ours": work_ours,
     "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
+    "ours-buckets64m": lambda spec, device: work_ours({**spec, "reduce_bucket_size": 1 << 26}, device),
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
     "ours-bf16grads": lambda spec, device: work_ours(spec, device),  # the variable is set in worker_main
@@ -516,7 +536,9 @@ def environment(device: str) -> dict[str, Any]:
         import psutil
 
         env["host_mem_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-        env["host_available_gib"] = round(psutil.virtual_memory().available / 2**30, 1)
+        from runtime.memory import host_available_bytes
+
+        env["host_available_gib"] = round(host_available_bytes() / 2**30, 1)  # a container's limit too
     if device.startswith("cuda") and torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)
     return env
@@ -526,7 +548,9 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The lower bound from the parts measured in this run, and every engine against it.
 
     An engine whose gradients landed as fp32 runs a different host step and moves twice the bytes, so it
-    is held to that bound: torch's fused fp32 kernel and the fp32 copies."""
+    is held to that bound: torch's fused fp32 kernel and the fp32 copies. Rows that do not say how their
+    gradients landed (ours-device) are held to the bf16 bound. Without every part of a bound
+    (a configuration not run, or failed) that bound and its ratios are left out."""
     adam, pcie = rows.get("adam", {}), rows.get("pcie", {})
     parts = {"gpu": rows.get("gpu", {}).get("step_s"), "adam": adam.get("step_s"), "pcie": pcie.get("both_s")}
     parts32 = {**parts, "adam": adam.get("torch_fused_fp32_grads_s"), "pcie": pcie.get("both_fp32_s")}

@@ -250,25 +250,49 @@ def work_adam(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return result
 
 
+class _Copies:
+    """A step's worth of pinned copies in one dtype: n elements down (gradients) and n up (weights)."""
+
+    def __init__(self, memory: Any, n: int, dtype: torch.dtype, device: torch.device) -> None:
+        from runtime.offload.copies import CopyEngine
+
+        self.down_host = memory.empty(n, dtype, pinned=True)
+        self.up_host = memory.empty(n, dtype, pinned=True).fill_(1)
+        self.down_dev = torch.ones(n, dtype=dtype, device=device)
+        self.up_dev = torch.empty(n, dtype=dtype, device=device)
+        self.engine = CopyEngine(device)
+
+    def down(self) -> None:
+        self.engine.to_host(self.down_host, self.down_dev)
+        self.engine.downloads_done()
+
+    def up(self) -> None:
+        self.engine.fence_uploads()
+        self.engine.device_wait(self.engine.to_device(self.up_dev, self.up_host))
+
+    def start_both(self) -> None:
+        """Queue both directions at once (the host does not wait); `down_done` ends it."""
+        self.engine.fence_uploads()
+        self.engine.to_host(self.down_host, self.down_dev)
+        self.engine.device_wait(self.engine.to_device(self.up_dev, self.up_host))
+
+    def both(self) -> None:
+        self.start_both()
+        self.engine.downloads_done()
+
+
 def _fused_with_copies(step: Any, n: int, device: torch.device, reps: int) -> float:
     """The fused fp32 step while one step's fp32 copies (n floats down and n up, as fp32 landing moves
     them) run on the copy engines: both read and write host memory, so this is the host's real floor."""
-    from runtime.offload.copies import CopyEngine
     from runtime.offload.host_memory import HostMemory
 
     memory = HostMemory(device, pin=True)
-    down_host = memory.empty(n, torch.float32, pinned=True)
-    up_host = memory.empty(n, torch.float32, pinned=True).fill_(1)
-    down_dev = torch.ones(n, dtype=torch.float32, device=device)
-    up_dev = torch.empty(n, dtype=torch.float32, device=device)
-    copies = CopyEngine(device)
+    copies = _Copies(memory, n, torch.float32, device)
 
     def shared() -> None:
-        copies.fence_uploads()
-        copies.to_host(down_host, down_dev)
-        copies.device_wait(copies.to_device(up_dev, up_host))
+        copies.start_both()
         step()
-        copies.downloads_done()
+        copies.engine.downloads_done()
 
     try:
         seconds, _ = _median_time(shared, device, 1, reps)
@@ -278,35 +302,15 @@ def _fused_with_copies(step: Any, n: int, device: torch.device, reps: int) -> fl
 
 
 def work_pcie(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    from runtime.offload.copies import CopyEngine
     from runtime.offload.host_memory import HostMemory
 
     n = _model_config(spec).num_params()
     memory = HostMemory(device, pin=True)
-    down_host = memory.empty(n, torch.bfloat16, pinned=True)
-    up_host = memory.empty(n, torch.bfloat16, pinned=True).fill_(1)
-    down_dev = torch.ones(n, dtype=torch.bfloat16, device=device)
-    up_dev = torch.empty(n, dtype=torch.bfloat16, device=device)
-    copies = CopyEngine(device)
-
-    def down() -> None:
-        copies.to_host(down_host, down_dev)
-        copies.downloads_done()
-
-    def up() -> None:
-        copies.fence_uploads()
-        copies.device_wait(copies.to_device(up_dev, up_host))
-
-    def both() -> None:
-        copies.fence_uploads()
-        copies.to_host(down_host, down_dev)
-        copies.device_wait(copies.to_device(up_dev, up_host))
-        copies.downloads_done()
-
+    copies = _Copies(memory, n, torch.bfloat16, device)
     reps = 6
-    t_down, _ = _median_time(down, device, 1, reps)
-    t_up, _ = _median_time(up, device, 1, reps)
-    t_both, _ = _median_time(both, device, 1, reps)
+    t_down, _ = _median_time(copies.down, device, 1, reps)
+    t_up, _ = _median_time(copies.up, device, 1, reps)
+    t_both, _ = _median_time(copies.both, device, 1, reps)
     nbytes = 2 * n
     result = {
         "bytes_each_way": nbytes,
@@ -319,12 +323,9 @@ def work_pcie(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
         "duplex_gb_per_s": round(2 * nbytes / t_both / 1e9, 1),
     }
     # the same both ways in fp32: what fp32 landing moves (4 bytes a parameter each way)
-    del down_host, up_host, down_dev, up_dev
-    down_host = memory.empty(n, torch.float32, pinned=True)
-    up_host = memory.empty(n, torch.float32, pinned=True).fill_(1)
-    down_dev = torch.ones(n, dtype=torch.float32, device=device)
-    up_dev = torch.empty(n, dtype=torch.float32, device=device)
-    t_both32, _ = _median_time(both, device, 1, reps)
+    del copies
+    copies32 = _Copies(memory, n, torch.float32, device)
+    t_both32, _ = _median_time(copies32.both, device, 1, reps)
     result["both_fp32_s"] = round(t_both32, 5)
     memory.close()
     return result

@@ -130,7 +130,14 @@ def start_checked(conn: Connection, check: RemoteCheck, timeout: float = 60.0) -
     except TimeoutError:
         if chan is not None:
             chan.close()
-        raise SSHHostError(host, Cause.COMMAND, f"the probe did not answer within {timeout:g}s") from None
+        raise SSHHostError(
+            host,
+            Cause.COMMAND,
+            f"the probe did not answer within {timeout:g}s",
+            "check that `ssh <host> true` returns at once: a shell startup file that waits (~/.bashrc "
+            "running a tool that blocks, such as pyenv rehash behind a stale lock) or an overloaded host "
+            "holds every remote command",
+        ) from None
     except (paramiko.SSHException, OSError, EOFError) as e:
         raise SSHHostError(host, Cause.DISCONNECTED, f"{type(e).__name__}: {e}") from e
     chan.settimeout(None)

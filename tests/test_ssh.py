@@ -197,3 +197,25 @@ def test_missing_python_project_or_directory_on_the_host(broken: Testbed) -> Non
     for check, (cause, text) in cases.items():
         err = _errors(["worker4"], settings, check)["worker4"]
         assert err.cause is cause and text in str(err), str(err)
+
+
+@pytest.mark.ssh
+def test_a_probe_that_never_answers_times_out_with_what_to_check(broken: Testbed, tmp_path: Path) -> None:
+    """A remote command that hangs (here the interpreter; in life often a shell startup file) ends in a
+    bounded wait, with the cause and what to check, instead of a silent hang."""
+    from launcher.preflight import Connection, start_checked
+
+    stuck = tmp_path / "python-that-hangs"
+    stuck.write_text("#!/bin/sh\nexec sleep 30\n")
+    stuck.chmod(0o755)
+    settings = ssh.SSHSettings(config_path=broken.ssh_config)
+    target = ssh.resolve("worker4", settings)
+    conn = Connection(target, ssh.connect(target, settings))
+    try:
+        with pytest.raises(ssh.SSHHostError) as info:
+            start_checked(conn, RemoteCheck(cwd="/", python=str(stuck)), timeout=2.0)
+    finally:
+        conn.close()
+    assert info.value.cause is ssh.Cause.COMMAND
+    assert "did not answer within 2s" in str(info.value)
+    assert "`ssh <host> true`" in info.value.hint and "~/.bashrc" in info.value.hint

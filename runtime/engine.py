@@ -126,6 +126,7 @@ class Engine(nn.Module):
             config, self.groups, self.zero, self.comm, self.device, registration=registration
         )
         self.optimizer, self._per_tensor = self._build_optimizer(optimizer, sharded)
+        self.masters.bind(self.optimizer)
         self._client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self._timers = Timers(enabled=config.wall_clock_breakdown, device=self.device)

@@ -63,6 +63,7 @@ class Case:
     dtype: str
     optimizer: str = "AdamW"
     offload: bool = False  # zero_optimization.offload_optimizer: masters and state in host memory
+    device_step: bool = False  # DSLAUNCH_OFFLOAD_UPDATE=device: the state streams through the "device"
 
     @property
     def accumulation(self) -> int:
@@ -70,8 +71,9 @@ class Case:
 
     @property
     def name(self) -> str:
-        return f"w{self.world}-s{self.stage}-{self.dtype}-{self.optimizer}" + (
-            "-offload" if self.offload else ""
+        offload = "-offload" if self.offload else ""
+        return f"w{self.world}-s{self.stage}-{self.dtype}-{self.optimizer}{offload}" + (
+            "-device-step" if self.device_step else ""
         )
 
     def config(self) -> dict:
@@ -108,6 +110,8 @@ SAVED += [
     Case(1, 1, "fp32", offload=True),
     Case(2, 2, "bf16", offload=True),
     Case(3, 2, "fp16", offload=True),
+    Case(1, 1, "bf16", offload=True, device_step=True),
+    Case(2, 2, "fp32", offload=True, device_step=True),
 ]
 # (saved case, loading case): another world size, another stage, or both
 CROSS = [
@@ -127,6 +131,9 @@ CROSS = [
     (Case(2, 2, "bf16", offload=True), Case(3, 1, "bf16")),
     (Case(2, 2, "fp32"), Case(1, 1, "fp32", offload=True)),
     (Case(2, 2, "fp16"), Case(3, 2, "fp16", offload=True)),
+    # the state streamed through the device on one side: the same host state, the same checkpoint
+    (Case(2, 2, "fp32", offload=True, device_step=True), Case(1, 1, "fp32", offload=True)),
+    (Case(1, 1, "fp32", offload=True), Case(2, 2, "fp32", offload=True, device_step=True)),
 ]
 if HAS_STAGE3:  # parameters sharded per gather unit: another grouping, the same checkpoint
     SAVED += [Case(w, 3, d) for w in WORLDS for d in ("fp32", "bf16", "fp16")]
@@ -142,14 +149,20 @@ if HAS_STAGE3:  # parameters sharded per gather unit: another grouping, the same
 
 
 def _build(case: Case):
+    import os
+
     import runtime
+    from runtime.offload.device_step import UPDATE_ENV
 
     model = make_model(0)
+    os.environ[UPDATE_ENV] = "device" if case.device_step else "host"
     engine, _, loader, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config(), training_data=IndexDataset()
     )
+    del os.environ[UPDATE_ENV]
     loader.sampler.set_epoch(1)
     assert (type(engine.masters).__name__ == "HostMasters") == case.offload  # really offloaded, or not
+    assert getattr(engine.masters, "update_on_device", False) == case.device_step
     if case.stage == 3 and case.world > 1:  # parameters really sharded, 7 flat groups and optimizer groups
         assert type(engine.zero).__name__ == "ParamShardedStage" and len(engine.optimizer.param_groups) == 7
     return engine, loader

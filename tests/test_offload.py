@@ -40,6 +40,7 @@ class OffloadCase(Case):
     persistence: int | None = None  # stage3_param_persistence_threshold (0: every unit is gathered on use)
     offload_param: bool = False  # stage 3: the working shards in host memory too
     fp32_landing: bool = False  # DSLAUNCH_OFFLOAD_GRAD_TRANSFER=fp32: 16-bit gradients land as fp32
+    device_step: bool = False  # DSLAUNCH_OFFLOAD_UPDATE=device: state streams through the "device"
 
     @property
     def optimizer(self) -> str:
@@ -75,6 +76,14 @@ EXTRA = [
     OffloadCase(1, "bf16", 1, 0.0, adam_without_clip=True, fp32_landing=True),
     OffloadCase(2, "bf16", 1, 0.0, fp32_landing=True),
     OffloadCase(1, "fp16", 2, 0.5, fp32_landing=True),
+    # the device step (state through staging slots, gradients read where they are): streamed with one
+    # rank, after backward with clipping or more ranks, the loss scale and overflow skip of fp16, L2 Adam
+    OffloadCase(2, "bf16", 1, 0.0, adam_without_clip=True, device_step=True),
+    OffloadCase(1, "fp32", 2, 0.5, device_step=True),
+    OffloadCase(2, "bf16", 2, 0.5, device_step=True, bucket=10**9),
+    OffloadCase(1, "fp16", 1, 0.5, device_step=True),
+    OffloadCase(2, "fp16", 2, 0.0, adam_without_clip=True, device_step=True),
+    OffloadCase(2, "bf16", 1, 0.0, device_step=True),  # SGD: the host step after all, from landed grads
 ]
 if HAVE_STAGE3:  # updated weights go to the units' working shards; persistent units re-gather
     EXTRA += [
@@ -87,6 +96,7 @@ if HAVE_STAGE3:  # updated weights go to the units' working shards; persistent u
         OffloadCase(3, "bf16", 1, 0.5, persistence=0, offload_param=True),
         OffloadCase(3, "fp32", 1, 0.0, offload_param=True),  # generic path; persistent units re-gather
         OffloadCase(3, "bf16", 2, 0.0, offload_param=True, pin_memory=True),
+        OffloadCase(3, "bf16", 2, 0.5, persistence=0, device_step=True),  # into the units' working shards
     ]
 
 
@@ -96,18 +106,25 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
     import os
 
     import runtime
+    from runtime.offload.device_step import UPDATE_ENV
     from runtime.offload.landing import GRAD_TRANSFER_ENV
 
     model = make_model(0)
     fp32_landing = isinstance(case, OffloadCase) and case.fp32_landing
+    device_step = isinstance(case, OffloadCase) and case.device_step
     os.environ[GRAD_TRANSFER_ENV] = "fp32" if fp32_landing else "native"
+    os.environ[UPDATE_ENV] = "device" if device_step else "host"
     engine, _, _, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config()
     )
-    del os.environ[GRAD_TRANSFER_ENV]
+    del os.environ[GRAD_TRANSFER_ENV], os.environ[UPDATE_ENV]
     if fp32_landing:
         landed = {t.dtype for t in engine.masters.grads.buffers}
         assert landed == {torch.float32}, f"gradients landed as {landed}, not fp32"
+    if device_step:  # Adam steps on the device; any other optimizer falls back to the host step
+        adam = case.optimizer != "SGD"
+        assert engine.masters.update_on_device == adam, engine.masters.update.reason
+        assert (engine.masters.grads.buffers == []) == adam, "the device step lands no gradients"
     losses, norms = train_engine(
         engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
     )
@@ -133,9 +150,11 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
 
 
 def _run_grid(rank: int, world_size: int, cases: list[Case]) -> dict[str, list[str]]:
+    import runtime.offload.device_step as device_step
     import runtime.offload.host_masters as host_masters
 
     host_masters.TRANSFER_CHUNK_ELEMS = CHUNK
+    device_step.DEVICE_CHUNK_ELEMS, device_step.DEVICE_SLOTS = CHUNK, 2  # several chunks a span, slots reused
     report = {}
     for case in cases:
         got = _train(case, rank, world_size)
@@ -442,17 +461,19 @@ def test_a_backward_that_fails_before_any_gradient_landed_can_be_retried() -> No
 
 
 def _no_offload_vs_offload(
-    rank: int, world_size: int, stage: int, clip: float, offload_param: bool, landing: str
+    rank: int, world_size: int, stage: int, clip: float, offload_param: bool, landing: str, update: str
 ) -> dict:
     """bf16 GPT on CUDA: Adam on the device, then twice the offloaded run, same data; relative update gaps.
-    `landing`: the DSLAUNCH_OFFLOAD_GRAD_TRANSFER setting."""
+    `landing`, `update`: the DSLAUNCH_OFFLOAD_GRAD_TRANSFER and DSLAUNCH_OFFLOAD_UPDATE settings."""
     import os
 
     import runtime
     from runtime.models import GPT, GPTConfig
+    from runtime.offload.device_step import UPDATE_ENV
     from runtime.offload.landing import GRAD_TRANSFER_ENV
 
     os.environ[GRAD_TRANSFER_ENV] = landing
+    os.environ[UPDATE_ENV] = update
 
     results = []
     for offload in (False, True, True):
@@ -474,12 +495,17 @@ def _no_offload_vs_offload(
         }
         engine, *_ = runtime.initialize(model=model, config=config)
         if offload:
-            assert all(t.is_pinned() for t in engine.masters.grads.buffers)
-            # "auto" on a GPU with room on the host: fp32 landing, except where the host writes bf16
+            masters = engine.masters
+            # "auto" on a GPU: the device step, except where the working weights live on the host
+            on_device = update != "host" and not offload_param
+            assert masters.update_on_device == on_device, masters.update.reason
+            host_state = [g.master for g in masters.groups]
+            assert all(t.is_pinned() for t in masters.grads.buffers + (host_state if on_device else []))
+            # the host step with room on the host: fp32 landing, except where the host writes bf16
             # weights itself (offload_param)
             fp32 = landing == "fp32" or (landing == "auto" and not offload_param)
-            want = torch.float32 if fp32 else torch.bfloat16
-            assert {t.dtype for t in engine.masters.grads.buffers} == {want}
+            want = set() if on_device else {torch.float32 if fp32 else torch.bfloat16}
+            assert {t.dtype for t in masters.grads.buffers} == want
             if offload_param:
                 assert engine.masters.target.on_host and engine.zero.host_param_bytes() > 0
         gen = torch.Generator().manual_seed(1)
@@ -506,27 +532,34 @@ def _no_offload_vs_offload(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    ("stage", "clip", "offload_param", "landing"),
+    ("stage", "clip", "offload_param", "landing", "update"),
     [
-        (2, 1.0, False, "auto"),
-        (2, 0.0, False, "auto"),
-        (2, 0.0, False, "native"),
-        (3, 1.0, True, "auto"),
-        (3, 0.0, True, "auto"),
+        (2, 1.0, False, "auto", "auto"),
+        (2, 0.0, False, "auto", "auto"),
+        (2, 1.0, False, "auto", "host"),
+        (2, 0.0, False, "auto", "host"),
+        (2, 0.0, False, "native", "host"),
+        (3, 1.0, True, "auto", "auto"),
+        (3, 0.0, True, "auto", "auto"),
     ],
     ids=[
-        "stage2-clipped",
-        "stage2-streamed",
-        "stage2-streamed-bf16-landing",
+        "stage2-device-step-clipped",
+        "stage2-device-step-streamed",
+        "stage2-host-step-clipped",
+        "stage2-host-step-streamed",
+        "stage2-host-step-streamed-bf16-landing",
         "stage3-param-offload",
         "stage3-param-offload-noclip",
     ],
 )
-def test_cuda_offload_matches_device_adam(stage: int, clip: float, offload_param: bool, landing: str) -> None:
-    """On a GPU: streams, events, pinned landing buffers (and, without clipping, the host update running
-    during backward; with offload_param, shards uploaded before each gather): the result equals Adam on
-    the device, with gradients landing as fp32 (the default) and as bf16."""
-    args = (stage, clip, offload_param, landing)
+def test_cuda_offload_matches_device_adam(
+    stage: int, clip: float, offload_param: bool, landing: str, update: str
+) -> None:
+    """On a GPU: streams, events, pinned host memory (and, without clipping, the update running during
+    backward; with offload_param, shards uploaded before each gather): the result equals Adam on the
+    device, with the state streamed through the GPU (the default) and with the host step, its gradients
+    landing as fp32 (its default) and as bf16."""
+    args = (stage, clip, offload_param, landing, update)
     got = run_distributed(_no_offload_vs_offload, 1, *args, timeout=240, device="cuda")[0]
     # Copies ordered by events leave nothing to chance: a copy racing a kernel would make reruns differ.
     assert got["repeatable"], "two offloaded runs with the same data ended with different weights"
@@ -588,17 +621,21 @@ def _train_delayed(rank: int, world_size: int, cases: list[OffloadCase]) -> list
 
     import runtime
     from runtime.offload import enable_delayed_update
+    from runtime.offload.device_step import UPDATE_ENV
     from runtime.offload.landing import GRAD_TRANSFER_ENV
 
     out = []
     for case in cases:
         model = make_model(0)
         os.environ[GRAD_TRANSFER_ENV] = "fp32" if case.fp32_landing else "native"
+        os.environ[UPDATE_ENV] = "device" if case.device_step else "host"
         engine, _, _, _ = runtime.initialize(
             model=model, model_parameters=param_groups(model), config=case.config()
         )
-        del os.environ[GRAD_TRANSFER_ENV]
+        del os.environ[GRAD_TRANSFER_ENV], os.environ[UPDATE_ENV]
+        assert engine.masters.update_on_device == case.device_step
         enable_delayed_update(engine, after_steps=DPU_AFTER)
+        assert not engine.masters.update_on_device  # the delayed update is a host thread's
         losses = []
         for step in range(STEPS):
             for micro in range(case.accumulation):
@@ -622,6 +659,7 @@ def test_delayed_update_matches_a_one_step_stale_reference(world_size: int) -> N
         OffloadCase(2, "fp32", 2, 0.5),
         OffloadCase(1, "bf16", 1, 0.5),
         OffloadCase(1, "bf16", 1, 0.5, fp32_landing=True),
+        OffloadCase(2, "bf16", 1, 0.5, device_step=True),  # asked for the device step: DPU takes the host's
     ]
     results = run_distributed(_train_delayed, world_size, cases, timeout=180)[0]
     for case, got in zip(cases, results, strict=True):
@@ -774,6 +812,88 @@ def test_ranks_land_fp32_only_when_every_rank_has_room() -> None:
         assert one_fits.startswith("torch.bfloat16") and "2 of 3 ranks have no room" in one_fits
 
 
+def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() -> None:
+    """The device step needs a GPU, Adam, pinned state and the working weights on the device; "auto" also
+    wants the host to have room to pin the state, and every refusal says why."""
+    from runtime.offload.device_step import UPDATE_ENV, choose_update
+
+    gib = 1 << 30
+
+    def choose(setting: str = "auto", **overrides):
+        kwargs = dict(on_gpu=True, adam=True, weights_on_host=False, pinned=True, shard_numel=1 << 30)
+        kwargs.update(
+            local_ranks=overrides.pop("ranks", 1), host_available=overrides.pop("available", 64 * gib)
+        )
+        return choose_update(setting=setting, **{**kwargs, **overrides})
+
+    assert choose().on_device  # 1G parameters: 16 GiB + 4 GiB of headroom, of 64
+    tight = choose(ranks=4)  # four ranks would want 80 GiB
+    assert not tight.on_device and "64.0 GiB available of the 80.0 GiB that 4 rank(s)" in tight.reason
+    assert choose("device", ranks=4).on_device  # asked for: the user's call
+    assert choose(" HOST ").reason.endswith(f"({UPDATE_ENV}=host)")
+    assert not choose(on_gpu=False).on_device  # on a CPU-only machine the host is the device
+    assert choose("device", on_gpu=False).on_device  # ... unless asked for (the tests' way in)
+    for blocked, words in (
+        ({"adam": False}, "not Adam or AdamW"),
+        ({"weights_on_host": True}, "offload_param"),
+        ({"pinned": False}, "pin_memory is false"),
+    ):
+        for setting in ("auto", "device"):
+            refused = choose(setting, **blocked)
+            assert not refused.on_device and words in refused.reason, refused
+    with pytest.raises(ValueError, match=f"{UPDATE_ENV}='gpu': expected one of auto, host, device"):
+        choose("gpu")
+
+
+def _update_votes(rank: int, world_size: int) -> list[str]:
+    from runtime.comm import Comm
+    from runtime.offload.device_step import UpdateChoice, agree_on_update
+
+    comm = Comm()
+    out = []
+    for on_device in ([True] * world_size, [r != 1 for r in range(world_size)]):
+        agreed = agree_on_update(UpdateChoice(on_device[rank], "own"), comm, torch.device("cpu"))
+        out.append(f"{agreed.on_device} {agreed.reason}")
+    return out
+
+
+def test_ranks_run_the_device_step_only_when_every_rank_can() -> None:
+    for all_agree, one_cannot in run_distributed(_update_votes, 3):
+        assert all_agree == "True own"
+        assert one_cannot.startswith("False") and "1 of 3 ranks cannot stream" in one_cannot
+
+
+def _bucket_sizes(rank: int, world_size: int) -> dict:
+    import runtime
+    import runtime.zero
+
+    runtime.zero.ONE_RANK_OFFLOAD_BUCKET_NUMEL = 256
+    out = {}
+    for offload in (True, False):
+        model = make_model(0)
+        zero = {"stage": 2, "reduce_bucket_size": 10**9}
+        if offload:
+            zero["offload_optimizer"] = {"device": "cpu"}
+        config = {"train_batch_size": ROWS, "steps_per_print": 0, "optimizer": {"type": "AdamW"}}
+        config["zero_optimization"] = zero
+        engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+        out[offload] = [[b.numel for b in g.layout.buckets] for g in engine.groups]
+        out["largest_param"] = max(p.numel() for p in model.parameters())
+        engine.destroy()
+    return out
+
+
+def test_one_rank_offload_streams_gradients_in_small_buckets_whatever_reduce_bucket_size_says() -> None:
+    """With one rank there is nothing to reduce, so a bucket only decides how soon the offloaded step can
+    start: capped (ONE_RANK_OFFLOAD_BUCKET_NUMEL), while without offload reduce_bucket_size stands."""
+    got = run_distributed(_bucket_sizes, 1)[0]
+    assert all(len(buckets) == 1 for buckets in got[False]), got[False]  # 10**9 holds every group whole
+    assert sum(len(buckets) for buckets in got[True]) >= 4, got[True]
+    # a bucket takes whole parameters: at most the cap, or one parameter larger than it (plus alignment)
+    limit = max(256, got["largest_param"]) + 64
+    assert all(n <= limit for buckets in got[True] for n in buckets), got[True]
+
+
 @pytest.mark.parametrize("optimizer_kind", ["torch_adamw", "cpu_adam_l2"])
 def test_host_adam_chunks_equal_torch_adam_on_the_whole_tensor(optimizer_kind: str) -> None:
     """Chunked updates from bf16 gradients with the scale in the kernel and bf16 weights written over the
@@ -895,3 +1015,9 @@ def test_benchmark_summary_holds_each_row_to_its_own_bound_and_skips_what_is_mis
     # no fp32 copies measured: the bf16 bound stands, the fp32 rows get no ratio to a bound
     partial = bench.summarize({**parts, "pcie": {"both_s": 0.06}, **engines})
     assert partial["bound_s"] == 0.5 and "bound_fp32_s" not in partial and "ours_over_bound" not in partial
+    # the device step moves 12 bytes a parameter each way (three times the fp32 copies): its bound is
+    # max(T_gpu, torch's fused CPU step, that PCIe time), and it has no host floor
+    device = bench.summarize({**parts, "pcie": {"both_s": 0.06, "both_fp32_s": 0.15}, "ours": {
+        "step_s": 0.54, "grad_landing": "device"}})  # fmt: skip
+    assert device["bound_device_s"] == pytest.approx(0.45) and device["bound_device_by"] == "pcie"
+    assert device["ours_over_bound"] == pytest.approx(1.2) and "ours_over_host_floor" not in device

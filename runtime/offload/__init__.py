@@ -2,8 +2,10 @@
 
 - `placement.py`: the `MasterPlacement` the engine composes (`DeviceMasters`, or `HostMasters` for
   `offload_optimizer: {device: cpu}`), and `build_master_placement`.
-- `host_masters.py`: optimizer offload: masters and state in host memory, the step on the CPU, chunked
-  copy-back.
+- `host_masters.py`: optimizer offload: masters and state in host memory, the step on the CPU (chunked
+  copy-back) or on the GPU (`device_step.py`).
+- `device_step.py`: the Adam step on the GPU over state streamed from host memory, and where the step
+  runs (`DSLAUNCH_OFFLOAD_UPDATE`).
 - `landing.py`: gradients landing on the host bucket by bucket (during backward with one rank).
 - `streamed.py`: the streamed step (the update runs while backward does, when nothing waits on the norm).
 - `delayed.py`, `worker.py`: the opt-in delayed parameter update and its thread.

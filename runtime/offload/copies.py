@@ -38,6 +38,13 @@ class CopyEngine:
             dst.copy_(src, non_blocking=True)
         return self._down.record_event()
 
+    def mark(self) -> Ticket:
+        """A ticket for the work queued so far on the current stream (what a device-side reader of its
+        results waits for)."""
+        if not self.is_async:
+            return None
+        return torch.cuda.current_stream(self.device).record_event()
+
     def fence_uploads(self) -> None:
         """Order the next uploads after the work queued so far on the current stream: kernels still
         queued there may read the device buffers the uploads overwrite."""

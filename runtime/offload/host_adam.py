@@ -20,7 +20,7 @@ Anything else (AMSGrad, maximize, SGD, Lamb, ...) takes the generic path in `hos
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -61,9 +61,17 @@ def supports(optimizer: torch.optim.Optimizer | None) -> bool:
 class HostAdam:
     """Runs Adam/AdamW updates on slices of the flat host masters, with the optimizer's own state."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: Sequence[torch.Tensor],
+        *,
+        zeros: Callable[[int, torch.dtype], torch.Tensor] | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.masters = list(masters)
+        # where the moments live: plain host memory, or pinned where a copy engine streams them
+        self._zeros = zeros or (lambda numel, dtype: torch.zeros(numel, dtype=dtype))
         self._settings: list[tuple[int, AdamHyperparams]] = []
         self._scratch: torch.Tensor | None = None
         self.cache_chunk = default_chunk_elems()
@@ -77,8 +85,8 @@ class HostAdam:
         state = self.optimizer.state[master]
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros(master.shape, dtype=master.dtype)
-            state["exp_avg_sq"] = torch.zeros(master.shape, dtype=master.dtype)
+            state["exp_avg"] = self._zeros(master.numel(), master.dtype).view(master.shape)
+            state["exp_avg_sq"] = self._zeros(master.numel(), master.dtype).view(master.shape)
         elif not isinstance(state["step"], torch.Tensor):  # an int step, as DeepSpeed stores it
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
         return state
@@ -93,6 +101,20 @@ class HostAdam:
             state = self._state(master)
             state["step"] += 1
             self._settings.append((int(state["step"].item()), hp))
+
+    @property
+    def settings(self) -> list[tuple[int, AdamHyperparams]]:
+        """Per group, the step count and hyperparameters `begin_step` read."""
+        return list(self._settings)
+
+    def moments(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's exp_avg and exp_avg_sq (flat, like its master)."""
+        state = self.optimizer.state[self.masters[group]]
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    def replace_moments(self, group: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        state = self.optimizer.state[self.masters[group]]
+        state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
 
     def cancel_step(self) -> None:
         """Take back `begin_step` when no update ran after it."""

@@ -1,7 +1,15 @@
 """Optimizer offload (ZeRO-Offload): fp32 master shards and optimizer state in host memory, CPU step.
 
-Per step, for this rank's shard of every param group (bf16 working weights shown; fp16 is the same and
-fp32 copies weights back from the master itself):
+Where the Adam step runs is device_step.py's choice. On a GPU, by default, the GPU runs it: each span's
+master and moments stream up through staging slots, the fused kernel reads the gradients where the ZeRO
+stage left them and writes the new working weights in place, and the state streams back (no landing
+buffers, 12 host bytes a parameter, all pinned). The spans, their order, the streamed step during
+backward and the publishing of updated buckets are the same as for the host step, which this docstring
+describes below and which runs everywhere else (a CPU-only machine, other optimizers, offload_param, the
+delayed update, `DSLAUNCH_OFFLOAD_UPDATE=host`).
+
+Per step on the host, for this rank's shard of every param group (bf16 working weights shown; fp16 is
+the same and fp32 copies weights back from the master itself):
 
 1. Gradients land on the host bucket by bucket (landing.py): with one rank while backward goes on, with
    more ranks after the ZeRO stage has reduced them; one copy per bucket into a pinned landing buffer.
@@ -59,6 +67,7 @@ from runtime.comm import Comm, Pending
 from runtime.offload import host_adam
 from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.delayed import DelayedUpdate, check_after_steps
+from runtime.offload.device_step import DeviceStep, UpdateChoice, agree_on_update, update_choice
 from runtime.offload.host_memory import HostMemory
 from runtime.offload.landing import GradLanding, agree_on_landing, landing_choice
 from runtime.offload.placement import GradMath, attach_master_grads, scale_from_device_grads
@@ -110,14 +119,23 @@ class HostMasters:
             shard_numel=sum(g.layout.shard_numel for g in self.groups),
         )
         choice = agree_on_landing(choice, grad_dtype, comm, device)
-        if comm.rank == 0 and self.copies.is_async and grad_dtype != master_dtype:  # a real choice
-            _log.info("offload: %s", choice.reason)
+        self._landing_note = choice.reason if grad_dtype != master_dtype else None  # a real choice
         landed = choice.dtype
-        self._move_masters_to_host(landed)
+        # where Adam runs (device_step.py); whether the optimizer allows the device is known at `bind`
+        update = update_choice(
+            on_gpu=self.copies.is_async,
+            weights_on_host=target.on_host,
+            pinned=pin_memory,
+            shard_numel=sum(g.layout.shard_numel for g in self.groups),
+        )
+        self.update: UpdateChoice = agree_on_update(update, comm, device)
+        self._move_masters_to_host(landed, pin_all=self.update.on_device)
+        self._landed_dtype = landed
         # 16-bit landing: the updated weights go back in that dtype, written over the landed gradient;
         # fp32 landing: straight from the (pinned) master, converted on the device
         self._writes_out = landed != master_dtype
         self._working_dtype = grad_dtype
+        self._device_step: DeviceStep | None = None
         order = bucket_order(self.groups, registration)
         self.spans: list[Span] = plan_spans([g.layout for g in self.groups], order)
         self._published: list[Pending] = []
@@ -138,23 +156,55 @@ class HostMasters:
                 "offload_optimizer.pin_memory is false: gradients and weights cross PCIe through pageable "
                 "memory, which is slower and does not overlap with backward; set pin_memory: true"
             )
-        self.grads = GradLanding(
+        self._order = order
+        self._stream = stream
+        self.grads = self._landing(None if self.update.on_device else landed)
+        if self.update.on_device:
+            self._device_step = DeviceStep(device, master_dtype)
+
+    def _landing(self, dtype: torch.dtype | None) -> GradLanding:
+        return GradLanding(
             self.groups,
-            zero,
+            self.zero,
             self.spans,
-            order,
+            self._order,
             self.copies,
             self.memory,
-            landed,
-            stream=stream,
+            dtype,
+            stream=self._stream,
             chunk_elems=self.chunk_elems,
         )
 
-    def _move_masters_to_host(self, landed: torch.dtype) -> None:
+    def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The engine built `optimizer` over the host masters: the device step needs one it can run."""
+        if self._device_step is not None and not host_adam.supports(optimizer):
+            self._use_host_step("the optimizer is not Adam or AdamW (or uses options the fused kernel lacks)")
+        if self.comm.rank == 0 and self.copies.is_async:
+            _log.info("offload: %s", self.update.reason)
+            if self._device_step is None and self._landing_note is not None:
+                _log.info("offload: %s", self._landing_note)
+
+    def _use_host_step(self, why: str) -> None:
+        """From now on the host runs the step: gradients land in host buffers again. Between steps."""
+        if self._device_step is None:
+            return
+        self._device_step.host_ready()
+        self._device_step = None
+        self.update = UpdateChoice(False, f"the CPU runs the Adam step: {why}")
+        self.grads.close()
+        self.grads = self._landing(self._landed_dtype)
+
+    @property
+    def update_on_device(self) -> bool:
+        return self._device_step is not None
+
+    def _move_masters_to_host(self, landed: torch.dtype, *, pin_all: bool) -> None:
         for group in self.groups:
             master = group.master.detach()
-            # with fp32 landing the weights are copied back from the master itself, so that one is pinned
-            host = self.memory.empty(master.numel(), master.dtype, pinned=master.dtype == landed)
+            # pinned where a copy engine reads it: with fp32 landing the weights are copied back from the
+            # master itself, and the device step streams it both ways
+            pinned = pin_all or master.dtype == landed
+            host = self.memory.empty(master.numel(), master.dtype, pinned=pinned)
             host.copy_(master)
             group.master = nn.Parameter(host, requires_grad=True)
             group.master_is_alias = False
@@ -178,7 +228,7 @@ class HostMasters:
         if not host_adam.supports(optimizer):
             return
         adam = self._host_adam(optimizer)
-        adam.begin_step()
+        self._begin(adam, factor)
         grad_scale = _grad_scale(factor)
 
         def update(index: int) -> Ticket:
@@ -187,7 +237,9 @@ class HostMasters:
                 adam, grad_scale, self.grads.buffers, self.grads.tickets[index], index, piece
             )
 
-        self._streamed = StreamedStep(adam, factor, update, spare_core=self.copies.is_async)
+        # the device step only queues work: the caller's cores need not make room for autograd's thread
+        spare = self.copies.is_async and self._device_step is None
+        self._streamed = StreamedStep(adam, factor, update, spare_core=spare)
         self.grads.on_landed = self._streamed.landed
 
     def run_backward(self, backward: Callable[[], None]) -> None:
@@ -208,6 +260,8 @@ class HostMasters:
         pieces = self.zero.grad_pieces()
         if self._streamed is not None:
             return self._finish_streamed(pieces, math)
+        if self._device_step is not None and (per_tensor or not host_adam.supports(optimizer)):
+            self._use_host_step("the optimizer changed to one the device step cannot run")
         if not any(self.grads.landed):  # no boundary backward went through begin/end_backward
             self.grads.prepare()
         self.grads.land_all()
@@ -221,17 +275,24 @@ class HostMasters:
                 self._start_delayed(optimizer, coef)
             elif fast:
                 adam = self._host_adam(optimizer)
-                adam.begin_step()
-                self._run_adam(
-                    adam, coef, self.grads.buffers, self.grads.tickets, self._working_piece, publish=True
-                )
+                self._begin(adam, coef)
+                tickets = self.grads.tickets
+                if self._device_step is not None:  # after whatever was queued since backward, too
+                    tickets = [self.copies.mark()] * len(self.spans)
+                self._run_adam(adam, coef, self.grads.buffers, tickets, self._working_piece, publish=True)
             else:
                 self._generic_step(optimizer, coef, per_tensor=per_tensor)
             self._steps += 1
-        # the stage may zero its gradient buffers next: not before the downloads have read them
-        self.copies.downloads_done()
-        self.grads.done()
+        self._gradients_read()
         return result
+
+    def _gradients_read(self) -> None:
+        """The stage may zero its gradient buffers next: not before the copies (or the device step) have
+        read them."""
+        self.copies.downloads_done()
+        if self._device_step is not None:
+            self._device_step.device_wait()
+        self.grads.done()
 
     def _finish_streamed(self, pieces: Sequence[Sequence[torch.Tensor]], math: GradMath) -> GradResult:
         self.grads.land_all()  # spans end_backward did not land (it always does, through the engine)
@@ -251,8 +312,7 @@ class HostMasters:
         for span in self.spans:
             self._publish(span)
         self._steps += 1
-        self.copies.downloads_done()
-        self.grads.done()
+        self._gradients_read()
         return result
 
     def _delayed_now(self) -> bool:
@@ -260,9 +320,22 @@ class HostMasters:
 
     def _host_adam(self, optimizer: torch.optim.Optimizer) -> host_adam.HostAdam:
         if self._adam is None or self._adam_for is not optimizer:
-            self._adam = host_adam.HostAdam(optimizer, [g.master for g in self.groups])
+            # pinned only for the device step, which streams them: the CPU step never copies them, and
+            # the largest models need that host memory unpinned
+            pinned = self._device_step is not None and self.copies.is_async
+            self._adam = host_adam.HostAdam(
+                optimizer,
+                [g.master for g in self.groups],
+                zeros=lambda numel, dtype: self.memory.zeros(numel, dtype, pinned=pinned),
+            )
             self._adam_for = optimizer
         return self._adam
+
+    def _begin(self, adam: host_adam.HostAdam, factor: float) -> None:
+        """Start one update: step counts and hyperparameters (and, on the device, what its kernels read)."""
+        adam.begin_step()
+        if self._device_step is not None:
+            self._device_step.begin_step(adam, factor, self.memory)
 
     def _run_adam(
         self,
@@ -298,9 +371,11 @@ class HostMasters:
         chunk is done (after the span's download, and so after the kernels that were queued before it);
         returns the last upload's ticket."""
         span = self.spans[index]
+        master = self.groups[span.group].master.data
+        if self._device_step is not None:
+            return self._device_step.update_span(adam, span, master, self.grads.source(index), dst, ticket)
         self.copies.host_wait(ticket)
         self.copies.uploads_after(ticket)
-        master = self.groups[span.group].master.data
         # offloaded parameters: the piece is host memory, so the kernel writes the new weights there
         direct = self._writes_out and dst.device.type == "cpu" and self.target.on_host
         last: Ticket = None
@@ -319,6 +394,8 @@ class HostMasters:
     # -- delayed parameter update ---------------------------------------------------------------------
     def delay_updates(self, after_steps: int) -> None:
         """Turn on the delayed parameter update once `after_steps` steps have run (delayed.py)."""
+        self.flush()
+        self._use_host_step("the delayed parameter update runs it on a host thread")
         if self._delayed is None:
             self._delayed = DelayedUpdate(
                 after_steps, self.grads.buffers, self.groups, self.memory, self._working_dtype
@@ -354,6 +431,8 @@ class HostMasters:
         if self._streamed is not None:  # between a boundary backward and its step
             self._streamed.drain()
             self._last_upload = self._streamed.last_upload
+        if self._device_step is not None:
+            self._device_step.host_ready()
         self.write_back()
 
     def _generic_step(self, optimizer: torch.optim.Optimizer, coef: float, *, per_tensor: bool) -> None:

@@ -10,6 +10,8 @@ in, the copy of each span (its `Ticket`), and when it starts:
   lands at the end of the boundary backward, after the ZeRO stage has reduced it.
 
 One copy per bucket, never one per parameter. The buffers are pinned where a copy engine reads them.
+When the GPU runs the step (device_step.py) nothing crosses: a span "lands" when its gradients are final,
+its ticket marks that point on the device, and there are no buffers.
 
 What lands (`choose_landing`, set with `DSLAUNCH_OFFLOAD_GRAD_TRANSFER=auto|fp32|native`): by default,
 on a GPU, 16-bit gradients of fp32 masters are converted to fp32 on the device, a transfer chunk at a
@@ -163,7 +165,7 @@ class GradLanding:
         order: Sequence[tuple[int, int]],
         copies: CopyEngine,
         memory: HostMemory,
-        dtype: torch.dtype,
+        dtype: torch.dtype | None,
         *,
         stream: bool,
         chunk_elems: int,
@@ -174,7 +176,12 @@ class GradLanding:
         self.copies = copies
         self.chunk_elems = chunk_elems
         self.stream = stream  # land during backward, from hooks
-        self.buffers = [memory.zeros(g.layout.shard_numel, dtype, pinned=True) for g in self.groups]
+        # dtype None: the step runs on the device (device_step.py) and reads the gradients where they are;
+        # a span "lands" when its gradients are final, and its ticket marks that point on the device
+        self.on_device = dtype is None
+        self.buffers = []
+        if dtype is not None:
+            self.buffers = [memory.zeros(g.layout.shard_numel, dtype, pinned=True) for g in self.groups]
         self.tickets: list[Ticket] = []
         self.landed = [False] * len(self.spans)
         self.on_landed: Callable[[int], None] | None = None  # a streamed step's, while one runs
@@ -233,10 +240,18 @@ class GradLanding:
     def _land_bucket(self, group: FlatGroup, bucket: int) -> None:
         self._land(self._span_at[(group.index, bucket)])
 
+    def source(self, index: int) -> torch.Tensor:
+        """Span `index`'s gradients on the device (this boundary backward's)."""
+        return self._sources[index]
+
     def _land(self, index: int) -> None:
         span = self.spans[index]
-        dst = self.buffers[span.group].narrow(0, span.shard_offset, span.numel)
         src = self._sources[index]
+        if self.on_device:
+            self.tickets[index] = self.copies.mark()
+            self._landed(index)
+            return
+        dst = self.buffers[span.group].narrow(0, span.shard_offset, span.numel)
         if dst.dtype == src.dtype:
             self.tickets[index] = self.copies.to_host(dst, src)
         else:  # converted on the device a chunk at a time, not through a whole-bucket fp32 temporary
@@ -244,6 +259,9 @@ class GradLanding:
             for offset, numel in plan_chunks(span.numel, self.chunk_elems):
                 ticket = self.copies.to_host(dst.narrow(0, offset, numel), src.narrow(0, offset, numel))
             self.tickets[index] = ticket
+        self._landed(index)
+
+    def _landed(self, index: int) -> None:
         self.landed[index] = True
         if self.on_landed is not None:
             self.on_landed(index)

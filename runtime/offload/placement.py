@@ -58,6 +58,11 @@ class GradMath:
 
 
 class MasterPlacement(Protocol):
+    def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The engine built `optimizer` over the masters (it decides, for instance, whether an offloaded
+        step can run on the device)."""
+        ...
+
     def prepare_step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> None:
         """Before the boundary backward, with the arithmetic `step` will get: a placement that can update
         while gradients arrive starts here."""
@@ -117,6 +122,9 @@ class DeviceMasters:
     def __init__(self, groups: Sequence[FlatGroup], zero: Any) -> None:
         self.groups = list(groups)
         self.zero = zero
+
+    def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
+        pass
 
     def prepare_step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> None:
         pass

@@ -7,6 +7,7 @@ one boundary backward: the spans that landed and wait for their update, how many
 last upload.
 
 Threads: autograd runs on a helper thread and the thread that called `engine.backward` does the updates.
+When the GPU runs the step (device_step.py) the calling thread only queues its copies and kernels.
 It is this way round, not a worker thread for the updates, because of how OpenMP pools work: every
 thread that starts parallel regions gets a pool of its own, and once the pools together hold more
 threads than there are cores (the caller's pool already has one thread per core), libgomp stops spinning

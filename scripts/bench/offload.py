@@ -13,14 +13,15 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
                  2 B/param up (weights), each alone and both at once                        -> T_pcie
                  (and 4 B/param both ways at once, what fp32 landing moves: both_fp32_s)
     ours         runtime.initialize with offload_optimizer {device: cpu, pin_memory: true}; without
-                 clipping the host update runs during backward (the streamed step). Gradients land
-                 as the engine chooses (fp32 when host memory allows: runtime/offload/landing.py)
+                 clipping the update runs during backward (the streamed step). On a GPU the GPU runs
+                 it over state streamed from host memory (runtime/offload/device_step.py; its row says
+                 grad_landing "device" and is held to a bound whose PCIe time is 12 B/param each way)
+    ours-host    "ours" with DSLAUNCH_OFFLOAD_UPDATE=host: the CPU runs the Adam step on gradients that
+                 land as the engine chooses (fp32 when host memory allows: runtime/offload/landing.py)
     ours-clip    the same with gradient_clipping 1.0: the update waits for the norm, after backward
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
-    ours-bf16grads   "ours" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=native: gradients land as bf16 and the
-                 host step is ours (the adam row), 14 host bytes a parameter instead of 16
-    ours-buckets64m  "ours" with reduce_bucket_size 2^26 instead of DeepSpeed's 5e8 (four buckets for
-                 GPT-2 XL): with one rank, bucket size only decides how soon the host update starts
+    ours-bf16grads   "ours-host" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=native: gradients land as bf16 and
+                 the host step is ours (the adam row), 14 host bytes a parameter instead of 16
     ours-z3-param  ZeRO-3 with offload_param {device: cpu} too: weight shards in host memory
     ours-device  the same engine without offload (for the offload/no-offload ratio)
     deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable
@@ -75,10 +76,10 @@ from runtime.models import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
 LR, WEIGHT_DECAY = 1e-4, 0.01
 ENGINES = (
     "ours",
+    "ours-host",
     "ours-clip",
     "ours-dpu",
     "ours-bf16grads",
-    "ours-buckets64m",
     "ours-z3-param",
     "ours-device",
     "deepspeed",
@@ -417,7 +418,11 @@ def work_ours(
     )
     if offload:
         result["pinned_gib"] = round(engine.masters.memory.pinned_bytes / 2**30, 2)
-        result["grad_landing"] = str(engine.masters.grads.buffers[0].dtype).removeprefix("torch.")
+        on_device = engine.masters.update_on_device
+        result["update"] = "device" if on_device else "host"
+        # the device step lands no gradients: its own bound (below) counts the state it streams instead
+        buffers = engine.masters.grads.buffers
+        result["grad_landing"] = "device" if on_device else str(buffers[0].dtype).removeprefix("torch.")
     if phases:
         result["phases"] = _phases(run, device)
     engine.destroy()
@@ -457,10 +462,10 @@ WORKERS = {
     "pcie": work_pcie,
     "ours": work_ours,
     "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
-    "ours-buckets64m": lambda spec, device: work_ours({**spec, "reduce_bucket_size": 1 << 26}, device),
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
-    "ours-bf16grads": lambda spec, device: work_ours(spec, device),  # the variable is set in worker_main
+    "ours-bf16grads": lambda spec, device: work_ours(spec, device),  # the variables are set in worker_main
+    "ours-host": lambda spec, device: work_ours(spec, device),
     "ours-device": lambda spec, device: work_ours(spec, device, offload=False),
     "deepspeed": work_deepspeed,
     "trial": work_trial,
@@ -475,6 +480,8 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
         torch.set_num_threads(spec["threads"])
     if name == "ours-bf16grads":
         os.environ["DSLAUNCH_OFFLOAD_GRAD_TRANSFER"] = "native"
+    if name in ("ours-host", "ours-bf16grads"):
+        os.environ["DSLAUNCH_OFFLOAD_UPDATE"] = "host"
     record: dict[str, Any] = {"bench": "offload", "config": name}
     try:
         if name in (*ENGINES, "trial"):
@@ -555,6 +562,10 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     adam, pcie = rows.get("adam", {}), rows.get("pcie", {})
     parts = {"gpu": rows.get("gpu", {}).get("step_s"), "adam": adam.get("step_s"), "pcie": pcie.get("both_s")}
     parts32 = {**parts, "adam": adam.get("torch_fused_fp32_grads_s"), "pcie": pcie.get("both_fp32_s")}
+    # the device step: the CPU Adam time is still torch's fused step (the best the host does), and
+    # its PCIe time is what it moves, 12 bytes a parameter each way (three times the fp32 copies)
+    both32 = pcie.get("both_fp32_s")
+    parts_device = {**parts32, "pcie": None if both32 is None else 3 * both32}
     # the host's real floor for fp32 landing: its step with the copies sharing host memory bandwidth
     shared = adam.get("torch_fused_fp32_with_copies_s")
     host_floor = None if shared is None or parts["gpu"] is None else max(parts["gpu"], shared)
@@ -564,7 +575,7 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         **{f"t_{k}_s": v for k, v in parts.items()},
     }
     bounds = {}
-    for label, values in (("", parts), ("_fp32", parts32)):
+    for label, values in (("", parts), ("_fp32", parts32), ("_device", parts_device)):
         if all(v is not None for v in values.values()):
             bound = max(values.values())
             bounds[label] = (bound, sum(values.values()))
@@ -579,12 +590,13 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         summary["host_floor_fp32_s"] = round(host_floor, 4)
     for name in ENGINES:
         step = rows.get(name, {}).get("step_s")
-        label = "_fp32" if rows.get(name, {}).get("grad_landing") == "float32" else ""
+        landing = rows.get(name, {}).get("grad_landing")
+        label = {"float32": "_fp32", "device": "_device"}.get(landing, "")
         if step is not None and label in bounds:
             bound, serial = bounds[label]
             summary[f"{name}_over_bound"] = round(step / bound, 3)
             summary[f"{name}_over_serial"] = round(step / serial, 3)
-            if label and host_floor is not None:
+            if label == "_fp32" and host_floor is not None:
                 summary[f"{name}_over_host_floor"] = round(step / host_floor, 3)
     ours = rows.get("ours", {}).get("step_s")
     for name in ENGINES[1:]:

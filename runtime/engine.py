@@ -51,7 +51,7 @@ class MemoryBreakdown:
     grad_bytes: int  # gradient buffers (full for stages 0/1, this rank's shard for stage 2)
     master_bytes: int  # fp32 master weights that are not the working weights themselves
     optimizer_bytes: int  # optimizer state tensors (Adam: exp_avg, exp_avg_sq, step)
-    buffer_bytes: int = 0  # communication staging buffers alive right now
+    buffer_bytes: int = 0  # device staging buffers alive right now (communication, the offload's device step)
     host_bytes: int = 0  # of the model states above, the bytes in host memory (CPU offload)
     host_buffer_bytes: int = 0  # host staging buffers of the offload (gradient landing, copy-back)
 
@@ -331,7 +331,7 @@ class Engine(nn.Module):
                 g.master.numel() * g.master.element_size() for g in self.groups if not g.master_is_alias
             ),
             optimizer_bytes=optimizer_bytes,
-            buffer_bytes=self.zero.buffer_bytes(),
+            buffer_bytes=self.zero.buffer_bytes() + self.masters.device_buffer_bytes(),
             host_bytes=host_bytes,
             host_buffer_bytes=host_buffer_bytes,
         )

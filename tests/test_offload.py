@@ -125,6 +125,9 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
         adam = case.optimizer != "SGD"
         assert engine.masters.update_on_device == adam, engine.masters.update.reason
         assert (engine.masters.grads.buffers == []) == adam, "the device step lands no gradients"
+        staging = engine.masters.device_buffer_bytes()  # two slots of master, moments and gradient
+        assert staging == (2 * 4 * CHUNK * 4 if adam else 0), staging
+        assert engine.memory_breakdown().buffer_bytes >= staging
     losses, norms = train_engine(
         engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
     )
@@ -814,7 +817,8 @@ def test_ranks_land_fp32_only_when_every_rank_has_room() -> None:
 
 def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() -> None:
     """The device step needs a GPU, Adam, pinned state and the working weights on the device; "auto" also
-    wants the host to have room to pin the state, and every refusal says why."""
+    wants the host to have room to pin the state and the GPU room for the staging, and every refusal
+    says why."""
     from runtime.offload.device_step import UPDATE_ENV, choose_update
 
     gib = 1 << 30
@@ -830,6 +834,11 @@ def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() 
     tight = choose(ranks=4)  # four ranks would want 80 GiB
     assert not tight.on_device and "64.0 GiB available of the 80.0 GiB that 4 rank(s)" in tight.reason
     assert choose("device", ranks=4).on_device  # asked for: the user's call
+    # the staging slots (1 GiB by default) may take at most an eighth of the GPU's free memory
+    assert choose(device_free=8 * gib).on_device
+    cramped = choose(device_free=6 * gib)
+    assert not cramped.on_device and "6.0 GiB free, too little to spare 1.00 GiB" in cramped.reason
+    assert choose("device", device_free=0).on_device
     assert choose(" HOST ").reason.endswith(f"({UPDATE_ENV}=host)")
     assert not choose(on_gpu=False).on_device  # on a CPU-only machine the host is the device
     assert choose("device", on_gpu=False).on_device  # ... unless asked for (the tests' way in)

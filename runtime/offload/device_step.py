@@ -76,11 +76,14 @@ def choose_update(
     shard_numel: int = 0,
     local_ranks: int = 1,
     host_available: int | None = None,
+    device_free: int | None = None,
 ) -> UpdateChoice:
     """The update placement for this run. `setting` is `DSLAUNCH_OFFLOAD_UPDATE`: host or device when it
     says so (device only where it can run), else device exactly where it can run and pays: a GPU, Adam or
-    AdamW, pinned host state, working weights on the device, and host memory with room to pin the state
-    (`host_available` bytes shared by `local_ranks` ranks; None: not checked)."""
+    AdamW, pinned host state, working weights on the device, host memory with room to pin the state
+    (`host_available` bytes shared by `local_ranks` ranks) and a device with room for the staging slots
+    (at most 1/8 of its `device_free` bytes: the model came to the GPU already, its activations have not);
+    None: not checked."""
     setting = setting.strip().lower() or "auto"
     if setting not in UPDATE_SETTINGS:
         raise ValueError(
@@ -105,14 +108,21 @@ def choose_update(
         return UpdateChoice(False, "the CPU runs the Adam step (no GPU)")
     if blocker is not None:
         return UpdateChoice(False, f"the CPU runs the Adam step: {blocker}")
+    gib = 1 << 30
     need = (shard_numel * PIN_ROOM_BYTES_PER_PARAM + PIN_HEADROOM) * local_ranks
     if host_available is not None and host_available < need:
-        gib = 1 << 30
         return UpdateChoice(
             False,
             f"the CPU runs the Adam step: streaming the state through the GPU pins all of it, and this host "
             f"has {host_available / gib:.1f} GiB available of the {need / gib:.1f} GiB that {local_ranks} "
             f"rank(s) would want; {UPDATE_ENV}=device insists",
+        )
+    staging = staging_bytes()
+    if device_free is not None and staging * 8 > device_free:
+        return UpdateChoice(
+            False,
+            f"the CPU runs the Adam step: the GPU has {device_free / gib:.1f} GiB free, too little to spare "
+            f"{staging / gib:.2f} GiB for the device step's staging; {UPDATE_ENV}=device insists",
         )
     return UpdateChoice(
         True,
@@ -121,9 +131,18 @@ def choose_update(
     )
 
 
-def update_choice(*, on_gpu: bool, weights_on_host: bool, pinned: bool, shard_numel: int) -> UpdateChoice:
-    """`choose_update` with the variable, the host memory left to this process and the ranks on this host
-    read here (Adam is assumed; `HostMasters.bind` checks the optimizer)."""
+def staging_bytes(chunk_elems: int | None = None, slots: int | None = None) -> int:
+    """Device bytes of a `DeviceStep`'s slots: master, both moments and the fp32 gradient per element."""
+    chunk = align_up(DEVICE_CHUNK_ELEMS if chunk_elems is None else chunk_elems, CHUNK_ALIGN)
+    return (DEVICE_SLOTS if slots is None else slots) * 4 * chunk * 4
+
+
+def update_choice(
+    *, device: torch.device, weights_on_host: bool, pinned: bool, shard_numel: int
+) -> UpdateChoice:
+    """`choose_update` with the variable, the host memory left to this process, the ranks on this host
+    and the device's free memory read here (Adam is assumed; `HostMasters.bind` checks the optimizer)."""
+    on_gpu = device.type == "cuda"
     return choose_update(
         setting=os.environ.get(UPDATE_ENV, "auto"),
         on_gpu=on_gpu,
@@ -133,6 +152,7 @@ def update_choice(*, on_gpu: bool, weights_on_host: bool, pinned: bool, shard_nu
         shard_numel=shard_numel,
         local_ranks=local_world_size(),
         host_available=host_available_bytes() if on_gpu else None,
+        device_free=torch.cuda.mem_get_info(device)[0] if on_gpu else None,
     )
 
 
@@ -169,8 +189,8 @@ class DeviceStep:
         self.chunk_elems = chunk_elems = DEVICE_CHUNK_ELEMS if chunk_elems is None else chunk_elems
         slots = DEVICE_SLOTS if slots is None else slots
         self.is_async = device.type == "cuda"
-        # allocated now, so a device without room fails at setup with the engine's message, not mid-step
         width = align_up(chunk_elems, CHUNK_ALIGN)  # plan_chunks rounds a chunk up to that
+        # allocated now, so a device without room fails here, at setup, not in the middle of a step
         self._slots = [torch.empty(4, width, dtype=dtype, device=device) for _ in range(slots)]
         self._free: list[Ticket] = [None] * slots  # each slot's last download
         self._next = 0

@@ -123,7 +123,7 @@ class HostMasters:
         landed = choice.dtype
         # where Adam runs (device_step.py); whether the optimizer allows the device is known at `bind`
         update = update_choice(
-            on_gpu=self.copies.is_async,
+            device=device,
             weights_on_host=target.on_host,
             pinned=pin_memory,
             shard_numel=sum(g.layout.shard_numel for g in self.groups),
@@ -494,6 +494,9 @@ class HostMasters:
         if self._fp32_grads is not None:
             buffers += sum(t.numel() * t.element_size() for t in self._fp32_grads)
         return masters + state, buffers
+
+    def device_buffer_bytes(self) -> int:
+        return 0 if self._device_step is None else self._device_step.staging_bytes()
 
     def close(self) -> None:
         self.flush()

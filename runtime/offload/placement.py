@@ -89,6 +89,10 @@ class MasterPlacement(Protocol):
         """(master + optimizer state bytes in host memory, host staging buffer bytes)."""
         ...
 
+    def device_buffer_bytes(self) -> int:
+        """Staging buffers on the training device (the offloaded step's, when the GPU runs it)."""
+        ...
+
     def flush(self) -> None:
         """Finish any update still in flight, so the masters, the optimizer state and the working weights
         agree (before a checkpoint or a full state dict reads them)."""
@@ -161,6 +165,9 @@ class DeviceMasters:
 
     def host_bytes(self, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
         return 0, 0
+
+    def device_buffer_bytes(self) -> int:
+        return 0
 
     def flush(self) -> None:
         pass

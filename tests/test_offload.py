@@ -423,6 +423,40 @@ def test_a_second_boundary_backward_before_step_is_refused_once_the_update_start
     assert "before engine.step()" in got["error"] and "checkpoint" in got["error"], got
 
 
+def _delay_mid_step(rank: int, world_size: int) -> dict:
+    import os
+
+    from runtime.offload import enable_delayed_update
+    from runtime.offload.device_step import UPDATE_ENV
+
+    os.environ[UPDATE_ENV] = "device"
+    _, engine, _ = _offload_engine(2, bucket=300)
+    del os.environ[UPDATE_ENV]
+    x, y = rank_batch(0, 0, ROWS, rank, world_size)
+    engine.backward(loss_fn(engine(x), y))  # the streamed device step has started
+    try:
+        enable_delayed_update(engine, after_steps=1)
+        error = ""
+    except RuntimeError as exc:
+        error = str(exc)
+    engine.step()  # the step the backward started still finishes
+    out = {"error": error, "still_on_device": engine.masters.update_on_device}
+    enable_delayed_update(engine, after_steps=1)  # between steps it is fine, and takes the CPU step
+    out["after"] = engine.masters.update_on_device
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    out["steps"] = [float(s["step"]) for s in engine.optimizer.state.values()]
+    engine.destroy()
+    return out
+
+
+def test_the_delayed_update_is_refused_between_a_boundary_backward_and_its_step() -> None:
+    got = run_distributed(_delay_mid_step, 1, timeout=60)[0]
+    assert "between engine.backward" in got["error"] and "after the step" in got["error"], got
+    assert got["still_on_device"] and not got["after"], got
+    assert got["steps"] and all(step == 2.0 for step in got["steps"]), got
+
+
 class _FailInBackward(torch.autograd.Function):
     """Identity forward; backward raises, before any parameter has its gradient."""
 
@@ -464,7 +498,14 @@ def test_a_backward_that_fails_before_any_gradient_landed_can_be_retried() -> No
 
 
 def _no_offload_vs_offload(
-    rank: int, world_size: int, stage: int, clip: float, offload_param: bool, landing: str, update: str
+    rank: int,
+    world_size: int,
+    stage: int,
+    clip: float,
+    offload_param: bool,
+    landing: str,
+    update: str,
+    bucket: int = 20_000,
 ) -> dict:
     """bf16 GPT on CUDA: Adam on the device, then twice the offloaded run, same data; relative update gaps.
     `landing`, `update`: the DSLAUNCH_OFFLOAD_GRAD_TRANSFER and DSLAUNCH_OFFLOAD_UPDATE settings."""
@@ -483,7 +524,7 @@ def _no_offload_vs_offload(
         torch.manual_seed(0)
         model = GPT(GPTConfig.named("tiny"))
         start = {n: p.detach().clone().float() for n, p in model.named_parameters()}
-        zero = {"stage": stage, "reduce_bucket_size": 20_000, "stage3_param_persistence_threshold": 0}
+        zero = {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 0}
         if offload:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
             if offload_param:
@@ -535,19 +576,23 @@ def _no_offload_vs_offload(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    ("stage", "clip", "offload_param", "landing", "update"),
+    ("stage", "clip", "offload_param", "landing", "update", "bucket"),
     [
-        (2, 1.0, False, "auto", "auto"),
-        (2, 0.0, False, "auto", "auto"),
-        (2, 1.0, False, "auto", "host"),
-        (2, 0.0, False, "auto", "host"),
-        (2, 0.0, False, "native", "host"),
-        (3, 1.0, True, "auto", "auto"),
-        (3, 0.0, True, "auto", "auto"),
+        (2, 1.0, False, "auto", "auto", 20_000),
+        (2, 0.0, False, "auto", "auto", 20_000),
+        # one span, fewer chunks than staging slots: a chunk's upload must still wait for the last
+        # step's download of that chunk, not only for its slot
+        (2, 0.0, False, "auto", "auto", 10**9),
+        (2, 1.0, False, "auto", "host", 20_000),
+        (2, 0.0, False, "auto", "host", 20_000),
+        (2, 0.0, False, "native", "host", 20_000),
+        (3, 1.0, True, "auto", "auto", 20_000),
+        (3, 0.0, True, "auto", "auto", 20_000),
     ],
     ids=[
         "stage2-device-step-clipped",
         "stage2-device-step-streamed",
+        "stage2-device-step-one-span",
         "stage2-host-step-clipped",
         "stage2-host-step-streamed",
         "stage2-host-step-streamed-bf16-landing",
@@ -556,13 +601,13 @@ def _no_offload_vs_offload(
     ],
 )
 def test_cuda_offload_matches_device_adam(
-    stage: int, clip: float, offload_param: bool, landing: str, update: str
+    stage: int, clip: float, offload_param: bool, landing: str, update: str, bucket: int
 ) -> None:
     """On a GPU: streams, events, pinned host memory (and, without clipping, the update running during
     backward; with offload_param, shards uploaded before each gather): the result equals Adam on the
     device, with the state streamed through the GPU (the default) and with the host step, its gradients
     landing as fp32 (its default) and as bf16."""
-    args = (stage, clip, offload_param, landing, update)
+    args = (stage, clip, offload_param, landing, update, bucket)
     got = run_distributed(_no_offload_vs_offload, 1, *args, timeout=240, device="cuda")[0]
     # Copies ordered by events leave nothing to chance: a copy racing a kernel would make reruns differ.
     assert got["repeatable"], "two offloaded runs with the same data ended with different weights"

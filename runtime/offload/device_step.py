@@ -193,6 +193,10 @@ class DeviceStep:
         # allocated now, so a device without room fails here, at setup, not in the middle of a step
         self._slots = [torch.empty(4, width, dtype=dtype, device=device) for _ in range(slots)]
         self._free: list[Ticket] = [None] * slots  # each slot's last download
+        # each chunk's last download, by the address of its host master: a step with fewer chunks than
+        # slots would otherwise upload a chunk before the last step's download of it is done
+        self._downloaded: dict[int, Ticket] = {}
+        self._pin_tried: set[int] = set()  # moments _pin_moments already tried (pinning may fall back)
         self._next = 0
         self._last_down: Ticket = None
         self._steps: dict[int, torch.Tensor] = {}  # per group: the step count as the kernel reads it
@@ -210,7 +214,7 @@ class DeviceStep:
         """Start an update (after `adam.begin_step`): the step counts and the gradient factor its kernels
         read, queued on the math stream behind the last step's kernels."""
         if self.is_async:
-            _pin_moments(adam, memory)
+            _pin_moments(adam, memory, self._pin_tried)
         with self._on(self._stream("math")):
             for group, (step, hp) in enumerate(adam.settings):
                 value = float(step) if hp.bias_correction else math.inf  # inf: both corrections are 1
@@ -277,8 +281,10 @@ class DeviceStep:
         numel = grad.numel()
         param, exp_avg, exp_avg_sq, staged_grad = (row.narrow(0, 0, numel) for row in self._slots[index])
         up, math_, down = self._stream("up"), self._stream("math"), self._stream("down")
+        key = host[0].data_ptr()
         with self._on(up):
             _wait(up, self._free[index])
+            _wait(up, self._downloaded.get(key))
             for dst, src in zip((param, exp_avg, exp_avg_sq), host, strict=True):
                 dst.copy_(src, non_blocking=True)
             uploaded = self._record(up)
@@ -298,7 +304,7 @@ class DeviceStep:
             _wait(down, written)
             for dst, src in zip(host, (param, exp_avg, exp_avg_sq), strict=True):
                 dst.copy_(src, non_blocking=True)
-            self._free[index] = self._last_down = self._record(down)
+            self._free[index] = self._last_down = self._downloaded[key] = self._record(down)
         return written
 
     def host_ready(self) -> None:
@@ -325,14 +331,16 @@ class DeviceStep:
         return stream.record_event() if stream is not None else None
 
 
-def _pin_moments(adam: HostAdam, memory: HostMemory) -> None:
-    """Moments loaded from a checkpoint arrive in pageable memory: pin them (once), or every copy of
-    theirs would go through a bounce buffer and hold the host."""
+def _pin_moments(adam: HostAdam, memory: HostMemory, tried: set[int]) -> None:
+    """Moments loaded from a checkpoint arrive in pageable memory: pin them, or every copy of theirs
+    would go through a bounce buffer and hold the host. Once per tensor: where pinning falls back to
+    pageable memory (with a warning), the copy is not made again at every step."""
     for group in range(len(adam.masters)):
         moments = adam.moments(group)
-        if all(t.is_pinned() for t in moments):
+        if all(t.is_pinned() or t.data_ptr() in tried for t in moments):
             continue
         pinned = [memory.empty(t.numel(), t.dtype, pinned=True).copy_(t.view(-1)) for t in moments]
+        tried.update(p.data_ptr() for p in pinned)
         adam.replace_moments(group, *(p.view(t.shape) for p, t in zip(pinned, moments, strict=True)))
 
 

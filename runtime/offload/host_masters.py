@@ -1,4 +1,4 @@
-"""Optimizer offload (ZeRO-Offload): fp32 master shards and optimizer state in host memory, CPU step.
+"""Optimizer offload (ZeRO-Offload): fp32 master shards and optimizer state in host memory.
 
 Where the Adam step runs is device_step.py's choice. On a GPU, by default, the GPU runs it: each span's
 master and moments stream up through staging slots, the fused kernel reads the gradients where the ZeRO
@@ -29,9 +29,10 @@ and `step` updates what is left. The step's hyperparameters are read when the bo
 span was updated leaves the masters partly updated: the next boundary backward says so instead of
 updating twice.
 
-Host memory: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 2 = 14 bytes a parameter of the shard, or 16
-with fp32 landing (below); only the landing buffer is pinned (and the master where it is what gets
-copied back: fp32 runs and fp32 landing). The device
+Host memory for the host step: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 2 = 14 bytes a parameter of
+the shard, or 16 with fp32 landing (below); only the landing buffer is pinned (and the master where it
+is what gets copied back: fp32 runs and fp32 landing). The device step pins master and moments, 12
+bytes a parameter, and has no landing buffer. The device
 keeps the working weights and the gradient buffers of the ZeRO stage, no fp32 state. With parameter
 offload (stage 3, `offload_param: {device: cpu}`) the working shard is host memory too (+2 bytes, pinned
 with CUDA): the Adam kernel writes the updated bf16 weights straight into it (fp32: one host copy from
@@ -394,6 +395,11 @@ class HostMasters:
     # -- delayed parameter update ---------------------------------------------------------------------
     def delay_updates(self, after_steps: int) -> None:
         """Turn on the delayed parameter update once `after_steps` steps have run (delayed.py)."""
+        if self._streamed is not None:
+            raise RuntimeError(
+                "enable_delayed_update was called between engine.backward at the accumulation boundary and "
+                "engine.step(); call it before the boundary backward or after the step"
+            )
         self.flush()
         self._use_host_step("the delayed parameter update runs it on a host thread")
         if self._delayed is None:

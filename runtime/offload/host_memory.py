@@ -1,10 +1,11 @@
 """Host memory for offloaded optimizer state: CPU tensors, page-locked (pinned) where that helps.
 
-Only buffers that a copy engine reads or writes need pinning: the gradient landing buffer (device to
-host) and whatever the updated weights are copied back from (host to device): the landing buffer in
-bf16/fp16 runs with 16-bit landing, the fp32 master in fp32 runs and with fp32 landing (landing.py).
-exp_avg and exp_avg_sq never cross PCIe, so they stay pageable: pinning all 12 bytes a parameter of
-fp32 state would lock most of the host's memory for nothing.
+Only buffers that a copy engine reads or writes need pinning. With the CPU step that is the gradient
+landing buffer (device to host) and whatever the updated weights are copied back from (host to device):
+the landing buffer in bf16/fp16 runs with 16-bit landing, the fp32 master in fp32 runs and with fp32
+landing (landing.py); exp_avg and exp_avg_sq never cross PCIe there, so they stay pageable. When the GPU
+runs the step (device_step.py) the master and both moments stream both ways, and all 12 bytes a
+parameter are pinned.
 
 Pinning registers an ordinary CPU tensor with the CUDA driver (cudaHostRegister, as torch's own
 checkpoint stager does) instead of allocating through torch's pinned caching allocator, which rounds
@@ -17,6 +18,7 @@ Owns: allocation, pinning, and releasing the registrations (`close`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 
@@ -82,6 +84,10 @@ class HostMemory:
 
 def _unregister(tensors: list[torch.Tensor]) -> None:
     if tensors:
+        # a copy still queued (the device step's downloads run past engine.step()) must not write into
+        # pages that are no longer registered, or that are freed right after
+        with contextlib.suppress(RuntimeError):  # at interpreter exit CUDA may be gone already
+            torch.cuda.synchronize()
         cudart = torch.cuda.cudart()
         for tensor in tensors:
             cudart.cudaHostUnregister(tensor.data_ptr())

@@ -622,6 +622,64 @@ def test_cuda_offload_matches_device_adam(
     assert signal[0][1] < 0.2, f"largest per-parameter gaps: {worst[:8]}"
 
 
+def _device_step_resume(rank: int, world_size: int, root: str) -> dict:
+    """bf16 GPT on CUDA with the device step: 6 steps straight, and 3 steps, a checkpoint, a new engine
+    that loads it (its moments arrive in pageable memory and are pinned again) and 3 more steps."""
+    import runtime
+    from runtime.models import GPT, GPTConfig
+
+    def build():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig.named("tiny"))
+        config = {
+            "train_batch_size": 4,
+            "steps_per_print": 0,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+        }
+        engine, *_ = runtime.initialize(model=model, config=config)
+        assert engine.masters.update_on_device, engine.masters.update.reason
+        return engine
+
+    def train(engine, steps: range) -> None:
+        for step in steps:
+            tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(step))
+            tokens = tokens.to(engine.device)
+            _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+
+    engine = build()
+    train(engine, range(6))
+    straight = engine.full_state_dict()
+    engine.destroy()
+    engine = build()
+    train(engine, range(3))
+    engine.save_checkpoint(root, tag="mid")
+    engine.destroy()
+    engine = build()
+    engine.load_checkpoint(root, tag="mid")
+    train(engine, range(3, 6))
+    moments = [t for s in engine.optimizer.state.values() for k, t in s.items() if k.startswith("exp_avg")]
+    resumed = engine.full_state_dict()
+    engine.destroy()
+    return {
+        "equal": all(torch.equal(straight[k], resumed[k]) for k in straight),
+        "pinned": bool(moments) and all(t.is_pinned() for t in moments),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_device_step_resumes_from_a_checkpoint_exactly(tmp_path) -> None:
+    """The host state the device step streams is current when a checkpoint is saved (flush waits for the
+    downloads), and a resumed run streams the loaded state (pinned again) to the same weights."""
+    got = run_distributed(_device_step_resume, 1, str(tmp_path), timeout=240, device="cuda")[0]
+    assert got["equal"], "the resumed run ended with other weights than the straight one"
+    assert got["pinned"], "the loaded moments were not pinned for the device step"
+
+
 # -- delayed parameter update ---------------------------------------------------------------------------
 DPU_AFTER = 2
 

@@ -199,13 +199,14 @@ class DeviceStep:
         self._pin_tried: set[int] = set()  # moments _pin_moments already tried (pinning may fall back)
         self._next = 0
         self._last_down: Ticket = None
-        self._steps: dict[int, torch.Tensor] = {}  # per group: the step count as the kernel reads it
+        self._step_counts: dict[int, torch.Tensor] = {}  # per group: the step count as the kernel reads it
         self._scale: torch.Tensor | None = None
+        # None on a CPU-only machine, where every copy happens at once
+        self._up: torch.cuda.Stream | None = None
+        self._math: torch.cuda.Stream | None = None
+        self._down: torch.cuda.Stream | None = None
         if self.is_async:
             self._up, self._math, self._down = (torch.cuda.Stream(device) for _ in range(3))
-
-    def _stream(self, name: str) -> torch.cuda.Stream | None:
-        return getattr(self, f"_{name}") if self.is_async else None
 
     def staging_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self._slots)
@@ -215,12 +216,12 @@ class DeviceStep:
         read, queued on the math stream behind the last step's kernels."""
         if self.is_async:
             _pin_moments(adam, memory, self._pin_tried)
-        with self._on(self._stream("math")):
+        with self._on(self._math):
             for group, (step, hp) in enumerate(adam.settings):
                 value = float(step) if hp.bias_correction else math.inf  # inf: both corrections are 1
-                held = self._steps.get(group)
+                held = self._step_counts.get(group)
                 if held is None:
-                    self._steps[group] = torch.full((), value, dtype=torch.float32, device=self.device)
+                    self._step_counts[group] = torch.full((), value, dtype=torch.float32, device=self.device)
                 else:
                     held.fill_(value)
             if factor == 1.0:
@@ -280,7 +281,7 @@ class DeviceStep:
         self._next = (index + 1) % len(self._slots)
         numel = grad.numel()
         param, exp_avg, exp_avg_sq, staged_grad = (row.narrow(0, 0, numel) for row in self._slots[index])
-        up, math_, down = self._stream("up"), self._stream("math"), self._stream("down")
+        up, math_, down = self._up, self._math, self._down
         key = host[0].data_ptr()
         with self._on(up):
             _wait(up, self._free[index])
@@ -294,7 +295,7 @@ class DeviceStep:
             staged_grad.copy_(grad)
             kernel = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
             kernel(
-                [param], [staged_grad], [exp_avg], [exp_avg_sq], [], [self._steps[group]],
+                [param], [staged_grad], [exp_avg], [exp_avg_sq], [], [self._step_counts[group]],
                 lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2, weight_decay=hp.weight_decay, eps=hp.eps,
                 amsgrad=False, maximize=False, grad_scale=self._scale,
             )  # fmt: skip
@@ -315,7 +316,7 @@ class DeviceStep:
     def device_wait(self) -> None:
         """Make the current stream wait for every kernel of the math stream (which reads the gradients
         the next backward overwrites, and writes the working weights)."""
-        if self.is_async:
+        if self._math is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._math)
 
     def _on(self, stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:

@@ -450,6 +450,38 @@ def _delay_mid_step(rank: int, world_size: int) -> dict:
     return out
 
 
+def _state_reads_wait(rank: int, world_size: int) -> dict:
+    import os
+
+    from runtime.offload.device_step import UPDATE_ENV
+
+    os.environ[UPDATE_ENV] = "device"
+    _, engine, optimizer = _offload_engine(2, bucket=300)
+    del os.environ[UPDATE_ENV]
+    waits = []
+    step = engine.masters._device_step
+    original = step.host_ready
+    step.host_ready = lambda: (waits.append("wait"), original())[1]
+    x, y = rank_batch(0, 0, ROWS, rank, world_size)
+    engine.backward(loss_fn(engine(x), y))
+    engine.step()
+    before = len(waits)
+    state = optimizer.state_dict()
+    after_read = len(waits)
+    optimizer.load_state_dict(state)
+    after_load = len(waits)
+    engine.destroy()
+    return {"before": before, "after_read": after_read, "after_load": after_load}
+
+
+def test_reading_the_optimizer_state_waits_for_the_device_steps_downloads() -> None:
+    """The device step's downloads run past engine.step(): torch's optimizer.state_dict() and
+    load_state_dict() wait for them (without a collective, so one rank alone may call them)."""
+    got = run_distributed(_state_reads_wait, 1, timeout=60)[0]
+    assert got["before"] == 0, got  # engine.step() itself does not wait for the host
+    assert got["after_read"] == 1 and got["after_load"] == 2, got
+
+
 def test_the_delayed_update_is_refused_between_a_boundary_backward_and_its_step() -> None:
     got = run_distributed(_delay_mid_step, 1, timeout=60)[0]
     assert "between engine.backward" in got["error"] and "after the step" in got["error"], got

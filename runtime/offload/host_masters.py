@@ -180,6 +180,11 @@ class HostMasters:
         """The engine built `optimizer` over the host masters: the device step needs one it can run."""
         if self._device_step is not None and not host_adam.supports(optimizer):
             self._use_host_step("the optimizer is not Adam or AdamW (or uses options the fused kernel lacks)")
+        if optimizer is not None:
+            # the device step's downloads run past engine.step(): reading or replacing the state through
+            # torch's own API (optimizer.state_dict(), load_state_dict) waits for them first
+            optimizer.register_state_dict_pre_hook(lambda _optimizer: self._host_state_current())
+            optimizer.register_load_state_dict_pre_hook(lambda _optimizer, _state: self._host_state_current())
         if self.comm.rank == 0 and self.copies.is_async:
             _log.info("offload: %s", self.update.reason)
             if self._device_step is None and self._landing_note is not None:
@@ -194,6 +199,11 @@ class HostMasters:
         self.update = UpdateChoice(False, f"the CPU runs the Adam step: {why}")
         self.grads.close()
         self.grads = self._landing(self._landed_dtype)
+
+    def _host_state_current(self) -> None:
+        """Wait until the host copies of master and moments are current (no collective: any rank may)."""
+        if self._device_step is not None:
+            self._device_step.host_ready()
 
     @property
     def update_on_device(self) -> bool:

@@ -1095,10 +1095,12 @@ def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     # on a CPU-only machine the engine lands gradients in their own dtype; fp32 is asked for here, so the
     # summary's fp32 bound is exercised too
     env = {"DSLAUNCH_OFFLOAD_GRAD_TRANSFER": "fp32"}
-    configs = "gpu,adam,pcie,ours,ours-dpu,ours-bf16grads"
+    configs = "gpu,adam,pcie,devstep,ours,ours-dpu,ours-bf16grads"
     records = {r["config"]: r for r in _bench("--model", "tiny", *small, "--configs", configs, env=env)}
-    for name in ("gpu", "adam", "pcie", "ours", "ours-dpu", "ours-bf16grads"):
+    for name in ("gpu", "adam", "pcie", "devstep", "ours", "ours-dpu", "ours-bf16grads"):
         assert "error" not in records[name], records[name]
+    # the device step alone runs on a CPU too (its "device" is host memory), through the engine's code
+    assert records["devstep"]["step_s"] > 0 and records["devstep"]["params"] == records["adam"]["params"]
     summary = records["summary"]
     parts = [records["gpu"]["step_s"], records["adam"]["step_s"], records["pcie"]["both_s"]]
     assert summary["bound_s"] == pytest.approx(max(parts), abs=1e-4)
@@ -1165,3 +1167,8 @@ def test_benchmark_summary_holds_each_row_to_its_own_bound_and_skips_what_is_mis
         "step_s": 0.54, "grad_landing": "device"}})  # fmt: skip
     assert device["bound_device_s"] == pytest.approx(0.45) and device["bound_device_by"] == "pcie"
     assert device["ours_over_bound"] == pytest.approx(1.2) and "ours_over_host_floor" not in device
+    assert "device_floor_s" not in device  # no devstep row: no device floor
+    # with the device step measured alone, its rows are also held to max(T_gpu, that time)
+    floored = bench.summarize({**parts, "devstep": {"step_s": 0.4}, "ours": {
+        "step_s": 0.5, "grad_landing": "device"}})  # fmt: skip
+    assert floored["device_floor_s"] == 0.4 and floored["ours_over_device_floor"] == pytest.approx(1.25)

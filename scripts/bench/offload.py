@@ -12,6 +12,9 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
     pcie         pinned copies of the bytes a step moves: 2 B/param down (gradients) and
                  2 B/param up (weights), each alone and both at once                        -> T_pcie
                  (and 4 B/param both ways at once, what fp32 landing moves: both_fp32_s)
+    devstep      the device step alone (runtime/offload/device_step.py, no model): the fp32 master
+                 and moments through the staging slots and back, updated from a device gradient;
+                 with T_gpu, the device floor the device step's rows are also held to
     ours         runtime.initialize with offload_optimizer {device: cpu, pin_memory: true}; without
                  clipping the update runs during backward (the streamed step). On a GPU the GPU runs
                  it over state streamed from host memory (runtime/offload/device_step.py; its row says
@@ -84,7 +87,7 @@ ENGINES = (
     "ours-device",
     "deepspeed",
 )
-CONFIGS = ("gpu", "adam", "pcie", *ENGINES)
+CONFIGS = ("gpu", "adam", "pcie", "devstep", *ENGINES)
 DEFAULT_CONFIGS = CONFIGS
 # n_embd:n_head:n_layer; 12·d² + 13·d per layer plus (50304 + 1024)·d of embeddings
 DEFAULT_SIZES = (
@@ -248,6 +251,43 @@ def work_adam(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
         if device.type == "cuda":
             t_shared = _fused_with_copies(fused.step, n, device, max(3, spec["adam_steps"]))
             result["torch_fused_fp32_with_copies_s"] = round(t_shared, 4)
+    return result
+
+
+def work_devstep(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The device step alone: the model's fp32 master and moments streamed from pinned host memory through
+    the staging slots, updated from a device gradient, and streamed back (the engine's code, no model)."""
+    from runtime.offload.device_step import DeviceStep
+    from runtime.offload.host_adam import HostAdam
+    from runtime.offload.host_memory import HostMemory
+    from runtime.offload.spans import Span
+    from runtime.ops.adam import CPUAdam
+
+    n = _model_config(spec).num_params()
+    memory = HostMemory(device, pin=True)
+    master = torch.nn.Parameter(memory.empty(n, torch.float32, pinned=True).normal_(0, 0.02))
+    optimizer = CPUAdam([master], lr=LR, weight_decay=WEIGHT_DECAY)
+    adam = HostAdam(optimizer, [master], zeros=lambda numel, dtype: memory.zeros(numel, dtype, pinned=True))
+    grad = torch.empty(n, dtype=torch.bfloat16, device=device).normal_(0, 1e-3)
+    working = torch.empty(n, dtype=torch.bfloat16, device=device)
+    step = DeviceStep(device, torch.float32)
+    span = Span(group=0, bucket=0, shard_offset=0, numel=n)
+
+    def once() -> None:
+        adam.begin_step()
+        step.begin_step(adam, 1.0, memory)
+        step.update_span(adam, span, master.data, grad, working, None)
+        step.host_ready()  # until the host state is current: every chunk up, updated and down
+
+    t_step, _ = _median_time(once, device, 1, max(3, spec["adam_steps"]))
+    result = {
+        "params": n,
+        "step_s": round(t_step, 4),
+        "pcie_gb_per_s_each_way": round(12 * n / t_step / 1e9, 1),
+        "pinned": memory.pinned_bytes > 0,
+        "staging_gib": round(step.staging_bytes() / 2**30, 2),
+    }
+    memory.close()
     return result
 
 
@@ -460,6 +500,7 @@ WORKERS = {
     "gpu": work_gpu,
     "adam": work_adam,
     "pcie": work_pcie,
+    "devstep": work_devstep,
     "ours": work_ours,
     "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
@@ -569,6 +610,9 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     # the host's real floor for fp32 landing: its step with the copies sharing host memory bandwidth
     shared = adam.get("torch_fused_fp32_with_copies_s")
     host_floor = None if shared is None or parts["gpu"] is None else max(parts["gpu"], shared)
+    # the device step's: its update alone, every byte up and down included, or the GPU's compute
+    alone = rows.get("devstep", {}).get("step_s")
+    device_floor = None if alone is None or parts["gpu"] is None else max(parts["gpu"], alone)
     summary: dict[str, Any] = {
         "bench": "offload",
         "config": "summary",
@@ -588,6 +632,8 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             )
     if host_floor is not None:
         summary["host_floor_fp32_s"] = round(host_floor, 4)
+    if device_floor is not None:
+        summary["device_floor_s"] = round(device_floor, 4)
     for name in ENGINES:
         step = rows.get(name, {}).get("step_s")
         landing = rows.get(name, {}).get("grad_landing")
@@ -598,6 +644,8 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             summary[f"{name}_over_serial"] = round(step / serial, 3)
             if label == "_fp32" and host_floor is not None:
                 summary[f"{name}_over_host_floor"] = round(step / host_floor, 3)
+        if step is not None and label == "_device" and device_floor is not None:
+            summary[f"{name}_over_device_floor"] = round(step / device_floor, 3)
     ours = rows.get("ours", {}).get("step_s")
     for name in ENGINES[1:]:
         other = rows.get(name, {}).get("step_s")

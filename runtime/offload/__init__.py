@@ -4,6 +4,7 @@
   `offload_optimizer: {device: cpu}`), and `build_master_placement`.
 - `host_masters.py`: optimizer offload: masters and state in host memory, the step on the CPU (chunked
   copy-back) or on the GPU (`device_step.py`).
+- `host_step.py`: the CPU's update of landed spans (one-pass Adam, or any optimizer's generic path).
 - `device_step.py`: the Adam step on the GPU over state streamed from host memory, and where the step
   runs (`DSLAUNCH_OFFLOAD_UPDATE`).
 - `landing.py`: gradients landing on the host bucket by bucket (during backward with one rank).

@@ -8,17 +8,15 @@ backward and the publishing of updated buckets are the same as for the host step
 describes below and which runs everywhere else (a CPU-only machine, other optimizers, offload_param, the
 delayed update, `DSLAUNCH_OFFLOAD_UPDATE=host`).
 
-Per step on the host, for this rank's shard of every param group (bf16 working weights shown; fp16 is
-the same and fp32 copies weights back from the master itself):
+Per step on the host, for this rank's shard of every param group:
 
 1. Gradients land on the host bucket by bucket (landing.py): with one rank while backward goes on, with
    more ranks after the ZeRO stage has reduced them; one copy per bucket into a pinned landing buffer.
 2. The norm, the fp16 overflow check and the clipping factor come from the gradients still on the device
    (a few kernels there instead of another pass over host memory); the host reads one number.
-3. The host updates span by span in landing order, chunk by chunk (`host_adam.py`: one pass, the scale
-   applied in the kernel, the updated bf16 weights written over the consumed gradient chunk), and each
-   chunk's copy back to the device starts as soon as the chunk is done, so it overlaps the next chunk's
-   update. With more ranks, each bucket's all-gather starts when its pieces are back.
+3. The host updates span by span in landing order, chunk by chunk (host_step.py), each chunk's copy
+   back to the device overlapping the next chunk's update. With more ranks, each bucket's all-gather
+   starts when its pieces are back.
 
 Streamed step (streamed.py): when gradients stream (one rank, stages 1 and 2) and the step's gradient
 factor does not depend on the gradients (no clipping, no fp16 overflow check), the engine's
@@ -32,16 +30,13 @@ updating twice.
 Host memory for the host step: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 2 = 14 bytes a parameter of
 the shard, or 16 with fp32 landing (below); only the landing buffer is pinned (and the master where it
 is what gets copied back: fp32 runs and fp32 landing). The device step pins master and moments, 12
-bytes a parameter, and has no landing buffer. The device
-keeps the working weights and the gradient buffers of the ZeRO stage, no fp32 state. With parameter
+bytes a parameter, and has no landing buffer. The device keeps the working weights and the gradient
+buffers of the ZeRO stage, no fp32 state. With parameter
 offload (stage 3, `offload_param: {device: cpu}`) the working shard is host memory too (+2 bytes, pinned
 with CUDA): the Adam kernel writes the updated bf16 weights straight into it (fp32: one host copy from
 the master), and the device keeps only the gathered units and the gradient shards.
 
-Optimizers other than Adam/AdamW (or Adam with AMSGrad, ...) take the generic path: the landed gradient
-is converted into an fp32 host buffer and scaled, `optimizer.step()` runs on the host masters, and the
-updated masters are cast into the landing buffer and copied back. Correct for any torch optimizer, but
-several passes over host memory.
+Optimizers other than Adam/AdamW (or Adam with AMSGrad, ...) take host_step.py's generic path.
 
 Gradients in fp32 (landing.py decides; the default on a GPU when host memory allows): 16-bit gradients
 are converted on the device and cross PCIe as fp32 (4 bytes a parameter each way instead of 2); the
@@ -70,9 +65,10 @@ from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.delayed import DelayedUpdate, check_after_steps
 from runtime.offload.device_step import DeviceStep, UpdateChoice, agree_on_update, update_choice
 from runtime.offload.host_memory import HostMemory
+from runtime.offload.host_step import HostStep
 from runtime.offload.landing import GradLanding, agree_on_landing, landing_choice
-from runtime.offload.placement import GradMath, attach_master_grads, scale_from_device_grads
-from runtime.offload.spans import Span, plan_chunks, plan_spans
+from runtime.offload.placement import GradMath, scale_from_device_grads
+from runtime.offload.spans import Span, plan_spans
 from runtime.offload.streamed import StreamedStep
 from runtime.offload.targets import WorkingTarget
 from runtime.precision.mixed import GradResult
@@ -132,16 +128,19 @@ class HostMasters:
         self.update: UpdateChoice = agree_on_update(update, comm, device)
         self._move_masters_to_host(landed, pin_all=self.update.on_device)
         self._landed_dtype = landed
-        # 16-bit landing: the updated weights go back in that dtype, written over the landed gradient;
-        # fp32 landing: straight from the (pinned) master, converted on the device
-        self._writes_out = landed != master_dtype
+        self._host = HostStep(
+            self.groups,
+            self.copies,
+            self.chunk_elems,
+            writes_out=landed != master_dtype,
+            weights_on_host=target.on_host,
+        )
         self._working_dtype = grad_dtype
         self._device_step: DeviceStep | None = None
         order = bucket_order(self.groups, registration)
         self.spans: list[Span] = plan_spans([g.layout for g in self.groups], order)
         self._published: list[Pending] = []
         self._last_upload: Ticket = None
-        self._fp32_grads: list[torch.Tensor] | None = None  # generic path only
         self._adam: host_adam.HostAdam | None = None
         self._adam_for: torch.optim.Optimizer | None = None
         self._steps = 0  # host updates started
@@ -378,29 +377,13 @@ class HostMasters:
         index: int,
         dst: torch.Tensor,
     ) -> Ticket:
-        """Update one landed span chunk by chunk into `dst`, each chunk's upload started as soon as the
-        chunk is done (after the span's download, and so after the kernels that were queued before it);
-        returns the last upload's ticket."""
+        """Update span `index` into `dst`, on the device or the host; returns the ticket after which `dst`
+        holds the new weights."""
         span = self.spans[index]
-        master = self.groups[span.group].master.data
         if self._device_step is not None:
+            master = self.groups[span.group].master.data
             return self._device_step.update_span(adam, span, master, self.grads.source(index), dst, ticket)
-        self.copies.host_wait(ticket)
-        self.copies.uploads_after(ticket)
-        # offloaded parameters: the piece is host memory, so the kernel writes the new weights there
-        direct = self._writes_out and dst.device.type == "cpu" and self.target.on_host
-        last: Ticket = None
-        for offset, numel in plan_chunks(span.numel, self.chunk_elems):
-            at = span.shard_offset + offset
-            grad = landing[span.group].narrow(0, at, numel)
-            if direct:
-                adam.update(span.group, at, grad, dst.narrow(0, offset, numel), grad_scale)
-                continue
-            out = grad if self._writes_out else None
-            adam.update(span.group, at, grad, out, grad_scale)
-            source = out if out is not None else master.narrow(0, at, numel)
-            last = self.copies.to_device(dst.narrow(0, offset, numel), source)
-        return last
+        return self._host.update_span(adam, grad_scale, landing, ticket, span, dst)
 
     # -- delayed parameter update ---------------------------------------------------------------------
     def delay_updates(self, after_steps: int) -> None:
@@ -452,33 +435,21 @@ class HostMasters:
         self.write_back()
 
     def _generic_step(self, optimizer: torch.optim.Optimizer, coef: float, *, per_tensor: bool) -> None:
-        for ticket in self.grads.tickets:
-            self.copies.host_wait(ticket)
-        grads = []
-        for index, group in enumerate(self.groups):
-            landing = self.grads.buffers[index]
-            if landing.dtype == group.master.dtype:
-                grad = landing
-            else:
-                if self._fp32_grads is None:
-                    self._fp32_grads = [torch.empty_like(g.master.data) for g in self.groups]
-                grad = self._fp32_grads[index].copy_(landing)
-            if coef != 1.0:
-                grad.mul_(coef)
-            grads.append(grad)
-        attach_master_grads(optimizer, self.groups, grads, per_tensor=per_tensor)
-        optimizer.step()
-        attach_master_grads(optimizer, self.groups, None, per_tensor=per_tensor)
-        for span in self.spans:
-            master = self.groups[span.group].master.data
-            dst = self._working_piece(span)
-            for offset, numel in plan_chunks(span.numel, self.chunk_elems):
-                at = span.shard_offset + offset
-                source = master.narrow(0, at, numel)
-                if self._writes_out:
-                    source = self.grads.buffers[span.group].narrow(0, at, numel).copy_(source)
-                self._last_upload = self.copies.to_device(dst.narrow(0, offset, numel), source)
-            self._publish(span)
+        self._host.generic(
+            optimizer,
+            coef,
+            per_tensor=per_tensor,
+            landing=self.grads.buffers,
+            tickets=self.grads.tickets,
+            spans=self.spans,
+            dst_of=self._working_piece,
+            uploaded=self._uploaded,
+        )
+
+    def _uploaded(self, span: Span, ticket: Ticket) -> None:
+        if ticket is not None:  # an empty span queues no copy: the last one still stands
+            self._last_upload = ticket
+        self._publish(span)
 
     def _working_piece(self, span: Span) -> torch.Tensor:
         return self.target.piece(self.groups[span.group], span.bucket)
@@ -507,8 +478,7 @@ class HostMasters:
         buffers = self.grads.host_bytes()
         if self._delayed is not None:
             buffers += self._delayed.host_bytes()
-        if self._fp32_grads is not None:
-            buffers += sum(t.numel() * t.element_size() for t in self._fp32_grads)
+        buffers += self._host.host_bytes()
         return masters + state, buffers
 
     def device_buffer_bytes(self) -> int:

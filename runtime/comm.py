@@ -152,6 +152,14 @@ class Comm:
         work = dist.broadcast(tensor, root, group=self.group, async_op=async_op)
         return Pending(work)
 
+    def count(self, flag: bool, device: torch.device) -> int:
+        """How many ranks passed True (one all-reduce of one number; every rank must call it)."""
+        if self.world_size == 1:
+            return int(flag)
+        votes = torch.tensor([1.0 if flag else 0.0], device=device)
+        self.all_reduce(votes)
+        return round(votes.item())
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.group)

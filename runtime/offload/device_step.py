@@ -11,7 +11,7 @@ a separate choice (`DSLAUNCH_OFFLOAD_UPDATE=auto|host|device`, `choose_update`):
   writes the new working weights in place, and the three go back down (12 bytes). Per parameter: 24
   bytes over PCIe, split evenly between the two directions, 24 bytes of host memory traffic (DMA only),
   no CPU work. On the H200 (PCIe 5, 49 GB/s each way with both directions busy) GPT-2 XL's 1.56B
-  parameters took 0.38 s this way, about torch's fused CPU step alone, against 0.55-0.63 s for the
+  parameters took 0.38 s this way, about torch's fused CPU step alone, against 0.56-0.64 s for the
   host step with its copies, and it runs while backward computes.
 
 A `DeviceStep` owns the slots and three CUDA streams: `up` (host to slots), `math` (gradient into fp32,
@@ -159,11 +159,7 @@ def update_choice(
 def agree_on_update(choice: UpdateChoice, comm: Comm, device: torch.device) -> UpdateChoice:
     """The placement every rank uses: the device only where all ranks chose it, so every shard takes the
     same arithmetic and no rank waits on a slower one's host."""
-    if comm.world_size == 1:
-        return choice
-    votes = torch.tensor([1.0 if choice.on_device else 0.0], device=device)
-    comm.all_reduce(votes)
-    on_device = round(votes.item())
+    on_device = comm.count(choice.on_device, device)
     if on_device in (0, comm.world_size):
         return choice
     return UpdateChoice(

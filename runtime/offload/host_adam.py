@@ -103,9 +103,9 @@ class HostAdam:
             self._settings.append((int(state["step"].item()), hp))
 
     @property
-    def settings(self) -> list[tuple[int, AdamHyperparams]]:
-        """Per group, the step count and hyperparameters `begin_step` read."""
-        return list(self._settings)
+    def settings(self) -> Sequence[tuple[int, AdamHyperparams]]:
+        """Per group, the step count and hyperparameters `begin_step` read (read-only)."""
+        return self._settings
 
     def moments(self, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The group's exp_avg and exp_avg_sq (flat, like its master)."""

@@ -136,11 +136,7 @@ def agree_on_landing(
     """The landing every rank uses: fp32 only where all ranks chose it. Each rank chose from its own
     reading of its host's memory, and ranks that read it later see what earlier ones allocated; one
     rank landing bf16 would set the pace of all of them anyway."""
-    if comm.world_size == 1:
-        return choice
-    votes = torch.tensor([0.0 if choice.dtype == grad_dtype else 1.0], device=device)
-    comm.all_reduce(votes)
-    wide = round(votes.item())
+    wide = comm.count(choice.dtype != grad_dtype, device)
     if wide in (0, comm.world_size):
         return choice
     return LandingChoice(
@@ -246,11 +242,11 @@ class GradLanding:
 
     def _land(self, index: int) -> None:
         span = self.spans[index]
-        src = self._sources[index]
         if self.on_device:
             self.tickets[index] = self.copies.mark()
             self._landed(index)
             return
+        src = self._sources[index]
         dst = self.buffers[span.group].narrow(0, span.shard_offset, span.numel)
         if dst.dtype == src.dtype:
             self.tickets[index] = self.copies.to_host(dst, src)

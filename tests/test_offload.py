@@ -41,6 +41,7 @@ class OffloadCase(Case):
     offload_param: bool = False  # stage 3: the working shards in host memory too
     fp32_landing: bool = False  # DSLAUNCH_OFFLOAD_GRAD_TRANSFER=fp32: 16-bit gradients land as fp32
     device_step: bool = False  # DSLAUNCH_OFFLOAD_UPDATE=device: state streams through the "device"
+    host_share: float = 0.0  # DSLAUNCH_OFFLOAD_HOST_SHARE: with the device step, the CPU's share of it
 
     @property
     def optimizer(self) -> str:
@@ -84,6 +85,14 @@ EXTRA = [
     OffloadCase(1, "fp16", 1, 0.5, device_step=True),
     OffloadCase(2, "fp16", 2, 0.0, adam_without_clip=True, device_step=True),
     OffloadCase(2, "bf16", 1, 0.0, device_step=True),  # SGD: the host step after all, from landed grads
+    # the GPU and the CPU share the step, span by span: streamed, after backward, bf16 weights written
+    # over 16-bit landed gradients, fp16's overflow skip with fp32 landing
+    OffloadCase(2, "bf16", 1, 0.0, adam_without_clip=True, device_step=True, host_share=0.5),
+    OffloadCase(1, "fp32", 2, 0.5, device_step=True, host_share=0.3),
+    OffloadCase(2, "bf16", 2, 0.5, device_step=True, host_share=0.6),
+    OffloadCase(
+        2, "fp16", 1, 0.0, adam_without_clip=True, device_step=True, host_share=0.5, fp32_landing=True
+    ),
 ]
 if HAVE_STAGE3:  # updated weights go to the units' working shards; persistent units re-gather
     EXTRA += [
@@ -106,25 +115,34 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
     import os
 
     import runtime
-    from runtime.offload.device_step import UPDATE_ENV
+    from runtime.offload.device_step import HOST_SHARE_ENV, UPDATE_ENV
     from runtime.offload.landing import GRAD_TRANSFER_ENV
 
     model = make_model(0)
     fp32_landing = isinstance(case, OffloadCase) and case.fp32_landing
     device_step = isinstance(case, OffloadCase) and case.device_step
+    share = case.host_share if isinstance(case, OffloadCase) else 0.0
     os.environ[GRAD_TRANSFER_ENV] = "fp32" if fp32_landing else "native"
     os.environ[UPDATE_ENV] = "device" if device_step else "host"
+    os.environ[HOST_SHARE_ENV] = str(share)
     engine, _, _, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config()
     )
-    del os.environ[GRAD_TRANSFER_ENV], os.environ[UPDATE_ENV]
+    del os.environ[GRAD_TRANSFER_ENV], os.environ[UPDATE_ENV], os.environ[HOST_SHARE_ENV]
     if fp32_landing:
         landed = {t.dtype for t in engine.masters.grads.buffers}
         assert landed == {torch.float32}, f"gradients landed as {landed}, not fp32"
     if device_step:  # Adam steps on the device; any other optimizer falls back to the host step
         adam = case.optimizer != "SGD"
-        assert engine.masters.update_on_device == adam, engine.masters.update.reason
-        assert (engine.masters.grads.buffers == []) == adam, "the device step lands no gradients"
+        masters = engine.masters
+        assert masters.update_on_device == adam, masters.update.reason
+        # only the CPU's tails of the spans land, in buffers that hold just them
+        landing = sum(t.numel() for t in masters.grads.buffers)
+        tails = sum(part.numel for part in masters.grads.parts)
+        total = sum(span.numel for span in masters.spans)
+        if adam:
+            assert landing == tails, (landing, masters.grads.parts)
+            assert abs(tails - share * total) <= 64 * len(masters.spans), (tails, share, total)
         staging = engine.masters.device_buffer_bytes()  # two slots of master, moments and gradient
         assert staging == (2 * 4 * CHUNK * 4 if adam else 0), staging
         assert engine.memory_breakdown().buffer_bytes >= staging
@@ -538,18 +556,21 @@ def _no_offload_vs_offload(
     landing: str,
     update: str,
     bucket: int = 20_000,
+    share: float = 0.0,
 ) -> dict:
     """bf16 GPT on CUDA: Adam on the device, then twice the offloaded run, same data; relative update gaps.
-    `landing`, `update`: the DSLAUNCH_OFFLOAD_GRAD_TRANSFER and DSLAUNCH_OFFLOAD_UPDATE settings."""
+    `landing`, `update`, `share`: the DSLAUNCH_OFFLOAD_GRAD_TRANSFER, DSLAUNCH_OFFLOAD_UPDATE and
+    DSLAUNCH_OFFLOAD_HOST_SHARE settings."""
     import os
 
     import runtime
     from runtime.models import GPT, GPTConfig
-    from runtime.offload.device_step import UPDATE_ENV
+    from runtime.offload.device_step import HOST_SHARE_ENV, UPDATE_ENV
     from runtime.offload.landing import GRAD_TRANSFER_ENV
 
     os.environ[GRAD_TRANSFER_ENV] = landing
     os.environ[UPDATE_ENV] = update
+    os.environ[HOST_SHARE_ENV] = str(share)
 
     results = []
     for offload in (False, True, True):
@@ -580,7 +601,8 @@ def _no_offload_vs_offload(
             # the host step with room on the host: fp32 landing, except where the host writes bf16
             # weights itself (offload_param)
             fp32 = landing == "fp32" or (landing == "auto" and not offload_param)
-            want = set() if on_device else {torch.float32 if fp32 else torch.bfloat16}
+            lands = not on_device or share > 0  # the device step lands only the CPU's share
+            want = {torch.float32 if fp32 else torch.bfloat16} if lands else set()
             assert {t.dtype for t in masters.grads.buffers} == want
             if offload_param:
                 assert engine.masters.target.on_host and engine.zero.host_param_bytes() > 0
@@ -608,23 +630,28 @@ def _no_offload_vs_offload(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    ("stage", "clip", "offload_param", "landing", "update", "bucket"),
+    ("stage", "clip", "offload_param", "landing", "update", "bucket", "share"),
     [
-        (2, 1.0, False, "auto", "auto", 20_000),
-        (2, 0.0, False, "auto", "auto", 20_000),
+        (2, 1.0, False, "auto", "auto", 20_000, 0.0),
+        (2, 0.0, False, "auto", "auto", 20_000, 0.0),
         # one span, fewer chunks than staging slots: a chunk's upload must still wait for the last
         # step's download of that chunk, not only for its slot
-        (2, 0.0, False, "auto", "auto", 10**9),
-        (2, 1.0, False, "auto", "host", 20_000),
-        (2, 0.0, False, "auto", "host", 20_000),
-        (2, 0.0, False, "native", "host", 20_000),
-        (3, 1.0, True, "auto", "auto", 20_000),
-        (3, 0.0, True, "auto", "auto", 20_000),
+        (2, 0.0, False, "auto", "auto", 10**9, 0.0),
+        # the GPU and the CPU share the step: their copies and kernels on five streams
+        (2, 1.0, False, "auto", "auto", 20_000, 0.5),
+        (2, 0.0, False, "auto", "auto", 20_000, 0.5),
+        (2, 1.0, False, "auto", "host", 20_000, 0.0),
+        (2, 0.0, False, "auto", "host", 20_000, 0.0),
+        (2, 0.0, False, "native", "host", 20_000, 0.0),
+        (3, 1.0, True, "auto", "auto", 20_000, 0.0),
+        (3, 0.0, True, "auto", "auto", 20_000, 0.0),
     ],
     ids=[
         "stage2-device-step-clipped",
         "stage2-device-step-streamed",
         "stage2-device-step-one-span",
+        "stage2-shared-step-clipped",
+        "stage2-shared-step-streamed",
         "stage2-host-step-clipped",
         "stage2-host-step-streamed",
         "stage2-host-step-streamed-bf16-landing",
@@ -633,13 +660,13 @@ def _no_offload_vs_offload(
     ],
 )
 def test_cuda_offload_matches_device_adam(
-    stage: int, clip: float, offload_param: bool, landing: str, update: str, bucket: int
+    stage: int, clip: float, offload_param: bool, landing: str, update: str, bucket: int, share: float
 ) -> None:
     """On a GPU: streams, events, pinned host memory (and, without clipping, the update running during
     backward; with offload_param, shards uploaded before each gather): the result equals Adam on the
     device, with the state streamed through the GPU (the default) and with the host step, its gradients
     landing as fp32 (its default) and as bf16."""
-    args = (stage, clip, offload_param, landing, update, bucket)
+    args = (stage, clip, offload_param, landing, update, bucket, share)
     got = run_distributed(_no_offload_vs_offload, 1, *args, timeout=240, device="cuda")[0]
     # Copies ordered by events leave nothing to chance: a copy racing a kernel would make reruns differ.
     assert got["repeatable"], "two offloaded runs with the same data ended with different weights"
@@ -694,11 +721,15 @@ def _device_step_resume(rank: int, world_size: int, root: str) -> dict:
     engine.load_checkpoint(root, tag="mid")
     train(engine, range(3, 6))
     moments = [t for s in engine.optimizer.state.values() for k, t in s.items() if k.startswith("exp_avg")]
+    memory = engine.masters.memory
+    pinned = bool(moments) and all(memory.is_pinned(t) for t in moments)
+    seen = [(tuple(t.shape), t.is_pinned(), memory.is_pinned(t), memory.pinned_bytes) for t in moments]
     resumed = engine.full_state_dict()
     engine.destroy()
     return {
         "equal": all(torch.equal(straight[k], resumed[k]) for k in straight),
-        "pinned": bool(moments) and all(t.is_pinned() for t in moments),
+        "pinned": pinned,
+        "seen": seen,
     }
 
 
@@ -709,7 +740,7 @@ def test_cuda_device_step_resumes_from_a_checkpoint_exactly(tmp_path) -> None:
     downloads), and a resumed run streams the loaded state (pinned again) to the same weights."""
     got = run_distributed(_device_step_resume, 1, str(tmp_path), timeout=240, device="cuda")[0]
     assert got["equal"], "the resumed run ended with other weights than the straight one"
-    assert got["pinned"], "the loaded moments were not pinned for the device step"
+    assert got["pinned"], f"the loaded moments were not pinned for the device step: {got['seen']}"
 
 
 # -- delayed parameter update ---------------------------------------------------------------------------
@@ -856,6 +887,52 @@ def test_spans_follow_landing_order_and_chunks_tile_each_span() -> None:
     assert piece_containing(sizes, layouts[0].buckets[1].shard_offset, sizes[1]) == (1, 0)
     with pytest.raises(ValueError, match="not inside one piece"):
         piece_containing(sizes, sizes[0] - 1, 2)
+
+
+def test_a_shared_step_gives_the_cpu_each_spans_tail_and_packs_the_tails_buffers() -> None:
+    """With the GPU and the CPU sharing the step, each span is split at a cache line: the GPU's head and
+    the CPU's tail of about the asked share (so both work on every span at once, whatever the number of
+    spans), and the tails land in buffers just their size."""
+    from runtime.offload.spans import CHUNK_ALIGN, Span, packed_offsets, share_span
+
+    span = Span(1, 3, 5000, 1000)
+    head, tail = share_span(span, 0.4)
+    assert (head, tail) == (Span(1, 3, 5000, 640), Span(1, 3, 5640, 360))  # 600 rounded up to 640
+    assert head.numel % CHUNK_ALIGN == 0 and head.numel + tail.numel == span.numel
+    assert share_span(span, 0.0) == (span, Span(1, 3, 6000, 0))
+    assert share_span(span, 1.0) == (Span(1, 3, 5000, 0), span)
+    assert share_span(Span(0, 0, 0, 0), 0.5)[1].numel == 0
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        share_span(span, 1.5)
+    # landing order: group 0's second bucket first; tails packed in shard order per group
+    spans = [Span(0, 1, 1000, 1000), Span(1, 0, 0, 500), Span(0, 0, 0, 1000)]
+    tails = [share_span(s, 0.5)[1] for s in spans]
+    assert [t.numel for t in tails] == [488, 244, 488]  # heads of 512 and 256
+    offsets, lengths = packed_offsets(tails, groups=2)
+    assert offsets == [488, 0, 0] and lengths == [976, 244]
+
+
+def test_the_cpus_share_of_the_device_step_is_a_checked_fraction() -> None:
+    from runtime.offload.device_step import (
+        HOST_SHARE_ENV,
+        choose_update,
+        default_host_share,
+        parse_host_share,
+    )
+
+    assert parse_host_share("0.35") == 0.35 and parse_host_share("1") == 1.0
+    for bad in ("1.5", "-0.1", "half", "nan"):
+        with pytest.raises(ValueError, match=f"{HOST_SHARE_ENV}='{bad}': expected the fraction"):
+            parse_host_share(bad)
+    kwargs = dict(on_gpu=True, adam=True, weights_on_host=False, pinned=True)
+    shared = choose_update(**kwargs, host_share=0.4)
+    assert shared.on_device and shared.host_share == 0.4
+    assert f"the CPU updates 40% of the elements at the same time ({HOST_SHARE_ENV})" in shared.reason
+    assert HOST_SHARE_ENV not in choose_update(**kwargs, host_share=0.0).reason
+    # ranks on one host split its cores but not their PCIe links: each rank's CPU takes less
+    assert default_host_share(1, 0.4) == pytest.approx(0.4)
+    assert default_host_share(2, 0.4) == pytest.approx(0.25) and default_host_share(8, 0.4) < 0.08
+    assert default_host_share(4, 0.0) == 0.0
 
 
 def test_gradients_land_as_fp32_on_a_gpu_only_when_the_host_has_room() -> None:
@@ -1120,6 +1197,13 @@ def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     dpu = records["ours-dpu"]  # and the delayed update's second landing buffer
     assert dpu["host_bytes_per_param"] == pytest.approx(20.0, abs=0.1)
     assert dpu["loss_last"] < dpu["loss_first"], dpu
+    # the shared step (forced onto the CPU's "device"): 12 B of state, fp32 landing for the CPU's 40%
+    env = {**env, "DSLAUNCH_OFFLOAD_UPDATE": "device"}
+    shared = _bench("--model", "tiny", *small, "--configs", "ours-share40", env=env)[1]
+    assert shared["config"] == "ours-share40" and "error" not in shared, shared
+    assert shared["grad_landing"] == "device" and shared["host_share"] == 0.4
+    assert 12.0 < shared["host_bytes_per_param"] < 14.5, shared  # 13.6 up to the spans' granularity
+    assert shared["loss_last"] < shared["loss_first"], shared
 
     # one size that trains and none above it: the search stops there and reports it
     found = _bench("--find_max", "--sizes", "64:4:1", "--start_params", "0", *small)

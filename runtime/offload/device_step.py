@@ -14,6 +14,12 @@ a separate choice (`DSLAUNCH_OFFLOAD_UPDATE=auto|host|device`, `choose_update`):
   parameters took 0.38 s this way, about torch's fused CPU step alone, against 0.56-0.64 s for the
   host step with its copies, and it runs while backward computes.
 
+The two can share a step: with `DSLAUNCH_OFFLOAD_HOST_SHARE=f` the GPU streams the head of every span
+and the CPU updates its tail, about f of its elements, from gradients landed on the host (only the tails
+land, into buffers their size). Both work on every span at once, from the first span backward hands over:
+PCIe carries the GPU's state and the CPU's gradients and weights, the host's cores and memory bandwidth
+the CPU's update, and the step takes about the longer of the two halves.
+
 A `DeviceStep` owns the slots and three CUDA streams: `up` (host to slots), `math` (gradient into fp32,
 Adam, new working weights) and `down` (slots to host). Each chunk's upload waits until the slot's last
 download is done; its math waits for the upload and for the span's gradients to be final (the span's
@@ -47,6 +53,10 @@ from runtime.zero.partition import align_up
 
 UPDATE_ENV = "DSLAUNCH_OFFLOAD_UPDATE"
 UPDATE_SETTINGS = ("auto", "host", "device")
+HOST_SHARE_ENV = "DSLAUNCH_OFFLOAD_HOST_SHARE"
+DEFAULT_HOST_SHARE = 0.0
+"""The fraction of the elements whose update the CPU takes when the GPU runs the step, with one rank on
+the host (`default_host_share` scales it for more)."""
 DEVICE_CHUNK_ELEMS = 1 << 24
 """Elements per staging slot: 16M, 256 MiB of fp32 master, moments and gradient; on the H200 16M-element
 chunks with 4 slots ran at 49.6 GB/s each way, 32M with 3 at 48.4 and 64M with 2 at 47.0."""
@@ -64,6 +74,31 @@ class UpdateChoice:
 
     on_device: bool
     reason: str
+    host_share: float = 0.0  # with on_device: the fraction of the elements the CPU updates
+
+
+def default_host_share(local_ranks: int, one_rank: float = DEFAULT_HOST_SHARE) -> float:
+    """The CPU's share with `local_ranks` ranks on this host, from `one_rank`, the share that balances one
+    rank's halves. Each rank's GPU has its own PCIe link, but the ranks split the host's cores, so a rank's
+    CPU half takes `local_ranks` times as long: with r = (1 - one_rank) / one_rank, the time the CPU takes
+    per element over the GPU's, the balance is 1 / (1 + local_ranks * r)."""
+    if one_rank <= 0.0 or local_ranks < 1:
+        return 0.0
+    return 1.0 / (1.0 + local_ranks * (1.0 - one_rank) / one_rank)
+
+
+def parse_host_share(value: str) -> float:
+    """`DSLAUNCH_OFFLOAD_HOST_SHARE`: a fraction from 0 (the GPU updates everything) to 1."""
+    try:
+        share = float(value)
+    except ValueError:
+        share = math.nan
+    if not 0.0 <= share <= 1.0:  # also false for nan
+        raise ValueError(
+            f"{HOST_SHARE_ENV}={value!r}: expected the fraction of the Adam step the CPU takes while the "
+            f"GPU runs the rest, from 0 to 1 (default {DEFAULT_HOST_SHARE})"
+        )
+    return share
 
 
 def choose_update(
@@ -77,13 +112,14 @@ def choose_update(
     local_ranks: int = 1,
     host_available: int | None = None,
     device_free: int | None = None,
+    host_share: float = DEFAULT_HOST_SHARE,
 ) -> UpdateChoice:
     """The update placement for this run. `setting` is `DSLAUNCH_OFFLOAD_UPDATE`: host or device when it
     says so (device only where it can run), else device exactly where it can run and pays: a GPU, Adam or
     AdamW, pinned host state, working weights on the device, host memory with room to pin the state
     (`host_available` bytes shared by `local_ranks` ranks) and a device with room for the staging slots
     (at most 1/8 of its `device_free` bytes: the model came to the GPU already, its activations have not);
-    None: not checked."""
+    None: not checked. With the device, the CPU still updates `host_share` of the elements."""
     setting = setting.strip().lower() or "auto"
     if setting not in UPDATE_SETTINGS:
         raise ValueError(
@@ -102,7 +138,10 @@ def choose_update(
         if blocker is not None:
             return UpdateChoice(False, f"the CPU runs the Adam step although {UPDATE_ENV}=device: {blocker}")
         return UpdateChoice(
-            True, f"the GPU runs the Adam step on state streamed from host memory ({UPDATE_ENV}=device)"
+            True,
+            f"the GPU runs the Adam step on state streamed from host memory ({UPDATE_ENV}=device)"
+            + _sharing(host_share),
+            host_share,
         )
     if not on_gpu:
         return UpdateChoice(False, "the CPU runs the Adam step (no GPU)")
@@ -127,8 +166,16 @@ def choose_update(
     return UpdateChoice(
         True,
         "the GPU runs the Adam step on state streamed from pinned host memory (24 bytes a parameter over "
-        f"PCIe, no CPU pass over host memory); {UPDATE_ENV}=host runs it on the CPU",
+        f"PCIe, no CPU pass over host memory){_sharing(host_share)}; {UPDATE_ENV}=host runs it all on the "
+        "CPU",
+        host_share,
     )
+
+
+def _sharing(share: float) -> str:
+    if share == 0.0:
+        return ""
+    return f", and the CPU updates {share:.0%} of the elements at the same time ({HOST_SHARE_ENV})"
 
 
 def staging_bytes(chunk_elems: int | None = None, slots: int | None = None) -> int:
@@ -143,6 +190,7 @@ def update_choice(
     """`choose_update` with the variable, the host memory left to this process, the ranks on this host
     and the device's free memory read here (Adam is assumed; `HostMasters.bind` checks the optimizer)."""
     on_gpu = device.type == "cuda"
+    share = os.environ.get(HOST_SHARE_ENV, "").strip()
     return choose_update(
         setting=os.environ.get(UPDATE_ENV, "auto"),
         on_gpu=on_gpu,
@@ -153,6 +201,7 @@ def update_choice(
         local_ranks=local_world_size(),
         host_available=host_available_bytes() if on_gpu else None,
         device_free=torch.cuda.mem_get_info(device)[0] if on_gpu else None,
+        host_share=parse_host_share(share) if share else default_host_share(local_world_size()),
     )
 
 
@@ -334,7 +383,7 @@ def _pin_moments(adam: HostAdam, memory: HostMemory, tried: set[int]) -> None:
     pageable memory (with a warning), the copy is not made again at every step."""
     for group in range(len(adam.masters)):
         moments = adam.moments(group)
-        if all(t.is_pinned() or t.data_ptr() in tried for t in moments):
+        if all(memory.is_pinned(t) or t.data_ptr() in tried for t in moments):
             continue
         pinned = [memory.empty(t.numel(), t.dtype, pinned=True).copy_(t.view(-1)) for t in moments]
         tried.update(p.data_ptr() for p in pinned)

@@ -8,6 +8,10 @@ backward and the publishing of updated buckets are the same as for the host step
 describes below and which runs everywhere else (a CPU-only machine, other optimizers, offload_param, the
 delayed update, `DSLAUNCH_OFFLOAD_UPDATE=host`).
 
+The two can share one step (`DSLAUNCH_OFFLOAD_HOST_SHARE`, device_step.py): each span's head streams
+through the GPU while its tail lands on the host and the CPU updates it, so the step is bounded by the
+slower of the two halves instead of by either whole.
+
 Per step on the host, for this rank's shard of every param group:
 
 1. Gradients land on the host bucket by bucket (landing.py): with one rank while backward goes on, with
@@ -68,7 +72,7 @@ from runtime.offload.host_memory import HostMemory
 from runtime.offload.host_step import HostStep
 from runtime.offload.landing import GradLanding, agree_on_landing, landing_choice
 from runtime.offload.placement import GradMath, scale_from_device_grads
-from runtime.offload.spans import Span, plan_spans
+from runtime.offload.spans import Span, plan_spans, share_span
 from runtime.offload.streamed import StreamedStep
 from runtime.offload.targets import WorkingTarget
 from runtime.precision.mixed import GradResult
@@ -76,6 +80,9 @@ from runtime.zero.buckets import bucket_order
 from runtime.zero.flat import FlatGroup
 
 _log = logging.getLogger("runtime.offload")
+
+Written = tuple[Ticket, Ticket]
+"""Per span: the device's ticket for its head, the host's for its tail (None: nothing to wait for)."""
 
 TRANSFER_CHUNK_ELEMS = 1 << 23
 """Elements per copy-back chunk: 16 MiB of bf16 (about 0.3 ms on PCIe 5, a few ms of host update), small
@@ -140,7 +147,12 @@ class HostMasters:
         order = bucket_order(self.groups, registration)
         self.spans: list[Span] = plan_spans([g.layout for g in self.groups], order)
         self._published: list[Pending] = []
-        self._last_upload: Ticket = None
+        self._last_upload: Ticket = None  # the last upload of a span the host updated
+        # each span's head, which the GPU updates, and its tail, which the CPU updates: all of it for the
+        # host step, `host_share` of it when the GPU runs the step and shares it with the CPU
+        share = self.update.host_share if self.update.on_device else 1.0
+        self._parts: list[tuple[Span, Span]] = [share_span(span, share) for span in self.spans]
+        self._written: list[Written] = []  # the streamed step's, per span
         self._adam: host_adam.HostAdam | None = None
         self._adam_for: torch.optim.Optimizer | None = None
         self._steps = 0  # host updates started
@@ -158,11 +170,11 @@ class HostMasters:
             )
         self._order = order
         self._stream = stream
-        self.grads = self._landing(None if self.update.on_device else landed)
+        self.grads = self._landing()
         if self.update.on_device:
             self._device_step = DeviceStep(device, master_dtype)
 
-    def _landing(self, dtype: torch.dtype | None) -> GradLanding:
+    def _landing(self) -> GradLanding:
         return GradLanding(
             self.groups,
             self.zero,
@@ -170,9 +182,10 @@ class HostMasters:
             self._order,
             self.copies,
             self.memory,
-            dtype,
+            self._landed_dtype,
             stream=self._stream,
             chunk_elems=self.chunk_elems,
+            parts=[tail for _, tail in self._parts],
         )
 
     def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
@@ -196,8 +209,9 @@ class HostMasters:
         self._device_step.host_ready()
         self._device_step = None
         self.update = UpdateChoice(False, f"the CPU runs the Adam step: {why}")
+        self._parts = [share_span(span, 1.0) for span in self.spans]
         self.grads.close()
-        self.grads = self._landing(self._landed_dtype)
+        self.grads = self._landing()
 
     def _host_state_current(self) -> None:
         """Wait until the host copies of master and moments are current (no collective: any rank may)."""
@@ -241,14 +255,17 @@ class HostMasters:
         self._begin(adam, factor)
         grad_scale = _grad_scale(factor)
 
-        def update(index: int) -> Ticket:
-            piece = self._working_piece(self.spans[index])
-            return self._update_span(
-                adam, grad_scale, self.grads.buffers, self.grads.tickets[index], index, piece
-            )
+        self._written = [(None, None)] * len(self.spans)
 
-        # the device step only queues work: the caller's cores need not make room for autograd's thread
-        spare = self.copies.is_async and self._device_step is None
+        def update(index: int) -> None:
+            piece = self._working_piece(self.spans[index])
+            ready = (self.grads.tickets[index], self.grads.finals[index])
+            self._written[index] = written = self._update_span(adam, grad_scale, None, ready, index, piece)
+            self._note_upload(written)
+
+        # the device step only queues work: the caller's cores need room for autograd's thread only
+        # where the CPU updates part of the spans
+        spare = self.copies.is_async and any(tail.numel for _, tail in self._parts)
         self._streamed = StreamedStep(adam, factor, update, spare_core=spare)
         self.grads.on_landed = self._streamed.landed
 
@@ -286,10 +303,10 @@ class HostMasters:
             elif fast:
                 adam = self._host_adam(optimizer)
                 self._begin(adam, coef)
-                tickets = self.grads.tickets
-                if self._device_step is not None:  # after whatever was queued since backward, too
-                    tickets = [self.copies.mark()] * len(self.spans)
-                self._run_adam(adam, coef, self.grads.buffers, tickets, self._working_piece, publish=True)
+                # the device's parts: after everything queued since backward, the norm's kernels too
+                mark = self.copies.mark() if self._device_step is not None else None
+                ready = [(ticket, mark) for ticket in self.grads.tickets]
+                self._run_adam(adam, coef, None, ready, self._working_piece, publish=True)
             else:
                 self._generic_step(optimizer, coef, per_tensor=per_tensor)
             self._steps += 1
@@ -318,9 +335,8 @@ class HostMasters:
         assert streamed.updated == len(self.spans), (streamed.updated, len(self.spans))
         self._streamed = None
         self.grads.on_landed = None
-        self._last_upload = streamed.last_upload
-        for span in self.spans:
-            self._publish(span)
+        for span, written in zip(self.spans, self._written, strict=True):
+            self._publish(span, written)
         self._steps += 1
         self._gradients_read()
         return result
@@ -351,39 +367,58 @@ class HostMasters:
         self,
         adam: host_adam.HostAdam,
         coef: float,
-        landing: list[torch.Tensor],
-        tickets: list[Ticket],
+        landing: list[torch.Tensor] | None,
+        ready: Sequence[Written],
         dst_of: Callable[[Span], torch.Tensor],
         *,
         publish: bool,
     ) -> Ticket:
-        """Update every span in landing order, each span's uploads started as its chunks are done;
-        returns the last upload's ticket. Runs on the worker thread under DPU."""
+        """Update every span in landing order from `landing` (None: this step's landing buffers) once
+        `ready` (per span: its landing, its gradients final on the device) is done, each span's uploads
+        started as its chunks are done; returns the last upload's ticket. Runs on the worker thread
+        under DPU, where the host updates every span."""
         grad_scale = _grad_scale(coef)
         last: Ticket = None
         for index, span in enumerate(self.spans):
-            last = self._update_span(adam, grad_scale, landing, tickets[index], index, dst_of(span)) or last
+            written = self._update_span(adam, grad_scale, landing, ready[index], index, dst_of(span))
+            last = written[1] or last
             if publish:
-                self._last_upload = last
-                self._publish(span)
+                self._note_upload(written)
+                self._publish(span, written)
         return last
 
     def _update_span(
         self,
         adam: host_adam.HostAdam,
         grad_scale: torch.Tensor | None,
-        landing: list[torch.Tensor],
-        ticket: Ticket,
+        landing: list[torch.Tensor] | None,
+        ready: Written,
         index: int,
         dst: torch.Tensor,
-    ) -> Ticket:
-        """Update span `index` into `dst`, on the device or the host; returns the ticket after which `dst`
-        holds the new weights."""
-        span = self.spans[index]
-        if self._device_step is not None:
-            master = self.groups[span.group].master.data
-            return self._device_step.update_span(adam, span, master, self.grads.source(index), dst, ticket)
-        return self._host.update_span(adam, grad_scale, landing, ticket, span, dst)
+    ) -> Written:
+        """Update span `index` into `dst`: its head on the device once its gradients are final there
+        (`ready[1]`), then its tail on the host once it has landed (`ready[0]`), while the device works.
+        Returns the tickets after which `dst`'s head and tail hold the new weights."""
+        head, tail = self._parts[index]
+        written: Ticket = None
+        uploaded: Ticket = None
+        if head.numel:
+            assert self._device_step is not None
+            master = self.groups[head.group].master.data
+            grad = self.grads.source(index).narrow(0, 0, head.numel)
+            piece = dst.narrow(0, 0, head.numel)
+            written = self._device_step.update_span(adam, head, master, grad, piece, ready[1])
+        if tail.numel:
+            landed = self.grads.landed_grad(index, landing)
+            piece = dst.narrow(0, head.numel, tail.numel)
+            uploaded = self._host.update_span(adam, grad_scale, landed, ready[0], tail, piece)
+        return written, uploaded
+
+    def _note_upload(self, written: Written) -> None:
+        """Remember the last upload of the host's updates: the copies' upload stream runs in order, so
+        waiting for it covers every earlier one (the device's writes are covered by `device_wait`)."""
+        if written[1] is not None:
+            self._last_upload = written[1]
 
     # -- delayed parameter update ---------------------------------------------------------------------
     def delay_updates(self, after_steps: int) -> None:
@@ -410,7 +445,8 @@ class HostMasters:
         def update(
             landing: list[torch.Tensor], tickets: list[Ticket], dst_of: Callable[[Span], torch.Tensor]
         ):
-            return self._run_adam(adam, coef, landing, tickets, dst_of, publish=False)
+            ready = [(ticket, None) for ticket in tickets]  # the host updates every span whole
+            return self._run_adam(adam, coef, landing, ready, dst_of, publish=False)
 
         # the next backward lands in the other buffers while this update reads (and writes) these
         self.grads.buffers = self._delayed.start(update, self.grads.buffers, self.grads.tickets)
@@ -422,14 +458,13 @@ class HostMasters:
         self.copies.device_wait(self._delayed.wait())
         for span in self.spans:
             self._working_piece(span).copy_(self._delayed.staged(span))
-            self._publish(span)
+            self._publish(span, (None, None))
 
     def flush(self) -> None:
         """Finish everything in flight: the masters, the optimizer state and the working weights agree."""
         self._install_in_flight()
         if self._streamed is not None:  # between a boundary backward and its step
             self._streamed.drain()
-            self._last_upload = self._streamed.last_upload
         if self._device_step is not None:
             self._device_step.host_ready()
         self.write_back()
@@ -449,20 +484,24 @@ class HostMasters:
     def _uploaded(self, span: Span, ticket: Ticket) -> None:
         if ticket is not None:  # an empty span queues no copy: the last one still stands
             self._last_upload = ticket
-        self._publish(span)
+        self._publish(span, (None, ticket))
 
     def _working_piece(self, span: Span) -> torch.Tensor:
         return self.target.piece(self.groups[span.group], span.bucket)
 
-    def _publish(self, span: Span) -> None:
-        """Publish the span's bucket (all-gather it, for stages 1 and 2) once its piece is back."""
-        self.copies.device_wait(self._last_upload)  # a no-op after an install (the wait came first)
+    def _publish(self, span: Span, written: Written) -> None:
+        """Publish the span's bucket (all-gather it, for stages 1 and 2) once its new weights, written
+        when both tickets are done, are in place (None: they are)."""
+        for ticket in written:
+            self.copies.device_wait(ticket)
         pending = self.target.publish(self.groups[span.group], span.bucket)
         if pending is not None:
             self._published.append(pending)
 
     def write_back(self) -> None:
         self.copies.device_wait(self._last_upload)
+        if self._device_step is not None:
+            self._device_step.device_wait()
         published, self._published = self._published, []
         for pending in published:
             pending.wait()

@@ -77,6 +77,18 @@ class HostMemory:
         self.pinned_bytes += nbytes
         return pinned
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lies in page-locked memory: torch's own pinned memory, or pages this allocator
+        registered (which `Tensor.is_pinned()` need not report: it asks torch's pinned allocator)."""
+        if tensor.is_pinned():
+            return True
+        start = tensor.data_ptr()
+        for held in self._registered:
+            base = held.data_ptr()
+            if base <= start < base + held.numel() * held.element_size():
+                return True
+        return False
+
     def close(self) -> None:
         """Unregister what was pinned; its tensors must not be used for copies afterwards."""
         self._finalizer()

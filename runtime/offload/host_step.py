@@ -55,14 +55,14 @@ class HostStep:
         self,
         adam: HostAdam,
         grad_scale: torch.Tensor | None,
-        landing: list[torch.Tensor],
+        landed: torch.Tensor,
         ticket: Ticket,
         span: Span,
         dst: torch.Tensor,
     ) -> Ticket:
-        """Update one landed span chunk by chunk into `dst`, each chunk's upload started as soon as the
-        chunk is done (after the span's download, and so after the kernels that were queued before it);
-        returns the last upload's ticket."""
+        """Update one span from its `landed` gradients chunk by chunk into `dst`, each chunk's upload
+        started as soon as the chunk is done (after the span's download, and so after the kernels that
+        were queued before it); returns the last upload's ticket."""
         self.copies.host_wait(ticket)
         self.copies.uploads_after(ticket)
         master = self.groups[span.group].master.data
@@ -71,7 +71,7 @@ class HostStep:
         last: Ticket = None
         for offset, numel in plan_chunks(span.numel, self.chunk_elems):
             at = span.shard_offset + offset
-            grad = landing[span.group].narrow(0, at, numel)
+            grad = landed.narrow(0, offset, numel)
             if direct:
                 adam.update(span.group, at, grad, dst.narrow(0, offset, numel), grad_scale)
                 continue

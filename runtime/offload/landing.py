@@ -11,7 +11,9 @@ in, the copy of each span (its `Ticket`), and when it starts:
 
 One copy per bucket, never one per parameter. The buffers are pinned where a copy engine reads them.
 When the GPU runs the step (device_step.py) nothing crosses: a span "lands" when its gradients are final,
-its ticket marks that point on the device, and there are no buffers.
+its ticket marks that point on the device, and there are no buffers. When the GPU and the CPU share the
+step (`parts`: the tail of each span that the CPU updates) only the tails cross, into buffers that hold
+just them.
 
 What lands (`choose_landing`, set with `DSLAUNCH_OFFLOAD_GRAD_TRANSFER=auto|fp32|native`): by default,
 on a GPU, 16-bit gradients of fp32 masters are converted to fp32 on the device, a transfer chunk at a
@@ -42,7 +44,7 @@ from runtime.distributed import local_world_size
 from runtime.memory import host_available_bytes
 from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.host_memory import HostMemory
-from runtime.offload.spans import Span, piece_containing, plan_chunks
+from runtime.offload.spans import Span, packed_offsets, piece_containing, plan_chunks
 from runtime.zero.buckets import BucketTracker
 from runtime.zero.flat import FlatGroup
 
@@ -161,10 +163,11 @@ class GradLanding:
         order: Sequence[tuple[int, int]],
         copies: CopyEngine,
         memory: HostMemory,
-        dtype: torch.dtype | None,
+        dtype: torch.dtype,
         *,
         stream: bool,
         chunk_elems: int,
+        parts: Sequence[Span] | None = None,
     ) -> None:
         self.groups = list(groups)
         self.zero = zero
@@ -172,12 +175,20 @@ class GradLanding:
         self.copies = copies
         self.chunk_elems = chunk_elems
         self.stream = stream  # land during backward, from hooks
-        # dtype None: the step runs on the device (device_step.py) and reads the gradients where they are;
-        # a span "lands" when its gradients are final, and its ticket marks that point on the device
-        self.on_device = dtype is None
-        self.buffers = []
-        if dtype is not None:
+        # what of each span crosses to the host (None: all of it). The rest is updated on the device
+        # (device_step.py), which reads its gradients where they are; a span's `finals` ticket marks on
+        # the device the point where they are final
+        self.parts = list(self.spans if parts is None else parts)
+        whole = all(p == s for p, s in zip(self.parts, self.spans, strict=True))
+        self.buffers: list[torch.Tensor] = []
+        if whole:  # laid out like the shard: the delayed update and the generic step index it so
+            self._at = [span.shard_offset for span in self.spans]
             self.buffers = [memory.zeros(g.layout.shard_numel, dtype, pinned=True) for g in self.groups]
+        else:
+            self._at, lengths = packed_offsets(self.parts, len(self.groups))
+            if any(lengths):
+                self.buffers = [memory.zeros(n, dtype, pinned=True) for n in lengths]
+        self.finals: list[Ticket] = []
         self.tickets: list[Ticket] = []
         self.landed = [False] * len(self.spans)
         self.on_landed: Callable[[int], None] | None = None  # a streamed step's, while one runs
@@ -208,6 +219,7 @@ class GradLanding:
             index, offset = piece_containing([p.numel() for p in group_pieces], span.shard_offset, span.numel)
             self._sources.append(group_pieces[index].view(-1).narrow(0, offset, span.numel))
         self.tickets = [None] * len(self.spans)
+        self.finals = [None] * len(self.spans)
         self.landed = [False] * len(self.spans)
 
     def end(self, *, boundary: bool) -> None:
@@ -240,19 +252,27 @@ class GradLanding:
         """Span `index`'s gradients on the device (this boundary backward's)."""
         return self._sources[index]
 
+    def landed_grad(self, index: int, buffers: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+        """The gradients of span `index`'s part on the host, in `buffers` (by default this landing's own;
+        the delayed update swaps in others of the same layout)."""
+        part = self.parts[index]
+        held = self.buffers if buffers is None else buffers
+        return held[part.group].narrow(0, self._at[index], part.numel)
+
     def _land(self, index: int) -> None:
-        span = self.spans[index]
-        if self.on_device:
-            self.tickets[index] = self.copies.mark()
+        span, part = self.spans[index], self.parts[index]
+        if part.numel < span.numel:  # the device updates the rest, from the gradients where they are
+            self.finals[index] = self.copies.mark()
+        if part.numel == 0:
             self._landed(index)
             return
-        src = self._sources[index]
-        dst = self.buffers[span.group].narrow(0, span.shard_offset, span.numel)
+        src = self._sources[index].narrow(0, part.shard_offset - span.shard_offset, part.numel)
+        dst = self.landed_grad(index)
         if dst.dtype == src.dtype:
             self.tickets[index] = self.copies.to_host(dst, src)
         else:  # converted on the device a chunk at a time, not through a whole-bucket fp32 temporary
             ticket: Ticket = None  # a rank's piece of a bucket can be empty
-            for offset, numel in plan_chunks(span.numel, self.chunk_elems):
+            for offset, numel in plan_chunks(src.numel(), self.chunk_elems):
                 ticket = self.copies.to_host(dst.narrow(0, offset, numel), src.narrow(0, offset, numel))
             self.tickets[index] = ticket
         self._landed(index)

@@ -1,7 +1,9 @@
 """Pure index math of the offload step: which slices of a master shard move and update together.
 
 A *span* is this rank's piece of one bucket: the unit that lands on the host (one device-to-host copy,
-as soon as the bucket's reduced gradient is final) and the unit the host steps in landing order. Spans
+as soon as the bucket's reduced gradient is final) and the unit the step updates in landing order.
+When the GPU and the CPU share the step, the GPU updates each span's head and the CPU its tail
+(`share_span`). Spans
 are split into *chunks* of at most `chunk_elems` elements: the host updates chunk i while chunk i-1 is
 copied back to the device, so the copy-back hides under the update except for the last chunk.
 
@@ -39,6 +41,30 @@ def plan_spans(layouts: Sequence[FlatLayout], order: Sequence[tuple[int, int]]) 
     if covered != expected or len(order) != len(expected):
         raise ValueError(f"order must name every (group, bucket) once; got {list(order)}, need {expected}")
     return spans
+
+
+def share_span(span: Span, share: float) -> tuple[Span, Span]:
+    """Split `span` between the GPU (its head) and the CPU (its tail, about `share` of its elements, from 0
+    to 1), at a whole cache line: both update every span at the same time, the GPU its head streamed
+    through the device while the CPU updates the tail from landed gradients. Either part may be empty."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share must be between 0 and 1, got {share}")
+    head = min(span.numel, align_up(round(span.numel * (1.0 - share)), CHUNK_ALIGN)) if share < 1.0 else 0
+    return (
+        Span(span.group, span.bucket, span.shard_offset, head),
+        Span(span.group, span.bucket, span.shard_offset + head, span.numel - head),
+    )
+
+
+def packed_offsets(parts: Sequence[Span], groups: int) -> tuple[list[int], list[int]]:
+    """Where each part starts in a buffer per group that holds only these parts, packed in shard order,
+    and each group's buffer length."""
+    offsets, lengths = [0] * len(parts), [0] * groups
+    for index in sorted(range(len(parts)), key=lambda i: (parts[i].group, parts[i].shard_offset)):
+        part = parts[index]
+        offsets[index] = lengths[part.group]
+        lengths[part.group] += part.numel
+    return offsets, lengths
 
 
 def plan_chunks(numel: int, chunk_elems: int) -> list[tuple[int, int]]:

@@ -3,8 +3,7 @@
 When the step's gradient factor is known before backward (no clipping, no fp16 overflow check:
 `GradMath.factor_before_backward`) and gradients stream to the host bucket by bucket (one rank, stages 1
 and 2), nothing stops the host from updating a span as soon as it has landed. A `StreamedStep` owns that
-one boundary backward: the spans that landed and wait for their update, how many were updated, and the
-last upload.
+one boundary backward: the spans that landed and wait for their update, and how many were updated.
 
 Threads: autograd runs on a helper thread and the thread that called `engine.backward` does the updates.
 When the GPU runs the step (device_step.py) the calling thread only queues its copies and kernels.
@@ -35,7 +34,6 @@ from collections.abc import Callable
 
 import torch
 
-from runtime.offload.copies import Ticket
 from runtime.offload.host_adam import HostAdam
 
 
@@ -43,13 +41,12 @@ class StreamedStep:
     """The host update of one boundary backward, span by span as the spans land."""
 
     def __init__(
-        self, adam: HostAdam, factor: float, update: Callable[[int], Ticket], *, spare_core: bool
+        self, adam: HostAdam, factor: float, update: Callable[[int], None], *, spare_core: bool
     ) -> None:
         self.adam = adam
         self.spare_core = spare_core
         self.factor = factor
         self.updated = 0  # spans whose master, state and upload are done or under way
-        self.last_upload: Ticket = None
         self._update = update
         self._landed: queue.SimpleQueue[int | None] = queue.SimpleQueue()
 
@@ -96,6 +93,4 @@ class StreamedStep:
 
     def _run(self, index: int) -> None:
         self.updated += 1  # counted first: a failed update has touched the masters too
-        ticket = self._update(index)
-        if ticket is not None:
-            self.last_upload = ticket
+        self._update(index)

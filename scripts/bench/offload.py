@@ -21,6 +21,8 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
                  grad_landing "device" and is held to a bound whose PCIe time is 12 B/param each way)
     ours-host    "ours" with DSLAUNCH_OFFLOAD_UPDATE=host: the CPU runs the Adam step on gradients that
                  land as the engine chooses (fp32 when host memory allows: runtime/offload/landing.py)
+    ours-shareNN "ours" with DSLAUNCH_OFFLOAD_HOST_SHARE=0.NN: the CPU updates NN% of the elements from
+                 landed gradients while the GPU streams the rest (ours-share0: the GPU all of it)
     ours-clip    the same with gradient_clipping 1.0: the update waits for the norm, after backward
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
     ours-bf16grads   "ours-host" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=native: gradients land as bf16 and
@@ -89,6 +91,22 @@ ENGINES = (
 )
 CONFIGS = ("gpu", "adam", "pcie", "devstep", *ENGINES)
 DEFAULT_CONFIGS = CONFIGS
+SHARE_CONFIG = "ours-share"  # + a percentage: DSLAUNCH_OFFLOAD_HOST_SHARE
+
+
+def share_of(name: str) -> float | None:
+    """The host share an "ours-shareNN" configuration sets, else None."""
+    digits = name.removeprefix(SHARE_CONFIG)
+    if digits == name or not digits.isdigit() or int(digits) > 100:
+        return None
+    return int(digits) / 100
+
+
+def engines(rows: dict[str, Any]) -> list[str]:
+    """ENGINES and the host-share configurations among `rows`, in that order."""
+    return [*ENGINES, *sorted((n for n in rows if share_of(n) is not None), key=share_of)]
+
+
 # n_embd:n_head:n_layer; 12·d² + 13·d per layer plus (50304 + 1024)·d of embeddings
 DEFAULT_SIZES = (
     "4096:32:32,4096:32:36,5120:40:24,4096:32:40,5120:40:26,4096:32:44,5120:40:28,4096:32:48,5120:40:32"
@@ -463,6 +481,8 @@ def work_ours(
         # the device step lands no gradients: its own bound (below) counts the state it streams instead
         buffers = engine.masters.grads.buffers
         result["grad_landing"] = "device" if on_device else str(buffers[0].dtype).removeprefix("torch.")
+        if on_device:
+            result["host_share"] = engine.masters.update.host_share
     if phases:
         result["phases"] = _phases(run, device)
     engine.destroy()
@@ -523,11 +543,14 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
         os.environ["DSLAUNCH_OFFLOAD_GRAD_TRANSFER"] = "native"
     if name in ("ours-host", "ours-bf16grads"):
         os.environ["DSLAUNCH_OFFLOAD_UPDATE"] = "host"
+    share = share_of(name)
+    if share is not None:
+        os.environ["DSLAUNCH_OFFLOAD_HOST_SHARE"] = str(share)
     record: dict[str, Any] = {"bench": "offload", "config": name}
     try:
-        if name in (*ENGINES, "trial"):
+        if name in (*ENGINES, "trial") or share is not None:
             _init_group(device)
-        record.update(WORKERS[name](spec, device))
+        record.update(WORKERS.get(name, work_ours)(spec, device))
     except ImportError as exc:
         record["skipped"] = f"not importable: {exc}"
     except Exception as exc:  # reported as a JSON line; the parent goes on with the next configuration
@@ -634,7 +657,7 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         summary["host_floor_fp32_s"] = round(host_floor, 4)
     if device_floor is not None:
         summary["device_floor_s"] = round(device_floor, 4)
-    for name in ENGINES:
+    for name in engines(rows):
         step = rows.get(name, {}).get("step_s")
         landing = rows.get(name, {}).get("grad_landing")
         label = {"float32": "_fp32", "device": "_device"}.get(landing, "")
@@ -647,7 +670,7 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if step is not None and label == "_device" and device_floor is not None:
             summary[f"{name}_over_device_floor"] = round(step / device_floor, 3)
     ours = rows.get("ours", {}).get("step_s")
-    for name in ENGINES[1:]:
+    for name in engines(rows)[1:]:
         other = rows.get(name, {}).get("step_s")
         if ours is not None and other is not None:
             summary[f"{name}_over_ours"] = round(other / ours, 3)
@@ -679,7 +702,7 @@ def step_mode(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     emit(summary, args.out)
     print_table(records)
     print(json.dumps(summary, indent=1), file=sys.stderr)
-    ours_failed = any("error" in rows.get(n, {}) for n in ENGINES if n != "deepspeed")
+    ours_failed = any("error" in rows.get(n, {}) for n in engines(rows) if n != "deepspeed")
     return 1 if ours_failed else 0
 
 
@@ -797,9 +820,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.worker is not None:
         return args
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in CONFIGS and share_of(n) is None]
     if unknown or not names:
-        parser.error(f"unknown --configs {unknown or args.configs!r}; choose from {', '.join(CONFIGS)}")
+        choices = ", ".join((*CONFIGS, f"{SHARE_CONFIG}0..{SHARE_CONFIG}100"))
+        parser.error(f"unknown --configs {unknown or args.configs!r}; choose from {choices}")
     args.configs = names
     for name in ("seq_len", "steps", "adam_steps"):
         if getattr(args, name) <= 0:

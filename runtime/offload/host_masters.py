@@ -81,8 +81,9 @@ from runtime.zero.flat import FlatGroup
 
 _log = logging.getLogger("runtime.offload")
 
-Written = tuple[Ticket, Ticket]
-"""Per span: the device's ticket for its head, the host's for its tail (None: nothing to wait for)."""
+HeadTail = tuple[Ticket, Ticket]
+"""Per span, a ticket for its head (the device's part) and one for its tail (the host's); None: none to
+wait for."""
 
 TRANSFER_CHUNK_ELEMS = 1 << 23
 """Elements per copy-back chunk: 16 MiB of bf16 (about 0.3 ms on PCIe 5, a few ms of host update), small
@@ -152,7 +153,7 @@ class HostMasters:
         # host step, `host_share` of it when the GPU runs the step and shares it with the CPU
         share = self.update.host_share if self.update.on_device else 1.0
         self._parts: list[tuple[Span, Span]] = [share_span(span, share) for span in self.spans]
-        self._written: list[Written] = []  # the streamed step's, per span
+        self._written: list[HeadTail] = []  # the streamed step's, per span
         self._adam: host_adam.HostAdam | None = None
         self._adam_for: torch.optim.Optimizer | None = None
         self._steps = 0  # host updates started
@@ -259,7 +260,7 @@ class HostMasters:
 
         def update(index: int) -> None:
             piece = self._working_piece(self.spans[index])
-            ready = (self.grads.tickets[index], self.grads.finals[index])
+            ready = (self.grads.finals[index], self.grads.tickets[index])
             self._written[index] = written = self._update_span(adam, grad_scale, None, ready, index, piece)
             self._note_upload(written)
 
@@ -305,7 +306,7 @@ class HostMasters:
                 self._begin(adam, coef)
                 # the device's parts: after everything queued since backward, the norm's kernels too
                 mark = self.copies.mark() if self._device_step is not None else None
-                ready = [(ticket, mark) for ticket in self.grads.tickets]
+                ready = [(mark, ticket) for ticket in self.grads.tickets]
                 self._run_adam(adam, coef, None, ready, self._working_piece, publish=True)
             else:
                 self._generic_step(optimizer, coef, per_tensor=per_tensor)
@@ -368,7 +369,7 @@ class HostMasters:
         adam: host_adam.HostAdam,
         coef: float,
         landing: list[torch.Tensor] | None,
-        ready: Sequence[Written],
+        ready: Sequence[HeadTail],
         dst_of: Callable[[Span], torch.Tensor],
         *,
         publish: bool,
@@ -392,12 +393,12 @@ class HostMasters:
         adam: host_adam.HostAdam,
         grad_scale: torch.Tensor | None,
         landing: list[torch.Tensor] | None,
-        ready: Written,
+        ready: HeadTail,
         index: int,
         dst: torch.Tensor,
-    ) -> Written:
+    ) -> HeadTail:
         """Update span `index` into `dst`: its head on the device once its gradients are final there
-        (`ready[1]`), then its tail on the host once it has landed (`ready[0]`), while the device works.
+        (`ready[0]`), then its tail on the host once it has landed (`ready[1]`), while the device works.
         Returns the tickets after which `dst`'s head and tail hold the new weights."""
         head, tail = self._parts[index]
         written: Ticket = None
@@ -407,14 +408,14 @@ class HostMasters:
             master = self.groups[head.group].master.data
             grad = self.grads.source(index).narrow(0, 0, head.numel)
             piece = dst.narrow(0, 0, head.numel)
-            written = self._device_step.update_span(adam, head, master, grad, piece, ready[1])
+            written = self._device_step.update_span(adam, head, master, grad, piece, ready[0])
         if tail.numel:
             landed = self.grads.landed_grad(index, landing)
             piece = dst.narrow(0, head.numel, tail.numel)
-            uploaded = self._host.update_span(adam, grad_scale, landed, ready[0], tail, piece)
+            uploaded = self._host.update_span(adam, grad_scale, landed, ready[1], tail, piece)
         return written, uploaded
 
-    def _note_upload(self, written: Written) -> None:
+    def _note_upload(self, written: HeadTail) -> None:
         """Remember the last upload of the host's updates: the copies' upload stream runs in order, so
         waiting for it covers every earlier one (the device's writes are covered by `device_wait`)."""
         if written[1] is not None:
@@ -445,7 +446,7 @@ class HostMasters:
         def update(
             landing: list[torch.Tensor], tickets: list[Ticket], dst_of: Callable[[Span], torch.Tensor]
         ):
-            ready = [(ticket, None) for ticket in tickets]  # the host updates every span whole
+            ready = [(None, ticket) for ticket in tickets]  # the host updates every span whole
             return self._run_adam(adam, coef, landing, ready, dst_of, publish=False)
 
         # the next backward lands in the other buffers while this update reads (and writes) these
@@ -489,7 +490,7 @@ class HostMasters:
     def _working_piece(self, span: Span) -> torch.Tensor:
         return self.target.piece(self.groups[span.group], span.bucket)
 
-    def _publish(self, span: Span, written: Written) -> None:
+    def _publish(self, span: Span, written: HeadTail) -> None:
         """Publish the span's bucket (all-gather it, for stages 1 and 2) once its new weights, written
         when both tickets are done, are in place (None: they are)."""
         for ticket in written:

@@ -1006,6 +1006,33 @@ def test_landing_setting_and_rank_count_come_from_the_environment(monkeypatch: p
         choice()
 
 
+def test_the_cpus_share_comes_from_the_environment_and_shrinks_with_ranks_per_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import runtime.offload.device_step as device_step
+    from runtime.distributed import LOCAL_SIZE_VARIABLES
+
+    def share() -> float:
+        kwargs = dict(weights_on_host=False, pinned=True, shard_numel=1 << 20)
+        choice = device_step.update_choice(device=torch.device("cpu"), **kwargs)
+        assert choice.on_device, choice.reason
+        return choice.host_share
+
+    for name in LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(device_step.UPDATE_ENV, "device")
+    monkeypatch.setenv(device_step.HOST_SHARE_ENV, " 0.3 ")
+    assert share() == 0.3  # asked for: taken as it is, whatever the ranks
+    monkeypatch.setenv(device_step.HOST_SHARE_ENV, "")
+    monkeypatch.setattr(device_step, "DEFAULT_HOST_SHARE", 0.4)
+    assert share() == pytest.approx(0.4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks split this host's cores
+    assert share() == pytest.approx(0.25)
+    monkeypatch.setenv(device_step.HOST_SHARE_ENV, "lots")
+    with pytest.raises(ValueError, match="DSLAUNCH_OFFLOAD_HOST_SHARE='lots'"):
+        share()
+
+
 def _landing_votes(rank: int, world_size: int) -> list[str]:
     from runtime.comm import Comm
     from runtime.offload.landing import LandingChoice, agree_on_landing

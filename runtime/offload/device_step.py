@@ -77,11 +77,13 @@ class UpdateChoice:
     host_share: float = 0.0  # with on_device: the fraction of the elements the CPU updates
 
 
-def default_host_share(local_ranks: int, one_rank: float = DEFAULT_HOST_SHARE) -> float:
+def default_host_share(local_ranks: int, one_rank: float | None = None) -> float:
     """The CPU's share with `local_ranks` ranks on this host, from `one_rank`, the share that balances one
     rank's halves. Each rank's GPU has its own PCIe link, but the ranks split the host's cores, so a rank's
     CPU half takes `local_ranks` times as long: with r = (1 - one_rank) / one_rank, the time the CPU takes
-    per element over the GPU's, the balance is 1 / (1 + local_ranks * r)."""
+    per element over the GPU's, the balance is 1 / (1 + local_ranks * r). `one_rank` defaults to
+    DEFAULT_HOST_SHARE."""
+    one_rank = DEFAULT_HOST_SHARE if one_rank is None else one_rank
     if one_rank <= 0.0 or local_ranks < 1:
         return 0.0
     return 1.0 / (1.0 + local_ranks * (1.0 - one_rank) / one_rank)

@@ -209,6 +209,8 @@ class HostMasters:
             return
         self._device_step.host_ready()
         self._device_step = None
+        if self.copies.is_async:  # the staging slots' memory goes back to the device, not torch's cache
+            torch.cuda.empty_cache()
         self.update = UpdateChoice(False, f"the CPU runs the Adam step: {why}")
         self._parts = [share_span(span, 1.0) for span in self.spans]
         self.grads.close()

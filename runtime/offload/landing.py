@@ -11,9 +11,9 @@ in, the copy of each span (its `Ticket`), and when it starts:
 
 One copy per bucket, never one per parameter. The buffers are pinned where a copy engine reads them.
 When the GPU runs the step (device_step.py) nothing crosses: a span "lands" when its gradients are final,
-its ticket marks that point on the device, and there are no buffers. When the GPU and the CPU share the
-step (`parts`: the tail of each span that the CPU updates) only the tails cross, into buffers that hold
-just them.
+its `finals` ticket marks that point on the device, and there are no buffers. When the GPU and the CPU
+share the step (`parts`: the tail of each span that the CPU updates) only the tails cross, into buffers
+that hold just them.
 
 What lands (`choose_landing`, set with `DSLAUNCH_OFFLOAD_GRAD_TRANSFER=auto|fp32|native`): by default,
 on a GPU, 16-bit gradients of fp32 masters are converted to fp32 on the device, a transfer chunk at a

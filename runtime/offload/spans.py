@@ -3,9 +3,9 @@
 A *span* is this rank's piece of one bucket: the unit that lands on the host (one device-to-host copy,
 as soon as the bucket's reduced gradient is final) and the unit the step updates in landing order.
 When the GPU and the CPU share the step, the GPU updates each span's head and the CPU its tail
-(`share_span`). Spans
-are split into *chunks* of at most `chunk_elems` elements: the host updates chunk i while chunk i-1 is
-copied back to the device, so the copy-back hides under the update except for the last chunk.
+(`share_span`). Spans are split into *chunks* of at most `chunk_elems` elements: the host updates
+chunk i while chunk i-1 is copied back to the device, so the copy-back hides under the update except
+for the last chunk.
 
 Nothing here touches tensors.
 """

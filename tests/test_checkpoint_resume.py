@@ -152,7 +152,7 @@ def _build(case: Case):
     import os
 
     import runtime
-    from runtime.offload.device_step import UPDATE_ENV
+    from runtime.offload.update_site import UPDATE_ENV
 
     model = make_model(0)
     os.environ[UPDATE_ENV] = "device" if case.device_step else "host"

@@ -115,8 +115,8 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
     import os
 
     import runtime
-    from runtime.offload.device_step import HOST_SHARE_ENV, UPDATE_ENV
     from runtime.offload.landing import GRAD_TRANSFER_ENV
+    from runtime.offload.update_site import HOST_SHARE_ENV, UPDATE_ENV
 
     model = make_model(0)
     fp32_landing = isinstance(case, OffloadCase) and case.fp32_landing
@@ -445,7 +445,7 @@ def _delay_mid_step(rank: int, world_size: int) -> dict:
     import os
 
     from runtime.offload import enable_delayed_update
-    from runtime.offload.device_step import UPDATE_ENV
+    from runtime.offload.update_site import UPDATE_ENV
 
     os.environ[UPDATE_ENV] = "device"
     _, engine, _ = _offload_engine(2, bucket=300)
@@ -471,7 +471,7 @@ def _delay_mid_step(rank: int, world_size: int) -> dict:
 def _state_reads_wait(rank: int, world_size: int) -> dict:
     import os
 
-    from runtime.offload.device_step import UPDATE_ENV
+    from runtime.offload.update_site import UPDATE_ENV
 
     os.environ[UPDATE_ENV] = "device"
     _, engine, optimizer = _offload_engine(2, bucket=300)
@@ -565,8 +565,8 @@ def _no_offload_vs_offload(
 
     import runtime
     from runtime.models import GPT, GPTConfig
-    from runtime.offload.device_step import HOST_SHARE_ENV, UPDATE_ENV
     from runtime.offload.landing import GRAD_TRANSFER_ENV
+    from runtime.offload.update_site import HOST_SHARE_ENV, UPDATE_ENV
 
     os.environ[GRAD_TRANSFER_ENV] = landing
     os.environ[UPDATE_ENV] = update
@@ -681,11 +681,22 @@ def test_cuda_offload_matches_device_adam(
     assert signal[0][1] < 0.2, f"largest per-parameter gaps: {worst[:8]}"
 
 
-def _device_step_resume(rank: int, world_size: int, root: str) -> dict:
-    """bf16 GPT on CUDA with the device step: 6 steps straight, and 3 steps, a checkpoint, a new engine
-    that loads it (its moments arrive in pageable memory and are pinned again) and 3 more steps."""
+def _device_step_resume(rank: int, world_size: int, root: str, on_cpu: bool) -> dict:
+    """bf16 GPT with the device step: 3 steps and a checkpoint; 6 steps straight, then that checkpoint
+    loaded into the same engine (the next step's first uploads already queued) and steps 3-5 again; a new
+    engine that loads it (on CUDA its moments arrive in pageable memory and are pinned again) and steps
+    3-5. `on_cpu`: the "device" is host memory, with small chunks and two slots, so that the first chunks
+    the prefetch queued come back round."""
+    import os
+
     import runtime
+    import runtime.offload.device_step as device_step
     from runtime.models import GPT, GPTConfig
+    from runtime.offload.update_site import UPDATE_ENV
+
+    if on_cpu:
+        device_step.DEVICE_CHUNK_ELEMS, device_step.DEVICE_SLOTS = CHUNK, 2
+        os.environ[UPDATE_ENV] = "device"
 
     def build():
         torch.manual_seed(0)
@@ -709,13 +720,19 @@ def _device_step_resume(rank: int, world_size: int, root: str) -> dict:
             engine.backward(loss)
             engine.step()
 
-    engine = build()
-    train(engine, range(6))
-    straight = engine.full_state_dict()
-    engine.destroy()
+    def same(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
     engine = build()
     train(engine, range(3))
     engine.save_checkpoint(root, tag="mid")
+    engine.destroy()
+    engine = build()
+    train(engine, range(6))
+    straight = engine.full_state_dict()
+    engine.load_checkpoint(root, tag="mid")
+    train(engine, range(3, 6))
+    again = engine.full_state_dict()
     engine.destroy()
     engine = build()
     engine.load_checkpoint(root, tag="mid")
@@ -726,20 +743,29 @@ def _device_step_resume(rank: int, world_size: int, root: str) -> dict:
     seen = [(tuple(t.shape), t.is_pinned(), memory.is_pinned(t), memory.pinned_bytes) for t in moments]
     resumed = engine.full_state_dict()
     engine.destroy()
-    return {
-        "equal": all(torch.equal(straight[k], resumed[k]) for k in straight),
-        "pinned": pinned,
-        "seen": seen,
-    }
+    return {"equal": same(straight, resumed), "again": same(straight, again), "pinned": pinned, "seen": seen}
+
+
+def test_device_step_resumes_exactly_also_into_an_engine_that_trained_on() -> None:
+    """On gloo: loading a checkpoint into an engine whose next uploads are already queued (prefetched
+    from the state the load replaces) trains on from the loaded state, bitwise like a new engine."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        got = run_distributed(_device_step_resume, 1, root, True, timeout=240)[0]
+    assert got["equal"], "the resumed run ended with other weights than the straight one"
+    assert got["again"], "the engine that loaded the checkpoint in place trained on from other weights"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_device_step_resumes_from_a_checkpoint_exactly(tmp_path) -> None:
     """The host state the device step streams is current when a checkpoint is saved (flush waits for the
-    downloads), and a resumed run streams the loaded state (pinned again) to the same weights."""
-    got = run_distributed(_device_step_resume, 1, str(tmp_path), timeout=240, device="cuda")[0]
+    downloads), and a resumed run streams the loaded state (pinned again) to the same weights, in a new
+    engine and in one that trained on and had its next uploads queued."""
+    got = run_distributed(_device_step_resume, 1, str(tmp_path), False, timeout=240, device="cuda")[0]
     assert got["equal"], "the resumed run ended with other weights than the straight one"
+    assert got["again"], "the engine that loaded the checkpoint in place trained on from other weights"
     assert got["pinned"], f"the loaded moments were not pinned for the device step: {got['seen']}"
 
 
@@ -790,8 +816,8 @@ def _train_delayed(rank: int, world_size: int, cases: list[OffloadCase]) -> list
 
     import runtime
     from runtime.offload import enable_delayed_update
-    from runtime.offload.device_step import UPDATE_ENV
     from runtime.offload.landing import GRAD_TRANSFER_ENV
+    from runtime.offload.update_site import UPDATE_ENV
 
     out = []
     for case in cases:
@@ -912,8 +938,27 @@ def test_a_shared_step_gives_the_cpu_each_spans_tail_and_packs_the_tails_buffers
     assert offsets == [488, 0, 0] and lengths == [976, 244]
 
 
-def test_the_cpus_share_of_the_device_step_is_a_checked_fraction() -> None:
+def test_the_device_step_stages_more_chunks_where_the_device_has_room() -> None:
+    """More slots let the next step's first uploads, and this step's last downloads, overlap the
+    forward; they take at most a sixteenth of the free memory, and never fewer than the minimum."""
     from runtime.offload.device_step import (
+        DEVICE_SLOTS,
+        MAX_DEVICE_SLOTS,
+        SLOTS_SHARE_OF_FREE,
+        device_slots,
+        staging_bytes,
+    )
+
+    slot = staging_bytes(None, 1)
+    assert slot == 256 << 20  # 16M elements: master, both moments and the gradient in fp32
+    assert device_slots(0) == DEVICE_SLOTS
+    assert device_slots(SLOTS_SHARE_OF_FREE * slot * 10) == 10
+    assert device_slots(SLOTS_SHARE_OF_FREE * slot * 10 - 1) == 9
+    assert device_slots(141 << 30) == MAX_DEVICE_SLOTS  # an H200: 4 GiB of slots
+
+
+def test_the_cpus_share_of_the_device_step_is_a_checked_fraction() -> None:
+    from runtime.offload.update_site import (
         HOST_SHARE_ENV,
         choose_update,
         default_host_share,
@@ -1009,26 +1054,26 @@ def test_landing_setting_and_rank_count_come_from_the_environment(monkeypatch: p
 def test_the_cpus_share_comes_from_the_environment_and_shrinks_with_ranks_per_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import runtime.offload.device_step as device_step
+    import runtime.offload.update_site as update_site
     from runtime.distributed import LOCAL_SIZE_VARIABLES
 
     def share() -> float:
         kwargs = dict(weights_on_host=False, pinned=True, shard_numel=1 << 20)
-        choice = device_step.update_choice(device=torch.device("cpu"), **kwargs)
+        choice = update_site.update_choice(device=torch.device("cpu"), **kwargs)
         assert choice.on_device, choice.reason
         return choice.host_share
 
     for name in LOCAL_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(device_step.UPDATE_ENV, "device")
-    monkeypatch.setenv(device_step.HOST_SHARE_ENV, " 0.3 ")
+    monkeypatch.setenv(update_site.UPDATE_ENV, "device")
+    monkeypatch.setenv(update_site.HOST_SHARE_ENV, " 0.3 ")
     assert share() == 0.3  # asked for: taken as it is, whatever the ranks
-    monkeypatch.setenv(device_step.HOST_SHARE_ENV, "")
-    monkeypatch.setattr(device_step, "DEFAULT_HOST_SHARE", 0.4)
+    monkeypatch.setenv(update_site.HOST_SHARE_ENV, "")
+    monkeypatch.setattr(update_site, "DEFAULT_HOST_SHARE", 0.4)
     assert share() == pytest.approx(0.4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks split this host's cores
     assert share() == pytest.approx(0.25)
-    monkeypatch.setenv(device_step.HOST_SHARE_ENV, "lots")
+    monkeypatch.setenv(update_site.HOST_SHARE_ENV, "lots")
     with pytest.raises(ValueError, match="DSLAUNCH_OFFLOAD_HOST_SHARE='lots'"):
         share()
 
@@ -1058,7 +1103,7 @@ def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() 
     """The device step needs a GPU, Adam, pinned state and the working weights on the device; "auto" also
     wants the host to have room to pin the state and the GPU room for the staging, and every refusal
     says why."""
-    from runtime.offload.device_step import UPDATE_ENV, choose_update
+    from runtime.offload.update_site import UPDATE_ENV, choose_update
 
     gib = 1 << 30
 
@@ -1095,7 +1140,7 @@ def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() 
 
 def _update_votes(rank: int, world_size: int) -> list[str]:
     from runtime.comm import Comm
-    from runtime.offload.device_step import UpdateChoice, agree_on_update
+    from runtime.offload.update_site import UpdateChoice, agree_on_update
 
     comm = Comm()
     out = []

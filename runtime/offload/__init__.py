@@ -5,8 +5,9 @@
 - `host_masters.py`: optimizer offload: masters and state in host memory, the step on the CPU (chunked
   copy-back) or on the GPU (`device_step.py`).
 - `host_step.py`: the CPU's update of landed spans (one-pass Adam, or any optimizer's generic path).
-- `device_step.py`: the Adam step on the GPU over state streamed from host memory, and where the step
-  runs (`DSLAUNCH_OFFLOAD_UPDATE`).
+- `device_step.py`: the Adam step on the GPU over state streamed from host memory.
+- `update_site.py`: where the step runs, and the CPU's share of it (`DSLAUNCH_OFFLOAD_UPDATE`,
+  `DSLAUNCH_OFFLOAD_HOST_SHARE`).
 - `landing.py`: gradients landing on the host bucket by bucket (during backward with one rank).
 - `streamed.py`: the streamed step (the update runs while backward does, when nothing waits on the norm).
 - `delayed.py`, `worker.py`: the opt-in delayed parameter update and its thread.

@@ -1,24 +1,9 @@
 """The offloaded Adam step run by the GPU: the state stays in host memory and streams through the device.
 
-Optimizer offload keeps the fp32 master and both Adam moments in host memory. Where they are updated is
-a separate choice (`DSLAUNCH_OFFLOAD_UPDATE=auto|host|device`, `choose_update`):
-
-- host: the gradients cross PCIe to the host, the CPU runs the fused Adam kernel, the new weights cross
-  back (host_masters.py). Per parameter: 8 bytes over PCIe (fp32 landing) and 36 bytes of host memory
-  traffic (the kernel's 28 and both copies), so the host's memory bandwidth limits the step.
-- device: a ring of staging slots on the GPU. For each chunk of a span the master and both moments go up
-  (12 bytes), the GPU's fused kernel updates them from the gradient that never left the device and
-  writes the new working weights in place, and the three go back down (12 bytes). Per parameter: 24
-  bytes over PCIe, split evenly between the two directions, 24 bytes of host memory traffic (DMA only),
-  no CPU work. On the H200 (PCIe 5, 49 GB/s each way with both directions busy) GPT-2 XL's 1.56B
-  parameters took 0.38 s this way, about torch's fused CPU step alone, against 0.56-0.64 s for the
-  host step with its copies, and it runs while backward computes.
-
-The two can share a step: with `DSLAUNCH_OFFLOAD_HOST_SHARE=f` the GPU streams the head of every span
-and the CPU updates its tail, about f of its elements, from gradients landed on the host (only the tails
-land, into buffers their size). Both work on every span at once, from the first span backward hands over:
-PCIe carries the GPU's state and the CPU's gradients and weights, the host's cores and memory bandwidth
-the CPU's update, and the step takes about the longer of the two halves.
+Per chunk of a span the master and both moments go up (12 bytes a parameter), the GPU's fused kernel
+updates them from the gradient that never left the device and writes the new working weights in place,
+and the three go back down (12 bytes). Whether this step runs, and which share of each span the CPU
+takes instead, is update_site.py's choice.
 
 A `DeviceStep` owns the slots and three CUDA streams: `up` (host to slots), `math` (gradient into fp32,
 Adam, new working weights) and `down` (slots to host). Each chunk's upload waits until the slot's last
@@ -28,6 +13,13 @@ host never waits: it only queues, so the streamed step's calling thread keeps up
 host copies of the state are up to date once `host_ready` has waited for the last download; everything
 that reads them (a checkpoint, the host path, `state_dict`) goes through `HostMasters.flush` first.
 
+Between steps: chunks come in the same order every step, so at the end of one `prefetch` queues the
+uploads of the next step's first chunks into the slots they will take. They go up while the next forward
+runs, as this step's last downloads finish, instead of after the next backward's first bucket: on the
+H200 that took GPT-2 XL's step from 0.446 to 0.413 s, 1.10x the bound. A chunk that comes in another
+order is uploaded again; `host_ready` waits for the prefetched uploads and forgets them, so whatever
+rewrites the host state after it (a checkpoint load) is not undone by a stale slot.
+
 On a CPU-only machine the "device" is host memory and every copy happens at once: the same chunks, slots
 and kernel calls run in order, which is what the tests on gloo check against plain PyTorch.
 """
@@ -36,14 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from runtime.comm import Comm
-from runtime.distributed import local_world_size
-from runtime.memory import host_available_bytes
 from runtime.offload.copies import Ticket
 from runtime.offload.host_adam import HostAdam
 from runtime.offload.host_memory import HostMemory
@@ -51,133 +39,17 @@ from runtime.offload.spans import CHUNK_ALIGN, Span, plan_chunks
 from runtime.ops.adam_step import AdamHyperparams
 from runtime.zero.partition import align_up
 
-UPDATE_ENV = "DSLAUNCH_OFFLOAD_UPDATE"
-UPDATE_SETTINGS = ("auto", "host", "device")
-HOST_SHARE_ENV = "DSLAUNCH_OFFLOAD_HOST_SHARE"
-DEFAULT_HOST_SHARE = 0.0
-"""The fraction of the elements whose update the CPU takes when the GPU runs the step, with one rank on
-the host (`default_host_share` scales it for more)."""
 DEVICE_CHUNK_ELEMS = 1 << 24
 """Elements per staging slot: 16M, 256 MiB of fp32 master, moments and gradient; on the H200 16M-element
 chunks with 4 slots ran at 49.6 GB/s each way, 32M with 3 at 48.4 and 64M with 2 at 47.0."""
 DEVICE_SLOTS = 4
-PIN_ROOM_BYTES_PER_PARAM = 16
-"""What "auto" wants available per parameter of the shard before it pins the 12 bytes of state: the same
-rule as fp32 landing (landing.py), so a host that gave the CPU step fp32 landing gives the device step
-room, and the largest models (8.44B on the 126 GiB H200 host) keep the CPU step, which pins 2 bytes."""
-PIN_HEADROOM = 4 << 30  # per rank, like landing.FP32_LANDING_HEADROOM
-
-
-@dataclass(frozen=True)
-class UpdateChoice:
-    """Where the offloaded Adam step runs, and why (the engine logs it at startup)."""
-
-    on_device: bool
-    reason: str
-    host_share: float = 0.0  # with on_device: the fraction of the elements the CPU updates
-
-
-def default_host_share(local_ranks: int, one_rank: float | None = None) -> float:
-    """The CPU's share with `local_ranks` ranks on this host, from `one_rank`, the share that balances one
-    rank's halves. Each rank's GPU has its own PCIe link, but the ranks split the host's cores, so a rank's
-    CPU half takes `local_ranks` times as long: with r = (1 - one_rank) / one_rank, the time the CPU takes
-    per element over the GPU's, the balance is 1 / (1 + local_ranks * r). `one_rank` defaults to
-    DEFAULT_HOST_SHARE."""
-    one_rank = DEFAULT_HOST_SHARE if one_rank is None else one_rank
-    if one_rank <= 0.0 or local_ranks < 1:
-        return 0.0
-    return 1.0 / (1.0 + local_ranks * (1.0 - one_rank) / one_rank)
-
-
-def parse_host_share(value: str) -> float:
-    """`DSLAUNCH_OFFLOAD_HOST_SHARE`: a fraction from 0 (the GPU updates everything) to 1."""
-    try:
-        share = float(value)
-    except ValueError:
-        share = math.nan
-    if not 0.0 <= share <= 1.0:  # also false for nan
-        raise ValueError(
-            f"{HOST_SHARE_ENV}={value!r}: expected the fraction of the Adam step the CPU takes while the "
-            f"GPU runs the rest, from 0 to 1 (default {DEFAULT_HOST_SHARE})"
-        )
-    return share
-
-
-def choose_update(
-    *,
-    setting: str = "auto",
-    on_gpu: bool,
-    adam: bool,
-    weights_on_host: bool,
-    pinned: bool,
-    shard_numel: int = 0,
-    local_ranks: int = 1,
-    host_available: int | None = None,
-    device_free: int | None = None,
-    host_share: float = DEFAULT_HOST_SHARE,
-) -> UpdateChoice:
-    """The update placement for this run. `setting` is `DSLAUNCH_OFFLOAD_UPDATE`: host or device when it
-    says so (device only where it can run), else device exactly where it can run and pays: a GPU, Adam or
-    AdamW, pinned host state, working weights on the device, host memory with room to pin the state
-    (`host_available` bytes shared by `local_ranks` ranks) and a device with room for the staging slots
-    (at most 1/8 of its `device_free` bytes: the model came to the GPU already, its activations have not);
-    None: not checked. With the device, the CPU still updates `host_share` of the elements."""
-    setting = setting.strip().lower() or "auto"
-    if setting not in UPDATE_SETTINGS:
-        raise ValueError(
-            f"{UPDATE_ENV}={setting!r}: expected one of {', '.join(UPDATE_SETTINGS)} (default auto)"
-        )
-    if setting == "host":
-        return UpdateChoice(False, f"the CPU runs the Adam step ({UPDATE_ENV}=host)")
-    blocker = None
-    if not adam:
-        blocker = "the optimizer is not Adam or AdamW (or uses options the fused kernel lacks)"
-    elif weights_on_host:
-        blocker = "offload_param keeps the working weights in host memory"
-    elif on_gpu and not pinned:
-        blocker = "offload_optimizer.pin_memory is false, and the state could not stream asynchronously"
-    if setting == "device":
-        if blocker is not None:
-            return UpdateChoice(False, f"the CPU runs the Adam step although {UPDATE_ENV}=device: {blocker}")
-        return UpdateChoice(
-            True,
-            f"the GPU runs the Adam step on state streamed from host memory ({UPDATE_ENV}=device)"
-            + _sharing(host_share),
-            host_share,
-        )
-    if not on_gpu:
-        return UpdateChoice(False, "the CPU runs the Adam step (no GPU)")
-    if blocker is not None:
-        return UpdateChoice(False, f"the CPU runs the Adam step: {blocker}")
-    gib = 1 << 30
-    need = (shard_numel * PIN_ROOM_BYTES_PER_PARAM + PIN_HEADROOM) * local_ranks
-    if host_available is not None and host_available < need:
-        return UpdateChoice(
-            False,
-            f"the CPU runs the Adam step: streaming the state through the GPU pins all of it, and this host "
-            f"has {host_available / gib:.1f} GiB available of the {need / gib:.1f} GiB that {local_ranks} "
-            f"rank(s) would want; {UPDATE_ENV}=device insists",
-        )
-    staging = staging_bytes()
-    if device_free is not None and staging * 8 > device_free:
-        return UpdateChoice(
-            False,
-            f"the CPU runs the Adam step: the GPU has {device_free / gib:.1f} GiB free, too little to spare "
-            f"{staging / gib:.2f} GiB for the device step's staging; {UPDATE_ENV}=device insists",
-        )
-    return UpdateChoice(
-        True,
-        "the GPU runs the Adam step on state streamed from pinned host memory (24 bytes a parameter over "
-        f"PCIe, no CPU pass over host memory){_sharing(host_share)}; {UPDATE_ENV}=host runs it all on the "
-        "CPU",
-        host_share,
-    )
-
-
-def _sharing(share: float) -> str:
-    if share == 0.0:
-        return ""
-    return f", and the CPU updates {share:.0%} of the elements at the same time ({HOST_SHARE_ENV})"
+"""The fewest staging slots; a device with room gets more (`device_slots`), up to MAX_DEVICE_SLOTS."""
+MAX_DEVICE_SLOTS = 16
+"""With 16M-element chunks, 4 GiB of slots: the uploads queued ahead of the next step and the downloads
+still running behind this one each cover 16 chunks, about 62 ms of PCIe on the H200, longer than GPT-2
+XL's forward (52 ms), during which the links would otherwise be idle."""
+SLOTS_SHARE_OF_FREE = 16
+"""The slots take at most 1/16 of the memory the device has free when the engine is built."""
 
 
 def staging_bytes(chunk_elems: int | None = None, slots: int | None = None) -> int:
@@ -186,38 +58,11 @@ def staging_bytes(chunk_elems: int | None = None, slots: int | None = None) -> i
     return (DEVICE_SLOTS if slots is None else slots) * 4 * chunk * 4
 
 
-def update_choice(
-    *, device: torch.device, weights_on_host: bool, pinned: bool, shard_numel: int
-) -> UpdateChoice:
-    """`choose_update` with the variable, the host memory left to this process, the ranks on this host
-    and the device's free memory read here (Adam is assumed; `HostMasters.bind` checks the optimizer)."""
-    on_gpu = device.type == "cuda"
-    share = os.environ.get(HOST_SHARE_ENV, "").strip()
-    return choose_update(
-        setting=os.environ.get(UPDATE_ENV, "auto"),
-        on_gpu=on_gpu,
-        adam=True,
-        weights_on_host=weights_on_host,
-        pinned=pinned,
-        shard_numel=shard_numel,
-        local_ranks=local_world_size(),
-        host_available=host_available_bytes() if on_gpu else None,
-        device_free=torch.cuda.mem_get_info(device)[0] if on_gpu else None,
-        host_share=parse_host_share(share) if share else default_host_share(local_world_size()),
-    )
-
-
-def agree_on_update(choice: UpdateChoice, comm: Comm, device: torch.device) -> UpdateChoice:
-    """The placement every rank uses: the device only where all ranks chose it, so every shard takes the
-    same arithmetic and no rank waits on a slower one's host."""
-    on_device = comm.count(choice.on_device, device)
-    if on_device in (0, comm.world_size):
-        return choice
-    return UpdateChoice(
-        False,
-        f"the CPU runs the Adam step: {comm.world_size - on_device} of {comm.world_size} ranks cannot "
-        "stream the state through their GPU",
-    )
+def device_slots(device_free: int, chunk_elems: int | None = None) -> int:
+    """How many staging slots to allocate on a device with `device_free` bytes free: as many as fit in
+    1/SLOTS_SHARE_OF_FREE of it, from DEVICE_SLOTS to MAX_DEVICE_SLOTS."""
+    fits = device_free // SLOTS_SHARE_OF_FREE // staging_bytes(chunk_elems, 1)
+    return max(DEVICE_SLOTS, min(MAX_DEVICE_SLOTS, fits))
 
 
 class DeviceStep:
@@ -234,8 +79,10 @@ class DeviceStep:
         self.device = device
         self.dtype = dtype
         self.chunk_elems = chunk_elems = DEVICE_CHUNK_ELEMS if chunk_elems is None else chunk_elems
-        slots = DEVICE_SLOTS if slots is None else slots
         self.is_async = device.type == "cuda"
+        if slots is None and self.is_async:
+            slots = device_slots(torch.cuda.mem_get_info(device)[0], chunk_elems)
+        slots = DEVICE_SLOTS if slots is None else slots
         width = align_up(chunk_elems, CHUNK_ALIGN)  # plan_chunks rounds a chunk up to that
         # allocated now, so a device without room fails here, at setup, not in the middle of a step
         self._slots = [torch.empty(4, width, dtype=dtype, device=device) for _ in range(slots)]
@@ -246,6 +93,11 @@ class DeviceStep:
         self._pin_tried: set[int] = set()  # moments _pin_moments already tried (pinning may fall back)
         self._next = 0
         self._last_down: Ticket = None
+        # the first chunks of this step, in order, as far as the slots reach: the next step's are the same
+        self._issued: list[tuple[torch.Tensor, ...]] = []
+        # slot -> (the chunk's key, its upload), queued by `prefetch` for the next step's first chunks
+        self._prefetched: dict[int, tuple[tuple[int, ...], Ticket]] = {}
+        self._last_prefetch: Ticket = None
         self._step_counts: dict[int, torch.Tensor] = {}  # per group: the step count as the kernel reads it
         self._scale: torch.Tensor | None = None
         # None on a CPU-only machine, where every copy happens at once
@@ -262,7 +114,8 @@ class DeviceStep:
         """Start an update (after `adam.begin_step`): the step counts and the gradient factor its kernels
         read, queued on the math stream behind the last step's kernels."""
         if self.is_async:
-            _pin_moments(adam, memory, self._pin_tried)
+            _pin_moments(adam, memory, self._pin_tried, before=self._forget_prefetched)
+        self._issued = []
         with self._on(self._math):
             for group, (step, hp) in enumerate(adam.settings):
                 value = float(step) if hp.bias_correction else math.inf  # inf: both corrections are 1
@@ -328,14 +181,17 @@ class DeviceStep:
         self._next = (index + 1) % len(self._slots)
         numel = grad.numel()
         param, exp_avg, exp_avg_sq, staged_grad = (row.narrow(0, 0, numel) for row in self._slots[index])
-        up, math_, down = self._up, self._math, self._down
-        key = host[0].data_ptr()
-        with self._on(up):
-            _wait(up, self._free[index])
-            _wait(up, self._downloaded.get(key))
-            for dst, src in zip((param, exp_avg, exp_avg_sq), host, strict=True):
-                dst.copy_(src, non_blocking=True)
-            uploaded = self._record(up)
+        math_, down = self._math, self._down
+        key = _key(host)
+        if len(self._issued) < len(self._slots):
+            self._issued.append(host)
+        prefetched = self._prefetched.pop(index, None)
+        if prefetched is not None and prefetched[0] == key:
+            uploaded = prefetched[1]
+        else:
+            if prefetched is not None:  # another chunk than last step's comes first: start over
+                self._prefetched.clear()
+            uploaded = self._upload(index, host)
         with self._on(math_):
             _wait(math_, uploaded)
             _wait(math_, ready)
@@ -352,13 +208,45 @@ class DeviceStep:
             _wait(down, written)
             for dst, src in zip(host, (param, exp_avg, exp_avg_sq), strict=True):
                 dst.copy_(src, non_blocking=True)
-            self._free[index] = self._last_down = self._downloaded[key] = self._record(down)
+            self._free[index] = self._last_down = self._downloaded[key[0]] = self._record(down)
         return written
 
+    def _upload(self, index: int, host: tuple[torch.Tensor, ...]) -> Ticket:
+        """Queue the copies of `host` (master, exp_avg, exp_avg_sq) into slot `index`, behind the slot's
+        last download and the chunk's own."""
+        up = self._up
+        with self._on(up):
+            _wait(up, self._free[index])
+            _wait(up, self._downloaded.get(host[0].data_ptr()))
+            for dst, src in zip(self._slots[index], host, strict=False):  # not the gradient's row
+                dst.narrow(0, 0, src.numel()).copy_(src, non_blocking=True)
+            return self._record(up)
+
+    def prefetch(self) -> None:
+        """Queue the uploads of the next step's first chunks now, after this step's last: each goes up
+        as soon as its slot's download is done, while the next forward runs, instead of waiting for the
+        next backward to hand over its first gradients. The next step uses them where its chunks come
+        in the same order, and the slot and the host state are the same (`host_ready` forgets them,
+        before anything rewrites the host state)."""
+        if self._prefetched:  # not used yet (no chunk of the device's ran since): they still stand
+            return
+        for offset, host in enumerate(self._issued):
+            index = (self._next + offset) % len(self._slots)
+            self._prefetched[index] = (_key(host), self._upload(index, host))
+            self._last_prefetch = self._prefetched[index][1]
+
     def host_ready(self) -> None:
-        """Block until every download is done: the host copies of the state are current."""
+        """Block until every download is done and no prefetched upload reads the host state: it is
+        current, and free to read or rewrite (a checkpoint load does)."""
         if self._last_down is not None:
             self._last_down.synchronize()
+        self._forget_prefetched()
+
+    def _forget_prefetched(self) -> None:
+        if self._last_prefetch is not None:
+            self._last_prefetch.synchronize()
+        self._prefetched.clear()
+        self._last_prefetch = None
 
     def device_wait(self) -> None:
         """Make the current stream wait for every kernel of the math stream (which reads the gradients
@@ -379,17 +267,24 @@ class DeviceStep:
         return stream.record_event() if stream is not None else None
 
 
-def _pin_moments(adam: HostAdam, memory: HostMemory, tried: set[int]) -> None:
+def _pin_moments(adam: HostAdam, memory: HostMemory, tried: set[int], *, before: Callable[[], None]) -> None:
     """Moments loaded from a checkpoint arrive in pageable memory: pin them, or every copy of theirs
     would go through a bounce buffer and hold the host. Once per tensor: where pinning falls back to
-    pageable memory (with a warning), the copy is not made again at every step."""
+    pageable memory (with a warning), the copy is not made again at every step. `before` runs before
+    any are replaced: no queued copy may read them then."""
     for group in range(len(adam.masters)):
         moments = adam.moments(group)
         if all(memory.is_pinned(t) or t.data_ptr() in tried for t in moments):
             continue
+        before()
         pinned = [memory.empty(t.numel(), t.dtype, pinned=True).copy_(t.view(-1)) for t in moments]
         tried.update(p.data_ptr() for p in pinned)
         adam.replace_moments(group, *(p.view(t.shape) for p, t in zip(pinned, moments, strict=True)))
+
+
+def _key(host: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
+    """Which chunk of host state a slot holds: where its three pieces start, and their length."""
+    return (*(t.data_ptr() for t in host), host[0].numel())
 
 
 def _wait(stream: torch.cuda.Stream | None, ticket: Ticket) -> None:

@@ -1,6 +1,6 @@
 """Optimizer offload (ZeRO-Offload): fp32 master shards and optimizer state in host memory.
 
-Where the Adam step runs is device_step.py's choice. On a GPU, by default, the GPU runs it: each span's
+Where the Adam step runs is update_site.py's choice. On a GPU, by default, the GPU runs it: each span's
 master and moments stream up through staging slots, the fused kernel reads the gradients where the ZeRO
 stage left them and writes the new working weights in place, and the state streams back (no landing
 buffers, 12 host bytes a parameter, all pinned). The spans, their order, the streamed step during
@@ -8,7 +8,7 @@ backward and the publishing of updated buckets are the same as for the host step
 describes below and which runs everywhere else (a CPU-only machine, other optimizers, offload_param, the
 delayed update, `DSLAUNCH_OFFLOAD_UPDATE=host`).
 
-The two can share one step (`DSLAUNCH_OFFLOAD_HOST_SHARE`, device_step.py): each span's head streams
+The two can share one step (`DSLAUNCH_OFFLOAD_HOST_SHARE`, update_site.py): each span's head streams
 through the GPU while its tail lands on the host and the CPU updates it, so the step is bounded by the
 slower of the two halves instead of by either whole.
 
@@ -67,7 +67,7 @@ from runtime.comm import Comm, Pending
 from runtime.offload import host_adam
 from runtime.offload.copies import CopyEngine, Ticket
 from runtime.offload.delayed import DelayedUpdate, check_after_steps
-from runtime.offload.device_step import DeviceStep, UpdateChoice, agree_on_update, update_choice
+from runtime.offload.device_step import DeviceStep
 from runtime.offload.host_memory import HostMemory
 from runtime.offload.host_step import HostStep
 from runtime.offload.landing import GradLanding, agree_on_landing, landing_choice
@@ -75,6 +75,7 @@ from runtime.offload.placement import GradMath, scale_from_device_grads
 from runtime.offload.spans import Span, plan_spans, share_span
 from runtime.offload.streamed import StreamedStep
 from runtime.offload.targets import WorkingTarget
+from runtime.offload.update_site import UpdateChoice, agree_on_update, update_choice
 from runtime.precision.mixed import GradResult
 from runtime.zero.buckets import bucket_order
 from runtime.zero.flat import FlatGroup
@@ -126,7 +127,7 @@ class HostMasters:
         choice = agree_on_landing(choice, grad_dtype, comm, device)
         self._landing_note = choice.reason if grad_dtype != master_dtype else None  # a real choice
         landed = choice.dtype
-        # where Adam runs (device_step.py); whether the optimizer allows the device is known at `bind`
+        # where Adam runs (update_site.py); whether the optimizer allows the device is known at `bind`
         update = update_choice(
             device=device,
             weights_on_host=target.on_host,
@@ -310,11 +311,17 @@ class HostMasters:
                 mark = self.copies.mark() if self._device_step is not None else None
                 ready = [(mark, ticket) for ticket in self.grads.tickets]
                 self._run_adam(adam, coef, None, ready, self._working_piece, publish=True)
+                self._prefetch()
             else:
                 self._generic_step(optimizer, coef, per_tensor=per_tensor)
             self._steps += 1
         self._gradients_read()
         return result
+
+    def _prefetch(self) -> None:
+        """The next step's first uploads go up while its forward runs (DeviceStep.prefetch)."""
+        if self._device_step is not None:
+            self._device_step.prefetch()
 
     def _gradients_read(self) -> None:
         """The stage may zero its gradient buffers next: not before the copies (or the device step) have
@@ -340,6 +347,7 @@ class HostMasters:
         self.grads.on_landed = None
         for span, written in zip(self.spans, self._written, strict=True):
             self._publish(span, written)
+        self._prefetch()
         self._steps += 1
         self._gradients_read()
         return result

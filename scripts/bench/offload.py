@@ -37,9 +37,12 @@ T_gpu + T_adam + T_pcie, and each engine's step time over both. An engine whose 
 (the adam row's torch_fused_fp32_grads_s) and T_pcie the fp32 copies (the pcie row's both_fp32_s), and
 also to host_floor_fp32_s, max(T_gpu, that step with the copies running beside it): the copies and the
 step share the host's memory bandwidth, which the max() of the bound assumes away.
-Timing: --warmup steps, then --steps steps each between device synchronizations; medians. "ours" also
-reports a phase split from extra steps with a synchronization after forward, backward and step (those
-steps are not in the median).
+Timing: --warmup steps, then --steps steps back to back between two device synchronizations: step_s is
+their mean, a training loop's steady state (the gpu row and every engine alike), where copies still
+running after one step overlap the next one's forward. Then the same number of steps each between
+synchronizations (step_synced_s, their median, and step_synced_min_s): those drain every stream at
+each step. The measurements of parts (adam, pcie, devstep) are medians of synchronized runs. "ours"
+also reports a phase split from extra steps with a synchronization after forward, backward and step.
 
 --find_max: GPT sizes from --sizes (n_embd:n_head:n_layer), micro batch 1, seq 1024, ZeRO-2 with
 optimizer offload, 3 steps each. It starts at the first size with at least --start_params parameters and
@@ -133,6 +136,17 @@ def _median_time(fn: Any, device: torch.device, warmup: int, steps: int) -> tupl
     return statistics.median(times), times
 
 
+def _steady_time(fn: Any, device: torch.device, steps: int) -> float:
+    """Seconds per call of `steps` calls back to back, a synchronization before and after: a training
+    loop's steady state, where copies still running after one step overlap the next one's forward."""
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
 def _host_rss_gib() -> float | None:
     try:
         import psutil
@@ -221,10 +235,12 @@ def work_gpu(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
             p.grad = None
 
     median, _ = _median_time(step, device, spec["warmup"], spec["steps"])
+    steady = _steady_time(step, device, spec["steps"])
     tokens = spec["micro_batch"] * spec["seq_len"]
     return {
-        "step_s": round(median, 5),
-        "tflops": round(config.flops_per_token(spec["seq_len"]) * tokens / median / 1e12, 1),
+        "step_s": round(steady, 5),
+        "step_synced_s": round(median, 5),
+        "tflops": round(config.flops_per_token(spec["seq_len"]) * tokens / steady / 1e12, 1),
     }
 
 
@@ -410,13 +426,15 @@ def _engine_steps(spec: dict[str, Any], device: torch.device, make: Any) -> dict
         losses.append(loss.detach())
 
     median, times = _median_time(step, device, spec["warmup"], spec["steps"])
+    steady = _steady_time(step, device, spec["steps"])
     tokens = spec["micro_batch"] * spec["seq_len"]
     result: dict[str, Any] = {
         "params": config.num_params(),
         "setup_s": round(setup_s, 1),
-        "step_s": round(median, 4),
-        "step_s_min": round(min(times), 4),
-        "tokens_per_s": round(tokens / median, 1),
+        "step_s": round(steady, 4),
+        "step_synced_s": round(median, 4),
+        "step_synced_min_s": round(min(times), 4),
+        "tokens_per_s": round(tokens / steady, 1),
         "loss_first": round(float(losses[0]), 4),
         "loss_last": round(float(losses[-1]), 4),
         "host_rss_gib": _host_rss_gib(),

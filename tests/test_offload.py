@@ -477,7 +477,7 @@ def _state_reads_wait(rank: int, world_size: int) -> dict:
     _, engine, optimizer = _offload_engine(2, bucket=300)
     del os.environ[UPDATE_ENV]
     waits = []
-    step = engine.masters._device_step
+    step = engine.masters._split.device_step
     original = step.host_ready
     step.host_ready = lambda: (waits.append("wait"), original())[1]
     x, y = rank_batch(0, 0, ROWS, rank, world_size)

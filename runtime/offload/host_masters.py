@@ -9,8 +9,8 @@ describes below and which runs everywhere else (a CPU-only machine, other optimi
 delayed update, `DSLAUNCH_OFFLOAD_UPDATE=host`).
 
 The two can share one step (`DSLAUNCH_OFFLOAD_HOST_SHARE`, update_site.py): each span's head streams
-through the GPU while its tail lands on the host and the CPU updates it, so the step is bounded by the
-slower of the two halves instead of by either whole.
+through the GPU while its tail lands on the host and the CPU updates it (split_update.py routes each
+part), so the step is bounded by the slower of the two halves instead of by either whole.
 
 Per step on the host, for this rank's shard of every param group:
 
@@ -72,7 +72,8 @@ from runtime.offload.host_memory import HostMemory
 from runtime.offload.host_step import HostStep
 from runtime.offload.landing import GradLanding, agree_on_landing, landing_choice
 from runtime.offload.placement import GradMath, scale_from_device_grads
-from runtime.offload.spans import Span, plan_spans, share_span
+from runtime.offload.spans import Span, plan_spans
+from runtime.offload.split_update import HeadTail, SplitUpdate
 from runtime.offload.streamed import StreamedStep
 from runtime.offload.targets import WorkingTarget
 from runtime.offload.update_site import UpdateChoice, agree_on_update, update_choice
@@ -81,10 +82,6 @@ from runtime.zero.buckets import bucket_order
 from runtime.zero.flat import FlatGroup
 
 _log = logging.getLogger("runtime.offload")
-
-HeadTail = tuple[Ticket, Ticket]
-"""Per span, a ticket for its head (the device's part) and one for its tail (the host's); None: none to
-wait for."""
 
 TRANSFER_CHUNK_ELEMS = 1 << 23
 """Elements per copy-back chunk: 16 MiB of bf16 (about 0.3 ms on PCIe 5, a few ms of host update), small
@@ -145,15 +142,18 @@ class HostMasters:
             weights_on_host=target.on_host,
         )
         self._working_dtype = grad_dtype
-        self._device_step: DeviceStep | None = None
         order = bucket_order(self.groups, registration)
         self.spans: list[Span] = plan_spans([g.layout for g in self.groups], order)
         self._published: list[Pending] = []
         self._last_upload: Ticket = None  # the last upload of a span the host updated
-        # each span's head, which the GPU updates, and its tail, which the CPU updates: all of it for the
-        # host step, `host_share` of it when the GPU runs the step and shares it with the CPU
-        share = self.update.host_share if self.update.on_device else 1.0
-        self._parts: list[tuple[Span, Span]] = [share_span(span, share) for span in self.spans]
+        # each span's head, which the GPU updates, and its tail, which the CPU updates
+        self._split = SplitUpdate(
+            self.groups,
+            self.spans,
+            self._host,
+            DeviceStep(device, master_dtype) if self.update.on_device else None,
+            self.update.host_share,
+        )
         self._written: list[HeadTail] = []  # the streamed step's, per span
         self._adam: host_adam.HostAdam | None = None
         self._adam_for: torch.optim.Optimizer | None = None
@@ -173,8 +173,6 @@ class HostMasters:
         self._order = order
         self._stream = stream
         self.grads = self._landing()
-        if self.update.on_device:
-            self._device_step = DeviceStep(device, master_dtype)
 
     def _landing(self) -> GradLanding:
         return GradLanding(
@@ -187,12 +185,12 @@ class HostMasters:
             self._landed_dtype,
             stream=self._stream,
             chunk_elems=self.chunk_elems,
-            parts=[tail for _, tail in self._parts],
+            parts=self._split.tails,
         )
 
     def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
         """The engine built `optimizer` over the host masters: the device step needs one it can run."""
-        if self._device_step is not None and not host_adam.supports(optimizer):
+        if self._split.on_device and not host_adam.supports(optimizer):
             self._use_host_step("the optimizer is not Adam or AdamW (or uses options the fused kernel lacks)")
         if optimizer is not None:
             # the device step's downloads run past engine.step(): reading or replacing the state through
@@ -201,30 +199,24 @@ class HostMasters:
             optimizer.register_load_state_dict_pre_hook(lambda _optimizer, _state: self._host_state_current())
         if self.comm.rank == 0 and self.copies.is_async:
             _log.info("offload: %s", self.update.reason)
-            if self._device_step is None and self._landing_note is not None:
+            if not self._split.on_device and self._landing_note is not None:
                 _log.info("offload: %s", self._landing_note)
 
     def _use_host_step(self, why: str) -> None:
         """From now on the host runs the step: gradients land in host buffers again. Between steps."""
-        if self._device_step is None:
+        if not self._split.to_host():
             return
-        self._device_step.host_ready()
-        self._device_step = None
-        if self.copies.is_async:  # the staging slots' memory goes back to the device, not torch's cache
-            torch.cuda.empty_cache()
         self.update = UpdateChoice(False, f"the CPU runs the Adam step: {why}")
-        self._parts = [share_span(span, 1.0) for span in self.spans]
         self.grads.close()
         self.grads = self._landing()
 
     def _host_state_current(self) -> None:
         """Wait until the host copies of master and moments are current (no collective: any rank may)."""
-        if self._device_step is not None:
-            self._device_step.host_ready()
+        self._split.host_ready()
 
     @property
     def update_on_device(self) -> bool:
-        return self._device_step is not None
+        return self._split.on_device
 
     def _move_masters_to_host(self, landed: torch.dtype, *, pin_all: bool) -> None:
         for group in self.groups:
@@ -256,7 +248,7 @@ class HostMasters:
         if not host_adam.supports(optimizer):
             return
         adam = self._host_adam(optimizer)
-        self._begin(adam, factor)
+        self._split.begin(adam, factor, self.memory)
         grad_scale = _grad_scale(factor)
 
         self._written = [(None, None)] * len(self.spans)
@@ -264,12 +256,13 @@ class HostMasters:
         def update(index: int) -> None:
             piece = self._working_piece(self.spans[index])
             ready = (self.grads.finals[index], self.grads.tickets[index])
-            self._written[index] = written = self._update_span(adam, grad_scale, None, ready, index, piece)
+            written = self._split.update(adam, grad_scale, self.grads, None, ready, index, piece)
+            self._written[index] = written
             self._note_upload(written)
 
         # the device step only queues work: the caller's cores need room for autograd's thread only
         # where the CPU updates part of the spans
-        spare = self.copies.is_async and any(tail.numel for _, tail in self._parts)
+        spare = self.copies.is_async and self._split.host_works
         self._streamed = StreamedStep(adam, factor, update, spare_core=spare)
         self.grads.on_landed = self._streamed.landed
 
@@ -291,7 +284,7 @@ class HostMasters:
         pieces = self.zero.grad_pieces()
         if self._streamed is not None:
             return self._finish_streamed(pieces, math)
-        if self._device_step is not None and (per_tensor or not host_adam.supports(optimizer)):
+        if self._split.on_device and (per_tensor or not host_adam.supports(optimizer)):
             self._use_host_step("the optimizer changed to one the device step cannot run")
         if not any(self.grads.landed):  # no boundary backward went through begin/end_backward
             self.grads.prepare()
@@ -306,29 +299,23 @@ class HostMasters:
                 self._start_delayed(optimizer, coef)
             elif fast:
                 adam = self._host_adam(optimizer)
-                self._begin(adam, coef)
+                self._split.begin(adam, coef, self.memory)
                 # the device's parts: after everything queued since backward, the norm's kernels too
-                mark = self.copies.mark() if self._device_step is not None else None
+                mark = self.copies.mark() if self._split.on_device else None
                 ready = [(mark, ticket) for ticket in self.grads.tickets]
                 self._run_adam(adam, coef, None, ready, self._working_piece, publish=True)
-                self._prefetch()
+                self._split.end()
             else:
                 self._generic_step(optimizer, coef, per_tensor=per_tensor)
             self._steps += 1
         self._gradients_read()
         return result
 
-    def _prefetch(self) -> None:
-        """The next step's first uploads go up while its forward runs (DeviceStep.prefetch)."""
-        if self._device_step is not None:
-            self._device_step.prefetch()
-
     def _gradients_read(self) -> None:
         """The stage may zero its gradient buffers next: not before the copies (or the device step) have
         read them."""
         self.copies.downloads_done()
-        if self._device_step is not None:
-            self._device_step.device_wait()
+        self._split.device_wait()
         self.grads.done()
 
     def _finish_streamed(self, pieces: Sequence[Sequence[torch.Tensor]], math: GradMath) -> GradResult:
@@ -347,7 +334,7 @@ class HostMasters:
         self.grads.on_landed = None
         for span, written in zip(self.spans, self._written, strict=True):
             self._publish(span, written)
-        self._prefetch()
+        self._split.end()
         self._steps += 1
         self._gradients_read()
         return result
@@ -359,7 +346,7 @@ class HostMasters:
         if self._adam is None or self._adam_for is not optimizer:
             # pinned only for the device step, which streams them: the CPU step never copies them, and
             # the largest models need that host memory unpinned
-            pinned = self._device_step is not None and self.copies.is_async
+            pinned = self._split.on_device and self.copies.is_async
             self._adam = host_adam.HostAdam(
                 optimizer,
                 [g.master for g in self.groups],
@@ -367,12 +354,6 @@ class HostMasters:
             )
             self._adam_for = optimizer
         return self._adam
-
-    def _begin(self, adam: host_adam.HostAdam, factor: float) -> None:
-        """Start one update: step counts and hyperparameters (and, on the device, what its kernels read)."""
-        adam.begin_step()
-        if self._device_step is not None:
-            self._device_step.begin_step(adam, factor, self.memory)
 
     def _run_adam(
         self,
@@ -391,39 +372,13 @@ class HostMasters:
         grad_scale = _grad_scale(coef)
         last: Ticket = None
         for index, span in enumerate(self.spans):
-            written = self._update_span(adam, grad_scale, landing, ready[index], index, dst_of(span))
+            dst = dst_of(span)
+            written = self._split.update(adam, grad_scale, self.grads, landing, ready[index], index, dst)
             last = written[1] or last
             if publish:
                 self._note_upload(written)
                 self._publish(span, written)
         return last
-
-    def _update_span(
-        self,
-        adam: host_adam.HostAdam,
-        grad_scale: torch.Tensor | None,
-        landing: list[torch.Tensor] | None,
-        ready: HeadTail,
-        index: int,
-        dst: torch.Tensor,
-    ) -> HeadTail:
-        """Update span `index` into `dst`: its head on the device once its gradients are final there
-        (`ready[0]`), then its tail on the host once it has landed (`ready[1]`), while the device works.
-        Returns the tickets after which `dst`'s head and tail hold the new weights."""
-        head, tail = self._parts[index]
-        written: Ticket = None
-        uploaded: Ticket = None
-        if head.numel:
-            assert self._device_step is not None
-            master = self.groups[head.group].master.data
-            grad = self.grads.source(index).narrow(0, 0, head.numel)
-            piece = dst.narrow(0, 0, head.numel)
-            written = self._device_step.update_span(adam, head, master, grad, piece, ready[0])
-        if tail.numel:
-            landed = self.grads.landed_grad(index, landing)
-            piece = dst.narrow(0, head.numel, tail.numel)
-            uploaded = self._host.update_span(adam, grad_scale, landed, ready[1], tail, piece)
-        return written, uploaded
 
     def _note_upload(self, written: HeadTail) -> None:
         """Remember the last upload of the host's updates: the copies' upload stream runs in order, so
@@ -476,8 +431,7 @@ class HostMasters:
         self._install_in_flight()
         if self._streamed is not None:  # between a boundary backward and its step
             self._streamed.drain()
-        if self._device_step is not None:
-            self._device_step.host_ready()
+        self._split.host_ready()
         self.write_back()
 
     def _generic_step(self, optimizer: torch.optim.Optimizer, coef: float, *, per_tensor: bool) -> None:
@@ -511,8 +465,7 @@ class HostMasters:
 
     def write_back(self) -> None:
         self.copies.device_wait(self._last_upload)
-        if self._device_step is not None:
-            self._device_step.device_wait()
+        self._split.device_wait()
         published, self._published = self._published, []
         for pending in published:
             pending.wait()
@@ -532,7 +485,7 @@ class HostMasters:
         return masters + state, buffers
 
     def device_buffer_bytes(self) -> int:
-        return 0 if self._device_step is None else self._device_step.staging_bytes()
+        return self._split.staging_bytes()
 
     def close(self) -> None:
         self.flush()

@@ -112,12 +112,11 @@ def initialize(
     if model is None:
         raise ValueError("runtime.initialize needs model=<torch.nn.Module>")
     source = _config_source(args, config)
-    if not dist.is_initialized():
-        if dist_init_required is False:
-            raise RuntimeError(
-                "dist_init_required=False but no process group exists; call runtime.init_distributed()"
-            )
-        init_distributed()
+    if not dist.is_initialized() and dist_init_required is False:
+        raise RuntimeError(
+            "dist_init_required=False but no process group exists; call runtime.init_distributed()"
+        )
+    init_distributed()  # the group, or for one the script made, only the care its exit needs
     from runtime.config import Config, load_config
 
     world_size = dist.get_world_size()

@@ -15,8 +15,8 @@ that reads them (a checkpoint, the host path, `state_dict`) goes through `HostMa
 
 Between steps: chunks come in the same order every step, so at the end of one `prefetch` queues the
 uploads of the next step's first chunks into the slots they will take. They go up while the next forward
-runs, as this step's last downloads finish, instead of after the next backward's first bucket: on the
-H200 that took GPT-2 XL's step from 0.446 to 0.413 s, 1.10x the bound. A chunk that comes in another
+runs, as this step's last downloads finish, instead of after the next backward's first bucket (on the
+H200, GPT-2 XL's step then ran at 1.10x the bound, BENCHMARKS.md run E). A chunk that comes in another
 order is uploaded again; `host_ready` waits for the prefetched uploads and forgets them, so whatever
 rewrites the host state after it (a checkpoint load) is not undone by a stale slot.
 

@@ -20,7 +20,7 @@ land, into buffers their size). Both work on every span at once, from the first 
 PCIe carries the GPU's state and the CPU's gradients and weights, the host's cores and memory bandwidth
 the CPU's update, and the step takes about the longer of the two halves.
 
-On the H200 the GPU alone was faster than any split once its uploads were prefetched (BENCHMARKS.md),
+On the H200 the GPU alone was faster than every split tried (25-55% for the CPU, BENCHMARKS.md run E),
 so the CPU's default share is 0. All ranks take the same placement (`agree_on_update`).
 """
 

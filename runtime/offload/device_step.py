@@ -15,10 +15,12 @@ that reads them (a checkpoint, the host path, `state_dict`) goes through `HostMa
 
 Between steps: chunks come in the same order every step, so at the end of one `prefetch` queues the
 uploads of the next step's first chunks into the slots they will take. They go up while the next forward
-runs, as this step's last downloads finish, instead of after the next backward's first bucket (on the
-H200, GPT-2 XL's step then ran at 1.10x the bound, BENCHMARKS.md run E). A chunk that comes in another
-order is uploaded again; `host_ready` waits for the prefetched uploads and forgets them, so whatever
-rewrites the host state after it (a checkpoint load) is not undone by a stale slot.
+runs, as this step's last downloads finish, instead of after the next backward's first bucket. On the
+H200 it made no difference beyond noise (BENCHMARKS.md run F: the downloads that run into the next
+forward anyway are what the step gains there); it is what run E measured at 1.10x the bound, and its
+removal is the next A/B to run. A chunk that comes in another order is uploaded again; `host_ready`
+waits for the prefetched uploads and forgets them, so whatever rewrites the host state after it (a
+checkpoint load) is not undone by a stale slot.
 
 On a CPU-only machine the "device" is host memory and every copy happens at once: the same chunks, slots
 and kernel calls run in order, which is what the tests on gloo check against plain PyTorch.

@@ -683,10 +683,10 @@ def test_cuda_offload_matches_device_adam(
 
 def _device_step_resume(rank: int, world_size: int, root: str, on_cpu: bool) -> dict:
     """bf16 GPT with the device step: 3 steps and a checkpoint; 6 steps straight, then that checkpoint
-    loaded into the same engine (the next step's first uploads already queued) and steps 3-5 again; a new
+    loaded into the same engine (its last downloads possibly still running) and steps 3-5 again; a new
     engine that loads it (on CUDA its moments arrive in pageable memory and are pinned again) and steps
-    3-5. `on_cpu`: the "device" is host memory, with small chunks and two slots, so that the first chunks
-    the prefetch queued come back round."""
+    3-5. `on_cpu`: the "device" is host memory, with small chunks and two slots, so that slots are
+    reused within a step and across steps."""
     import os
 
     import runtime
@@ -747,8 +747,8 @@ def _device_step_resume(rank: int, world_size: int, root: str, on_cpu: bool) -> 
 
 
 def test_device_step_resumes_exactly_also_into_an_engine_that_trained_on() -> None:
-    """On gloo: loading a checkpoint into an engine whose next uploads are already queued (prefetched
-    from the state the load replaces) trains on from the loaded state, bitwise like a new engine."""
+    """On gloo: loading a checkpoint into an engine that has trained with the device step (its slots hold
+    the state the load replaces) trains on from the loaded state, bitwise like a new engine."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as root:
@@ -762,7 +762,7 @@ def test_device_step_resumes_exactly_also_into_an_engine_that_trained_on() -> No
 def test_cuda_device_step_resumes_from_a_checkpoint_exactly(tmp_path) -> None:
     """The host state the device step streams is current when a checkpoint is saved (flush waits for the
     downloads), and a resumed run streams the loaded state (pinned again) to the same weights, in a new
-    engine and in one that trained on and had its next uploads queued."""
+    engine and in one that trained on (the load waits for its last downloads first)."""
     got = run_distributed(_device_step_resume, 1, str(tmp_path), False, timeout=240, device="cuda")[0]
     assert got["equal"], "the resumed run ended with other weights than the straight one"
     assert got["again"], "the engine that loaded the checkpoint in place trained on from other weights"

@@ -13,14 +13,10 @@ host never waits: it only queues, so the streamed step's calling thread keeps up
 host copies of the state are up to date once `host_ready` has waited for the last download; everything
 that reads them (a checkpoint, the host path, `state_dict`) goes through `HostMasters.flush` first.
 
-Between steps: chunks come in the same order every step, so at the end of one `prefetch` queues the
-uploads of the next step's first chunks into the slots they will take. They go up while the next forward
-runs, as this step's last downloads finish, instead of after the next backward's first bucket. On the
-H200 it made no difference beyond noise (BENCHMARKS.md run F: the downloads that run into the next
-forward anyway are what the step gains there); it is what run E measured at 1.10x the bound, and its
-removal is the next A/B to run. A chunk that comes in another order is uploaded again; `host_ready`
-waits for the prefetched uploads and forgets them, so whatever rewrites the host state after it (a
-checkpoint load) is not undone by a stale slot.
+Between steps: the forward waits only for the last chunk's math, not for the downloads, so a step's
+last downloads run during the next forward, as far as the slots reach (`device_slots`). Queuing the next
+step's first uploads there too made no difference on the H200 (BENCHMARKS.md run F), so uploads start
+when backward hands over each span.
 
 On a CPU-only machine the "device" is host memory and every copy happens at once: the same chunks, slots
 and kernel calls run in order, which is what the tests on gloo check against plain PyTorch.
@@ -30,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
 
 import torch
 
@@ -47,9 +42,9 @@ chunks with 4 slots ran at 49.6 GB/s each way, 32M with 3 at 48.4 and 64M with 2
 DEVICE_SLOTS = 4
 """The fewest staging slots; a device with room gets more (`device_slots`), up to MAX_DEVICE_SLOTS."""
 MAX_DEVICE_SLOTS = 16
-"""With 16M-element chunks, 4 GiB of slots: the uploads queued ahead of the next step and the downloads
-still running behind this one each cover 16 chunks, about 62 ms of PCIe on the H200, longer than GPT-2
-XL's forward (52 ms), during which the links would otherwise be idle."""
+"""With 16M-element chunks, 4 GiB of slots: the downloads still running when the next forward starts
+may cover 16 chunks, about 62 ms of PCIe on the H200, longer than GPT-2 XL's forward (52 ms). What run E
+measured; not compared with 4 slots back to back."""
 SLOTS_SHARE_OF_FREE = 16
 """The slots take at most 1/16 of the memory the device has free when the engine is built."""
 
@@ -95,11 +90,6 @@ class DeviceStep:
         self._pin_tried: set[int] = set()  # moments _pin_moments already tried (pinning may fall back)
         self._next = 0
         self._last_down: Ticket = None
-        # the first chunks of this step, in order, as far as the slots reach: the next step's are the same
-        self._issued: list[tuple[torch.Tensor, ...]] = []
-        # slot -> (the chunk's key, its upload), queued by `prefetch` for the next step's first chunks
-        self._prefetched: dict[int, tuple[tuple[int, ...], Ticket]] = {}
-        self._last_prefetch: Ticket = None
         self._step_counts: dict[int, torch.Tensor] = {}  # per group: the step count as the kernel reads it
         self._scale: torch.Tensor | None = None
         # None on a CPU-only machine, where every copy happens at once
@@ -116,8 +106,7 @@ class DeviceStep:
         """Start an update (after `adam.begin_step`): the step counts and the gradient factor its kernels
         read, queued on the math stream behind the last step's kernels."""
         if self.is_async:
-            _pin_moments(adam, memory, self._pin_tried, before=self._forget_prefetched)
-        self._issued = []
+            _pin_moments(adam, memory, self._pin_tried)
         with self._on(self._math):
             for group, (step, hp) in enumerate(adam.settings):
                 value = float(step) if hp.bias_correction else math.inf  # inf: both corrections are 1
@@ -184,16 +173,7 @@ class DeviceStep:
         numel = grad.numel()
         param, exp_avg, exp_avg_sq, staged_grad = (row.narrow(0, 0, numel) for row in self._slots[index])
         math_, down = self._math, self._down
-        key = _key(host)
-        if len(self._issued) < len(self._slots):
-            self._issued.append(host)
-        prefetched = self._prefetched.pop(index, None)
-        if prefetched is not None and prefetched[0] == key:
-            uploaded = prefetched[1]
-        else:
-            if prefetched is not None:  # another chunk than last step's comes first: start over
-                self._prefetched.clear()
-            uploaded = self._upload(index, host)
+        uploaded = self._upload(index, host)
         with self._on(math_):
             _wait(math_, uploaded)
             _wait(math_, ready)
@@ -210,7 +190,7 @@ class DeviceStep:
             _wait(down, written)
             for dst, src in zip(host, (param, exp_avg, exp_avg_sq), strict=True):
                 dst.copy_(src, non_blocking=True)
-            self._free[index] = self._last_down = self._downloaded[key[0]] = self._record(down)
+            self._free[index] = self._last_down = self._downloaded[host[0].data_ptr()] = self._record(down)
         return written
 
     def _upload(self, index: int, host: tuple[torch.Tensor, ...]) -> Ticket:
@@ -224,31 +204,10 @@ class DeviceStep:
                 dst.narrow(0, 0, src.numel()).copy_(src, non_blocking=True)
             return self._record(up)
 
-    def prefetch(self) -> None:
-        """Queue the uploads of the next step's first chunks now, after this step's last: each goes up
-        as soon as its slot's download is done, while the next forward runs, instead of waiting for the
-        next backward to hand over its first gradients. The next step uses them where its chunks come
-        in the same order, and the slot and the host state are the same (`host_ready` forgets them,
-        before anything rewrites the host state)."""
-        if self._prefetched:  # not used yet (no chunk of the device's ran since): they still stand
-            return
-        for offset, host in enumerate(self._issued):
-            index = (self._next + offset) % len(self._slots)
-            self._prefetched[index] = (_key(host), self._upload(index, host))
-            self._last_prefetch = self._prefetched[index][1]
-
     def host_ready(self) -> None:
-        """Block until every download is done and no prefetched upload reads the host state: it is
-        current, and free to read or rewrite (a checkpoint load does)."""
+        """Block until every download is done: the host copies of the state are current."""
         if self._last_down is not None:
             self._last_down.synchronize()
-        self._forget_prefetched()
-
-    def _forget_prefetched(self) -> None:
-        if self._last_prefetch is not None:
-            self._last_prefetch.synchronize()
-        self._prefetched.clear()
-        self._last_prefetch = None
 
     def device_wait(self) -> None:
         """Make the current stream wait for every kernel of the math stream (which reads the gradients
@@ -269,24 +228,17 @@ class DeviceStep:
         return stream.record_event() if stream is not None else None
 
 
-def _pin_moments(adam: HostAdam, memory: HostMemory, tried: set[int], *, before: Callable[[], None]) -> None:
+def _pin_moments(adam: HostAdam, memory: HostMemory, tried: set[int]) -> None:
     """Moments loaded from a checkpoint arrive in pageable memory: pin them, or every copy of theirs
     would go through a bounce buffer and hold the host. Once per tensor: where pinning falls back to
-    pageable memory (with a warning), the copy is not made again at every step. `before` runs before
-    any are replaced: no queued copy may read them then."""
+    pageable memory (with a warning), the copy is not made again at every step."""
     for group in range(len(adam.masters)):
         moments = adam.moments(group)
         if all(memory.is_pinned(t) or t.data_ptr() in tried for t in moments):
             continue
-        before()
         pinned = [memory.empty(t.numel(), t.dtype, pinned=True).copy_(t.view(-1)) for t in moments]
         tried.update(p.data_ptr() for p in pinned)
         adam.replace_moments(group, *(p.view(t.shape) for p, t in zip(pinned, moments, strict=True)))
-
-
-def _key(host: tuple[torch.Tensor, ...]) -> tuple[int, ...]:
-    """Which chunk of host state a slot holds: where its three pieces start, and their length."""
-    return (*(t.data_ptr() for t in host), host[0].numel())
 
 
 def _wait(stream: torch.cuda.Stream | None, ticket: Ticket) -> None:

@@ -304,7 +304,6 @@ class HostMasters:
                 mark = self.copies.mark() if self._split.on_device else None
                 ready = [(mark, ticket) for ticket in self.grads.tickets]
                 self._run_adam(adam, coef, None, ready, self._working_piece, publish=True)
-                self._split.end()
             else:
                 self._generic_step(optimizer, coef, per_tensor=per_tensor)
             self._steps += 1
@@ -334,7 +333,6 @@ class HostMasters:
         self.grads.on_landed = None
         for span, written in zip(self.spans, self._written, strict=True):
             self._publish(span, written)
-        self._split.end()
         self._steps += 1
         self._gradients_read()
         return result

@@ -8,10 +8,9 @@ device step alone all head; with `DSLAUNCH_OFFLOAD_HOST_SHARE` each span is cut 
 
 A `SplitUpdate` owns that split and the device step's life around a step: `begin` before the first span
 (the step counts and scale its kernels read), `update` per span (a (head, tail) pair of tickets: the
-device's part is written once the first is done, the host's once the second is), `end` after the last
-(the next step's first uploads are queued), and `to_host`, which hands every span to the CPU for good (an
-optimizer the GPU's kernel cannot run, the delayed update). `HostMasters` composes it with the landing
-buffers and decides when each span is ready.
+device's part is written once the first is done, the host's once the second is), and `to_host`, which
+hands every span to the CPU for good (an optimizer the GPU's kernel cannot run, the delayed update).
+`HostMasters` composes it with the landing buffers and decides when each span is ready.
 """
 
 from __future__ import annotations
@@ -100,11 +99,6 @@ class SplitUpdate:
             piece = dst.narrow(0, head.numel, tail.numel)
             uploaded = self.host.update_span(adam, grad_scale, landed, ready[1], tail, piece)
         return written, uploaded
-
-    def end(self) -> None:
-        """After the last span: the next step's first uploads go up while its forward runs."""
-        if self.device_step is not None:
-            self.device_step.prefetch()
 
     def host_ready(self) -> None:
         """Block until the host copies of master and moments are current and free to rewrite."""

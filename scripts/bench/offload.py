@@ -19,8 +19,6 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
                  clipping the update runs during backward (the streamed step). On a GPU the GPU runs
                  it over state streamed from host memory (runtime/offload/device_step.py; its row says
                  grad_landing "device" and is held to a bound whose PCIe time is 12 B/param each way)
-    ours-noprefetch  "ours" with the device step's prefetch turned off (DeviceStep.prefetch does
-                 nothing): the next step's first uploads wait for its backward, as before the prefetch
     ours-host    "ours" with DSLAUNCH_OFFLOAD_UPDATE=host: the CPU runs the Adam step on gradients that
                  land as the engine chooses (fp32 when host memory allows: runtime/offload/landing.py)
     ours-shareNN "ours" with DSLAUNCH_OFFLOAD_HOST_SHARE=0.NN: the CPU updates NN% of the elements from
@@ -86,7 +84,6 @@ from runtime.models import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
 LR, WEIGHT_DECAY = 1e-4, 0.01
 ENGINES = (
     "ours",
-    "ours-noprefetch",
     "ours-host",
     "ours-clip",
     "ours-dpu",
@@ -543,7 +540,6 @@ WORKERS = {
     "pcie": work_pcie,
     "devstep": work_devstep,
     "ours": work_ours,
-    "ours-noprefetch": lambda spec, device: work_ours(spec, device),  # prefetch off in worker_main
     "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
@@ -565,10 +561,6 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
         os.environ["DSLAUNCH_OFFLOAD_GRAD_TRANSFER"] = "native"
     if name in ("ours-host", "ours-bf16grads"):
         os.environ["DSLAUNCH_OFFLOAD_UPDATE"] = "host"
-    if name == "ours-noprefetch":  # an A/B of the engine's own code, in this subprocess only
-        from runtime.offload.device_step import DeviceStep
-
-        DeviceStep.prefetch = lambda self: None
     share = share_of(name)
     if share is not None:
         os.environ["DSLAUNCH_OFFLOAD_HOST_SHARE"] = str(share)

@@ -1,34 +1,11 @@
 """The node agent: starts one node's workers, streams their output, and never leaves one behind.
 
-Run as ``python -m launcher.agent`` (or with this file's source passed to ``python -c``: it imports
-nothing from the ``launcher`` package and only light stdlib modules, because it is started once per
-node, locally and over SSH/pdsh/mpirun/srun, and its start-up time is part of every launch).
+Run as ``python -m launcher.agent``. It imports only light stdlib modules and three stdlib-only parts
+of the ``launcher`` package (``launcher.agentspec``, its input; ``launcher.stop``, the stop sequence;
+``launcher.errorfile``, the worker error file), because it is started once per node, locally and over
+SSH/pdsh/mpirun/srun, and its start-up time is part of every launch.
 
-Input: a spec (JSON)
---------------------
-The spec arrives in one of three ways:
-
-* the first line of stdin (default; the local and SSH runners use this);
-* ``--spec-b64 DATA``: ``encode_spec_arg(spec)``, i.e. urlsafe base64 of zlib-compressed JSON, for
-  tools that do not carry stdin (pdsh, mpirun, srun);
-* ``--spec-file PATH``: a JSON file (e.g. on a shared file system).
-
-A spec is either a *node spec* or a *job spec* ``{"version": 1, "nodes": [node spec, ...]}`` from which
-the agent picks its node with ``--node-index N`` (pdsh substitutes ``%n``), ``--node-index-env VAR``
-(e.g. ``OMPI_COMM_WORLD_RANK`` or ``SLURM_NODEID`` with one agent per node) or ``--node-host NAME``.
-
-Node spec (``version`` 1)::
-
-    {"version": 1, "job_id": str, "node_rank": int, "host": str,
-     "env": {K: V},            # set for every worker, over the agent's inherited environment
-     "env_defaults": {K: V},   # set only where the resulting environment lacks K
-     "omp_threads_auto": bool, # OMP_NUM_THREADS = usable CPUs // workers on this node, if unset
-     "cwd": str | null,        # default working directory of the workers
-     "log_dir": str | null,    # the agent writes <log_dir>/rank_<R>.log (raw worker output)
-     "grace_period": float,    # seconds between SIGTERM and SIGKILL when stopping
-     "lifeline": ["stdin", "parent"],   # what counts as "the launcher is gone" (see below)
-     "workers": [{"rank": int, "local_rank": int, "argv": [str, ...],
-                  "env": {K: V}, "cwd": str | null}, ...]}
+Input: a spec (JSON), described in ``launcher.agentspec`` (how it arrives, how a node is picked).
 
 Output: the line protocol on stdout
 -----------------------------------
@@ -48,7 +25,9 @@ Every line the agent writes to stdout is one of:
     its exit status, or 128 + signal number when a signal killed it (``signal`` then names it, e.g.
     ``"SIGKILL"``). ``stopped`` is true when the agent was already stopping the node, so the exit is
     a consequence, not a cause. ``error`` is set when the worker could not be started at all
-    (code 127 for a missing program, 126 otherwise).
+    (code 127 for a missing program, 126 otherwise). When a worker that exited non-zero left an error
+    file (``launcher.errorfile``), the event also carries its ``message``, ``hint``, ``kind`` and
+    ``traceback``.
   - ``{"ev": "stopping", "reason", "detail"}`` -- the agent is stopping every worker. ``reason`` is
     one of ``worker_failed``, ``stdin_eof``, ``parent_died``, ``stdout_closed``, ``signal``,
     ``stop_command``, ``kill_command``, ``completed`` (all workers exited 0 but some left processes).
@@ -68,9 +47,12 @@ SIGINT/SIGTERM/SIGHUP stop gracefully; a second one kills at once.
 Process handling and exit code
 ------------------------------
 Each worker runs in its own session (``start_new_session``), so its process group id is its pid, with
-stdin from /dev/null. Stopping sends SIGTERM to every worker's process group, waits ``grace_period``
-seconds, then sends SIGKILL to every group that still has members, including groups whose leader already
-exited (their children must not outlive the job). The agent exits with the first failing worker's code
+stdin from /dev/null, and ``DSLAUNCH_ERROR_FILE``/``TORCHELASTIC_ERROR_FILE`` set to a fresh path in a
+private directory that the agent removes when it ends. Stopping (``launcher.stop``) sends SIGTERM to
+every worker's process group, waits ``grace_period`` seconds, then sends SIGKILL to every group that
+still has members, including groups whose leader already exited (their children must not outlive the
+job). A ``stop`` command or a first signal while already stopping changes nothing: only ``kill``, a
+second signal or the end of the grace period kills. The agent exits with the first failing worker's code
 (128 + signal for a signal death); if no worker failed but the agent was stopped, with 128 + the signal
 number for a signal, 129 for a lost lifeline or closed stdout, 143 for a ``stop`` or ``kill`` command;
 otherwise 0.
@@ -78,7 +60,6 @@ otherwise 0.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -88,10 +69,13 @@ import subprocess
 import sys
 import threading
 import time
-import zlib
 from collections import deque
 
-PROTOCOL_VERSION = 1
+from launcher.agentspec import PROTOCOL_VERSION, SpecError, decode_spec_arg, encode_spec_arg, load_spec
+from launcher.errorfile import error_file_env, read_error_file
+from launcher.stop import StopAction, StopSequence, StopState
+
+__all__ = ["EVENT_PREFIX", "PROTOCOL_VERSION", "Agent", "decode_spec_arg", "encode_spec_arg", "main"]
 EVENT_PREFIX = b"@dslaunch "
 MAX_LINE = 64 * 1024
 _READ_SIZE = 64 * 1024
@@ -100,16 +84,6 @@ _POLL_S = 0.1  # SIGCHLD and the wake-up pipe make most reactions immediate; thi
 EXIT_BAD_SPEC = 2
 EXIT_LIFELINE = 128 + signal.SIGHUP
 EXIT_STOP_COMMAND = 128 + signal.SIGTERM
-
-
-def encode_spec_arg(spec: dict) -> str:
-    """The ``--spec-b64`` form of a spec: urlsafe base64 of zlib-compressed compact JSON."""
-    raw = json.dumps(spec, separators=(",", ":")).encode()
-    return base64.urlsafe_b64encode(zlib.compress(raw, 6)).decode("ascii")
-
-
-def decode_spec_arg(data: str) -> dict:
-    return json.loads(zlib.decompress(base64.urlsafe_b64decode(data.encode("ascii"))))
 
 
 def exit_code_of(returncode: int) -> tuple[int, str | None]:
@@ -124,10 +98,6 @@ def exit_code_of(returncode: int) -> tuple[int, str | None]:
     return 128 + signum, name
 
 
-class SpecError(Exception):
-    pass
-
-
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -140,7 +110,19 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class _Worker:
-    __slots__ = ("exited", "fd", "local_rank", "log", "partial", "pid", "prefix", "proc", "rank")
+    __slots__ = (
+        "error",
+        "error_path",
+        "exited",
+        "fd",
+        "local_rank",
+        "log",
+        "partial",
+        "pid",
+        "prefix",
+        "proc",
+        "rank",
+    )
 
     def __init__(self, rank: int, local_rank: int) -> None:
         self.rank = rank
@@ -152,6 +134,8 @@ class _Worker:
         self.partial = b""
         self.log = None
         self.exited = False
+        self.error_path = ""
+        self.error = None  # the WorkerError its error file held, once it exited non-zero
 
 
 class Agent:
@@ -163,13 +147,12 @@ class Agent:
         self.grace = float(spec.get("grace_period", 5.0))
         self.lifeline = set(spec.get("lifeline", ["stdin", "parent"]))
         self.workers: list[_Worker] = []
-        self.stopping = False
-        self.killed = False
-        self.kill_deadline = 0.0
+        self.stop = StopSequence(self.grace)
         self.failure_code: int | None = None
         self.stop_code = 0
         self.stdout_ok = True
         self.omp_threads: int | None = None
+        self.error_dir: str | None = None
         # Requests from signal handlers and the stdin thread, acted on by the main loop only. A deque,
         # not a lock: a signal handler runs in the main thread and must never wait for it.
         self._requests: deque[tuple[str, str, int]] = deque()
@@ -255,6 +238,7 @@ class Agent:
         log_dir = self.spec.get("log_dir")
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
+        self.error_dir = _make_private_dir()
         default_cwd = self.spec.get("cwd")
         for ws in specs:
             w = _Worker(int(ws["rank"]), int(ws.get("local_rank", 0)))
@@ -263,6 +247,11 @@ class Agent:
             env.update({k: str(v) for k, v in ws.get("env", {}).items()})
             if self.omp_threads is not None and "OMP_NUM_THREADS" not in env:
                 env["OMP_NUM_THREADS"] = str(self.omp_threads)
+            if self.error_dir:
+                w.error_path = os.path.join(self.error_dir, f"rank_{w.rank}.json")
+                with contextlib.suppress(FileNotFoundError):  # fresh for every start
+                    os.unlink(w.error_path)
+                env.update(error_file_env(w.error_path))
             if log_dir:
                 w.log = open(os.path.join(log_dir, f"rank_{w.rank}.log"), "wb")  # noqa: SIM115
             try:
@@ -279,7 +268,7 @@ class Agent:
                 w.exited = True
                 code = 127 if isinstance(exc, FileNotFoundError) else 126
                 self.event(
-                    "exited", rank=w.rank, code=code, signal=None, stopped=self.stopping, error=str(exc)
+                    "exited", rank=w.rank, code=code, signal=None, stopped=self.stop.stopping, error=str(exc)
                 )
                 self._note_failure(code, f"rank {w.rank} could not start")
                 break
@@ -325,8 +314,20 @@ class Agent:
                 continue
             w.exited = True
             code, signame = exit_code_of(rc)
-            stopped = self.stopping
-            self.event("exited", rank=w.rank, code=code, signal=signame, stopped=stopped, error=None)
+            stopped = self.stop.stopping
+            fields: dict[str, object] = {}
+            if code != 0 and w.error_path:
+                w.error = read_error_file(w.error_path)
+                if w.error is not None:
+                    fields = {
+                        "message": w.error.message,
+                        "hint": w.error.hint,
+                        "kind": w.error.kind,
+                        "traceback": w.error.traceback,
+                    }
+            self.event(
+                "exited", rank=w.rank, code=code, signal=signame, stopped=stopped, error=None, **fields
+            )
             if code != 0 and not stopped:
                 self._note_failure(code, f"rank {w.rank} exited with {signame or code}")
 
@@ -349,21 +350,23 @@ class Agent:
         return alive
 
     def _begin_stop(self, reason: str, detail: str, code: int) -> None:
-        if reason == "kill_command" or (self.stopping and reason in ("signal", "stop_command")):
-            # A second request escalates: no more grace.
-            if not self.stopping:
-                self.stopping = True
-                self.stop_code = code
-                self.event("stopping", reason=reason, detail=detail)
-            self.kill_deadline = 0.0
-            return
-        if self.stopping:
-            return
-        self.stopping = True
-        self.stop_code = code
-        self.event("stopping", reason=reason, detail=detail)
-        self._signal_groups(signal.SIGTERM)
-        self.kill_deadline = time.monotonic() + self.grace
+        """Every stop request goes through here; ``launcher.stop`` decides what it means."""
+        first = not self.stop.stopping
+        now = time.monotonic()
+        if reason == "kill_command":
+            action = self.stop.kill(now, reason)
+        else:
+            action = self.stop.stop(now, reason, interrupt=reason == "signal")
+        if first:
+            self.stop_code = code
+            self.event("stopping", reason=reason, detail=detail)
+        self._act(action)
+
+    def _act(self, action: StopAction) -> None:
+        if action is StopAction.TERMINATE:
+            self._signal_groups(signal.SIGTERM)
+        elif action is StopAction.KILL:
+            self._signal_groups(signal.SIGKILL)
 
     def _handle_requests(self) -> None:
         while self._requests:
@@ -395,118 +398,66 @@ class Agent:
                 self._begin_stop("parent_died", f"parent {self._ppid} is gone", EXIT_LIFELINE)
             self._reap()
             now = time.monotonic()
-            if self.stopping and not self.killed and now >= self.kill_deadline:
-                self._signal_groups(signal.SIGKILL)
-                self.killed = True
+            self._act(self.stop.tick(now))
             if all(w.exited for w in self.workers):
                 # Leaders are gone; their groups must be empty too before we call the node done.
-                if not self.stopping and self._signal_groups(0):
+                if not self.stop.stopping and self._signal_groups(0):
                     self._begin_stop("completed", "workers left processes behind", 0)
-                if self.stopping and not self.killed and self._signal_groups(0):
+                if self.stop.state is StopState.STOPPING and self._signal_groups(0):
                     continue
                 if finish_by is None:
                     finish_by = now + 1.0
                 if all(w.fd < 0 for w in self.workers) or now >= finish_by:
                     break
+        self.stop.finish()
         for w in self.workers:  # output held by a process outside the group: flush what we have
             if w.fd >= 0 and w.partial:
                 self._out(w.prefix + w.partial + b"\n")
+        self._finish_error_files()
         code = self.failure_code if self.failure_code is not None else self.stop_code
         self.event("done", code=code)
         return code
 
+    def _finish_error_files(self) -> None:
+        """Append each failed worker's traceback to its agent-side log, then remove the error files."""
+        log_dir = self.spec.get("log_dir")
+        for w in self.workers:
+            if log_dir and w.error is not None and w.error.traceback:
+                log_path = os.path.join(log_dir, f"rank_{w.rank}.log")
+                with contextlib.suppress(OSError), open(log_path, "ab") as f:
+                    f.write(_traceback_block(w.error.traceback))
+            if w.error_path:
+                with contextlib.suppress(OSError):
+                    os.unlink(w.error_path)
+        if self.error_dir:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.error_dir)
 
-def _read_stdin_line() -> tuple[bytes, bytes]:
-    buf = b""
-    while b"\n" not in buf:
-        chunk = os.read(0, 65536)
-        if not chunk:
-            if buf.strip():
-                return buf, b""
-            raise SpecError("no spec on stdin (expected one JSON line)")
-        buf += chunk
-    line, rest = buf.split(b"\n", 1)
-    return line, rest
 
-
-def _select_node(spec: dict, args: dict[str, str]) -> dict:
-    if "nodes" not in spec:
-        return spec
-    nodes = spec["nodes"]
-    if "--node-host" in args:
-        for node in nodes:
-            if node.get("host") == args["--node-host"]:
-                return node
-        raise SpecError(f"no node with host {args['--node-host']!r} in the job spec")
-    if "--node-index-env" in args:
-        var = args["--node-index-env"]
-        if var not in os.environ:
-            raise SpecError(f"--node-index-env {var}: the variable is not set")
-        index_text = os.environ[var]
-    elif "--node-index" in args:
-        index_text = args["--node-index"]
-    else:
-        raise SpecError("a job spec needs --node-index, --node-index-env or --node-host")
+def _make_private_dir() -> str | None:
+    """A fresh directory only this user can read, for the workers' error files (None if none can be made)."""
+    base = os.environ.get("TMPDIR") or "/tmp"
+    path = os.path.join(base, f"dslaunch-{os.getpid()}-{os.urandom(4).hex()}")
     try:
-        index = int(index_text)
-    except ValueError:
-        raise SpecError(f"node index {index_text!r} is not an integer") from None
-    if not 0 <= index < len(nodes):
-        raise SpecError(f"node index {index} is outside 0..{len(nodes) - 1}")
-    return nodes[index]
+        os.mkdir(path, 0o700)
+    except OSError:
+        return None
+    return path
 
 
-def _check_spec(spec: object) -> dict:
-    if not isinstance(spec, dict):
-        raise SpecError("the spec is not a JSON object")
-    if spec.get("version") != PROTOCOL_VERSION:
-        raise SpecError(f"spec version {spec.get('version')!r}, this agent speaks {PROTOCOL_VERSION}")
-    workers = spec.get("workers")
-    if not isinstance(workers, list):
-        raise SpecError("the spec has no 'workers' list")
-    for w in workers:
-        if not isinstance(w, dict) or not isinstance(w.get("argv"), list) or not w["argv"]:
-            raise SpecError(f"bad worker entry {w!r}: needs a non-empty 'argv' list")
-        if not isinstance(w.get("rank"), int):
-            raise SpecError(f"bad worker entry {w!r}: needs an integer 'rank'")
-    return spec
-
-
-_OPTIONS = ("--spec-b64", "--spec-file", "--node-index", "--node-index-env", "--node-host")
+def _traceback_block(traceback: str) -> bytes:
+    """How a worker's traceback from its error file is appended to its log file."""
+    body = traceback if traceback.endswith("\n") else traceback + "\n"
+    return b"--- dslaunch: traceback from the worker's error file ---\n" + body.encode(errors="replace")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args: dict[str, str] = {}
-    leftover = b""
-    node = 0
     try:
-        i = 0
-        while i < len(argv):
-            opt, eq, value = argv[i].partition("=")
-            if opt not in _OPTIONS:
-                raise SpecError(f"unknown argument {argv[i]!r}")
-            if not eq:
-                i += 1
-                if i == len(argv):
-                    raise SpecError(f"{opt} needs a value")
-                value = argv[i]
-            args[opt] = value
-            i += 1
-        if "--spec-b64" in args:
-            raw = decode_spec_arg(args["--spec-b64"])
-        elif "--spec-file" in args:
-            with open(args["--spec-file"], "rb") as f:
-                raw = json.loads(f.read())
-        else:
-            line, leftover = _read_stdin_line()
-            raw = json.loads(line)
-        spec = _check_spec(_select_node(raw, args))
-        node = int(spec.get("node_rank", 0))
-    except (SpecError, ValueError, OSError, zlib.error) as exc:
-        msg = {"ev": "error", "node": node, "message": f"dslaunch agent: {exc}"}
+        spec, leftover = load_spec(sys.argv[1:] if argv is None else argv)
+    except SpecError as exc:
+        msg = {"ev": "error", "node": 0, "message": f"dslaunch agent: {exc}"}
         _write_all(1, EVENT_PREFIX + json.dumps(msg).encode() + b"\n")
-        _write_all(1, EVENT_PREFIX + json.dumps({"ev": "done", "node": node, "code": 2}).encode() + b"\n")
+        _write_all(1, EVENT_PREFIX + json.dumps({"ev": "done", "node": 0, "code": 2}).encode() + b"\n")
         return EXIT_BAD_SPEC
     return Agent(spec, leftover).run()
 

@@ -13,9 +13,14 @@ every agent stream in its own thread (``runners.base`` describes the contract), 
   SIGKILL, done by each agent) and remember that failure as the root cause;
 * on SIGINT/SIGTERM stop every node; a second one kills every node at once.
 
+The head's own side of stopping (``stop`` to every agent, ``kill`` when they overrun their grace period
+by ``_STOP_SLACK_S`` or on a second signal) is a ``launcher.stop.StopSequence``, the one the agents use.
+
 The exit code is the root-cause worker's code (128 + signal number for a signal death), 130 after
-SIGINT, 143 after SIGTERM, 0 on success. After a failure a short summary names the rank, host, exit code
-or signal and shows the rank's last output lines.
+SIGINT, 143 after SIGTERM, 0 on success. After a failure a short summary (``launcher.summary``) names
+the rank, host, exit code or signal and shows the rank's last output lines; ranks that failed the same
+way (same exit code and error-file message) are folded into one line. A failed worker's traceback from
+its error file is appended to its log file.
 """
 
 from __future__ import annotations
@@ -43,18 +48,13 @@ from launcher.runners.base import (
     agent_spec,
     parse_agent_line,
 )
+from launcher.stop import StopAction, StopSequence, StopState
+from launcher.summary import Failure, status_text, summary_lines
 
 # How long past the grace period an agent may take to report back before it is killed, and after the
 # kill, before the head gives up on it (a transport that hangs must not hang the launcher).
 _STOP_SLACK_S = 5.0
 _KILL_SLACK_S = 5.0
-
-_SIGNAL_HINTS = {
-    "SIGKILL": "out of memory? (see `dmesg` or the cgroup's memory.events)",
-    "SIGSEGV": "segmentation fault",
-    "SIGABRT": "aborted (a C++ exception or assertion, e.g. in NCCL or CUDA)",
-    "SIGBUS": "bus error (often /dev/shm too small in a container)",
-}
 
 
 class Outcome(enum.Enum):
@@ -72,28 +72,11 @@ class SuperviseOptions:
 
 
 @dataclass(frozen=True)
-class Failure:
-    """The root cause of a failed attempt."""
-
-    code: int
-    what: str  # "rank 2 (local rank 2) on localhost" or "the agent on worker1"
-    how: str  # "exited with code 7", "was killed by SIGKILL (exit code 137)", ...
-    rank: int | None
-    tail: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class AttemptResult:
     outcome: Outcome
     code: int
-    failure: Failure | None = None
-
-
-def _status_text(code: int, signame: str | None) -> str:
-    if signame:
-        hint = _SIGNAL_HINTS.get(signame)
-        return f"was killed by {signame} (exit code {code})" + (f"; {hint}" if hint else "")
-    return f"exited with code {code}"
+    failure: Failure | None = None  # the root cause
+    failures: tuple[Failure, ...] = ()  # the root cause first, then every other worker that failed by itself
 
 
 class _Attempt:
@@ -119,42 +102,35 @@ class _Attempt:
         self.logs: dict[int, IO[bytes]] = {}
         self.done_nodes: set[int] = set()
         self.failure: Failure | None = None
+        self.others: list[Failure] = []  # failures after the root cause that carry their own error
         self.interrupt_code: int | None = None
-        self.stop_at: float | None = None
-        self.kill_at: float | None = None
-        self.killed = False
+        # Agents get their grace period and then some to report back before the head kills them.
+        self.stop = StopSequence(options.grace_period + _STOP_SLACK_S)
         self.notes = notes  # things said once per job, across attempts
         self.handles: list[AgentHandle] = []
 
     # -- actions --------------------------------------------------------------------------------
-    def stop_all(self) -> None:
-        if self.stop_at is None:
-            self.stop_at = time.monotonic()
-            for h in self.handles:
+    def _act(self, action: StopAction) -> None:
+        for h in self.handles:
+            if action is StopAction.TERMINATE:
                 h.stop()
-
-    def kill_all(self) -> None:
-        self.stop_all()
-        if not self.killed:
-            self.killed = True
-            self.kill_at = time.monotonic()
-            for h in self.handles:
+            elif action is StopAction.KILL:
                 h.kill()
 
     def fail(self, failure: Failure) -> None:
         if self.failure is None and self.interrupt_code is None:
             self.failure = failure
-        self.stop_all()
+        self._act(self.stop.stop(time.monotonic(), "failure"))
 
     def on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
         if self.interrupt_code is None:
             self.interrupt_code = 128 + signum
-            name = signal.Signals(signum).name
             self.say(f"{name}: stopping all workers ({name} again to kill them now)")
-            self.stop_all()
-        else:
+        action = self.stop.stop(time.monotonic(), name, interrupt=True)
+        if action is StopAction.KILL:
             self.say("killing all workers")
-            self.kill_all()
+        self._act(action)
 
     # -- messages -------------------------------------------------------------------------------
     def on_output(self, msg: OutputLine) -> None:
@@ -181,26 +157,36 @@ class _Attempt:
                 )
         elif ev.kind == "exited":
             code = int(data.get("code", 1))
-            if code != 0 and not data.get("stopped"):
-                rank = int(data["rank"])
-                worker = self.workers.get(rank)
-                local = f" (local rank {worker.local_rank})" if worker else ""
-                how = _status_text(code, data.get("signal"))
-                if data.get("error"):
-                    how = f"could not start: {data['error']} (exit code {code})"
-                tail = tuple(t.decode(errors="replace") for t in self.tails.get(rank, ()))
-                self.fail(Failure(code, f"rank {rank}{local} on {host}", how, rank, tail))
+            # A worker that exits non-zero while the node is stopping is a consequence of the stop,
+            # unless its error file says it failed by itself (ranks failing the same way, at once).
+            if code != 0 and (not data.get("stopped") or data.get("message")):
+                failure = self._worker_failure(host, code, data)
+                if not (data.get("stopped") or self.failure is not None):
+                    self.fail(failure)
+                elif failure.message:  # without a message, a later failure is most likely a consequence
+                    self.others.append(failure)
         elif ev.kind == "error":
             self.fail(Failure(2, f"the agent on {host}", f"could not run: {data.get('message')}", None, ()))
         elif ev.kind == "stopping":
-            if data.get("reason") in ("signal", "stdin_eof", "parent_died") and self.stop_at is None:
+            if data.get("reason") in ("signal", "stdin_eof", "parent_died") and not self.stop.stopping:
                 detail = f"{data.get('reason')}: {data.get('detail')}"
                 self.fail(Failure(1, f"the agent on {host}", f"stopped its workers ({detail})", None, ()))
         elif ev.kind == "done":
             self.done_nodes.add(ev.node)
             code = int(data.get("code", 1))
-            if code != 0 and self.failure is None and self.stop_at is None:
+            if code != 0 and self.failure is None and not self.stop.stopping:
                 self.fail(Failure(code, f"the agent on {host}", f"ended with code {code}", None, ()))
+
+    def _worker_failure(self, host: str, code: int, data: Any) -> Failure:
+        rank = int(data["rank"])
+        worker = self.workers.get(rank)
+        local = f" (local rank {worker.local_rank})" if worker else ""
+        how = status_text(code, data.get("signal"))
+        if data.get("error"):
+            how = f"could not start: {data['error']} (exit code {code})"
+        tail = tuple(t.decode(errors="replace") for t in self.tails.get(rank, ()))
+        text = {k: str(data.get(k) or "") for k in ("message", "hint", "kind", "traceback")}
+        return Failure(code, f"rank {rank}{local} on {host}", how, rank, tail, **text)
 
     def on_foreign(self, handle: AgentHandle, msg: ForeignLine) -> None:
         for node in handle.node_ranks:
@@ -209,7 +195,7 @@ class _Attempt:
 
     def on_eof(self, handle: AgentHandle, status: int | None) -> None:
         lost = [n for n in handle.node_ranks if n not in self.done_nodes]
-        if lost and self.stop_at is None:
+        if lost and not self.stop.stopping:
             tail = tuple(t.decode(errors="replace") for n in lost for t in self.node_tails[n])
             code = status if status else 255
             how = f"ended without reporting its workers (status {status})"
@@ -227,6 +213,15 @@ class _Attempt:
         for rank in self.workers:
             self.logs[rank] = open(os.path.join(log_dir, f"rank_{rank}{suffix}.log"), "wb")  # noqa: SIM115
 
+    def _log_tracebacks(self) -> None:
+        """Each failed worker's traceback (from its error file) goes to the end of its log file."""
+        for failure in [self.failure, *self.others]:
+            log = self.logs.get(failure.rank) if failure is not None and failure.rank is not None else None
+            if log is not None and failure.traceback:
+                body = failure.traceback if failure.traceback.endswith("\n") else failure.traceback + "\n"
+                log.write(b"--- dslaunch: traceback from the worker's error file ---\n")
+                log.write(body.encode(errors="replace"))
+
     def run(self, signals: queue.SimpleQueue[int]) -> AttemptResult:
         self._open_logs()
         specs = [
@@ -238,20 +233,17 @@ class _Attempt:
         for i, handle in enumerate(self.handles):
             threading.Thread(target=_read_stream, args=(i, handle, inbox), daemon=True).start()
         open_streams = len(self.handles)
-        grace = self.options.grace_period
         try:
             while open_streams:
                 while not signals.empty():
                     self.on_signal(signals.get())
                 now = time.monotonic()
-                if (
-                    self.stop_at is not None
-                    and not self.killed
-                    and now > self.stop_at + grace + _STOP_SLACK_S
-                ):
+                action = self.stop.tick(now)
+                if action is StopAction.KILL:
                     self.say("agents did not stop within the grace period: killing")
-                    self.kill_all()
-                if self.kill_at is not None and now > self.kill_at + _KILL_SLACK_S:
+                    self._act(action)
+                killed_at = self.stop.killed_at
+                if self.stop.state is StopState.KILLING and killed_at and now > killed_at + _KILL_SLACK_S:
                     names = ", ".join(h.name for h in self.handles)
                     self.say(f"giving up on agents that do not report back (streams: {names})")
                     break
@@ -273,15 +265,18 @@ class _Attempt:
                 if inbox.empty():
                     self.out.flush()
         finally:
+            self.stop.finish()
             self.out.flush()
             for h in self.handles:
                 h.close()
+            self._log_tracebacks()
             for log in self.logs.values():
                 log.close()
+        failures = (self.failure, *self.others) if self.failure is not None else ()
         if self.interrupt_code is not None:
-            return AttemptResult(Outcome.INTERRUPTED, self.interrupt_code, self.failure)
+            return AttemptResult(Outcome.INTERRUPTED, self.interrupt_code, self.failure, failures)
         if self.failure is not None:
-            return AttemptResult(Outcome.FAILED, self.failure.code, self.failure)
+            return AttemptResult(Outcome.FAILED, self.failure.code, self.failure, failures)
         return AttemptResult(Outcome.SUCCEEDED, 0)
 
 
@@ -322,14 +317,9 @@ def _read_stream(index: int, handle: AgentHandle, inbox: queue.SimpleQueue) -> N
     inbox.put((index, ("eof", status)))
 
 
-def print_summary(failure: Failure, plan: JobPlan, say: Callable[[str], None]) -> None:
-    say(f"FAILED: {failure.what} {failure.how}")
-    say(f"  the first failure of attempt {plan.attempt} (job {plan.job_id}); all other workers were stopped")
-    if failure.tail:
-        who = f"rank {failure.rank}" if failure.rank is not None else "the agent"
-        say(f"  last {len(failure.tail)} line(s) of {who}:")
-        for line in failure.tail:
-            say(f"    {line}")
+def print_summary(failures: tuple[Failure, ...], plan: JobPlan, say: Callable[[str], None]) -> None:
+    for line in summary_lines(failures, plan.attempt, plan.job_id):
+        say(line)
 
 
 def run_job(
@@ -352,7 +342,7 @@ def run_job(
                 say(f"interrupted: all workers stopped (exit {result.code})")
                 return result.code
             assert result.failure is not None
-            print_summary(result.failure, plan, say)
+            print_summary(result.failures, plan, say)
             if attempt < options.max_restarts:
                 say(f"restarting all workers (restart {attempt + 1} of {options.max_restarts})")
         return result.code

@@ -1,0 +1,99 @@
+"""The failure summary (launcher.summary) and the worker error file (launcher.errorfile): pure functions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.errorfile import WorkerError, error_file_env, parse_error_file, read_error_file
+from launcher.summary import Failure, rank_ranges, summary_lines
+
+
+@pytest.mark.parametrize(
+    ("ranks", "text"),
+    [([0], "0"), ([3, 1, 2, 0], "0-3"), ([0, 1, 2, 3, 5, 7, 8], "0-3,5,7-8"), ([9, 4, 4], "4,9"), ([], "")],
+)
+def test_rank_ranges(ranks, text) -> None:
+    assert rank_ranges(ranks) == text
+
+
+def _fail(rank: int, code: int = 2, message: str = "", kind: str = "", hint: str = "") -> Failure:
+    tail = (f"rank {rank} line",)
+    where = f"rank {rank} (local rank {rank}) on localhost"
+    return Failure(code, where, f"exited with code {code}", rank, tail, message, hint, kind)
+
+
+def test_identical_user_errors_fold_into_one_line_and_a_hint_without_a_tail() -> None:
+    failures = [_fail(r, 2, "ConfigError: bad key", "user_input", "check ds.json") for r in (2, 0, 1, 3, 5)]
+    assert summary_lines(failures, 0, "j") == [
+        "ranks 0-3,5 failed the same way (exit code 2): ConfigError: bad key",
+        "  hint: check ds.json",
+    ]
+
+
+def test_one_user_error_is_one_line_and_the_hint() -> None:
+    lines = summary_lines([_fail(1, 2, "DataError: missing shard", "user_input", "run prep.py")], 0, "j")
+    assert lines == [
+        "FAILED: rank 1 (local rank 1) on localhost exited with code 2: DataError: missing shard",
+        "  hint: run prep.py",
+    ]
+
+
+def test_different_messages_or_codes_are_not_folded_and_the_root_cause_keeps_its_tail() -> None:
+    failures = [
+        _fail(0, 1, "ValueError: a", "exception"),
+        _fail(1, 1, "ValueError: b", "exception"),
+        _fail(2, 3, "ValueError: a", "exception"),
+        _fail(3, 1, "ValueError: a", "exception"),
+    ]
+    assert summary_lines(failures, 1, "dsl-x") == [
+        "ranks 0,3 failed the same way (exit code 1): ValueError: a",
+        "  the first failure of attempt 1 (job dsl-x); all other workers were stopped",
+        "  last 1 line(s) of rank 0:",
+        "    rank 0 line",
+        "also: rank 1 (local rank 1) on localhost exited with code 1: ValueError: b",
+        "also: rank 2 (local rank 2) on localhost exited with code 3: ValueError: a",
+    ]
+
+
+def test_failures_without_a_message_are_never_folded() -> None:
+    lines = summary_lines([_fail(0, 7), _fail(1, 7)], 0, "j")
+    assert lines[0] == "FAILED: rank 0 (local rank 0) on localhost exited with code 7"
+    assert lines[-1] == "also: rank 1 (local rank 1) on localhost exited with code 7"
+    assert not any("same way" in line for line in lines)
+
+
+def test_many_different_failures_end_in_a_count() -> None:
+    failures = [_fail(r, 1, f"ValueError: {r}", "exception") for r in range(8)]
+    lines = summary_lines(failures, 0, "j")
+    assert lines[-1] == "also: rank(s) 5-7 failed in other ways (see their output or logs)"
+    assert sum(line.startswith("also: rank ") for line in lines) == 4
+
+
+STACK = "Traceback (most recent call last):\n  ...\nRuntimeError: boom\n"
+TORCH_DOC = {"message": {"message": "RuntimeError: boom\nsecond line", "extraInfo": {"py_callstack": STACK}}}
+
+
+def test_error_file_in_torch_format_with_and_without_our_fields(tmp_path) -> None:
+    path = tmp_path / "err.json"
+    assert error_file_env(str(path)) == {
+        "DSLAUNCH_ERROR_FILE": str(path),
+        "TORCHELASTIC_ERROR_FILE": str(path),
+    }
+    path.write_text(json.dumps(TORCH_DOC))
+    err = read_error_file(str(path))
+    assert err == WorkerError(
+        "RuntimeError: boom", "", "exception", TORCH_DOC["message"]["extraInfo"]["py_callstack"]
+    )
+    ours = {"message": {"message": "ConfigError: x", "extraInfo": {"kind": "user_input", "hint": "h"}}}
+    assert parse_error_file(json.dumps(ours).encode()) == WorkerError("ConfigError: x", "h", "user_input", "")
+    assert parse_error_file(b'{"message": "bare string"}') == WorkerError("bare string")
+
+
+@pytest.mark.parametrize(
+    "data", [b"", b"{", b"[]", b'{"message": {}}', b'{"message": {"message": "  "}}', b"\xff"]
+)
+def test_a_missing_empty_or_malformed_error_file_is_no_error(tmp_path, data) -> None:
+    assert read_error_file(str(tmp_path / "absent.json")) is None
+    assert parse_error_file(data) is None

@@ -2,9 +2,8 @@
 picks a runner and hands over to the supervisor.
 
 Everything that can be wrong with the command line, the hostfile or this machine is found here, before
-anything starts, and reported as one line ``dslaunch: error: ...`` with exit code 2. GPU counting never
-imports torch: ``CUDA_VISIBLE_DEVICES`` if set, else NVML (nvidia-ml-py) when the NVIDIA driver is
-present, else ``/proc/driver/nvidia/gpus``.
+anything starts, and reported as one line ``dslaunch: error: ...`` with exit code 2. What this machine
+offers (GPUs, ``DS_ACCELERATOR=cpu``, a free rendezvous port) is decided in ``launcher.machine``.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import os
 import secrets
 import shlex
 import shutil
-import socket
 import sys
 from collections.abc import Sequence
 
@@ -21,6 +19,14 @@ import click
 
 from launcher.errors import LaunchError
 from launcher.hostfile import HostEntry, Hostfile, SelectedHost, read_hostfile, select_hosts
+from launcher.machine import (
+    DEFAULT_MASTER_PORT,
+    Devices,
+    choose_master_port,
+    default_slots,
+    is_local_host,
+    this_machine_devices,
+)
 from launcher.plan import HostSlots, JobConfig, make_plan
 from launcher.runners import DEFAULT_MULTI_NODE, get_runner
 from launcher.runners.base import RunnerOptions
@@ -35,39 +41,13 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
-# -- this machine ----------------------------------------------------------------------------------
-def visible_gpus() -> tuple[str, ...]:
-    """Ids of the GPUs this process may use (strings: CUDA_VISIBLE_DEVICES may hold UUIDs)."""
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cvd is not None:
-        return tuple(x.strip() for x in cvd.split(",") if x.strip())
-    proc_dir = "/proc/driver/nvidia/gpus"
-    if not os.path.isdir(proc_dir):
-        return ()  # no NVIDIA driver: skip NVML, whose import and init cost time
-    try:
-        import pynvml  # only when a driver is present
-
-        pynvml.nvmlInit()
-        try:
-            count = pynvml.nvmlDeviceGetCount()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # NVML missing or broken: fall back to the driver's list
-        count = len(os.listdir(proc_dir))
-    return tuple(str(i) for i in range(count))
-
-
-def is_local_host(name: str) -> bool:
-    hostname = socket.gethostname()
-    return name in ("localhost", "127.0.0.1", hostname, hostname.split(".")[0])
-
-
 # -- hosts -----------------------------------------------------------------------------------------
 def _resolve_hosts(
     hostfile: str | None, include: str, exclude: str, num_nodes: int | None, num_gpus: int | None
 ) -> tuple[list[HostSlots], str | None]:
     """Hosts with slots, plus a notice to print once (CPU workers) or None."""
-    gpus = visible_gpus()
+    devices = this_machine_devices()
+    gpus = devices.gpu_ids
     if hostfile is None and os.path.isfile(DEEPSPEED_HOSTFILE):
         hostfile = DEEPSPEED_HOSTFILE
         say(f"using the hostfile {DEEPSPEED_HOSTFILE} (pass --hostfile to choose another)")
@@ -75,28 +55,24 @@ def _resolve_hosts(
     if hostfile is not None:
         hf = read_hostfile(hostfile)
     else:
-        if gpus:
-            slots = len(gpus)
-        elif num_gpus is not None and num_gpus >= 1:
-            slots = num_gpus
-            notice = f"no GPUs on this machine: starting {num_gpus} CPU worker(s)"
-        else:
-            raise LaunchError("no GPUs on this machine: pass --num_gpus N to start N CPU workers")
+        slots, notice = default_slots(devices, num_gpus)
         entry = HostEntry("localhost", "localhost", slots, 0, f"localhost slots={slots}")
         hf = Hostfile(THIS_MACHINE, (entry,))
     selected = select_hosts(hf, include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus)
     hosts = []
     for sel in selected:
         if is_local_host(sel.host):
-            hosts.append(_local_slots(sel, hf, gpus))
+            hosts.append(_local_slots(sel, hf, devices))
             if not gpus and notice is None:
-                notice = f"no GPUs on this machine: starting {len(sel.slots)} CPU worker(s) on {sel.host}"
+                notice = f"{devices.why_cpu}: starting {len(sel.slots)} CPU worker(s) on {sel.host}"
         else:
-            hosts.append(HostSlots(sel.host, sel.slots, gpus=True, local=False))
+            # DS_ACCELERATOR travels to remote workers (launcher.envfwd): CPU workers there too.
+            hosts.append(HostSlots(sel.host, sel.slots, gpus=not devices.cpu_forced, local=False))
     return hosts, notice
 
 
-def _local_slots(sel: SelectedHost, hf: Hostfile, gpus: tuple[str, ...]) -> HostSlots:
+def _local_slots(sel: SelectedHost, hf: Hostfile, devices: Devices) -> HostSlots:
+    gpus = devices.gpu_ids
     if not gpus:
         return HostSlots(sel.host, sel.slots, gpus=False, local=True)
     if max(sel.slots) >= len(gpus):
@@ -109,18 +85,6 @@ def _local_slots(sel: SelectedHost, hf: Hostfile, gpus: tuple[str, ...]) -> Host
         # UUID or MIG names in CUDA_VISIBLE_DEVICES: keep the user's variable, pick by LOCAL_RANK.
         return HostSlots(sel.host, sel.slots, gpus=False, local=True)
     return HostSlots(sel.host, tuple(int(gpus[s]) for s in sel.slots), gpus=True, local=True)
-
-
-def _check_port_free(port: int) -> None:
-    """One machine: refuse a busy MASTER_PORT now rather than after every worker has started."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the rendezvous store does
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise LaunchError(
-                f"--master_port {port}: the port is in use on this machine ({exc.strerror})"
-            ) from None
 
 
 def _parse_env(items: Sequence[str]) -> dict[str, str]:
@@ -139,6 +103,11 @@ def _check_script(script: str, module: bool, no_python: bool) -> None:
     if no_python:
         if shutil.which(script) is None:
             raise LaunchError(f"{script!r} is not an executable file or a command on PATH (--no_python)")
+    elif os.path.isdir(script):
+        raise LaunchError(
+            f"user_script {script!r} is a directory, not a script: name the .py file in it"
+            " (or pass --module to run a package)"
+        )
     elif not os.path.isfile(script):
         raise LaunchError(f"user_script {script!r} does not exist (working directory {os.getcwd()})")
 
@@ -162,10 +131,16 @@ def _check_script(script: str, module: bool, no_python: bool) -> None:
     "num_gpus",
     type=int,
     default=None,
-    help="Workers per host (slots 0..N-1); on a machine without GPUs, N CPU workers.",
+    help="Workers per host (slots 0..N-1); without GPUs (or with DS_ACCELERATOR=cpu), N CPU workers.",
 )
 @click.option("--master_addr", "--master-addr", default="", help="Rank 0's address (default: first host).")
-@click.option("--master_port", "--master-port", type=int, default=29500, show_default=True)
+@click.option(
+    "--master_port",
+    "--master-port",
+    type=int,
+    default=None,
+    help=f"Rank 0's port (default {DEFAULT_MASTER_PORT}; on one machine a free one if that is busy).",
+)
 @click.option("--module", is_flag=True, help="USER_SCRIPT is a module: python -m USER_SCRIPT.")
 @click.option("--no_python", "--no-python", is_flag=True, help="Run USER_SCRIPT directly, not with python.")
 @click.option("--no_local_rank", "--no-local-rank", is_flag=True, help="Do not pass --local_rank=N.")
@@ -193,7 +168,7 @@ def cli(
     num_nodes: int | None,
     num_gpus: int | None,
     master_addr: str,
-    master_port: int,
+    master_port: int | None,
     module: bool,
     no_python: bool,
     no_local_rank: bool,
@@ -214,6 +189,9 @@ def cli(
     # DeepSpeed's "unset" is -1; accept it so existing command lines keep working.
     num_nodes = None if num_nodes == -1 else num_nodes
     num_gpus = None if num_gpus == -1 else num_gpus
+    for flag, count in (("--num_gpus", num_gpus), ("--num_nodes", num_nodes)):
+        if count is not None and count < 1:
+            raise LaunchError(f"{flag} {count}: must be at least 1")
     if max_restarts < 0:
         raise LaunchError(f"--max_restarts {max_restarts}: must be 0 or more")
     if grace_period < 0:
@@ -225,6 +203,7 @@ def cli(
     except ValueError as exc:
         raise LaunchError(f"--launcher_args {launcher_args!r}: {exc}") from None
     user_env = _parse_env(env_items)
+    _check_script(user_script, module, no_python)
     hosts, notice = _resolve_hosts(hostfile, include, exclude, num_nodes, num_gpus)
     single_local = len(hosts) == 1 and hosts[0].local
     runner_cls = get_runner(launcher or ("local" if single_local else DEFAULT_MULTI_NODE))
@@ -242,11 +221,10 @@ def cli(
             },
         )
     )
+    master_is_here = hosts[0].local or (bool(master_addr) and is_local_host(master_addr))
     if not master_addr:
         master_addr = "127.0.0.1" if single_local else runner.master_addr(hosts[0].host)
-    _check_script(user_script, module, no_python)
-    if single_local:
-        _check_port_free(master_port)
+    port = choose_master_port(master_port, single_node=single_local, master_is_here=master_is_here)
     job = JobConfig(
         script=user_script,
         script_args=tuple(user_args),
@@ -255,7 +233,7 @@ def cli(
         no_python=no_python,
         no_local_rank=no_local_rank,
         master_addr=master_addr,
-        master_port=master_port,
+        master_port=port.port,
         job_id=f"dsl-{secrets.token_hex(4)}",
         max_restarts=max_restarts,
         cwd=os.getcwd(),
@@ -263,8 +241,9 @@ def cli(
     )
     first = make_plan(hosts, job, 0)  # validates; attempt 0 uses it
     runner.check(first)
-    if notice:
-        say(notice)
+    for line in (notice, port.notice):  # said once everything is checked: an error comes alone
+        if line:
+            say(line)
     options = SuperviseOptions(grace_period=grace_period, log_dir=log_dir, max_restarts=max_restarts)
     return run_job(lambda a: first if a == 0 else make_plan(hosts, job, a), runner, options, say)
 

@@ -1,7 +1,8 @@
 """dslaunch on one machine, end to end: real processes, real gloo groups, real signals. No mocks.
 
 Workers write pid files (their own pid and a child's), so the tests can check with psutil that nothing
-of the job is left running after dslaunch returns.
+of the job is left running after dslaunch returns. Every job here runs CPU workers (``DS_ACCELERATOR=cpu``),
+also on a machine with GPUs, and passes a free ``--master_port``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 DSLAUNCH = [sys.executable, "-m", "launcher.cli"]
+CPU = {"DS_ACCELERATOR": "cpu"}  # CPU workers, on a machine with GPUs too
 
 
 def free_port() -> int:
@@ -30,7 +32,7 @@ def free_port() -> int:
 
 
 def run_dslaunch(args, env=None, timeout=60.0, cwd=REPO) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**os.environ, **CPU, **(env or {})}
     return subprocess.run(
         [*DSLAUNCH, *args], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
@@ -39,7 +41,7 @@ def run_dslaunch(args, env=None, timeout=60.0, cwd=REPO) -> subprocess.Completed
 def start_dslaunch(args, env) -> subprocess.Popen:
     return subprocess.Popen(
         [*DSLAUNCH, *args],
-        env={**os.environ, **env},
+        env={**os.environ, **CPU, **env},
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -105,7 +107,7 @@ def test_a_job_whose_last_act_is_a_collective_exits_cleanly_every_time() -> None
 @pytest.mark.timeout(120)
 def test_three_ranks_all_reduce_and_see_their_env(tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, **CPU}
     result = subprocess.run(
         [
             *DSLAUNCH,
@@ -149,14 +151,14 @@ def test_three_ranks_all_reduce_and_see_their_env(tmp_path):
         assert e["NCCL_NVLS_ENABLE"] == "0"
         assert e["OMP_NUM_THREADS"] == omp
         assert e["DSL_TEST_VAR"] == "a b=c"
-        assert e["CUDA_VISIBLE_DEVICES"] is None  # no GPUs here: CPU workers
+        assert e["CUDA_VISIBLE_DEVICES"] is None  # DS_ACCELERATOR=cpu: CPU workers
         # the head wrote every rank's log, without the [rank N] prefix
         log = (tmp_path / "logs" / f"rank_{rank}.log").read_text()
         assert log.startswith("REPORT ") and json.loads(log.removeprefix("REPORT "))["env"]["RANK"] == str(
             rank
         )
     assert len({r["env"]["DSLAUNCH_JOB_ID"] for r in got.values()}) == 1
-    assert "starting 3 CPU worker(s)" in result.stderr
+    assert "DS_ACCELERATOR=cpu: starting 3 CPU worker(s)" in result.stderr
     assert result.stderr.count("OMP_NUM_THREADS is not set") == 1
 
 
@@ -353,6 +355,8 @@ BAD_CASES = [
     ("env-malformed", None, ["--num_gpus", "1", "--env", "NOEQUALS"], ["'NOEQUALS'", "NAME=VALUE"]),
     ("module-no-python", None, ["--num_gpus", "1", "--module", "--no_python"], ["cannot be used together"]),
     ("bad-int", None, ["--num_gpus", "two"], ["'two'", "not a valid integer"]),
+    ("num-gpus-zero", None, ["--num_gpus", "0"], ["--num_gpus 0: must be at least 1"]),
+    ("num-nodes-zero", None, ["--num_nodes", "0"], ["--num_nodes 0: must be at least 1"]),
     ("negative-restarts", None, ["--num_gpus", "1", "--max_restarts", "-1"], ["--max_restarts -1"]),
     ("unknown-launcher", None, ["--num_gpus", "1", "--launcher", "carrier-pigeon"], ["unknown launcher"]),
     ("unknown-flag", None, ["--num_gpu", "1"], ["--num_gpu"]),
@@ -386,3 +390,30 @@ def test_missing_script_is_refused_before_starting(tmp_path):
     result = run_dslaunch(["--num_gpus", "2", "no_such_train.py"], timeout=20, cwd=tmp_path)
     assert result.returncode == 2
     assert "user_script 'no_such_train.py' does not exist" in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_directory_as_the_script_says_it_is_a_directory(tmp_path):
+    (tmp_path / "train").mkdir()
+    result = run_dslaunch(["--num_gpus", "1", "train"], timeout=20, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "dslaunch: error: user_script 'train' is a directory, not a script: name the .py file in it"
+        " (or pass --module to run a package)\n"
+    )
+
+
+@pytest.mark.timeout(30)
+def test_a_busy_master_port_on_this_machine_stops_a_multi_node_job_before_it_starts(tmp_path):
+    hostfile = tmp_path / "hf"
+    hostfile.write_text("localhost slots=1\nworker-unreachable.invalid slots=1\n")  # rank 0 runs here
+    marker = tmp_path / "started"
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        args = ["--hostfile", str(hostfile), "--master_port", str(port), str(SCRIPTS / "touch_marker.py")]
+        result = run_dslaunch(args, {"MARKER": str(marker)}, timeout=20)
+    assert result.returncode == 2
+    assert result.stderr == f"dslaunch: error: --master_port {port}: the port is in use on this machine\n"
+    assert not marker.exists()

@@ -23,6 +23,7 @@ from runtime.data import (
     TokenBlockDataset,
     load_tokenizer,
 )
+from tests.dist import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "scripts" / "train_gpt.py"
@@ -195,6 +196,8 @@ def test_dslaunch_two_cpu_workers_train_with_zero2() -> None:
             dslaunch,
             "--num_gpus",
             "2",
+            "--master_port",  # never the default 29500: another job on this machine may hold it
+            str(free_port()),
             str(TRAIN),
             "--deepspeed_config",
             str(ZERO2),

@@ -203,7 +203,6 @@ def cli(
     except ValueError as exc:
         raise LaunchError(f"--launcher_args {launcher_args!r}: {exc}") from None
     user_env = _parse_env(env_items)
-    _check_script(user_script, module, no_python)
     hosts, notice = _resolve_hosts(hostfile, include, exclude, num_nodes, num_gpus)
     single_local = len(hosts) == 1 and hosts[0].local
     runner_cls = get_runner(launcher or ("local" if single_local else DEFAULT_MULTI_NODE))
@@ -224,6 +223,7 @@ def cli(
     master_is_here = hosts[0].local or (bool(master_addr) and is_local_host(master_addr))
     if not master_addr:
         master_addr = "127.0.0.1" if single_local else runner.master_addr(hosts[0].host)
+    _check_script(user_script, module, no_python)
     port = choose_master_port(master_port, single_node=single_local, master_is_here=master_is_here)
     job = JobConfig(
         script=user_script,

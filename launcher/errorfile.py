@@ -21,7 +21,9 @@ import json
 ERROR_FILE_VARS = ("DSLAUNCH_ERROR_FILE", "TORCHELASTIC_ERROR_FILE")
 USER_INPUT = "user_input"  # the kind of an error in the user's input: one line and a hint, no traceback
 MAX_MESSAGE = 4096  # a message is meant to be one line; keep a runaway one from flooding the summary
-MAX_TRACEBACK = 256 * 1024
+# The traceback travels to the head inside one protocol line; stay within what every transport (pdsh,
+# mpirun) already carries for worker output (launcher.agent.MAX_LINE, 64 KiB). The end is what matters.
+MAX_TRACEBACK = 60 * 1024
 
 
 class WorkerError:
@@ -76,15 +78,21 @@ def parse_error_file(data: bytes) -> WorkerError | None:
         message=first_line,
         hint=_text(extra.get("hint")).strip(),
         kind=_text(extra.get("kind")) or "exception",
-        traceback=_text(extra.get("py_callstack"))[-MAX_TRACEBACK:],
+        traceback=_tail(_text(extra.get("py_callstack"))),
     )
+
+
+def _tail(traceback: str) -> str:
+    if len(traceback) <= MAX_TRACEBACK:
+        return traceback
+    return f"[... {len(traceback) - MAX_TRACEBACK} characters cut ...]\n" + traceback[-MAX_TRACEBACK:]
 
 
 def read_error_file(path: str) -> WorkerError | None:
     """The error a worker left at ``path``; None when there is none or it cannot be read."""
     try:
         with open(path, "rb") as f:
-            data = f.read(2 * MAX_TRACEBACK)
+            data = f.read(16 * MAX_TRACEBACK)
     except OSError:
         return None
     return parse_error_file(data)

@@ -104,3 +104,20 @@ def test_ranks_failing_differently_are_not_folded(tmp_path):
         assert sum(f"rank {rank} (local rank {rank}) on localhost exited with code 1: ValueError: "
                    f"shard {rank} is corrupt" in ln for ln in heads) == 1  # fmt: skip
     assert "the first failure of attempt 0" in result.stderr  # not user input: today's detail stays
+
+
+@pytest.mark.timeout(120)
+def test_a_script_using_torchs_record_reports_through_the_same_file(tmp_path):
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    logs = tmp_path / "logs"
+    args = ["--num_gpus", "2", "--master_port", str(free_port()), "--log_dir", str(logs)]
+    result = run_dslaunch(
+        [*args, str(SCRIPTS / "record_error.py")], {"BARRIER_DIR": str(barrier)}, timeout=100
+    )
+    assert result.returncode == 1, result.stderr
+    msg = "ValueError: shard 3 of data/train.bin is corrupt"
+    assert f"dslaunch: ranks 0-1 failed the same way (exit code 1): {msg}\n" in result.stderr
+    for rank in (0, 1):
+        log = (logs / f"rank_{rank}.log").read_text()
+        assert log.count(f"\n{msg}\n") == 2  # Python's traceback, then the one from the error file

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from launcher.errorfile import WorkerError, error_file_env, parse_error_file, read_error_file
+from launcher.errorfile import MAX_TRACEBACK, WorkerError, error_file_env, parse_error_file, read_error_file
 from launcher.summary import Failure, rank_ranges, summary_lines
 
 
@@ -97,3 +97,11 @@ def test_error_file_in_torch_format_with_and_without_our_fields(tmp_path) -> Non
 def test_a_missing_empty_or_malformed_error_file_is_no_error(tmp_path, data) -> None:
     assert read_error_file(str(tmp_path / "absent.json")) is None
     assert parse_error_file(data) is None
+
+
+def test_a_huge_traceback_keeps_its_end() -> None:
+    stack = "x" * (MAX_TRACEBACK + 10) + "\nValueError: the end\n"
+    doc = {"message": {"message": "ValueError: the end", "extraInfo": {"py_callstack": stack}}}
+    err = parse_error_file(json.dumps(doc).encode())
+    assert err is not None and err.traceback.endswith("\nValueError: the end\n")
+    assert err.traceback.startswith(f"[... {len(stack) - MAX_TRACEBACK} characters cut ...]\n")

@@ -20,7 +20,7 @@ Node spec (``version`` 1)::
      "env_defaults": {K: V},   # set only where the resulting environment lacks K
      "omp_threads_auto": bool, # OMP_NUM_THREADS = usable CPUs // workers on this node, if unset
      "cwd": str | null,        # default working directory of the workers
-     "log_dir": str | null,    # the agent writes <log_dir>/rank_<R>.log (raw worker output)
+     "log_dir": str | null,    # <log_dir>/rank_<R>.log: raw worker output, then any error-file traceback
      "grace_period": float,    # seconds between SIGTERM and SIGKILL when stopping
      "lifeline": ["stdin", "parent"],   # "the launcher is gone" (see launcher.agent)
      "workers": [{"rank": int, "local_rank": int, "argv": [str, ...],

@@ -210,15 +210,16 @@ def start(directory: Path, n_nodes: int = 2, timeout: float = 30.0) -> Cluster:
 
 def _slurm_conf(c: Cluster, memory_mb: int) -> str:
     d = c.dir
+    host = socket.gethostname().split(".")[0]  # slurmctld compares it with its own short name
     nodes = "\n".join(
-        f"NodeName={n} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 Port={_free_port()} "
+        f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
         f"CPUs={c.cpus} RealMemory={memory_mb} State=UNKNOWN"
         for n in c.nodes
     )
     return f"""\
 # A one-machine cluster for dslaunch's tests (tests/slurm_testbed.py); every path is private.
 ClusterName=dslaunch-test
-SlurmctldHost={socket.gethostname()}(127.0.0.1)
+SlurmctldHost={host}(127.0.0.1)
 SlurmctldPort={_free_port()}
 CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
 AuthType=auth/munge

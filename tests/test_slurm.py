@@ -260,6 +260,7 @@ def test_single_node_job_without_hostfile_in_a_batch_script(slurm: Cluster, tmp_
     script = write(tmp_path, "env.py", ENV_WORKER)
     argv = [*DSLAUNCH, "--num_gpus", "2", "--master_port", str(free_port()), str(script)]
     res = sbatch(slurm, tmp_path, ["-N1", "-w", "node2"], argv)
+    assert res.returncode == 0, res.stderr
     job = res.stdout.strip().split(";")[0]
     deadline = time.monotonic() + 60
     while job in slurm.jobs():  # sbatch --wait polls every few seconds; this is faster

@@ -41,12 +41,12 @@ dist.destroy_process_group()
 """
 
 # Waits until every rank is up (files in READY_DIR, which holds each rank's pid and its child's), then:
-# FAIL_RANK exits 7; the others sleep, and on SIGTERM take 1 s to clean up and say so.
+# FAIL_RANK exits 7; the others sleep, and on SIGTERM take CLEANUP_S (1 s) to clean up and say so.
 SLEEP_WORKER = """
 import os, signal, subprocess, sys, time
 rank = os.environ["RANK"]
 def cleanup(signum, frame):
-    time.sleep(1.0)
+    time.sleep(float(os.environ.get("CLEANUP_S", "1")))
     print(f"rank {rank} cleaned up after {signal.Signals(signum).name}", flush=True)
     sys.exit(0)
 signal.signal(signal.SIGTERM, cleanup)
@@ -224,6 +224,32 @@ def test_ctrl_c_gives_every_worker_its_grace_period(slurm: Cluster, tmp_path: Pa
         assert f"[{node} rank {rank}] rank {rank} cleaned up after SIGTERM" in out, out + err
     assert "dslaunch: interrupted: all workers stopped (exit 130)" in err
     assert job_processes(script) == []
+
+
+def test_a_second_ctrl_c_kills_at_once(slurm: Cluster, tmp_path: Path) -> None:
+    hosts = write(tmp_path, "hosts", "node2 slots=1\nnode1 slots=1\n")
+    script = write(tmp_path, "worker.py", SLEEP_WORKER)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    argv = ["salloc", "--quiet", "-N2", *dslaunch_args(hosts, script, "--grace_period", "60")]
+    env = job_env(slurm, tmp_path, READY_DIR=str(ready), CLEANUP_S="60")
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        pids = wait_ready(ready, 2, proc)
+        (head,) = [c for c in psutil.Process(proc.pid).children() if "launcher.cli" in " ".join(c.cmdline())]
+        head.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        head.send_signal(signal.SIGINT)  # the workers would take 60 s to clean up
+        out, err = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out + err
+    assert elapsed < 10, out + err
+    assert "cleaned up" not in out
+    assert alive(pids) == [] and job_processes(script) == []
 
 
 def test_a_node_that_finishes_first_does_not_end_the_others(slurm: Cluster, tmp_path: Path) -> None:

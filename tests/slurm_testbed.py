@@ -3,10 +3,13 @@ slurmd per fake node, all started by the test session in a private directory and
 
 Node i (1-based) is named ``node{i}`` and is its own slurmd (``slurmd -N node{i}``) with its own port and
 spool directory; every node has this machine's CPUs (``slurmd -C``), so the nodes share the same cores.
-Two nodes let a test place tasks in an order that differs from Slurm's own, which is what the Slurm
-runner's ``--distribution=arbitrary`` exists for. The names do not resolve: jobs pass ``--master_addr
-127.0.0.1``. Everything listens on 127.0.0.1 only (``CommunicationParameters=NoInAddrAny,
-NoCtldInAddrAny`` also binds srun's own ports there); munge uses a fresh key and a socket in the directory.
+Each node also has ``GPUS`` fake GPUs (``Gres=gpu``: character devices in the directory that are
+/dev/null underneath) where mknod is allowed, so Slurm's GPU bookkeeping (which GPUs a step gets, in
+``SLURM_STEP_GPUS``) is real while nothing uses a GPU. Two nodes let a test place tasks in an order
+that differs from Slurm's own, which is what the Slurm runner's ``--distribution=arbitrary`` exists for.
+The names do not resolve: jobs pass ``--master_addr 127.0.0.1``. Everything listens on 127.0.0.1 only
+(``CommunicationParameters=NoInAddrAny,NoCtldInAddrAny`` also binds srun's own ports there); munge
+uses a fresh key and a socket in the directory.
 
 The directory holds ``slurm.conf``, ``munge/`` (key, socket, log), ``state/``, ``spool/<node>/``,
 ``log/`` (slurmctld.log, slurmd-<node>.log) and ``cluster.json`` (pids, for ``stop`` from the shell).
@@ -40,6 +43,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -52,6 +56,7 @@ import psutil
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "salloc", "sbatch", "scancel", "squeue", "sinfo", "scontrol")
 STATE_FILE = "cluster.json"
+GPUS = 2  # fake GPUs per node
 
 
 class SlurmUnavailable(RuntimeError):
@@ -86,6 +91,7 @@ class Cluster:
     dir: Path
     nodes: tuple[str, ...]
     cpus: int
+    gpus: int = 0  # fake GPUs per node (0 where mknod is not allowed)
     pids: dict[str, int] = field(default_factory=dict)  # daemon name -> pid
     start_seconds: float = 0.0
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
@@ -118,15 +124,19 @@ class Cluster:
             time.sleep(0.1)
 
     def processes(self) -> list[psutil.Process]:
-        """Live processes (zombies excluded) started under this cluster, daemons excluded."""
-        mine = f"SLURM_CONF={self.conf}"
+        """Live processes (zombies excluded) of this cluster's jobs: slurmstepd and everything started
+        for a job (they carry SLURM_JOB_ID). Never the daemons, this process or its ancestors (a shell
+        that exported SLURM_CONF to run ``stop``)."""
+        me = psutil.Process()
+        spared = {me.pid, *(p.pid for p in me.parents()), *self.pids.values()}
         found = []
-        for p in psutil.process_iter(["pid", "status"]):
-            if p.pid in self.pids.values() or p.info["status"] == psutil.STATUS_ZOMBIE:
+        for p in psutil.process_iter(["pid", "name", "status"]):
+            if p.pid in spared or p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             with contextlib.suppress(psutil.Error):
                 env = p.environ()
-                if f"SLURM_CONF={env.get('SLURM_CONF')}" == mine:
+                ours = env.get("SLURM_CONF") == str(self.conf)
+                if ours and ("SLURM_JOB_ID" in env or p.info["name"] == "slurmstepd"):
                     found.append(p)
         return found
 
@@ -139,13 +149,13 @@ class Cluster:
         return "\n".join(parts)
 
     def save(self) -> None:
-        state = {"nodes": list(self.nodes), "cpus": self.cpus, "pids": self.pids}
+        state = {"nodes": list(self.nodes), "cpus": self.cpus, "gpus": self.gpus, "pids": self.pids}
         (self.dir / STATE_FILE).write_text(json.dumps(state))
 
     @classmethod
     def load(cls, directory: Path) -> Cluster:
         state = json.loads((directory / STATE_FILE).read_text())
-        return cls(directory, tuple(state["nodes"]), state["cpus"], state["pids"])
+        return cls(directory, tuple(state["nodes"]), state["cpus"], state["gpus"], state["pids"])
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons, kill whatever the jobs left behind."""
@@ -181,6 +191,9 @@ def start(directory: Path, n_nodes: int = 2, timeout: float = 30.0) -> Cluster:
     key = munge / "munge.key"
     key.write_bytes(secrets.token_bytes(1024))
     key.chmod(0o600)
+    cluster.gpus = _fake_gpus(directory / "dev", GPUS)
+    if cluster.gpus:
+        (directory / "gres.conf").write_text(f"Name=gpu File={directory / 'dev'}/gpu[0-{cluster.gpus - 1}]\n")
     cluster.conf.write_text(_slurm_conf(cluster, memory))
     env = cluster.env  # the daemons carry SLURM_CONF too: it marks every process of every job
 
@@ -213,7 +226,7 @@ def _slurm_conf(c: Cluster, memory_mb: int) -> str:
     host = socket.gethostname().split(".")[0]  # slurmctld compares it with its own short name
     nodes = "\n".join(
         f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={_free_port()} "
-        f"CPUs={c.cpus} RealMemory={memory_mb} State=UNKNOWN"
+        f"CPUs={c.cpus} RealMemory={memory_mb} {f'Gres=gpu:{c.gpus} ' if c.gpus else ''}State=UNKNOWN"
         for n in c.nodes
     )
     return f"""\
@@ -242,6 +255,7 @@ SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 MpiDefault=none
+{"GresTypes=gpu" if c.gpus else ""}
 ReturnToService=2
 KillWait=10
 # Settings some sites use, which a launcher must override for its step (see launcher/runners/slurm.py):
@@ -259,6 +273,17 @@ def _this_machine() -> tuple[int, int]:
     out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30).stdout
     fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
     return int(fields.get("CPUs", os.cpu_count() or 1)), min(2048, int(fields.get("RealMemory", 2048)))
+
+
+def _fake_gpus(directory: Path, n: int) -> int:
+    """``n`` character devices named gpu0.. (slurmd accepts only devices for a GPU), or 0 if not allowed."""
+    directory.mkdir(exist_ok=True)
+    try:
+        for i in range(n):
+            os.mknod(directory / f"gpu{i}", stat.S_IFCHR | 0o666, os.makedev(1, 3))  # /dev/null's numbers
+    except OSError:
+        return 0
+    return n
 
 
 def _all_idle(c: Cluster) -> bool:

@@ -22,6 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from launcher.errors import LaunchError
+from launcher.plan import HostSlots, JobConfig, make_plan
+from launcher.runners.slurm import gpu_request
 from tests import slurm_testbed
 from tests.slurm_testbed import Cluster
 
@@ -79,7 +82,8 @@ if os.environ["RANK"] == "1":
 
 ENV_WORKER = """
 import os
-print("NODE", os.environ.get("SLURMD_NODENAME"), os.environ["RANK"], os.environ["WORLD_SIZE"], flush=True)
+print("NODE", os.environ.get("SLURMD_NODENAME"), os.environ["RANK"], os.environ["WORLD_SIZE"],
+      "step-gpus=" + os.environ.get("SLURM_STEP_GPUS", "none"), flush=True)
 """
 
 
@@ -295,6 +299,30 @@ def test_single_node_job_without_hostfile_in_a_batch_script(slurm: Cluster, tmp_
     out = (tmp_path / "job.out").read_text()
     assert "ExitCode=0:0" in slurm.run("scontrol", "show", "job", "-o", job).stdout, out
     assert sorted(re.findall(r"NODE (\S+) (\d) (\d)", out)) == [("node2", "0", "2"), ("node2", "1", "2")], out
+
+
+def test_gpus_allocated_per_task_all_reach_the_node_agent(slurm: Cluster, tmp_path: Path) -> None:
+    if not slurm.gpus:
+        pytest.skip("the Slurm testbed has no fake GPUs here (mknod not allowed)")
+    hosts = write(tmp_path, "hosts", f"node2 slots={slurm.gpus}\nnode1 slots={slurm.gpus}\n")
+    script = write(tmp_path, "env.py", ENV_WORKER)
+    alloc = ["-N2", f"--ntasks-per-node={slurm.gpus}", "--gpus-per-task=1"]  # the srun-per-GPU style
+    res = salloc(slurm, tmp_path, alloc, dslaunch_args(hosts, script))
+    assert res.returncode == 0, res.stdout + res.stderr
+    every_gpu = ",".join(str(i) for i in range(slurm.gpus))
+    seen = re.findall(r"NODE (\S+) (\d) \d step-gpus=(\S+)", res.stdout)
+    assert len(seen) == 2 * slurm.gpus, res.stdout + res.stderr
+    assert {gpus for _, _, gpus in seen} == {every_gpu}, res.stdout  # not one GPU per node
+
+
+def test_gpus_per_task_need_the_same_number_of_workers_on_every_node() -> None:
+    job = JobConfig(script="train.py", python=sys.executable, job_id="j", cwd="/w")
+    even = make_plan([HostSlots("a", (0, 1)), HostSlots("b", (0, 1))], job)
+    uneven = make_plan([HostSlots("a", (0, 1)), HostSlots("b", (0,))], job)
+    assert gpu_request(even, {}) == []  # GPUs per node or per job: the step gets them all anyway
+    assert gpu_request(even, {"SLURM_GPUS_PER_TASK": "1"}) == ["--gpus-per-node=2"]
+    with pytest.raises(LaunchError, match=r"different numbers of workers; allocate with --gpus-per-node"):
+        gpu_request(uneven, {"SLURM_GPUS_PER_TASK": "1"})
 
 
 def test_a_host_outside_the_allocation_is_refused_before_anything_starts(

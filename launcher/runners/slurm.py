@@ -2,7 +2,8 @@
 
     SLURM_HOSTFILE=<hosts in plan order> srun --nodes=N --ntasks=N --ntasks-per-node=1
         --distribution=arbitrary --kill-on-bad-exit=0 --wait=0 --input=all --export=ALL --chdir=CWD
-        [--launcher_args] PY -m launcher.agent --spec-b64 DATA --node-index-env SLURM_PROCID
+        [--gpus-per-node=K] [--launcher_args]
+        PY -m launcher.agent --spec-b64 DATA --node-index-env SLURM_PROCID
 
 ``--distribution=arbitrary`` with ``SLURM_HOSTFILE`` places task i on the i-th line's host, so the Slurm
 task rank is the plan's node rank whatever order Slurm itself sorts nodes in (``SLURM_NODEID`` follows
@@ -16,6 +17,10 @@ SIGTERM into SIGKILL for the whole step, and any signal it forwards reaches ever
 workers included. srun's stdin is also the agents' lifeline: if srun's stdin closes, they stop. The
 head alone decides when a failure ends the job, so a site's ``KillOnBadExit``/``WaitTime`` (which kill
 the other nodes at once, or some seconds after the first node finishes) are switched off for the step.
+
+GPUs: a step gets every GPU of the allocation on its nodes, except when the allocation hands GPUs out per
+task (``--gpus-per-task``, the srun-per-GPU style): then srun would give the agent's one task one GPU.
+In that case the step asks for ``--gpus-per-node`` = the plan's workers per node (the same on every node).
 
 Host names are Slurm node names. A name for this machine (``localhost``, its host name) becomes the node
 the head runs on (``SLURMD_NODENAME`` in a batch script, else the short host name). Inside an allocation
@@ -58,6 +63,19 @@ def hostfile_text(hosts: Sequence[str]) -> str:
     return "".join(f"{h}\n" for h in hosts)
 
 
+def gpu_request(plan: JobPlan, env: Mapping[str, str]) -> list[str]:
+    """srun options that give each agent its node's GPUs, where the allocation's own shape would not."""
+    if not env.get("SLURM_GPUS_PER_TASK"):
+        return []  # per-node, per-job or no GPUs: the step gets all of the node's by default
+    counts = {len(n.slots) for n in plan.nodes}
+    if len(counts) != 1:
+        raise LaunchError(
+            "--launcher slurm: the allocation hands out GPUs per task (--gpus-per-task) and the nodes run "
+            "different numbers of workers; allocate with --gpus-per-node instead"
+        )
+    return [f"--gpus-per-node={counts.pop()}"]
+
+
 def slurm_node_names(hosts: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """Slurm's name for each plan host: names of this machine become the node the head runs on."""
     this_node = env.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
@@ -92,6 +110,7 @@ class SlurmRunner(FanoutRunner):
 
     def check(self, plan: JobPlan) -> None:
         super().check(plan)
+        gpu_request(plan, os.environ)
         hosts = [n.host for n in plan.nodes]
         allocated = allocation_nodes(os.environ)
         if allocated is None:
@@ -116,7 +135,8 @@ class SlurmRunner(FanoutRunner):
             f.write(hostfile_text(hosts))
         self._hostfiles.append(f.name)
         agent = [self.remote_python, "-m", AGENT_MODULE, *agent_args]
-        return srun_command(hosts, agent, cwd, f.name, self.options.launcher_args)
+        extra = [*gpu_request(plan, os.environ), *self.options.launcher_args]
+        return srun_command(hosts, agent, cwd, f.name, extra)
 
     def close(self) -> None:
         """Remove the host lists (srun has long read them: the job is over)."""

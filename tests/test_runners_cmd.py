@@ -111,9 +111,10 @@ def test_mpirun_one_agent_per_host_with_the_ssh_settings() -> None:
 
 def test_srun_maps_task_i_to_the_ith_host_of_the_plan(tmp_path: Path) -> None:
     argv, env = srun_command(["b", "a"], ["py", "-m", "launcher.agent"], "/w d", "/tmp/h", ["--gres=gpu:8"])
-    assert argv[:8] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--distribution=arbitrary",
-                        "--kill-on-bad-exit=1", "--export=ALL", "--chdir=/w d"]  # fmt: skip
-    assert argv[8:] == ["--gres=gpu:8", "py", "-m", "launcher.agent"]
+    assert argv[:10] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--distribution=arbitrary",
+                         "--kill-on-bad-exit=0", "--wait=0", "--input=all", "--export=ALL",
+                         "--chdir=/w d"]  # fmt: skip
+    assert argv[10:] == ["--gres=gpu:8", "py", "-m", "launcher.agent"]
     assert env == {"SLURM_HOSTFILE": "/tmp/h"}
 
 
@@ -131,17 +132,16 @@ def test_slurm_runner_writes_the_hostfile_in_plan_order_and_selects_by_task_rank
     runner = SlurmRunner(RunnerOptions(python=sys.executable, extra={"forward_env": False}))
     plan = _plan(["node9", "node10", "node2"])
     guard, env = runner.guard_command(plan, _specs(runner, plan))
-    try:
-        assert Path(env["SLURM_HOSTFILE"]).read_text() == "node9\nnode10\nnode2\n"
-    finally:
-        Path(env["SLURM_HOSTFILE"]).unlink()
-    assert guard[3] == "leader"  # srun forwards SIGTERM to the agents: a graceful stop
+    assert Path(env["SLURM_HOSTFILE"]).read_text() == "node9\nnode10\nnode2\n"
+    runner.close()
+    assert not Path(env["SLURM_HOSTFILE"]).exists()
+    assert guard[3] == "stdin"  # stop/kill lines on srun's stdin reach every agent: a graceful stop
     srun = guard[guard.index("--") + 1 :]
     assert srun[0] == "srun" and srun[-2:] == ["--node-index-env", "SLURM_PROCID"]
     job = decode_spec_arg(srun[srun.index("--spec-b64") + 1])
     assert [n["host"] for n in job["nodes"]] == ["node9", "node10", "node2"]
     assert [n["node_rank"] for n in job["nodes"]] == [0, 1, 2]  # task i runs node i of the plan
-    assert runner.lifeline == ("parent",)
+    assert runner.lifeline == ("stdin", "parent")
 
 
 def test_pdsh_runner_spec_in_argv_selects_each_node_by_name() -> None:

@@ -8,10 +8,11 @@ the agent there is re-parented and stops its workers.
 The head never runs the tool directly but under a small *guard* (``python -m launcher.runners.fanout``):
 the guard starts the tool in its own session and holds a pipe from the head. ``stop``/``kill`` lines on
 that pipe, or its EOF when the head dies (even by SIGKILL), make the guard end the tool the way that
-tool needs: mpirun and srun forward SIGTERM to the agents (a graceful stop with every event reported),
-pdsh does not, so the guard ends pdsh's whole process group (pdsh and its ssh clients) and the agents
-stop on losing their parent. Without the guard a SIGKILLed head would leave pdsh's ssh clients, and so
-the job, running until they next wrote output.
+tool needs: mpirun forwards SIGTERM to the agents (a graceful stop with every event reported); srun
+would turn it into SIGKILL, so srun gets the ``stop``/``kill`` lines on its stdin instead and copies them
+to every agent; pdsh forwards nothing, so the guard ends pdsh's whole process group (pdsh and its ssh
+clients) and the agents stop on losing their parent. Without the guard a SIGKILLed head would leave
+pdsh's ssh clients, and so the job, running until they next wrote output.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class FanoutRunner(SSHRunner):
     lifeline: ClassVar[tuple[str, ...]] = ("parent",)
     tool: ClassVar[str]
     install_hint: ClassVar[str]
-    stop_mode: ClassVar[str]  # "leader": signal the tool, it forwards; "group": end the tool's group
+    stop_mode: ClassVar[str]  # "leader": signal the tool, it forwards; "group": end the tool's group;
+    # "stdin": write stop/kill lines to the tool's stdin, which it copies to every agent
     uses_ssh: ClassVar[bool] = True  # preflight the hosts over SSH first (same settings as the tool)
 
     def check(self, plan: JobPlan) -> None:
@@ -195,12 +197,16 @@ def guard(stop_mode: str, grace: float, argv: list[str]) -> int:
     """Run ``argv`` in its own session; end it on ``stop``/``kill`` lines, a signal, or stdin EOF.
 
     ``stop_mode`` "leader": SIGTERM to the tool only (it forwards to the agents); "group": SIGTERM to the
-    tool and every descendant. Either way SIGKILL to every descendant after ``grace`` + 5 s, and the
-    guard returns only when none is left.
+    tool and every descendant; "stdin": a ``stop`` line on the tool's stdin (a ``kill`` line on the second
+    request, then SIGKILL 2 s later). Either way SIGKILL to every descendant after ``grace`` + 5 s, and
+    the guard returns only when none is left.
     """
     _become_subreaper()
     me = os.getpid()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True)
+    by_stdin = stop_mode == "stdin"
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE if by_stdin else subprocess.DEVNULL, start_new_session=True
+    )
     requests: deque[str] = deque()
 
     def read_stdin() -> None:
@@ -228,12 +234,23 @@ def guard(stop_mode: str, grace: float, argv: list[str]) -> int:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
+    def tell(line: bytes) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            proc.stdin.write(line)
+            proc.stdin.flush()
+
     kill_at = None
     while True:
         while requests:
             req = requests.popleft()
-            if req == "kill" or kill_at is not None:
-                kill_at = time.monotonic()  # a second request escalates
+            escalate = req == "kill" or kill_at is not None  # a second request escalates
+            if by_stdin:
+                tell(b"kill\n" if escalate else b"stop\n")
+                # "kill" needs the tool alive to pass it on; the agents report, then the tool goes.
+                due = time.monotonic() + (2.0 if escalate else grace + 5.0)
+                kill_at = due if kill_at is None else min(kill_at, due)
+            elif escalate:
+                kill_at = time.monotonic()
             else:
                 send(signal.SIGTERM, everyone=stop_mode == "group")
                 # The agents have their own grace period; give the tool that much and a little more.
@@ -256,7 +273,7 @@ def guard(stop_mode: str, grace: float, argv: list[str]) -> int:
 
 if __name__ == "__main__":
     mode, grace_s, sep, *cmd = sys.argv[1:]
-    if mode not in ("leader", "group") or sep != "--" or not cmd:
-        print("usage: python -m launcher.runners.fanout leader|group GRACE -- argv...", file=sys.stderr)
+    if mode not in ("leader", "group", "stdin") or sep != "--" or not cmd:
+        print("usage: python -m launcher.runners.fanout leader|group|stdin GRACE -- argv...", file=sys.stderr)
         sys.exit(2)
     os._exit(guard(mode, float(grace_s), cmd))

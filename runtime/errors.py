@@ -92,7 +92,7 @@ def write_error_file(error: BaseException, callstack: str) -> None:
 
 
 def _rank_label() -> str:
-    """"[rank N] " when the job has several ranks and nothing else labels our lines, else ""."""
+    """The label "[rank N] " when the job has several ranks and nothing else labels our lines, else ""."""
     if os.environ.get(DSLAUNCH_JOB_ENV):  # dslaunch's agent labels every line already
         return ""
     rank, world = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
@@ -121,9 +121,7 @@ class ExceptHook:
     def __init__(self, chained: HookFn) -> None:
         self.chained = chained  # the hook that was installed before us (Python's own, usually)
 
-    def __call__(
-        self, etype: type[BaseException], error: BaseException, tb: TracebackType | None
-    ) -> None:
+    def __call__(self, etype: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
         callstack = "".join(traceback.format_exception(etype, error, tb))
         write_error_file(error, callstack)
         label = _rank_label()

@@ -14,10 +14,12 @@ elsewhere ``error: <message>`` and ``hint: <hint>`` on stderr, labelled with the
 several. DSLAUNCH_TRACEBACK=1 adds the full traceback to the console; dslaunch's per-rank log files get it
 from the error file. Any other exception gets Python's usual traceback.
 
-torch's `init_process_group` wraps `sys.excepthook` in a hook that starts every line with ``[rankN]:``;
-under dslaunch, whose agent already labels each line ``[rank N]``, that doubled the label, and it would
-also swallow the lines of a UserError (it captures them and prints them only after the hook returns,
-which our ``SystemExit`` skips). `release_torch_rank_prefix` takes that wrapper off again.
+torch's `init_process_group` labels this process's output with ``[rankN]:`` in two places: it wraps
+`sys.excepthook` in a hook that starts every line of a traceback with it, and it hands the rank to c10's
+C++ logger, which starts every warning and log line with it. Under dslaunch, whose agent already labels
+each line ``[rank N]``, that doubled the label (``[rank 1] [rank1]: Traceback ...``); the wrapper would
+also swallow a UserError's lines (it captures them and prints them only after the hook returns, which our
+``SystemExit`` skips). `release_torch_rank_prefix` undoes both after the process group is created.
 """
 
 from __future__ import annotations
@@ -168,12 +170,17 @@ def _is_torch_prefixer(hook: Any) -> bool:
 
 
 def release_torch_rank_prefix() -> None:
-    """Take off the ``[rankN]:`` wrapper that torch's init_process_group puts around sys.excepthook.
+    """Take off the ``[rankN]:`` labels that torch's init_process_group adds (see the module docstring).
 
-    Under dslaunch it always goes (the agent labels lines). Elsewhere only when it wraps our hook, which
-    labels with the rank itself (a UserError's lines included, which the wrapper would lose); a hook of the
-    user's keeps torch's wrapper.
+    Under dslaunch both go (the agent labels lines). Elsewhere the C++ logger keeps its label, and the
+    excepthook wrapper goes only when it wraps our hook, which labels with the rank itself (a UserError's
+    lines included, which the wrapper would lose); a hook of the user's keeps torch's wrapper.
     """
+    under_dslaunch = bool(os.environ.get(DSLAUNCH_JOB_ENV))
+    if under_dslaunch:
+        c10d = getattr(sys.modules.get("torch._C"), "_distributed_c10d", None)
+        if hasattr(c10d, "_set_global_rank"):
+            c10d._set_global_rank(-1)  # the C++ logger's label; it is used for nothing else
     hook = sys.excepthook
     if not _is_torch_prefixer(hook):
         return
@@ -182,5 +189,5 @@ def release_torch_rank_prefix() -> None:
     if inner is None:
         return  # a torch that builds the wrapper differently: leave it
     wrapped = inner.cell_contents
-    if os.environ.get(DSLAUNCH_JOB_ENV) or wrapped is _installed:
+    if under_dslaunch or wrapped is _installed:
         sys.excepthook = wrapped

@@ -94,10 +94,12 @@ def _assert_one_clean_error(result: subprocess.CompletedProcess, message: str) -
 
 
 def test_the_readme_snippet_runs_under_dslaunch_on_two_ranks(job: Path) -> None:
-    result = _dslaunch(job, "good.json")
+    # torch's C++ log lines (made visible here) carry no "[rankN]:" label of torch's next to dslaunch's
+    result = _dslaunch(job, "good.json", TORCH_CPP_LOG_LEVEL="INFO", TORCH_DISTRIBUTED_DEBUG="DETAIL")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "unrecognized arguments" not in output
+    assert "Running collective" in output and not re.search(r"\[rank\d+\]:", output), output
     # 16 samples, 2 ranks x micro batch 4: two optimizer steps on each rank
     assert "[rank 0] trained 2 steps on rank 0" in output and "[rank 1] trained 2 steps on rank 1" in output
 

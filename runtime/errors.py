@@ -142,10 +142,13 @@ class ExceptHook:
             hint = getattr(error, "hint", "")
             if hint:
                 lines.append(f"{label}hint: {hint}")
+        # called by torch's wrapper (a group made without runtime.init_distributed): sys.stderr is its
+        # buffer, which it would print only after we return, so write to the process's own stderr
+        stream = sys.__stderr__ if _is_torch_prefixer(sys.excepthook) and sys.__stderr__ else sys.stderr
         if lines:
-            sys.stderr.write("\n".join(lines) + "\n")
+            stream.write("\n".join(lines) + "\n")
         sys.stdout.flush()
-        sys.stderr.flush()
+        stream.flush()
         # SystemExit raised by the hook ends the interpreter normally (atexit handlers, flushed files)
         # with this code instead of the 1 of an uncaught exception.
         raise SystemExit(USER_ERROR_EXIT_CODE)

@@ -33,7 +33,7 @@ class BatchSizeError(ConfigError):
 
     hint = (
         "train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x the "
-        "number of data-parallel ranks; give two of the three (or \"auto\") and the third is derived"
+        'number of data-parallel ranks; give two of the three (or "auto") and the third is derived'
     )
 
 

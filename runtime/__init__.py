@@ -25,6 +25,7 @@ from torch import nn
 from runtime import checkpointing
 from runtime.distributed import init_distributed
 from runtime.engine import Engine, MemoryBreakdown
+from runtime.errors import UserError, install_excepthook
 from runtime.memory import see_memory_usage
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Engine",
     "MemoryBreakdown",
+    "UserError",
     "__version__",
     "add_config_arguments",
     "checkpointing",
@@ -40,10 +42,20 @@ __all__ = [
     "see_memory_usage",
 ]
 
+# An uncaught UserError ends a worker as one line plus a hint and exit code 2 (runtime.errors).
+install_excepthook()
+
+LOCAL_RANK_FLAGS = ("--local_rank", "--local-rank")
+
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add DeepSpeed's runtime flags: --deepspeed, --deepspeed_config, --deepspeed_activation_checkpointing
-    (and the old --deepscale names)."""
+    (and the old --deepscale names), and --local_rank / --local-rank, which launchers pass to every worker
+    (dslaunch and DeepSpeed's launcher as --local_rank=N, torch.distributed.launch as --local-rank=N).
+
+    A script that declares its own --local_rank keeps it, whether it adds it before or after this call:
+    ours then steps aside (the parser resolves that one conflict in favour of the later declaration).
+    """
     group = parser.add_argument_group("runtime", "dslaunch runtime (DeepSpeed-compatible flags)")
     group.add_argument(
         "--deepspeed", default=False, action="store_true", help="enable the runtime (no effect)"
@@ -59,7 +71,30 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    _add_local_rank(parser, group)
     return parser
+
+
+def _add_local_rank(parser: argparse.ArgumentParser, group: argparse._ArgumentGroup) -> None:
+    declared = {s for action in parser._actions for s in action.option_strings}
+    missing = [flag for flag in LOCAL_RANK_FLAGS if flag not in declared]
+    if not missing:
+        return
+    # default=SUPPRESS on the action and the -1 as a parser default: a script's own --local_rank, added
+    # later, then supplies the default (argparse reads action defaults before parser defaults).
+    if not any(action.dest == "local_rank" for action in parser._actions):
+        parser._defaults.setdefault("local_rank", -1)  # not set_defaults: that rewrites existing actions
+    group.add_argument(
+        *missing,
+        dest="local_rank",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="this worker's rank on its node, passed by launchers (the runtime reads LOCAL_RANK)",
+    )
+    # a script that adds --local_rank after this call replaces ours instead of failing with a conflict
+    # (each argument group checks conflicts with its own handler; later groups copy the parser's)
+    for container in (parser, *parser._action_groups):
+        container.conflict_handler = "resolve"
 
 
 def _config_source(args: Any, config: Any) -> Any:

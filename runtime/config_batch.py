@@ -28,6 +28,15 @@ from runtime.config_checks import Int
 from runtime.config_reader import ConfigError, SectionReader
 
 
+class BatchSizeError(ConfigError):
+    """The three batch keys and the world size do not multiply out."""
+
+    hint = (
+        "train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x the "
+        'number of data-parallel ranks; give two of the three (or "auto") and the third is derived'
+    )
+
+
 @dataclass(frozen=True)
 class _BatchTerm:
     name: str
@@ -64,7 +73,7 @@ def resolve_batch(r: SectionReader, world_size: int) -> tuple[int, int, int]:
             denominator *= part.value  # type: ignore[operator]
         if total.value % denominator:  # type: ignore[operator]
             shown = " x ".join(p.show() for p in parts)
-            raise ConfigError(
+            raise BatchSizeError(
                 target.name,
                 f"cannot derive it: {total.show()} is not divisible by {shown} = {denominator}",
             )
@@ -72,12 +81,12 @@ def resolve_batch(r: SectionReader, world_size: int) -> tuple[int, int, int]:
 
     if tbs.value is None and micro.value is None:
         if tbs.source == micro.source == '"auto"':
-            raise ConfigError(
+            raise BatchSizeError(
                 "train_batch_size",
                 '"auto" batch sizes are derived from the others, but train_batch_size and '
                 'train_micro_batch_size_per_gpu are both "auto"; set one of them to a number',
             )
-        raise ConfigError(
+        raise BatchSizeError(
             "train_batch_size",
             "set train_batch_size or train_micro_batch_size_per_gpu (or both); neither is given",
         )
@@ -91,7 +100,7 @@ def resolve_batch(r: SectionReader, world_size: int) -> tuple[int, int, int]:
         gas = _BatchTerm(gas.name, derive(gas, tbs, micro, ws), "derived")
     product = micro.value * gas.value * world_size  # type: ignore[operator]
     if tbs.value != product:
-        raise ConfigError(
+        raise BatchSizeError(
             "train_batch_size",
             f"train_batch_size ({tbs.value}) != train_micro_batch_size_per_gpu ({micro.value}) x "
             f"gradient_accumulation_steps ({gas.value}) x world_size ({world_size}) = {product}; "

@@ -20,15 +20,22 @@ from typing import Any
 
 import yaml
 
+from runtime.errors import UserError
+
 AUTO = "auto"
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad config value. The message always starts with the key path: "zero_optimization.stage: ..."."""
 
-    def __init__(self, path: str, message: str) -> None:
+    hint = (
+        "fix that key in the config (the --deepspeed_config file, or the dict given to runtime.initialize); "
+        "README.md's config reference lists every key"
+    )
+
+    def __init__(self, path: str, message: str, *, hint: str | None = None) -> None:
         self.path = path
-        super().__init__(f"{path}: {message}")
+        super().__init__(f"{path}: {message}", hint=hint)
 
 
 def describe(value: Any) -> str:

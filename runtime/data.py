@@ -19,12 +19,16 @@ from typing import Protocol
 import torch
 from torch.utils.data import Dataset
 
+from runtime.errors import UserError
+
 # The corpus shipped with the repository; scripts/train_gpt.py trains on it by default.
 DEFAULT_CORPUS = Path(__file__).resolve().parent.parent / "scripts" / "data" / "corpus.txt"
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset could not be built; the message names the file or dataset and what is wrong."""
+
+    hint = "fix the data argument the message names (a path, a dataset name, --seq_len)"
 
 
 class Tokenizer(Protocol):

@@ -24,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from runtime.errors import UserError, release_torch_rank_prefix
+
 _log = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 29500
@@ -33,8 +35,13 @@ GLOO_EXIT_GRACE_S = 0.1
 ACCELERATOR_ENV = "DS_ACCELERATOR"
 
 
-class DistEnvError(RuntimeError):
-    """The environment describes an impossible or incomplete rank layout."""
+class DistEnvError(UserError, RuntimeError):
+    """The environment describes an impossible or incomplete rank layout, or its rendezvous fails."""
+
+    hint = (
+        "check the variables the launcher set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), "
+        "or start the script with dslaunch"
+    )
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,7 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
     """
     if dist.is_initialized():  # the script's own group: its exit needs the same care
         _guard_exit(dist.get_backend())
+        release_torch_rank_prefix()
         return
     env = resolve_dist_env(os.environ)
     device = device_for(env.local_rank)
@@ -221,8 +229,40 @@ def init_distributed(dist_backend: str | None = None, timeout: timedelta | None 
         # env:// (not tcp://) so a torchrun worker joins the agent's store instead of opening its own
         kwargs["init_method"] = "env://"
     _log.debug("init_process_group %s (rank %d/%d from %s)", backend, env.rank, env.world_size, env.source)
-    dist.init_process_group(**kwargs)
+    try:
+        dist.init_process_group(**kwargs)
+    except dist.DistNetworkError as error:
+        raise rendezvous_error(env, str(error)) from error
     _guard_exit(backend)
+    release_torch_rank_prefix()  # its [rankN]: label would double dslaunch's [rank N]
+
+
+def rendezvous_error(env: DistEnv, detail: str) -> DistEnvError:
+    """torch's network error at the rendezvous, said in terms of MASTER_ADDR/MASTER_PORT and the flag to
+    change. `detail` is torch's message (its first line is kept at the end for the curious)."""
+    where = f"MASTER_ADDR:MASTER_PORT ({env.master_addr}:{env.master_port})"
+    first = detail.strip().splitlines()[0] if detail.strip() else "no detail"
+    lowered = detail.lower()
+    hint = (
+        "pass --master_port with a free port to dslaunch (needed for multi-node jobs); with another "
+        "launcher, export MASTER_PORT=<free port>"
+    )
+    if "eaddrinuse" in lowered or "address already in use" in lowered:
+        return DistEnvError(
+            f"rank {env.rank} cannot open the rendezvous at {where}: the port is already in use on this "
+            f"host, by another job or process ({first})",
+            hint=hint,
+        )
+    if "listen" in lowered or "bind" in lowered:
+        return DistEnvError(
+            f"rank {env.rank} cannot open the rendezvous at {where} on this host ({first})", hint=hint
+        )
+    return DistEnvError(
+        f"rank {env.rank} cannot reach the rendezvous at {where}: nothing answered there ({first})",
+        hint="check that MASTER_ADDR is rank 0's host and reachable from this one, that rank 0 is running, "
+        "and that no firewall blocks MASTER_PORT; if the port was busy on rank 0's host, pass --master_port "
+        "with a free port (multi-node jobs)",
+    )
 
 
 _exit_guarded = False

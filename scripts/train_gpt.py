@@ -12,10 +12,13 @@ Face GPT2LMHeadModel and --tokenizer picks a Hugging Face tokenizer; with `datas
 --dataset_name reads a Hugging Face dataset instead of --train_file.
 
 The batch size, precision, ZeRO stage, optimizer and schedule come from the DeepSpeed-style config;
---lr and --micro_batch_size override the config's values. --steps counts optimizer steps. Rank 0 prints
-the loss averaged over ranks, accumulation micro-steps and the steps since its last line every
---log_interval steps with an ETA (on a terminal also a progress bar), and a summary line at the end. The
-engine's own report every `steps_per_print` steps gives that step's loss (averaged over ranks).
+--lr and --micro_batch_size override the config's values. --steps counts optimizer steps. Every
+--log_interval steps rank 0 prints that step's loss, averaged over ranks and accumulation micro-steps,
+with an ETA (on a terminal also a progress bar), and a summary line at the end. It is the number the
+engine's own report (every `steps_per_print` steps) gives for the same step, so the two never disagree.
+
+Errors in the arguments, the config, the data or a checkpoint end the job with one line and a hint and
+exit code 2 (runtime.errors); a diverged loss with exit code 1.
 
 Activation checkpointing (every transformer block recomputed in backward) is on with
 --deepspeed_activation_checkpointing or when the config has an "activation_checkpointing" section, whose
@@ -41,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime
-from runtime.checkpoint import CheckpointError, read_latest
-from runtime.config import ConfigError
-from runtime.data import DEFAULT_CORPUS, DataError, TokenBlockDataset, Tokenizer, load_tokenizer
+from runtime.checkpoint import read_latest
+from runtime.data import DEFAULT_CORPUS, TokenBlockDataset, Tokenizer, load_tokenizer
+from runtime.errors import UserError
 from runtime.models import GPT, MODEL_SIZES, GPTConfig, GPTOutput
 from runtime.monitor import ProgressBar
 
@@ -57,8 +60,14 @@ DEFAULT_CONFIG: dict[str, Any] = {
 }
 
 
-class UsageError(Exception):
+class UsageError(UserError):
     """Bad arguments or inputs: reported as one line and exit code 2, never as a traceback."""
+
+
+# What from_pretrained needs in a local folder (GPT-2 family: its tokenizer is byte-level BPE).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")  # fmt: skip
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 class Diverged(Exception):
@@ -98,7 +107,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--micro_batch_size", type=int, help="override train_micro_batch_size_per_gpu")
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log_interval", type=int, default=10, help="print every N optimizer steps")
-    train.add_argument("--local_rank", type=int, default=-1, help="set by launchers; LOCAL_RANK wins")
     ckpt = parser.add_argument_group("checkpoints")
     ckpt.add_argument("--save_dir", type=Path, help="directory for engine.save_checkpoint")
     ckpt.add_argument("--save_interval", type=int, default=0, help="save every N steps and at the end")
@@ -149,9 +157,63 @@ def build_config(args: argparse.Namespace) -> str | dict[str, Any]:
     return config
 
 
+def check_model_source(name: str, *, with_tokenizer: bool) -> None:
+    """Refuse a --model_name_or_path that cannot load, saying what is missing, before transformers tries.
+
+    A local folder must hold config.json and weights (and a tokenizer when --tokenizer is not given); a
+    name that is no local folder must come from the hub, which HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE turn
+    off."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        missing = []
+        if not (path / "config.json").is_file():
+            missing.append("config.json")
+        if not any((path / f).is_file() for f in WEIGHT_FILES):
+            missing.append("weights (model.safetensors or pytorch_model.bin)")
+        has_tokenizer = (path / "tokenizer.json").is_file() or all(
+            (path / f).is_file() for f in ("vocab.json", "merges.txt")
+        )
+        if with_tokenizer and not has_tokenizer:
+            missing.append("a tokenizer (tokenizer.json, or vocab.json and merges.txt)")
+        if missing:
+            raise UsageError(
+                f"--model_name_or_path {name}: the folder lacks {', '.join(missing)}",
+                hint="save a model there with model.save_pretrained(DIR) (and its tokenizer with "
+                "tokenizer.save_pretrained(DIR), or pass --tokenizer)",
+            )
+        return
+    if path.exists():
+        raise UsageError(f"--model_name_or_path {name}: a file, not a model folder or a hub name")
+    offline = [v for v in OFFLINE_VARIABLES if os.environ.get(v, "").strip() not in ("", "0")]
+    if offline:
+        raise UsageError(
+            f"--model_name_or_path {name!r} is not a local folder, and hub access is off "
+            f"({', '.join(f'{v}={os.environ[v]}' for v in offline)})",
+            hint="download the model where the hub is reachable (model.save_pretrained(DIR)) and pass DIR, "
+            f"or unset {' and '.join(offline)}",
+        )
+
+
+def from_hub_or_folder(flag: str, what: str, name: str, load: Any) -> Any:
+    """`load(name)`, with transformers' OSError (missing files, no network) said in one line."""
+    try:
+        return load(name)
+    except OSError as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        where = "a local folder" if Path(name).expanduser().is_dir() else "not a local folder, and the hub"
+        raise UsageError(
+            f"{flag} {name!r}: cannot load its {what}: {where} did not provide it ({first})",
+            hint="pass a folder written by save_pretrained, or a hub name with the hub reachable",
+        ) from None
+
+
 def build_tokenizer_and_data(args: argparse.Namespace) -> tuple[Tokenizer, TokenBlockDataset]:
-    tokenizer_name = args.tokenizer or args.model_name_or_path
-    tokenizer = load_tokenizer(tokenizer_name)
+    flag, name = (
+        ("--tokenizer", args.tokenizer)
+        if args.tokenizer
+        else ("--model_name_or_path", args.model_name_or_path)
+    )
+    tokenizer = from_hub_or_folder(flag, "tokenizer", name, load_tokenizer) if name else load_tokenizer(None)
     if args.dataset_name:
         dataset = TokenBlockDataset.from_hf_dataset(
             args.dataset_name, args.dataset_config_name, args.seq_len, tokenizer
@@ -187,7 +249,9 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> nn.Module:
                 f"--model_name_or_path {args.model_name_or_path!r} needs the 'transformers' package, which "
                 "is not installed; install it or drop the flag to train the built-in GPT"
             ) from None
-        model = GPT2LMHeadModel.from_pretrained(args.model_name_or_path)
+        model = from_hub_or_folder(
+            "--model_name_or_path", "model", args.model_name_or_path, GPT2LMHeadModel.from_pretrained
+        )
         if vocab_size > model.config.vocab_size:
             raise UsageError(
                 f"the tokenizer has {vocab_size} tokens but {args.model_name_or_path} only "
@@ -273,6 +337,8 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 def train(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(args.seed)
     limit_cpu_threads()
+    if args.model_name_or_path:
+        check_model_source(args.model_name_or_path, with_tokenizer=args.tokenizer is None)
     tokenizer, dataset = build_tokenizer_and_data(args)
     model = build_model(args, tokenizer.vocab_size)
     config = build_config(args)
@@ -310,23 +376,21 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     progress = ProgressBar(args.steps, enabled=rank == 0)
     last_loss = ""
     losses: list[tuple[int, float]] = []
-    loss_sum = torch.zeros((), device=engine.device)
-    micro_steps = 0
+    # this step's loss summed over micro-steps, in float64 like the engine's report
+    step_loss = torch.zeros((), dtype=torch.float64, device=engine.device)
     start = last_log = time.perf_counter()
     last_log_step = first_step - 1
     for step in range(first_step, args.steps + 1):
+        step_loss.zero_()
         for _ in range(accumulation):
             idx, targets = (t.to(engine.device, non_blocking=True) for t in next(batches))
             _, loss = engine(idx, targets)
             engine.backward(loss)
             engine.step()
-            loss_sum += loss.detach().float()
-            micro_steps += 1
+            step_loss += loss.detach().double()
         progress.update(step, last_loss)
         if step == 1 or step % args.log_interval == 0 or step == args.steps:
-            mean_loss = mean_over_ranks(loss_sum / micro_steps)
-            loss_sum.zero_()
-            micro_steps = 0
+            mean_loss = mean_over_ranks(step_loss / accumulation)  # this step's, like the engine's report
             now = time.perf_counter()
             tokens_per_s = tokens_per_step * (step - last_log_step) / (now - last_log)
             last_log, last_log_step = now, step
@@ -366,13 +430,13 @@ def train(args: argparse.Namespace) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train; 0 when done, 1 when the loss diverged. Errors in the user's input (UserError: arguments,
+    config, data, checkpoints) propagate, and the runtime's excepthook reports them in one line with a
+    hint and exit code 2 (through dslaunch's error file when launched by it)."""
     args = parse_args(argv)
     try:
         train(args)
-    except (UsageError, DataError, ConfigError) as exc:
-        print(f"train_gpt.py: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    except (Diverged, CheckpointError) as exc:
+    except Diverged as exc:
         print(f"train_gpt.py: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:

@@ -130,6 +130,52 @@ def test_config_arguments_parse_like_deepspeed() -> None:
     assert args.deepspeed is True and args.deepspeed_config == "ds.json"
 
 
+def test_config_arguments_take_the_local_rank_every_launcher_passes() -> None:
+    """dslaunch and DeepSpeed's launcher append --local_rank=N, torch.distributed.launch --local-rank=N."""
+    parser = runtime.add_config_arguments(argparse.ArgumentParser())
+    assert parser.parse_args([]).local_rank == -1
+    assert parser.parse_args(["--local_rank=1"]).local_rank == 1
+    assert parser.parse_args(["--local-rank", "3"]).local_rank == 3
+    # a DeepSpeed script declares its own, before or after the call: it keeps it (and its default)
+    before = argparse.ArgumentParser()
+    before.add_argument("--local_rank", type=int, default=0)
+    runtime.add_config_arguments(before)
+    assert before.parse_args([]).local_rank == 0 and before.parse_args(["--local-rank=2"]).local_rank == 2
+    after = runtime.add_config_arguments(argparse.ArgumentParser())
+    after.add_argument("--local_rank", type=int, default=7, help="mine")
+    assert after.parse_args([]).local_rank == 7 and after.parse_args(["--local_rank=2"]).local_rank == 2
+    assert "mine" in after.format_help()
+
+
+def test_input_errors_are_user_errors_and_keep_their_old_bases() -> None:
+    from runtime.checkpoint import CheckpointCorrupted, CheckpointError
+    from runtime.checkpoint.tensorfile import TensorFileError
+    from runtime.config_batch import BatchSizeError
+    from runtime.config_reader import ConfigError
+    from runtime.data import DataError
+
+    for cls, old in [
+        (ConfigError, ValueError),
+        (BatchSizeError, ValueError),
+        (DataError, ValueError),
+        (TensorFileError, ValueError),
+        (CheckpointError, RuntimeError),
+        (CheckpointCorrupted, RuntimeError),
+        (DistEnvError, RuntimeError),
+    ]:
+        assert issubclass(cls, runtime.UserError) and issubclass(cls, old), cls
+        assert cls.hint, cls  # every one says what to do
+    assert ConfigError("a.b", "bad", hint="do x").hint == "do x"
+    from runtime.config import load_config
+
+    with pytest.raises(BatchSizeError, match=r"train_batch_size \(8\) != .* = 6") as info:
+        load_config(
+            {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1},
+            world_size=2,
+        )
+    assert "micro_batch_size_per_gpu x gradient_accumulation_steps" in info.value.hint
+
+
 def test_config_given_twice_or_never_is_refused() -> None:
     args = argparse.Namespace(deepspeed_config="ds.json")
     with pytest.raises(ValueError, match="config twice"):

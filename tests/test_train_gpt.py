@@ -187,6 +187,72 @@ def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str) -> No
 
 
 @needs_engine
+@pytest.mark.parametrize("case", ["config-only folder", "offline hub name"])
+def test_a_model_that_cannot_load_is_one_line_saying_what_is_missing(tmp_path: Path, case: str) -> None:
+    env = _env()
+    if case == "config-only folder":
+        folder = tmp_path / "gpt2-config-only"
+        folder.mkdir()
+        (folder / "config.json").write_text('{"model_type": "gpt2"}')
+        name = str(folder)
+        message = (
+            f"--model_name_or_path {folder}: the folder lacks weights (model.safetensors or "
+            "pytorch_model.bin), a tokenizer (tokenizer.json, or vocab.json and merges.txt)"
+        )
+    else:
+        env.update(HF_HUB_OFFLINE="1")
+        name = "no-such-org/gpt2-tiny"
+        message = (
+            f"--model_name_or_path {name!r} is not a local folder, and hub access is off (HF_HUB_OFFLINE=1)"
+        )
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), "--steps", "1", "--model_name_or_path", name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == f"error: {message}", proc.stderr
+    assert len(lines) == 2 and lines[1].startswith("hint: "), proc.stderr
+    assert "Traceback" not in proc.stderr and "OSError" not in proc.stderr
+
+
+@needs_engine
+def test_the_logged_loss_is_the_engines_loss_for_the_same_step(tmp_path: Path) -> None:
+    """One loss per step: train_gpt's line and the engine's own report give the same number (before, the
+    script printed its running mean since the last line next to the engine's loss of that step)."""
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+                "steps_per_print": 4,
+                "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+            }
+        )
+    )
+    args = ["--deepspeed_config", str(config), "--steps", "8", "--log_interval", "4", "--seq_len", "32"]
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), *args, "--n_layer", "1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_env(),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ours = {int(s): float(v) for s, v in re.findall(r"step (\d+)/8 \| loss ([0-9.]+)", proc.stdout)}
+    engine = {int(s): float(v) for s, v in re.findall(r"step=(\d+) loss=([0-9.]+)", proc.stdout)}
+    assert sorted(engine) == [4, 8] and sorted(ours) == [1, 4, 8], proc.stdout
+    for step in (4, 8):
+        assert ours[step] == pytest.approx(engine[step], abs=1e-4), proc.stdout
+
+
+@needs_engine
 @needs_launcher
 def test_dslaunch_two_cpu_workers_train_with_zero2() -> None:
     """The demo's command: 2 gloo workers under dslaunch, ZeRO-2, the loss falls and both ranks finish."""

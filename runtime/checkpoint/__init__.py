@@ -25,6 +25,7 @@ from runtime.checkpoint.manifest import (
     CheckpointIncomplete,
     CheckpointMismatch,
     CheckpointNotFound,
+    CheckpointRefused,
     Manifest,
     read_latest,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointIncomplete",
     "CheckpointMismatch",
     "CheckpointNotFound",
+    "CheckpointRefused",
     "Manifest",
     "ResumableDataLoader",
     "ResumableSampler",

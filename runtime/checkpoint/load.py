@@ -1,7 +1,8 @@
 """engine.load_checkpoint: verify, then fill this rank's shard from whatever layout was saved.
 
 Order, and why:
-1. Resolve the tag (`latest` or the given one) and read the manifest: missing pieces are clear errors.
+1. Check that every rank names the same directory and tag (`agree_on_location`), resolve the tag
+   (`latest` or the given one) and read the manifest: missing pieces are clear errors.
 2. Verify every file's size and CRC-32 against the manifest, spread over the ranks (file i on rank
    i mod world); all ranks learn the verdict, so a corrupted or truncated file is the same error,
    naming it, everywhere. Nothing falls back to another tag.
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from runtime.checkpoint import engine_state
-from runtime.checkpoint.agree import agreed
+from runtime.checkpoint.agree import agree_on_location, agreed
 from runtime.checkpoint.durable import file_crc32
 from runtime.checkpoint.manifest import (
     ENGINE_STATE,
@@ -92,7 +93,10 @@ def load_checkpoint(
 ) -> tuple[str, dict[str, Any]]:
     """Load a checkpoint into `engine`; all ranks must call it. Returns (tag directory, client_state)."""
     comm = engine.comm
-    tag_dir, manifest = agreed(comm, lambda: open_checkpoint(load_dir, tag))
+    root, tag = agree_on_location(
+        comm, load_dir, tag, policy=engine.config.checkpoint.tag_validation, what="load_checkpoint"
+    )
+    tag_dir, manifest = agreed(comm, lambda: open_checkpoint(root, tag))
     agreed(comm, lambda: verify_files(tag_dir, manifest, comm.rank, comm.world_size))
     state = agreed(comm, lambda: read_engine_state(tag_dir))
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None

@@ -24,6 +24,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from runtime.errors import UserError
+
 FORMAT = "dslaunch-checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
@@ -41,24 +43,41 @@ def tensor_name(group: int, key: str) -> str:
     return f"group{group}.{key}"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint cannot be saved or loaded; the message says which file or tag and why."""
+
+    hint = "check the checkpoint directory and tag the message names"
 
 
 class CheckpointNotFound(CheckpointError):
     """The directory, the tag, or the `latest` pointer is missing."""
 
+    hint = "check the load directory and tag; its `latest` file names the newest complete save"
+
 
 class CheckpointIncomplete(CheckpointError):
     """The tag directory has no manifest: its save never finished."""
+
+    hint = "load an earlier tag (engine.load_checkpoint(dir, tag=...)); `latest` names the last complete one"
 
 
 class CheckpointCorrupted(CheckpointError):
     """A file's size or checksum differs from the manifest, or its content is malformed."""
 
+    hint = (
+        "the file changed after it was saved (disk, copy or manual edit): load an earlier tag "
+        "(engine.load_checkpoint(dir, tag=...)) or copy the checkpoint again"
+    )
+
 
 class CheckpointMismatch(CheckpointError):
     """The checkpoint does not fit the model or optimizer it is loaded into."""
+
+    hint = "load it into the model and optimizer groups it was saved from, or use the option named above"
+
+
+class CheckpointRefused(CheckpointError):
+    """A save that would write a useless checkpoint (non-finite weights, ranks disagreeing on the path)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 every byte of it is durable and described by a manifest.
 
 Order, and why:
-1. All ranks agree on the tag (a rank saving under another name would split the checkpoint).
+1. All ranks agree on the directory and the tag (a rank saving elsewhere would split the checkpoint), and
+   every rank's master weights are finite (a NaN checkpoint cannot be resumed and must not move `latest`);
+   a disagreement or a NaN on any rank stops every rank before anything is written.
 2. Rank 0 removes the manifest of a previous save under the same tag (that tag is incomplete while it is
    rewritten), then every rank writes its shard file: temporary name, fsync, rename, fsync directory.
 3. The file records (size, CRC-32, flat ranges) and per-rank RNG states are gathered on rank 0, which
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from runtime.checkpoint import engine_state
-from runtime.checkpoint.agree import agreed, all_gather_objects
+from runtime.checkpoint.agree import agree_on_location, agreed, all_gather_objects
 from runtime.checkpoint.durable import DurableFile, fault_point, fsync_dir, write_text_durably
 from runtime.checkpoint.manifest import (
     ENGINE_STATE,
@@ -32,6 +34,7 @@ from runtime.checkpoint.manifest import (
     MANIFEST,
     MASTER_KEY,
     CheckpointError,
+    CheckpointRefused,
     FileEntry,
     GroupEntry,
     Manifest,
@@ -57,13 +60,16 @@ def save_checkpoint(
 ) -> Path:
     """Save the engine's full training state under `save_dir/<tag>`; all ranks must call it."""
     comm = engine.comm
-    tag = _agree_on_tag(engine, str(tag) if tag is not None else f"global_step{engine.global_steps}")
     if engine.config.checkpoint.use_node_local_storage:
         raise CheckpointError(
             "checkpoint.use_node_local_storage is not supported: save_dir must be one filesystem that "
             "every rank sees (shards are resharded on load, so every rank may read any of them)"
         )
-    root = Path(save_dir)
+    given = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    root, agreed_tag = agree_on_location(
+        comm, save_dir, given, policy=engine.config.checkpoint.tag_validation, what="save_checkpoint"
+    )
+    tag = check_tag(str(agreed_tag))  # the same verdict on every rank
     tag_dir = root / tag
     if engine.micro_steps % engine.gradient_accumulation_steps() and comm.rank == 0:
         _log.warning(
@@ -73,6 +79,7 @@ def save_checkpoint(
 
     # refused before anything is written: a client_state that torch.load(weights_only=True) cannot read
     agreed(comm, lambda: engine_state.check_loadable(dict(client_state or {}), "client_state"))
+    agreed(comm, lambda: refuse_non_finite(engine, root, tag))
     agreed(comm, lambda: _prepare(root, tag_dir, comm.rank))
     plan = [
         (group, saved_pieces(group.layout, group.rank, comm.world_size, comm.rank)) for group in engine.groups
@@ -106,17 +113,27 @@ def save_checkpoint(
     return tag_dir
 
 
-def _agree_on_tag(engine: Any, tag: str) -> str:
-    tags = all_gather_objects(engine.comm, tag)
-    if len(set(tags)) == 1:
-        return check_tag(tag)  # the same verdict on every rank
-    policy = engine.config.checkpoint.tag_validation.upper()
-    detail = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
-    if policy == "FAIL":
-        raise CheckpointError(f"ranks passed different checkpoint tags ({detail})")
-    if policy == "WARN" and engine.comm.rank == 0:
-        _log.warning("ranks passed different checkpoint tags (%s); saving all under rank 0's", detail)
-    return check_tag(tags[0])
+def refuse_non_finite(engine: Any, root: Path, tag: str) -> None:
+    """Raise when this rank's master weights (the weights themselves where no separate master exists)
+    hold NaN or inf: such a checkpoint could never be resumed, and saving it would move `latest` off the
+    last good one. Run through `agreed`, so one rank's verdict stops every rank's save."""
+    for group in engine.groups:
+        master = group.master.detach()
+        if bool(torch.isfinite(master).all()):  # one reduction per group; the usual case ends here
+            continue
+        names = engine_state.param_names(engine, group)
+        for piece in group.layout.param_pieces(group.rank):
+            values = master.narrow(0, piece.shard_offset, piece.numel)
+            if not bool(torch.isfinite(values).all()):
+                latest = read_latest(root)
+                kept = f"{root / LATEST} still names {latest!r}" if latest else "no earlier checkpoint exists"
+                raise CheckpointRefused(
+                    f"not saving checkpoint {tag!r} at step {engine.global_steps}: parameter "
+                    f"{names[piece.param]!r} holds NaN or inf (rank {engine.comm.rank}'s shard); {kept}",
+                    hint="the weights diverged: resume from the last good checkpoint with a lower learning "
+                    "rate or gradient_clipping set",
+                )
+        # only the padding between parameters is non-finite: it is never read back
 
 
 def _prepare(root: Path, tag_dir: Path, rank: int) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint.durable import DurableFile, FileRecord
+from runtime.errors import UserError
 
 _DTYPE_CODES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -47,8 +48,12 @@ _MAX_HEADER = 256 << 20
 _WRITE_CHUNK = 64 << 20  # bytes per device-to-host copy when writing from an accelerator
 
 
-class TensorFileError(ValueError):
+class TensorFileError(UserError, ValueError):
     """A tensor file is missing, truncated or malformed; the message names the file."""
+
+    hint = (
+        "the file was damaged or replaced after it was written: load an earlier checkpoint tag, or save again"
+    )
 
 
 @dataclass(frozen=True)

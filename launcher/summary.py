@@ -1,11 +1,13 @@
 """The failure summary the head prints after a failed attempt. Pure: failures in, lines out.
 
-Failed ranks are grouped by (exit code, message), the message coming from the worker's error file
-(``launcher.errorfile``). A group of several ranks is one line, ``ranks 0-3,5 failed the same way (exit
-code 2): <message>``, then its hint; a user-input error (kind ``user_input``) needs nothing more, any
-other failure also shows the last lines of the group's first rank. A failure without a message (a
-signal, ``sys.exit(7)``, a worker that could not start, a lost agent) keeps the per-rank form: rank,
-host, exit code or signal, last lines. The root cause (the first failure) comes first.
+Failed ranks are grouped by their error file's (kind, message) (``launcher.errorfile``), not by exit
+code: a rank that wrote its error and was then caught by the stop's SIGTERM while exiting (exit code 143
+instead of 2) still failed the same way as its peers; a group shows its first rank's exit code. A group
+of several ranks is one line, ``ranks 0-3,5 failed the same way (exit code 2): <message>``, then its
+hint; a user-input error (kind ``user_input``) needs nothing more, any other failure also shows the last
+lines of the group's first rank. A failure without a message (a signal, ``sys.exit(7)``, a worker that
+could not start, a lost agent) keeps the per-rank form: rank, host, exit code or signal, last lines. The
+root cause (the first failure) comes first.
 """
 
 from __future__ import annotations
@@ -67,10 +69,10 @@ def _run_text(run: list[int]) -> str:
 
 
 def group_failures(failures: Sequence[Failure]) -> list[list[Failure]]:
-    """Failures grouped by (exit code, message), in order of first appearance; no message: alone."""
+    """Failures grouped by (kind, message), in order of first appearance; no message: alone."""
     groups: dict[object, list[Failure]] = {}
     for i, f in enumerate(failures):
-        key: object = (f.code, f.message) if f.message else i
+        key: object = (f.kind, f.message) if f.message else i
         groups.setdefault(key, []).append(f)
     return list(groups.values())
 

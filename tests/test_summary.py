@@ -40,11 +40,11 @@ def test_one_user_error_is_one_line_and_the_hint() -> None:
     ]
 
 
-def test_different_messages_or_codes_are_not_folded_and_the_root_cause_keeps_its_tail() -> None:
+def test_different_messages_are_not_folded_and_the_root_cause_keeps_its_tail() -> None:
     failures = [
         _fail(0, 1, "ValueError: a", "exception"),
         _fail(1, 1, "ValueError: b", "exception"),
-        _fail(2, 3, "ValueError: a", "exception"),
+        _fail(2, 1, "ValueError: a", "user_input"),
         _fail(3, 1, "ValueError: a", "exception"),
     ]
     assert summary_lines(failures, 1, "dsl-x") == [
@@ -53,8 +53,19 @@ def test_different_messages_or_codes_are_not_folded_and_the_root_cause_keeps_its
         "  last 1 line(s) of rank 0:",
         "    rank 0 line",
         "also: rank 1 (local rank 1) on localhost exited with code 1: ValueError: b",
-        "also: rank 2 (local rank 2) on localhost exited with code 3: ValueError: a",
+        "also: rank 2 (local rank 2) on localhost exited with code 1: ValueError: a",
     ]
+
+
+def test_a_rank_caught_by_the_stop_while_exiting_with_the_same_error_is_folded() -> None:
+    # rank 1 failed first (exit 2); rank 0 had written the same error when the stop's SIGTERM hit its exit
+    failures = [
+        _fail(1, 2, "CheckpointCorrupted: x", "user_input"),
+        _fail(0, 143, "CheckpointCorrupted: x", "user_input"),
+    ]
+    assert summary_lines(failures, 1, "dsl-x")[0] == (
+        "ranks 0-1 failed the same way (exit code 2): CheckpointCorrupted: x"
+    )
 
 
 def test_failures_without_a_message_are_never_folded() -> None:

@@ -84,22 +84,27 @@ def _python(script: Path, config: str, **env: str) -> subprocess.CompletedProces
 
 
 def _assert_one_clean_error(result: subprocess.CompletedProcess, message: str) -> None:
-    """Exit code 2, the message at least once, no traceback, no label doubled ("[rank 1] [rank1]:")."""
+    """Exit code 2, the message exactly once (every rank's failure folded into one summary line), no
+    traceback, no label doubled ("[rank 1] [rank1]:")."""
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
-    assert message in output, output
+    assert output.count(message) == 1, output
+    assert "ranks 0-1 failed the same way (exit code 2)" in output, output
     assert "Traceback" not in output, output
     assert not re.search(r"\[rank\d+\]:", output), output  # torch's excepthook label
     assert not re.search(r"\[rank \d+\] \[rank", output), output
 
 
 def test_the_readme_snippet_runs_under_dslaunch_on_two_ranks(job: Path) -> None:
-    # torch's C++ log lines (made visible here) carry no "[rankN]:" label of torch's next to dslaunch's
+    # torch's C++ log lines after the rendezvous (made visible here) carry no "[rankN]:" label of torch's
+    # next to dslaunch's
     result = _dslaunch(job, "good.json", TORCH_CPP_LOG_LEVEL="INFO", TORCH_DISTRIBUTED_DEBUG="DETAIL")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "unrecognized arguments" not in output
-    assert "Running collective" in output and not re.search(r"\[rank\d+\]:", output), output
+    # (lines logged inside init_process_group itself, before it returns, can still carry torch's label)
+    collectives = [line for line in output.splitlines() if "Running collective" in line]
+    assert collectives and not any(re.search(r"\[rank\d+\]:", line) for line in collectives), output
     # 16 samples, 2 ranks x micro batch 4: two optimizer steps on each rank
     assert "[rank 0] trained 2 steps on rank 0" in output and "[rank 1] trained 2 steps on rank 1" in output
 

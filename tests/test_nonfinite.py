@@ -252,6 +252,22 @@ def test_without_the_check_a_nan_step_is_applied(grid: list[dict]) -> None:
         assert report["unchecked"] == {"skipped": 0, "finite": False}
 
 
+def _one_rank_offload(rank: int, world_size: int) -> dict:
+    """With one rank and no clipping the offloaded step used to start during backward (streamed), before
+    the norm was known; with the check on it waits for the verdict."""
+    report = {}
+    for case in (Case("bf16", 2, "host"), Case("fp32", 1, "device")):
+        reference = _train(case, rank, world_size, poison=None, bad_steps={BAD_STEP})
+        got = _train(case, rank, world_size, poison=float("nan"), bad_steps={BAD_STEP})
+        report[case.name] = (got["skipped"], _differences(got, reference))
+    return report
+
+
+def test_one_rank_offload_waits_for_the_verdict_instead_of_streaming() -> None:
+    report = run_distributed(_one_rank_offload, 1, timeout=120)[0]
+    assert report == {"bf16-stage2-offload-host": (1, []), "fp32-stage1-offload-device": (1, [])}
+
+
 def test_nonfinite_error_is_one_line_with_a_hint() -> None:
     from runtime.precision.nonfinite import SkipNonfinite
 

@@ -72,7 +72,17 @@ class FP16Config:
 
 @dataclass(frozen=True)
 class BF16Config:
+    """The bf16 section. Its two step-skipping keys also govern fp32 runs (fp32 has no section of its own);
+    fp16 runs skip through the loss scaler instead (the fp16 section)."""
+
     enabled: bool = False
+    # Decide every step on the global gradient norm: a non-finite one skips the step on every rank
+    # (DeepSpeed's key; DeepSpeed defaults to false and applies such steps, which turns every weight into
+    # NaN). False also lets the offloaded step start during backward (runtime.offload.streamed).
+    check_grad_overflow: bool = True
+    # Stop with NonfiniteGradientsError after this many consecutive skipped steps; 0 = never stop (ours:
+    # DeepSpeed has no such key).
+    max_consecutive_nonfinite_steps: int = 10
 
 
 @dataclass(frozen=True)
@@ -182,10 +192,11 @@ def _read_fp16(r: SectionReader, model: torch.nn.Module | None) -> FP16Config:
 
 def _read_bf16(r: SectionReader, model: torch.nn.Module | None) -> BF16Config:
     cfg = BF16Config(
-        enabled=r.get("enabled", Bool(), False, auto=lambda: _enabled_from_model(model, torch.bfloat16))
+        enabled=r.get("enabled", Bool(), False, auto=lambda: _enabled_from_model(model, torch.bfloat16)),
+        check_grad_overflow=r.get("check_grad_overflow", Bool(), True),
+        max_consecutive_nonfinite_steps=r.get("max_consecutive_nonfinite_steps", Int(0), 10),
     )
     r.ignored("immediate_grad_update", False, "gradients are reduced during backward, applied at the step")
-    r.ignored("check_grad_overflow", True, "bf16 steps are never skipped")
     r.default_only("bf16_master_weights_and_grads", False, "bf16 master weights")
     r.default_only("bf16_optimizer_states", False, "bf16 optimizer states")
     r.finish()

@@ -3,14 +3,16 @@
 The engine composes parts and keeps the step's order; it does not implement them:
 - `runtime.zero`: flat working buffers, master shards, and a stage strategy that reduces gradients
   during backward and gathers updated weights after the step;
-- `runtime.precision`: dtypes, the fp16 loss scaler, and the gradient math of the step
-  (average, unscale, norm, overflow, clip);
+- `runtime.precision`: dtypes, the gradient math of the step (average, unscale, norm, the non-finite
+  verdict, clip), and the `StepGuard` that scales the loss and decides what a skipped step does (fp16's
+  loss scaler, or bf16/fp32's skip-and-stop; nonfinite.py);
 - the optimizer and LR scheduler (from the config via `runtime.optim`, or from the client), built over
   the fp32 master shards.
 
 A step at the accumulation boundary: wait for the reduced gradients -> fp32 master gradients -> global
-norm (+ fp16 overflow check: the only host sync) -> one multiply (average, unscale, clip) -> optimizer
-step on this rank's shard -> scheduler -> working weights written back and all-gathered -> zero grads.
+norm (+ the non-finite verdict: the only host sync; a non-finite step is skipped on every rank, nothing
+of it written) -> one multiply (average, unscale, clip) -> optimizer step on this rank's shard ->
+scheduler -> working weights written back and all-gathered -> zero grads.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from runtime.engine_log import StepLog, Timers
 from runtime.monitor import TrainingMonitor
 from runtime.offload import GradMath, MasterPlacement, build_master_placement
 from runtime.precision.loss_scaler import LossScaler
-from runtime.precision.mixed import cast_floating, policy_from_config, scaler_from_config
+from runtime.precision.mixed import cast_floating, input_dtype_error, policy_from_config
+from runtime.precision.nonfinite import StepGuard, guard_from_config
 from runtime.zero import StageSetup, ZeroStage, build_zero_stage, shards_optimizer_state
 from runtime.zero.optimizer import (
     OptimizerSource,
@@ -91,7 +94,7 @@ class Engine(nn.Module):
         self.comm = comm or Comm(emulate_reduce_scatter=not zero_cfg.reduce_scatter)
         self.device = device or current_device()
         self.policy = policy_from_config(config)
-        self.loss_scaler: LossScaler | None = scaler_from_config(config)
+        self.guard: StepGuard = guard_from_config(config)
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
@@ -188,7 +191,13 @@ class Engine(nn.Module):
             kwargs = cast_floating(kwargs, self.policy.param_dtype)
         self.monitor.observe_inputs(inputs)
         with self._timers("forward"):
-            return self.module(*inputs, **kwargs)
+            try:
+                return self.module(*inputs, **kwargs)
+            except RuntimeError as error:
+                clear = input_dtype_error(error, (inputs, kwargs), self.policy.param_dtype)
+                if clear is None:
+                    raise
+                raise clear from error
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -200,7 +209,7 @@ class Engine(nn.Module):
         self._scale_wrt_gas = scale_wrt_gas
         self._log.record_loss(loss)
         self.monitor.record_loss(loss)
-        scaled = loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+        scaled = self.guard.scale(loss)
         with self._timers("backward"):
             if boundary and self.optimizer is not None:
                 # an offloaded update may start as soon as gradients land, when nothing waits on the norm
@@ -240,7 +249,7 @@ class Engine(nn.Module):
             divisor=self.comm.world_size * accumulation * self._pre_reduce_scale,
             loss_scale=self.loss_scale,
             max_norm=self.config.gradient_clipping,
-            check_overflow=self.loss_scaler is not None,
+            check_overflow=self.guard.checks,
             want_norm=self._log.wants_norm(self.global_steps + 1) or self.monitor.wants_norm,
             all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
         )
@@ -250,24 +259,18 @@ class Engine(nn.Module):
         with self._timers("optimizer_step"):  # norm, clip, the optimizer (on the host under offload)
             result = self.masters.step(self.optimizer, math, per_tensor=self._per_tensor)
         self._grad_norm = result.norm
-        if result.overflow:
+        step = self.global_steps + 1
+        if result.overflow:  # nothing was updated; like DeepSpeed, the scheduler does not advance either
             self.skipped_steps += 1
-            self._update_scaler(overflow=True)
+            self.guard.skipped(step=step, norm=result.norm, log=self._log)
             return False
         if self.lr_scheduler is not None:
             self.lr_scheduler.step(**(lr_kwargs or {}))
             self._sync_hyperparameters(self.lr_scheduler)
         with self._timers("write_back"):  # updated weights back to the model (offload: copies; all-gathers)
             self.masters.write_back()
-        self._update_scaler(overflow=False)
+        self.guard.applied(step=step)
         return True
-
-    def _update_scaler(self, *, overflow: bool) -> None:
-        if self.loss_scaler is None:
-            return
-        update = self.loss_scaler.update(overflow, step=self.global_steps + 1)
-        if overflow:
-            self._log.overflow(update, self.global_steps + 1)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop accumulated gradients (step() already does this after every boundary)."""
@@ -287,16 +290,22 @@ class Engine(nn.Module):
         return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
-        """The last step's global gradient norm (before clipping); None when it was not computed
-        (no clipping, no fp16, and not a logging step). Reading it waits for the device."""
+        """The last step's global gradient norm (before clipping; inf or nan for a skipped step); None when
+        it was not computed (no clipping, bf16.check_grad_overflow false, and not a logging step). Reading
+        it waits for the device."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
     def get_lr(self) -> list[float]:
         return [] if self.optimizer is None else [g["lr"] for g in self.optimizer.param_groups]
 
     @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler (its state is checkpointed); None without fp16."""
+        return self.guard.loss_scaler
+
+    @property
     def loss_scale(self) -> float:
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        return self.guard.loss_scale
 
     def train_batch_size(self) -> int:
         return self.config.train_batch_size

@@ -5,7 +5,8 @@ report (on rank 0 only), throughput is host wall time over the report window, an
 forward/backward/step timers synchronize the device only when `wall_clock_breakdown` is on. Each report
 ends with this process's memory (device allocated/reserved/peak and host RSS; host RSS only on CPU).
 fp16 overflows are summarized per report instead of logged one by one (users mistake a burst of
-warm-up overflows for a failure); a long run of consecutive overflows gets a warning early.
+warm-up overflows for a failure); a long run of consecutive overflows gets a warning early. A bf16/fp32
+step skipped for non-finite gradients is never routine: each one gets a warning that names it.
 """
 
 from __future__ import annotations
@@ -122,6 +123,22 @@ class StepLog:
                 self._consecutive,
                 update.new_scale,
             )
+
+    def nonfinite(self, step: int, norm: float, consecutive: int, limit: int) -> None:
+        """A bf16/fp32 step was skipped for a non-finite gradient norm (every rank calls this)."""
+        self._overflows += 1
+        if self.rank != 0:
+            return
+        stop = f"training stops at {limit}" if limit else "no limit set"
+        _log.warning(
+            "step %d: the global gradient norm is %s; the step was skipped on every rank (weights, optimizer "
+            "state and LR schedule unchanged); %d consecutive skipped step(s), %s "
+            "(bf16.max_consecutive_nonfinite_steps)",
+            step,
+            norm,
+            consecutive,
+            stop,
+        )
 
     def after_step(self, engine: Any) -> None:
         if engine.was_step_applied():

@@ -52,8 +52,9 @@ def test_halving_stops_at_min_scale_then_raises_with_advice() -> None:
     with pytest.raises(LossScaleError) as info:
         scaler.update(True, step=42)
     message = str(info.value)
-    assert "step 42" in message and "min_loss_scale" in message and "bf16" in message
+    assert "step 42" in message and "min_loss_scale" in message and "\n" not in message
     assert "3 consecutive" in message
+    assert "bf16" in info.value.hint and "gradient_clipping" in info.value.hint
 
 
 def test_update_reports_what_happened() -> None:
@@ -167,7 +168,7 @@ def _overflow_worker(rank: int, world_size: int) -> dict:
         try:
             engine.step()
         except LossScaleError as error:
-            out["min_scale_error"] = (step, str(error), engine.skipped_steps)
+            out["min_scale_error"] = (step, str(error), engine.skipped_steps, error.hint)
             break
     engine.destroy()
     del torch
@@ -198,6 +199,6 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
             # the next step trains again, with finite weights
             assert not _same(trace[3]["master"], trace[2]["master"]), where
             assert all(v.isfinite().all() for v in trace[3]["master"].values()), where
-        step, message, skipped = out["min_scale_error"]
+        step, message, skipped, hint = out["min_scale_error"]
         assert step == 1 and skipped == 2, (rank, out["min_scale_error"])  # both steps were skipped
-        assert "at step 2" in message and "min_loss_scale" in message and "bf16" in message
+        assert "at step 2" in message and "min_loss_scale" in message and "bf16" in hint

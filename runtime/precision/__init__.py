@@ -1,15 +1,22 @@
-"""Mixed precision: dtype policy, fp16 loss scaling and the gradient math of the optimizer step."""
+"""Mixed precision: dtype policy, fp16 loss scaling, the gradient math of the optimizer step, and what a
+step with non-finite gradients does (nonfinite.py)."""
 
-from runtime.precision.loss_scaler import DynamicLossScaler, LossScaleError, ScaleUpdate, StaticLossScaler
+from runtime.precision.errors import InputDtypeError, LossScaleError, NonfiniteGradientsError
+from runtime.precision.loss_scaler import DynamicLossScaler, ScaleUpdate, StaticLossScaler
 from runtime.precision.mixed import PrecisionPolicy, finish_grads, policy_from_config, scaler_from_config
+from runtime.precision.nonfinite import StepGuard, guard_from_config
 
 __all__ = [
     "DynamicLossScaler",
+    "InputDtypeError",
     "LossScaleError",
+    "NonfiniteGradientsError",
     "PrecisionPolicy",
     "ScaleUpdate",
     "StaticLossScaler",
+    "StepGuard",
     "finish_grads",
+    "guard_from_config",
     "policy_from_config",
     "scaler_from_config",
 ]

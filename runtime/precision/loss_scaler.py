@@ -19,9 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-class LossScaleError(RuntimeError):
-    """fp16 gradients keep overflowing at the minimum loss scale: training cannot make progress."""
+from runtime.precision.errors import LossScaleError
 
 
 @dataclass(frozen=True)
@@ -99,8 +97,9 @@ class DynamicLossScaler:
                     raise LossScaleError(
                         f"fp16 gradients overflowed {where} with the loss scale already at min_loss_scale "
                         f"({self.min_scale:g}) after {self.consecutive_overflows} consecutive overflowing "
-                        'steps; training cannot make progress. Use bf16 ("bf16": {"enabled": true}), '
-                        "lower the learning rate, or check the data and model for inf/nan."
+                        "steps, each skipped; training cannot make progress",
+                        hint='use bf16 ("bf16": {"enabled": true}), set gradient_clipping or lower the '
+                        "learning rate, or check the data and the model for inf/nan",
                     )
                 self.scale = max(self.scale / self.factor, self.min_scale)
             else:
@@ -135,3 +134,5 @@ class DynamicLossScaler:
 
 
 LossScaler = StaticLossScaler | DynamicLossScaler
+
+__all__ = ["DynamicLossScaler", "LossScaleError", "LossScaler", "ScaleUpdate", "StaticLossScaler"]

@@ -4,9 +4,12 @@ Working weights (forward/backward) are in `param_dtype` (bf16, fp16 or fp32); gr
 reduced and accumulated in that dtype too (the ZeRO paper's 2 bytes/parameter); the optimizer steps fp32
 master weights. `finish_grads` turns this rank's reduced gradient pieces into fp32 master gradients and
 applies, in order: the norm (one fused kernel per group, plus one all-reduce when gradients are sharded),
-the fp16 overflow decision (the step's only host sync), and one multiply that folds together the
-averaging over ranks and micro-steps, the loss-scale unscale and the clipping coefficient. Nothing else
-in the step waits for the device.
+the decision on a non-finite norm (the step's only host sync; skipped steps: nonfinite.py), and one
+multiply that folds together the averaging over ranks and micro-steps, the loss-scale unscale and the
+clipping coefficient. Nothing else in the step waits for the device.
+
+`input_dtype_error` turns the model's failure on inputs of another dtype into an `InputDtypeError` that
+says which key or cast fixes it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 
+from runtime.precision.errors import InputDtypeError
 from runtime.precision.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 _DTYPE_NAMES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -110,7 +114,7 @@ class GradResult:
     """Outcome of `finish_grads`: the global gradient norm (unscaled, before clipping) and the overflow."""
 
     norm: torch.Tensor | None  # 0-dim fp32 tensor on the device, or None when nobody needed it
-    overflow: bool
+    overflow: bool  # the norm is not finite: the step must be skipped
 
 
 def finish_grads(
@@ -131,7 +135,8 @@ def finish_grads(
         divisor: ranks x micro-steps the sums span (what turns them into a mean).
         loss_scale: the fp16 loss scale of the backward passes (1.0 without fp16).
         max_norm: clip to this global norm; 0 disables clipping.
-        check_overflow: decide on inf/nan gradients (fp16); this costs the step's one host sync.
+        check_overflow: decide on a non-finite norm (inf/nan gradients, or squares that overflow); this
+            costs the norm and the step's one host sync.
         want_norm: compute the norm even without clipping or overflow checks (logging).
         all_reduce_sum: sums a tensor over ranks in place when `grads` are shards; None when every rank
             holds the full gradients.
@@ -158,3 +163,59 @@ def finish_grads(
     elif inv != 1.0:
         torch._foreach_mul_(list(grads), inv)
     return GradResult(norm, False)
+
+
+_DTYPE_WORDS = ("dtype", "scalar type", "type (", "Half", "BFloat16", "Float", "Double")
+_KEY_OF = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def input_dtype_error(error: RuntimeError, inputs: Any, param_dtype: torch.dtype) -> InputDtypeError | None:
+    """The error to raise instead of `error` (raised by the model's forward on `inputs`) when it is a
+    dtype mismatch between the inputs and the `param_dtype` weights; None when it is something else."""
+    first_line = str(error).strip().split("\n", 1)[0]
+    if not any(word in first_line for word in _DTYPE_WORDS):
+        return None
+    other = _foreign_floating(inputs, param_dtype)
+    if other is None:
+        return None
+    where, tensor = other
+    weights = _KEY_OF.get(param_dtype, str(param_dtype))
+    message = (
+        f"engine forward: the model's weights are {weights} but {where} is a "
+        f"{str(tensor.dtype).removeprefix('torch.')} tensor of shape {tuple(tensor.shape)}, and the model "
+        f"failed on the mismatch: {first_line}"
+    )
+    if param_dtype == torch.float16:
+        hint = (
+            'set "fp16": {"enabled": true, "auto_cast": true} so the engine casts floating-point inputs '
+            "to fp16, or cast them yourself (x.half())"
+        )
+    elif param_dtype == torch.bfloat16:
+        hint = (
+            "the engine casts floating-point tensors in tuples, lists and dicts to bf16; cast tensors "
+            "held in other containers yourself (x.bfloat16())"
+        )
+    else:
+        hint = 'cast the inputs to float32 (x.float()), or enable "bf16" or "fp16" to train in their dtype'
+    return InputDtypeError(message, hint=hint)
+
+
+def _foreign_floating(value: Any, dtype: torch.dtype, where: str = "") -> tuple[str, torch.Tensor] | None:
+    """The first floating-point tensor in `value` (an (args, kwargs) pair at the top) not in `dtype`."""
+    if isinstance(value, torch.Tensor):
+        return (where, value) if value.is_floating_point() and value.dtype != dtype else None
+    if isinstance(value, dict):
+        items = [(f"{where}[{k!r}]" if where else f"keyword argument {k!r}", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        if not where:  # the top level: (args, kwargs)
+            args, kwargs = value
+            items = [(f"argument {i}", v) for i, v in enumerate(args)] + [("", kwargs)]
+        else:
+            items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for at, item in items:
+        found = _foreign_floating(item, dtype, at)
+        if found is not None:
+            return found
+    return None

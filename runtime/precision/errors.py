@@ -1,0 +1,35 @@
+"""The mixed-precision errors a user causes and can fix: a one-line message and a `hint` (what to change).
+
+- `NonfiniteGradientsError`: bf16/fp32 steps kept producing non-finite gradients (nonfinite.py);
+- `LossScaleError`, one of those: fp16 gradients overflow at the minimum loss scale (loss_scaler.py);
+- `InputDtypeError`: the model failed on forward inputs of another dtype than its weights (mixed.py).
+
+They are plain RuntimeError subclasses for now (what torch raised before, so `except RuntimeError` keeps
+working); `runtime.errors.UserError` is meant to become their second base, which gives them the one-line
+report with the hint and no traceback.
+"""
+
+from __future__ import annotations
+
+
+class PrecisionError(RuntimeError):
+    """A training failure the user fixes in the config or the data; `hint` says how ("" if nothing to add)."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+class NonfiniteGradientsError(PrecisionError):
+    """Too many consecutive steps had non-finite gradients (each was skipped): training stops."""
+
+
+class LossScaleError(NonfiniteGradientsError):
+    """fp16 gradients keep overflowing at the minimum loss scale: training cannot make progress."""
+
+
+class InputDtypeError(PrecisionError):
+    """The model's forward failed because floating-point inputs are not in the working dtype."""
+
+
+__all__ = ["InputDtypeError", "LossScaleError", "NonfiniteGradientsError", "PrecisionError"]

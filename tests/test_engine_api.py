@@ -166,6 +166,12 @@ def test_input_errors_are_user_errors_and_keep_their_old_bases() -> None:
         assert issubclass(cls, runtime.UserError) and issubclass(cls, old), cls
         assert cls.hint, cls  # every one says what to do
     assert ConfigError("a.b", "bad", hint="do x").hint == "do x"
+    # training failures the user fixes in the config: one line and a hint too, and still RuntimeErrors
+    from runtime.precision.errors import InputDtypeError, LossScaleError, NonfiniteGradientsError
+
+    for cls in (NonfiniteGradientsError, LossScaleError, InputDtypeError):
+        assert issubclass(cls, runtime.UserError) and issubclass(cls, RuntimeError), cls
+    assert NonfiniteGradientsError("step 3: nan", "lower the LR").hint == "lower the LR"
     from runtime.config import load_config
 
     with pytest.raises(BatchSizeError, match=r"train_batch_size \(8\) != .* = 6") as info:

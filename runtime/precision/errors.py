@@ -4,20 +4,20 @@
 - `LossScaleError`, one of those: fp16 gradients overflow at the minimum loss scale (loss_scaler.py);
 - `InputDtypeError`: the model failed on forward inputs of another dtype than its weights (mixed.py).
 
-They are plain RuntimeError subclasses for now (what torch raised before, so `except RuntimeError` keeps
-working); `runtime.errors.UserError` is meant to become their second base, which gives them the one-line
-report with the hint and no traceback.
+They are `runtime.errors.UserError`s (one line and the hint, no traceback, exit code 2) and keep
+RuntimeError as a base (what torch raised before, so `except RuntimeError` keeps working).
 """
 
 from __future__ import annotations
 
+from runtime.errors import UserError
 
-class PrecisionError(RuntimeError):
+
+class PrecisionError(UserError, RuntimeError):
     """A training failure the user fixes in the config or the data; `hint` says how ("" if nothing to add)."""
 
     def __init__(self, message: str, hint: str = "") -> None:
-        super().__init__(message)
-        self.hint = hint
+        super().__init__(message, hint=hint)
 
 
 class NonfiniteGradientsError(PrecisionError):

@@ -628,7 +628,6 @@ def _no_offload_vs_offload(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
     ("stage", "clip", "offload_param", "landing", "update", "bucket", "share"),
     [
@@ -758,7 +757,6 @@ def test_device_step_resumes_exactly_also_into_an_engine_that_trained_on() -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_device_step_resumes_from_a_checkpoint_exactly(tmp_path) -> None:
     """The host state the device step streams is current when a checkpoint is saved (flush waits for the
     downloads), and a resumed run streams the loaded state (pinned again) to the same weights, in a new

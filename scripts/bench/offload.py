@@ -247,7 +247,7 @@ def work_gpu(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 def work_adam(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     from runtime.offload.host_adam import HostAdam
-    from runtime.offload.host_masters import TRANSFER_CHUNK_ELEMS
+    from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
     from runtime.offload.spans import plan_chunks
     from runtime.ops.adam import CPUAdam
 

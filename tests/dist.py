@@ -83,6 +83,7 @@ def _worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # as dslaunch sets it for its workers
     import torch
     import torch.distributed as dist
 

@@ -565,8 +565,8 @@ def _no_offload_vs_offload(
         start = {n: p.detach().clone().float() for n, p in model.named_parameters()}
         zero = {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 0}
         if offload:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, "update": update}
-            zero["offload_optimizer"].update(grad_transfer=landing, host_share=share)
+            keys = {"update": update, "grad_transfer": landing, "host_share": share}
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, **keys}
             if offload_param:
                 zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         config = {

@@ -348,7 +348,9 @@ def _check_optimizer_with_zero(
 
 def _plain(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        # internal fields (tuning that tests set, runtime/offload/settings.py) are not config keys
+        keys = [f.name for f in fields(value) if not f.metadata.get("internal")]
+        return {name: _plain(getattr(value, name)) for name in keys}
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

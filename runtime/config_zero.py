@@ -3,7 +3,9 @@
 Owns DeepSpeed's deprecated aliases (cpu_offload, ...), the keys we accept without acting on, the ZeRO++ /
 MiCS / NVMe features we refuse by name, and "auto" for the hidden-size-derived stage-3 values (resolved the
 way HF Trainer does: reduce_bucket_size = h*h, stage3_prefetch_bucket_size = 0.9*h*h,
-stage3_param_persistence_threshold = 10*h).
+stage3_param_persistence_threshold = 10*h). `offload_optimizer` reads into the offload's own
+`OffloadSettings` (runtime/offload/settings.py, which says what its keys do); `offload_param` into
+`OffloadConfig`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from runtime.config_checks import Bool, Choice, Float, Int
 from runtime.config_reader import AutoRefused, ConfigError, SectionReader
+from runtime.offload.settings import GRAD_TRANSFER_CHOICES, UPDATE_CHOICES, OffloadSettings
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class ZeroConfig:
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reduce_scatter: bool = True
-    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_optimizer: OffloadSettings = field(default_factory=OffloadSettings)
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
     stage3_prefetch_bucket_size: int = 50_000_000
     stage3_param_persistence_threshold: int = 100_000
@@ -96,7 +99,34 @@ def _default_for_auto(r: SectionReader, key: str, default: Any) -> Callable[[], 
     return resolve
 
 
-def _read_offload(r: SectionReader, buffer_count_default: int) -> OffloadConfig:
+def _read_offload_optimizer(r: SectionReader) -> OffloadSettings:
+    base = _read_offload_device(r, buffer_count_default=4)
+    # "auto" (any spelling) or null: decided at startup, held as None
+    update = r.get("update", Choice(UPDATE_CHOICES, nullable=True), None, auto=lambda: None)
+    transfer = r.get("grad_transfer", Choice(GRAD_TRANSFER_CHOICES, nullable=True), None, auto=lambda: None)
+    cfg = OffloadSettings(
+        device=base.device,
+        pin_memory=base.pin_memory,
+        update=None if update == "auto" else update,
+        host_share=r.get("host_share", Float(0.0, 1.0, nullable=True), None, auto=lambda: None),
+        grad_transfer=None if transfer == "auto" else transfer,
+    )
+    r.finish()
+    if cfg.device == "none":
+        for key in ("update", "host_share", "grad_transfer"):
+            if getattr(cfg, key) is not None:
+                r.ctx.note(f'{r.key_path(key)}: {getattr(cfg, key)!r} has no effect (device is "none")')
+    return cfg
+
+
+def _read_offload_param(r: SectionReader) -> OffloadConfig:
+    cfg = _read_offload_device(r, buffer_count_default=5)
+    r.finish()
+    return cfg
+
+
+def _read_offload_device(r: SectionReader, buffer_count_default: int) -> OffloadConfig:
+    """The keys both offload sections share (the caller reads its own, then finishes)."""
     device = r.get("device", Choice(("none", "cpu", "nvme"), nullable=True), "none") or "none"
     if device == "nvme":
         raise ConfigError(
@@ -119,7 +149,6 @@ def _read_offload(r: SectionReader, buffer_count_default: int) -> OffloadConfig:
     r.ignored("buffer_size", 100_000_000, "NVMe buffer size")
     r.ignored("max_in_cpu", 1_000_000_000, "NVMe offload is not supported")
     r.ignored("cpuadam_cores_perc", 0.8, "the CPU optimizer uses torch's thread pool")
-    r.finish()
     return cfg
 
 
@@ -154,8 +183,8 @@ def read_zero(r: SectionReader, model: torch.nn.Module | None) -> ZeroConfig:
         overlap_comm=r.get("overlap_comm", Bool(), True),
         contiguous_gradients=r.get("contiguous_gradients", Bool(), True),
         reduce_scatter=r.get("reduce_scatter", Bool(), True),
-        offload_optimizer=_read_offload(r.section("offload_optimizer"), 4),
-        offload_param=_read_offload(r.section("offload_param"), 5),
+        offload_optimizer=_read_offload_optimizer(r.section("offload_optimizer")),
+        offload_param=_read_offload_param(r.section("offload_param")),
         stage3_prefetch_bucket_size=r.get(
             "stage3_prefetch_bucket_size",
             big,

@@ -46,6 +46,7 @@ from torch import nn
 import runtime
 from runtime.checkpoint import read_latest
 from runtime.data import DEFAULT_CORPUS, TokenBlockDataset, Tokenizer, load_tokenizer
+from runtime.distributed import accelerator
 from runtime.errors import UserError
 from runtime.models import GPT, MODEL_SIZES, GPTConfig, GPTOutput
 from runtime.monitor import ProgressBar
@@ -294,8 +295,9 @@ def enable_activation_checkpointing(model: nn.Module) -> str:
 
 
 def limit_cpu_threads() -> None:
-    """Give each CPU worker its share of the cores, unless the user chose (OMP_NUM_THREADS)."""
-    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
+    """Give each CPU worker its share of the cores, unless the user chose (OMP_NUM_THREADS). A worker
+    trains on the CPU where DS_ACCELERATOR=cpu says so, also on a machine with GPUs."""
+    if accelerator() == "cuda" or "OMP_NUM_THREADS" in os.environ:
         return
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))

@@ -1,13 +1,15 @@
-"""Run a function on N gloo ranks in fresh processes, for distributed tests.
+"""Run a function on N ranks (gloo on CPU, or NCCL on GPUs) in fresh processes, for distributed tests.
 
 `run_distributed(fn, world_size, *args)` starts one process per rank, gives each a fresh process group
 (a FileStore in a new temp dir, so concurrent test runs never share a rendezvous; or, with
 rendezvous="env", runtime.init_distributed() on a free TCP port, the path a launched job takes), calls
-`fn(rank, world_size, *args)` and returns the per-rank results in rank order. Ranks train on the CPU
-(`DS_ACCELERATOR=cpu`) even on a machine with GPUs, so the same tests pass there; a test that needs
-CUDA passes `device="cuda"`. The first worker exception
-is re-raised in the test process as `WorkerFailed` with the rank and the worker's traceback text; a
-worker that dies without a word, or a run past `timeout` seconds, also fails the test and kills the rest.
+`fn(rank, world_size, *args)` and returns the per-rank results in rank order. Each rank's device is
+explicit: by default it trains on the CPU over gloo (`DS_ACCELERATOR=cpu`), even on a machine with GPUs,
+so the same tests pass there; a test marked `gpu` passes `device="cuda"`, and each rank then trains on
+its GPU (`DS_ACCELERATOR=cuda`, cuda:LOCAL_RANK) over NCCL, as a launched job on GPUs does. The first
+worker exception is re-raised in the test process as `WorkerFailed` with the rank and the worker's
+traceback text; a worker that dies without a word, or a run past `timeout` seconds, also fails the test
+and kills the rest.
 
 Workers come from a forkserver that has already imported torch, so starting a world costs a fork, not a
 torch import (about 5 s on the 2-core CI box). `fn` and its arguments must be picklable (module-level
@@ -31,6 +33,7 @@ from datetime import timedelta
 from typing import Any
 
 DEFAULT_TIMEOUT = 120.0
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # by the device the ranks train on
 _CONTEXT: Any = None
 
 
@@ -80,15 +83,20 @@ def _worker(
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
     )
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # as dslaunch sets it for its workers
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
         if rendezvous == "file":
+            if device == "cuda":
+                from runtime.distributed import device_for
+
+                torch.cuda.set_device(device_for(rank))  # what runtime.init_distributed does
             store = dist.FileStore(store_path, world_size)
             dist.init_process_group(
-                "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=90)
+                BACKENDS[device], store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=90)
             )
         else:
             import runtime
@@ -112,11 +120,11 @@ def run_distributed(
     rendezvous: str = "file",
     device: str = "cpu",
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks training on `device` ("cpu" or
-    "cuda"); return the results by rank."""
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks training on `device`: "cpu" (gloo) or
+    "cuda" (NCCL, one GPU a rank; for tests marked `gpu`); return the results by rank."""
     if rendezvous not in ("file", "env"):
         raise ValueError(f"rendezvous must be 'file' or 'env', got {rendezvous!r}")
-    if device not in ("cpu", "cuda"):
+    if device not in BACKENDS:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     ctx = _context()
     tmp = tempfile.mkdtemp(prefix="dslaunch-dist-")

@@ -6,13 +6,16 @@ global batch per (step, micro-step); rank r of W takes rows [r*G/W, (r+1)*G/W), 
 reaches the model whatever the world size. `reference_train` is what the engine must equal: one process,
 the whole global batch, fp32 master weights and a working copy in the run's dtype, gradients accumulated
 in that dtype, averaged, unscaled, clipped with torch.nn.utils.clip_grad_norm_, and a torch optimizer.
+`with_offload_settings` loads a config with internal offload settings (chunk sizes, ...) that no config
+key reaches, so a tiny model still spans several chunks.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +48,17 @@ def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict[str, 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     rest = [p for n, p in model.named_parameters() if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def with_offload_settings(config: Mapping[str, Any], *, world_size: int, **settings: Any) -> Any:
+    """`config` loaded for `world_size` (a `runtime.config.Config` for runtime.initialize), with `settings`
+    replacing fields of its `zero_optimization.offload_optimizer` (`runtime.offload.settings`)."""
+    from runtime.config import load_config
+
+    loaded = load_config(config, world_size=world_size)
+    zero = loaded.zero_optimization
+    offload = replace(zero.offload_optimizer, **settings)
+    return replace(loaded, zero_optimization=replace(zero, offload_optimizer=offload))
 
 
 def global_batch(step: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

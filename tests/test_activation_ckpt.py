@@ -184,7 +184,7 @@ def test_flag_from_add_config_arguments() -> None:
     assert not parser.parse_args([]).deepspeed_activation_checkpointing
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="cpu_checkpointing saves device memory: needs CUDA")
+@pytest.mark.gpu  # cpu_checkpointing saves device memory: CUDA only
 def test_cpu_checkpointing_moves_inputs_off_the_gpu() -> None:
     blocks = make_stack().cuda()
     x = torch.randn(BATCH, SEQ, BLOCK_CONFIG.n_embd, device="cuda", requires_grad=True)

@@ -63,7 +63,7 @@ class Case:
     dtype: str
     optimizer: str = "AdamW"
     offload: bool = False  # zero_optimization.offload_optimizer: masters and state in host memory
-    device_step: bool = False  # DSLAUNCH_OFFLOAD_UPDATE=device: the state streams through the "device"
+    device_step: bool = False  # offload_optimizer.update "device": the state streams through the "device"
 
     @property
     def accumulation(self) -> int:
@@ -90,7 +90,8 @@ class Case:
             "zero_optimization": {"stage": self.stage, "reduce_bucket_size": 700},
         }
         if self.offload:
-            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+            update = "device" if self.device_step else "host"
+            cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "update": update}
         if self.stage == 3:  # a gather unit per linear layer: 7 flat groups where stages 0-2 have 2
             cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
         if self.optimizer == "SGD":
@@ -149,17 +150,12 @@ if HAS_STAGE3:  # parameters sharded per gather unit: another grouping, the same
 
 
 def _build(case: Case):
-    import os
-
     import runtime
-    from runtime.offload.update_site import UPDATE_ENV
 
     model = make_model(0)
-    os.environ[UPDATE_ENV] = "device" if case.device_step else "host"
     engine, _, loader, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config(), training_data=IndexDataset()
     )
-    del os.environ[UPDATE_ENV]
     loader.sampler.set_epoch(1)
     assert (type(engine.masters).__name__ == "HostMasters") == case.offload  # really offloaded, or not
     assert getattr(engine.masters, "update_on_device", False) == case.device_step

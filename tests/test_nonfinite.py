@@ -16,7 +16,6 @@ naming it. fp16 with fp32 inputs fails with a clear error from the engine's forw
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +49,7 @@ class Case:
         if self.stage == 3:
             zero["stage3_param_persistence_threshold"] = 0  # every module is gathered and released
         if self.offload != "none":
-            zero["offload_optimizer"] = {"device": "cpu"}
+            zero["offload_optimizer"] = {"device": "cpu", "update": self.offload}
         cfg: dict = {
             "train_batch_size": ROWS,
             "gradient_accumulation_steps": 1,
@@ -99,7 +98,6 @@ def _train(case: Case, rank: int, world_size: int, *, poison: float | None, bad_
     the step's batch is left out entirely (the reference)."""
     import runtime
 
-    os.environ["DSLAUNCH_OFFLOAD_UPDATE"] = "device" if case.offload == "device" else "host"
     model = make_model(0)
     engine, _, _, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config(**bf16)
@@ -126,7 +124,6 @@ def _train(case: Case, rank: int, world_size: int, *, poison: float | None, bad_
     out["skipped"] = engine.skipped_steps
     out["loss_scale"] = engine.loss_scale
     engine.destroy()
-    del os.environ["DSLAUNCH_OFFLOAD_UPDATE"]
     return out
 
 

@@ -7,8 +7,10 @@ bf16, accumulation 1 and 2, clipping on (AdamW: the one-pass host Adam) and off 
 generic host path, where any averaging error shows in the weights), plus AdamW without clipping, fp16
 with its loss scale, and pin_memory (ignored without CUDA); stage 3 also with the parameters
 offloaded (`offload_param`: working shards in host memory, uploaded before each gather). The delayed
-parameter update is checked against a one-step-stale reference. The copy-back chunk is shrunk to 128
-elements so every bucket goes back in several chunks, as a large model's would.
+parameter update is checked against a one-step-stale reference. The copy-back chunk (and the device
+step's staging chunk) is shrunk to 128 elements through the internal offload settings, so every bucket goes
+back in several chunks, as a large model's would. Behaviour is chosen through the config's
+`offload_optimizer` keys (`update`, `grad_transfer`, `host_share`), never through module constants.
 
 On a CPU-only machine "device" and host are both CPU memory; the offload runs the same copies in the
 same order, synchronously (runtime/offload/copies.py), so these tests exercise the real step logic.
@@ -26,10 +28,20 @@ import torch
 import torch.distributed as dist
 
 from tests.dist import run_distributed
-from tests.models import loss_fn, make_model, param_groups, rank_batch, reference_train, train_engine
+from tests.models import (
+    loss_fn,
+    make_model,
+    param_groups,
+    rank_batch,
+    reference_train,
+    train_engine,
+    with_offload_settings,
+)
 from tests.test_zero_parity import DTYPES, ROWS, STEPS, Case, _compare
 
 CHUNK = 128  # elements per copy-back chunk in these tests (buckets are 700)
+SMALL_CHUNKS = {"transfer_chunk_elems": CHUNK, "device_chunk_elems": CHUNK, "device_slots": 2}
+"""Internal offload settings: several chunks a span, and the device step's slots reused."""
 HAVE_STAGE3 = importlib.util.find_spec("runtime.zero.stage3") is not None
 
 
@@ -39,9 +51,9 @@ class OffloadCase(Case):
     pin_memory: bool = False
     persistence: int | None = None  # stage3_param_persistence_threshold (0: every unit is gathered on use)
     offload_param: bool = False  # stage 3: the working shards in host memory too
-    fp32_landing: bool = False  # DSLAUNCH_OFFLOAD_GRAD_TRANSFER=fp32: 16-bit gradients land as fp32
-    device_step: bool = False  # DSLAUNCH_OFFLOAD_UPDATE=device: state streams through the "device"
-    host_share: float = 0.0  # DSLAUNCH_OFFLOAD_HOST_SHARE: with the device step, the CPU's share of it
+    fp32_landing: bool = False  # grad_transfer "fp32": 16-bit gradients land as fp32 (else "native")
+    device_step: bool = False  # update "device": state streams through the "device" (else "host")
+    host_share: float = 0.0  # host_share: with the device step, the CPU's share of it
 
     @property
     def optimizer(self) -> str:
@@ -49,7 +61,13 @@ class OffloadCase(Case):
 
     def config(self) -> dict:
         cfg = super().config()
-        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": self.pin_memory}
+        cfg["zero_optimization"]["offload_optimizer"] = {
+            "device": "cpu",
+            "pin_memory": self.pin_memory,
+            "update": "device" if self.device_step else "host",
+            "grad_transfer": "fp32" if self.fp32_landing else "native",
+            "host_share": self.host_share,
+        }
         if self.persistence is not None:
             cfg["zero_optimization"]["stage3_param_persistence_threshold"] = self.persistence
         if self.offload_param:
@@ -114,23 +132,14 @@ if HAVE_STAGE3:  # updated weights go to the units' working shards; persistent u
 def _train(case: Case, rank: int, world_size: int) -> dict:
     """tests/test_zero_parity.py's training run; the working weights are read inside GatheredParameters,
     since stage-3 units below the persistence threshold are not gathered outside a forward."""
-    import os
-
     import runtime
-    from runtime.offload.landing import GRAD_TRANSFER_ENV
-    from runtime.offload.update_site import HOST_SHARE_ENV, UPDATE_ENV
 
     model = make_model(0)
     fp32_landing = isinstance(case, OffloadCase) and case.fp32_landing
     device_step = isinstance(case, OffloadCase) and case.device_step
     share = case.host_share if isinstance(case, OffloadCase) else 0.0
-    os.environ[GRAD_TRANSFER_ENV] = "fp32" if fp32_landing else "native"
-    os.environ[UPDATE_ENV] = "device" if device_step else "host"
-    os.environ[HOST_SHARE_ENV] = str(share)
-    engine, _, _, _ = runtime.initialize(
-        model=model, model_parameters=param_groups(model), config=case.config()
-    )
-    del os.environ[GRAD_TRANSFER_ENV], os.environ[UPDATE_ENV], os.environ[HOST_SHARE_ENV]
+    config = with_offload_settings(case.config(), world_size=world_size, **SMALL_CHUNKS)
+    engine, _, _, _ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
     if fp32_landing:
         landed = {t.dtype for t in engine.masters.grads.buffers}
         assert landed == {torch.float32}, f"gradients landed as {landed}, not fp32"
@@ -173,11 +182,6 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
 
 
 def _run_grid(rank: int, world_size: int, cases: list[Case]) -> dict[str, list[str]]:
-    import runtime.offload.device_step as device_step
-    import runtime.offload.host_masters as host_masters
-
-    host_masters.TRANSFER_CHUNK_ELEMS = CHUNK
-    device_step.DEVICE_CHUNK_ELEMS, device_step.DEVICE_SLOTS = CHUNK, 2  # several chunks a span, slots reused
     report = {}
     for case in cases:
         got = _train(case, rank, world_size)
@@ -196,11 +200,19 @@ def test_offloaded_optimizer_matches_plain_pytorch(world_size: int) -> None:
 
 
 def _offload_engine(
-    stage: int, *, bucket: int = 700, clip: float = 0.0, model=None, check: bool = True, **sizes: int
+    stage: int,
+    *,
+    bucket: int = 700,
+    clip: float = 0.0,
+    model=None,
+    check: bool = True,
+    offload: dict | None = None,
+    **sizes: int,
 ):
-    """bf16 AdamW with the optimizer offloaded; `model` (default: a fresh `make_model(0, **sizes)`) may
-    carry hooks of the test's own, registered before the engine's. `check=False` turns off the non-finite
-    check (bf16.check_grad_overflow), which a step streamed during backward needs."""
+    """bf16 AdamW with the optimizer offloaded (`offload`: more offload_optimizer keys); `model` (default:
+    a fresh `make_model(0, **sizes)`) may carry hooks of the test's own, registered before the engine's.
+    `check=False` turns off the non-finite check (bf16.check_grad_overflow), which a step streamed during
+    backward needs."""
     import runtime
 
     model = make_model(0, **sizes) if model is None else model
@@ -213,7 +225,7 @@ def _offload_engine(
         "zero_optimization": {
             "stage": stage,
             "reduce_bucket_size": bucket,
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True, **(offload or {})},
         },
     }
     engine, optimizer, _, _ = runtime.initialize(
@@ -447,14 +459,9 @@ def test_a_second_boundary_backward_before_step_is_refused_once_the_update_start
 
 
 def _delay_mid_step(rank: int, world_size: int) -> dict:
-    import os
-
     from runtime.offload import enable_delayed_update
-    from runtime.offload.update_site import UPDATE_ENV
 
-    os.environ[UPDATE_ENV] = "device"
-    _, engine, _ = _offload_engine(2, bucket=300, check=False)
-    del os.environ[UPDATE_ENV]
+    _, engine, _ = _offload_engine(2, bucket=300, check=False, offload={"update": "device"})
     x, y = rank_batch(0, 0, ROWS, rank, world_size)
     engine.backward(loss_fn(engine(x), y))  # the streamed device step has started
     try:
@@ -474,13 +481,7 @@ def _delay_mid_step(rank: int, world_size: int) -> dict:
 
 
 def _state_reads_wait(rank: int, world_size: int) -> dict:
-    import os
-
-    from runtime.offload.update_site import UPDATE_ENV
-
-    os.environ[UPDATE_ENV] = "device"
-    _, engine, optimizer = _offload_engine(2, bucket=300)
-    del os.environ[UPDATE_ENV]
+    _, engine, optimizer = _offload_engine(2, bucket=300, offload={"update": "device"})
     waits = []
     step = engine.masters._split.device_step
     original = step.host_ready
@@ -564,18 +565,9 @@ def _no_offload_vs_offload(
     share: float = 0.0,
 ) -> dict:
     """bf16 GPT on CUDA: Adam on the device, then twice the offloaded run, same data; relative update gaps.
-    `landing`, `update`, `share`: the DSLAUNCH_OFFLOAD_GRAD_TRANSFER, DSLAUNCH_OFFLOAD_UPDATE and
-    DSLAUNCH_OFFLOAD_HOST_SHARE settings."""
-    import os
-
+    `landing`, `update`, `share`: the offload_optimizer keys grad_transfer, update and host_share."""
     import runtime
     from runtime.models import GPT, GPTConfig
-    from runtime.offload.landing import GRAD_TRANSFER_ENV
-    from runtime.offload.update_site import HOST_SHARE_ENV, UPDATE_ENV
-
-    os.environ[GRAD_TRANSFER_ENV] = landing
-    os.environ[UPDATE_ENV] = update
-    os.environ[HOST_SHARE_ENV] = str(share)
 
     results = []
     for offload in (False, True, True):
@@ -584,7 +576,8 @@ def _no_offload_vs_offload(
         start = {n: p.detach().clone().float() for n, p in model.named_parameters()}
         zero = {"stage": stage, "reduce_bucket_size": bucket, "stage3_param_persistence_threshold": 0}
         if offload:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+            keys = {"update": update, "grad_transfer": landing, "host_share": share}
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True, **keys}
             if offload_param:
                 zero["offload_param"] = {"device": "cpu", "pin_memory": True}
         config = {
@@ -634,7 +627,6 @@ def _no_offload_vs_offload(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
     ("stage", "clip", "offload_param", "landing", "update", "bucket", "share"),
     [
@@ -693,16 +685,8 @@ def _device_step_resume(rank: int, world_size: int, root: str, on_cpu: bool) -> 
     engine that loads it (on CUDA its moments arrive in pageable memory and are pinned again) and steps
     3-5. `on_cpu`: the "device" is host memory, with small chunks and two slots, so that slots are
     reused within a step and across steps."""
-    import os
-
     import runtime
-    import runtime.offload.device_step as device_step
     from runtime.models import GPT, GPTConfig
-    from runtime.offload.update_site import UPDATE_ENV
-
-    if on_cpu:
-        device_step.DEVICE_CHUNK_ELEMS, device_step.DEVICE_SLOTS = CHUNK, 2
-        os.environ[UPDATE_ENV] = "device"
 
     def build():
         torch.manual_seed(0)
@@ -714,6 +698,9 @@ def _device_step_resume(rank: int, world_size: int, root: str, on_cpu: bool) -> 
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}},
             "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
         }
+        if on_cpu:  # asked for: on a CPU the engine would take the host step
+            config["zero_optimization"]["offload_optimizer"]["update"] = "device"
+            config = with_offload_settings(config, world_size=world_size, **SMALL_CHUNKS)
         engine, *_ = runtime.initialize(model=model, config=config)
         assert engine.masters.update_on_device, engine.masters.update.reason
         return engine
@@ -764,7 +751,6 @@ def test_device_step_resumes_exactly_also_into_an_engine_that_trained_on() -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_device_step_resumes_from_a_checkpoint_exactly(tmp_path) -> None:
     """The host state the device step streams is current when a checkpoint is saved (flush waits for the
     downloads), and a resumed run streams the loaded state (pinned again) to the same weights, in a new
@@ -818,22 +804,15 @@ def _delayed_reference(*, steps: int, accumulation: int, param_dtype: torch.dtyp
 
 
 def _train_delayed(rank: int, world_size: int, cases: list[OffloadCase]) -> list[dict]:
-    import os
-
     import runtime
     from runtime.offload import enable_delayed_update
-    from runtime.offload.landing import GRAD_TRANSFER_ENV
-    from runtime.offload.update_site import UPDATE_ENV
 
     out = []
     for case in cases:
         model = make_model(0)
-        os.environ[GRAD_TRANSFER_ENV] = "fp32" if case.fp32_landing else "native"
-        os.environ[UPDATE_ENV] = "device" if case.device_step else "host"
         engine, _, _, _ = runtime.initialize(
             model=model, model_parameters=param_groups(model), config=case.config()
         )
-        del os.environ[GRAD_TRANSFER_ENV], os.environ[UPDATE_ENV]
         assert engine.masters.update_on_device == case.device_step
         enable_delayed_update(engine, after_steps=DPU_AFTER)
         assert not engine.masters.update_on_device  # the delayed update is a host thread's
@@ -964,22 +943,20 @@ def test_the_device_step_stages_more_chunks_where_the_device_has_room() -> None:
 
 
 def test_the_cpus_share_of_the_device_step_is_a_checked_fraction() -> None:
-    from runtime.offload.update_site import (
-        HOST_SHARE_ENV,
-        choose_update,
-        default_host_share,
-        parse_host_share,
-    )
+    from runtime.offload.settings import parse_override
+    from runtime.offload.update_site import SHARE_KEY, choose_update, default_host_share
 
-    assert parse_host_share("0.35") == 0.35 and parse_host_share("1") == 1.0
+    # the benchmark override's reading (the config key's is checked with the other keys, below)
+    assert parse_override("host_share", "0.35") == 0.35 and parse_override("host_share", "1") == 1.0
+    assert parse_override("host_share", "AUTO") is None
     for bad in ("1.5", "-0.1", "half", "nan"):
-        with pytest.raises(ValueError, match=f"{HOST_SHARE_ENV}='{bad}': expected the fraction"):
-            parse_host_share(bad)
+        with pytest.raises(ValueError, match=f"DSLAUNCH_OFFLOAD_HOST_SHARE='{bad}': expected the fraction"):
+            parse_override("host_share", bad)
     kwargs = dict(on_gpu=True, adam=True, weights_on_host=False, pinned=True)
     shared = choose_update(**kwargs, host_share=0.4)
     assert shared.on_device and shared.host_share == 0.4
-    assert f"the CPU updates 40% of the elements at the same time ({HOST_SHARE_ENV})" in shared.reason
-    assert HOST_SHARE_ENV not in choose_update(**kwargs, host_share=0.0).reason
+    assert f"the CPU updates 40% of the elements at the same time ({SHARE_KEY})" in shared.reason
+    assert SHARE_KEY not in choose_update(**kwargs, host_share=0.0).reason
     # ranks on one host split its cores but not their PCIe links: each rank's CPU takes less
     assert default_host_share(1, 0.4) == pytest.approx(0.4)
     assert default_host_share(2, 0.4) == pytest.approx(0.25) and default_host_share(8, 0.4) < 0.08
@@ -995,7 +972,7 @@ def test_gradients_land_as_fp32_on_a_gpu_only_when_the_host_has_room() -> None:
     bf16, fp32 = torch.bfloat16, torch.float32
 
     def choose(
-        setting: str = "auto",
+        setting: str | None = None,
         *,
         on_gpu: bool = True,
         on_host: bool = False,
@@ -1020,7 +997,8 @@ def test_gradients_land_as_fp32_on_a_gpu_only_when_the_host_has_room() -> None:
     assert "needs 80.0 GiB for 4 rank(s)" in tight.reason and "64.0 GiB is available" in tight.reason
     assert choose(on_gpu=False).dtype == bf16  # no PCIe on a CPU-only machine: nothing to gain
     assert choose(on_host=True).dtype == bf16  # offload_param: the kernel writes bf16 weights on the host
-    assert choose("native").dtype == bf16
+    native = choose("native")
+    assert native.dtype == bf16 and native.reason.endswith('(offload_optimizer.grad_transfer: "native")')
     assert choose("fp32", available=0).dtype == fp32  # asked for: the user's call
     # fp32 training has nothing to convert; bf16 masters have no fused fp32 step to gain
     for grad, master in ((fp32, fp32), (torch.float16, bf16)):
@@ -1029,59 +1007,58 @@ def test_gradients_land_as_fp32_on_a_gpu_only_when_the_host_has_room() -> None:
         )
         assert kept.dtype == grad, kept
     assert "not fp32" in kept.reason
-    with pytest.raises(ValueError, match="expected one of auto, fp32, native"):
+    with pytest.raises(ValueError, match="grad_transfer 'bf32': expected 'fp32', 'native' or None"):
         choose("bf32")
 
 
-def test_landing_setting_and_rank_count_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The variable is read case- and space-insensitively, empty means auto, and the ranks sharing the
-    host come from whichever launcher started them."""
+def test_landing_follows_its_key_and_counts_the_ranks_any_launcher_put_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """grad_transfer decides when set; "auto" (None) weighs the host's memory against the ranks sharing the
+    host, counted from whichever launcher started them."""
     from runtime.distributed import LOCAL_SIZE_VARIABLES, DistEnvError
-    from runtime.offload.landing import GRAD_TRANSFER_ENV, landing_choice
+    from runtime.offload.landing import landing_choice
 
-    def choice() -> torch.dtype:
+    def choice(setting: str | None = None) -> torch.dtype:
         kwargs = dict(on_gpu=True, weights_on_host=False, shard_numel=1 << 20)
-        return landing_choice(torch.bfloat16, torch.float32, **kwargs).dtype
+        return landing_choice(torch.bfloat16, torch.float32, setting=setting, **kwargs).dtype
 
     for name in LOCAL_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(GRAD_TRANSFER_ENV, " NATIVE ")
-    assert choice() == torch.bfloat16
-    monkeypatch.setenv(GRAD_TRANSFER_ENV, "")
+    assert choice("native") == torch.bfloat16
     assert choice() == torch.float32  # auto, and 16 MiB of shard fits any host
     # a million ranks on this host (srun's "N(xM)" form) leave no room for 16 bytes a parameter each
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "1000000(x2)")
     assert choice() == torch.bfloat16
+    assert choice("fp32") == torch.float32  # asked for: the user's call
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")  # the first variable set wins, and must be a count
     with pytest.raises(DistEnvError, match="LOCAL_WORLD_SIZE='four' is not a rank count"):
         choice()
 
 
-def test_the_cpus_share_comes_from_the_environment_and_shrinks_with_ranks_per_host(
+def test_the_cpus_share_comes_from_its_key_and_shrinks_with_ranks_per_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import runtime.offload.update_site as update_site
     from runtime.distributed import LOCAL_SIZE_VARIABLES
+    from runtime.offload.settings import OffloadSettings
 
-    def share() -> float:
+    def share(host_share: float | None) -> float:
+        settings = OffloadSettings(device="cpu", update="device", host_share=host_share)
         kwargs = dict(weights_on_host=False, pinned=True, shard_numel=1 << 20)
-        choice = update_site.update_choice(device=torch.device("cpu"), **kwargs)
+        choice = update_site.update_choice(settings, device=torch.device("cpu"), **kwargs)
         assert choice.on_device, choice.reason
         return choice.host_share
 
     for name in LOCAL_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(update_site.UPDATE_ENV, "device")
-    monkeypatch.setenv(update_site.HOST_SHARE_ENV, " 0.3 ")
-    assert share() == 0.3  # asked for: taken as it is, whatever the ranks
-    monkeypatch.setenv(update_site.HOST_SHARE_ENV, "")
-    monkeypatch.setattr(update_site, "DEFAULT_HOST_SHARE", 0.4)
-    assert share() == pytest.approx(0.4)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks split this host's cores
-    assert share() == pytest.approx(0.25)
-    monkeypatch.setenv(update_site.HOST_SHARE_ENV, "lots")
-    with pytest.raises(ValueError, match="DSLAUNCH_OFFLOAD_HOST_SHARE='lots'"):
-        share()
+    assert share(0.3) == 0.3  # asked for: taken as it is, whatever the ranks
+    assert share(None) == 0.0  # auto: the CPU takes no share by default
+    monkeypatch.setattr(update_site, "DEFAULT_HOST_SHARE", 0.4)  # were the default a share ...
+    assert share(None) == pytest.approx(0.4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # ... two ranks would split this host's cores
+    assert share(None) == pytest.approx(0.25)
+    assert share(0.3) == 0.3
 
 
 def _landing_votes(rank: int, world_size: int) -> list[str]:
@@ -1109,11 +1086,11 @@ def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() 
     """The device step needs a GPU, Adam, pinned state and the working weights on the device; "auto" also
     wants the host to have room to pin the state and the GPU room for the staging, and every refusal
     says why."""
-    from runtime.offload.update_site import UPDATE_ENV, choose_update
+    from runtime.offload.update_site import KEY, choose_update
 
     gib = 1 << 30
 
-    def choose(setting: str = "auto", **overrides):
+    def choose(setting: str | None = None, **overrides):
         kwargs = dict(on_gpu=True, adam=True, weights_on_host=False, pinned=True, shard_numel=1 << 30)
         kwargs.update(
             local_ranks=overrides.pop("ranks", 1), host_available=overrides.pop("available", 64 * gib)
@@ -1129,7 +1106,7 @@ def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() 
     cramped = choose(device_free=6 * gib)
     assert not cramped.on_device and "6.0 GiB free, too little to spare 1.00 GiB" in cramped.reason
     assert choose("device", device_free=0).on_device
-    assert choose(" HOST ").reason.endswith(f"({UPDATE_ENV}=host)")
+    assert choose("host").reason.endswith(f'({KEY}: "host")')
     assert not choose(on_gpu=False).on_device  # on a CPU-only machine the host is the device
     assert choose("device", on_gpu=False).on_device  # ... unless asked for (the tests' way in)
     for blocked, words in (
@@ -1137,10 +1114,10 @@ def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() 
         ({"weights_on_host": True}, "offload_param"),
         ({"pinned": False}, "pin_memory is false"),
     ):
-        for setting in ("auto", "device"):
+        for setting in (None, "device"):
             refused = choose(setting, **blocked)
             assert not refused.on_device and words in refused.reason, refused
-    with pytest.raises(ValueError, match=f"{UPDATE_ENV}='gpu': expected one of auto, host, device"):
+    with pytest.raises(ValueError, match=f"{KEY} 'gpu': expected 'host', 'device' or None"):
         choose("gpu")
 
 
@@ -1164,9 +1141,7 @@ def test_ranks_run_the_device_step_only_when_every_rank_can() -> None:
 
 def _bucket_sizes(rank: int, world_size: int) -> dict:
     import runtime
-    import runtime.zero
 
-    runtime.zero.ONE_RANK_OFFLOAD_BUCKET_NUMEL = 256
     out = {}
     for offload in (True, False):
         model = make_model(0)
@@ -1175,6 +1150,8 @@ def _bucket_sizes(rank: int, world_size: int) -> dict:
             zero["offload_optimizer"] = {"device": "cpu"}
         config = {"train_batch_size": ROWS, "steps_per_print": 0, "optimizer": {"type": "AdamW"}}
         config["zero_optimization"] = zero
+        # the cap (16M elements) shrunk to this model's scale (its offload settings; no effect without)
+        config = with_offload_settings(config, world_size=world_size, one_rank_bucket_numel=256)
         engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
         out[offload] = [[b.numel for b in g.layout.buckets] for g in engine.groups]
         out["largest_param"] = max(p.numel() for p in model.parameters())
@@ -1184,7 +1161,8 @@ def _bucket_sizes(rank: int, world_size: int) -> dict:
 
 def test_one_rank_offload_streams_gradients_in_small_buckets_whatever_reduce_bucket_size_says() -> None:
     """With one rank there is nothing to reduce, so a bucket only decides how soon the offloaded step can
-    start: capped (ONE_RANK_OFFLOAD_BUCKET_NUMEL), while without offload reduce_bucket_size stands."""
+    start: capped (the offload settings' one_rank_bucket_numel), while without offload reduce_bucket_size
+    stands."""
     got = run_distributed(_bucket_sizes, 1)[0]
     assert all(len(buckets) == 1 for buckets in got[False]), got[False]  # 10**9 holds every group whole
     assert sum(len(buckets) for buckets in got[True]) >= 4, got[True]

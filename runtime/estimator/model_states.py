@@ -30,7 +30,7 @@ the least the engine needs: on a GPU, when the host has room for it, 16-bit grad
 instead (4 bytes, not w: runtime/offload/landing.py), for a faster host step, and by default the GPU
 runs the Adam step on the state streamed from the host (runtime/offload/device_step.py): 12 bytes per
 parameter on the host, plus an fp32 landing buffer for the part of each span the CPU updates beside it
-(`DSLAUNCH_OFFLOAD_HOST_SHARE`), and 1-4 GiB of staging on the GPU, not counted here. Stage 3
+(`offload_optimizer.host_share`), and 1-4 GiB of staging on the GPU, not counted here. Stage 3
 with ``offload_param`` also keeps the weight shard on the host (the ZeRO-Infinity design; an estimate until
 the engine has it). Per host: every local rank's host-resident states, or the fp32 model each process
 builds on the host before the engine moves it to its GPU (4 bytes per parameter, none for stage 3 under

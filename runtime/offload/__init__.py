@@ -7,8 +7,8 @@
 - `split_update.py`: each span's head for the GPU, its tail for the CPU, and the tickets of both.
 - `host_step.py`: the CPU's update of landed spans (one-pass Adam, or any optimizer's generic path).
 - `device_step.py`: the Adam step on the GPU over state streamed from host memory.
-- `update_site.py`: where the step runs, and the CPU's share of it (`DSLAUNCH_OFFLOAD_UPDATE`,
-  `DSLAUNCH_OFFLOAD_HOST_SHARE`).
+- `settings.py`: `OffloadSettings`, the `offload_optimizer` section (and its benchmark overrides).
+- `update_site.py`: where the step runs, and the CPU's share of it (`update`, `host_share`).
 - `landing.py`: gradients landing on the host bucket by bucket (during backward with one rank).
 - `streamed.py`: the streamed step (the update runs while backward does, when nothing waits on the norm).
 - `delayed.py`, `worker.py`: the opt-in delayed parameter update and its thread.

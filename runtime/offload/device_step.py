@@ -32,13 +32,11 @@ import torch
 from runtime.offload.copies import Ticket
 from runtime.offload.host_adam import HostAdam
 from runtime.offload.host_memory import HostMemory
+from runtime.offload.settings import DEVICE_CHUNK_ELEMS
 from runtime.offload.spans import CHUNK_ALIGN, Span, plan_chunks
 from runtime.ops.adam_step import AdamHyperparams
 from runtime.zero.partition import align_up
 
-DEVICE_CHUNK_ELEMS = 1 << 24
-"""Elements per staging slot: 16M, 256 MiB of fp32 master, moments and gradient; on the H200 16M-element
-chunks with 4 slots ran at 49.6 GB/s each way, 32M with 3 at 48.4 and 64M with 2 at 47.0."""
 DEVICE_SLOTS = 4
 """The fewest staging slots; a device with room gets more (`device_slots`), up to MAX_DEVICE_SLOTS."""
 MAX_DEVICE_SLOTS = 16

@@ -6,9 +6,9 @@ stage left them and writes the new working weights in place, and the state strea
 buffers, 12 host bytes a parameter, all pinned). The spans, their order, the streamed step during
 backward and the publishing of updated buckets are the same as for the host step, which this docstring
 describes below and which runs everywhere else (a CPU-only machine, other optimizers, offload_param, the
-delayed update, `DSLAUNCH_OFFLOAD_UPDATE=host`).
+delayed update, `update: "host"`). The settings (settings.py) come from `offload_optimizer`.
 
-The two can share one step (`DSLAUNCH_OFFLOAD_HOST_SHARE`, update_site.py): each span's head streams
+The two can share one step (`host_share`, update_site.py): each span's head streams
 through the GPU while its tail lands on the host and the CPU updates it (split_update.py routes each
 part), so the step is bounded by the slower of the two halves instead of by either whole.
 
@@ -72,6 +72,7 @@ from runtime.offload.host_memory import HostMemory
 from runtime.offload.host_step import HostStep
 from runtime.offload.landing import GradLanding, agree_on_landing, landing_choice
 from runtime.offload.placement import GradMath, scale_from_device_grads
+from runtime.offload.settings import OffloadSettings
 from runtime.offload.spans import Span, plan_spans
 from runtime.offload.split_update import HeadTail, SplitUpdate
 from runtime.offload.streamed import StreamedStep
@@ -82,10 +83,6 @@ from runtime.zero.buckets import bucket_order
 from runtime.zero.flat import FlatGroup
 
 _log = logging.getLogger("runtime.offload")
-
-TRANSFER_CHUNK_ELEMS = 1 << 23
-"""Elements per copy-back chunk: 16 MiB of bf16 (about 0.3 ms on PCIe 5, a few ms of host update), small
-enough that only the last chunk's copy is exposed, large enough that per-chunk overhead stays below 1%."""
 
 
 class HostMasters:
@@ -100,16 +97,16 @@ class HostMasters:
         device: torch.device,
         *,
         registration: dict[nn.Parameter, int],
-        pin_memory: bool,
+        settings: OffloadSettings,
         target: WorkingTarget,
-        chunk_elems: int | None = None,
     ) -> None:
         self.groups = list(groups)
         self.zero = zero
         self.comm = comm
         self.device = device
         self.target = target
-        self.chunk_elems = TRANSFER_CHUNK_ELEMS if chunk_elems is None else chunk_elems
+        self.chunk_elems = settings.transfer_chunk_elems
+        pin_memory = settings.pin_memory
         self.memory = HostMemory(device, pin=pin_memory)
         self.copies = CopyEngine(device)
         grad_dtype = zero.grad_pieces()[0][0].dtype  # also the working weights' dtype
@@ -117,6 +114,7 @@ class HostMasters:
         choice = landing_choice(
             grad_dtype,
             master_dtype,
+            setting=settings.grad_transfer,
             on_gpu=self.copies.is_async,
             weights_on_host=target.on_host,
             shard_numel=sum(g.layout.shard_numel for g in self.groups),
@@ -126,6 +124,7 @@ class HostMasters:
         landed = choice.dtype
         # where Adam runs (update_site.py); whether the optimizer allows the device is known at `bind`
         update = update_choice(
+            settings,
             device=device,
             weights_on_host=target.on_host,
             pinned=pin_memory,
@@ -147,13 +146,11 @@ class HostMasters:
         self._published: list[Pending] = []
         self._last_upload: Ticket = None  # the last upload of a span the host updated
         # each span's head, which the GPU updates, and its tail, which the CPU updates
-        self._split = SplitUpdate(
-            self.groups,
-            self.spans,
-            self._host,
-            DeviceStep(device, master_dtype) if self.update.on_device else None,
-            self.update.host_share,
-        )
+        device_step = None
+        if self.update.on_device:
+            chunk, slots = settings.device_chunk_elems, settings.device_slots
+            device_step = DeviceStep(device, master_dtype, chunk_elems=chunk, slots=slots)
+        self._split = SplitUpdate(self.groups, self.spans, self._host, device_step, self.update.host_share)
         self._written: list[HeadTail] = []  # the streamed step's, per span
         self._adam: host_adam.HostAdam | None = None
         self._adam_for: torch.optim.Optimizer | None = None

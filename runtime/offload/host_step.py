@@ -2,7 +2,7 @@
 
 `HostMasters` runs this where the GPU does not run the step (device_step.py): on a CPU-only machine,
 for optimizers other than Adam/AdamW, with offload_param, under the delayed update, or with
-`DSLAUNCH_OFFLOAD_UPDATE=host`.
+`offload_optimizer.update: "host"`.
 
 - Adam/AdamW (`update_span`): each landed span is updated chunk by chunk (`host_adam.py`: one pass, the
   scale applied in the kernel, the updated bf16 weights written over the consumed gradient chunk), and

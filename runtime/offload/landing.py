@@ -15,7 +15,7 @@ its `finals` ticket marks that point on the device, and there are no buffers. Wh
 share the step (`parts`: the tail of each span that the CPU updates) only the tails cross, into buffers
 that hold just them.
 
-What lands (`choose_landing`, set with `DSLAUNCH_OFFLOAD_GRAD_TRANSFER=auto|fp32|native`): by default,
+What lands (`choose_landing`, set with `offload_optimizer.grad_transfer`: auto, fp32 or native): by default,
 on a GPU, 16-bit gradients of fp32 masters are converted to fp32 on the device, a transfer chunk at a
 time, and land as fp32 whenever host memory holds the 16 bytes a parameter that costs (fp32 master, two
 Adam moments, the fp32 landing buffer) on every rank (`agree_on_landing`); the host step is then
@@ -30,7 +30,6 @@ fused kernel makes the fewest passes over host memory.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +47,7 @@ from runtime.offload.spans import Span, packed_offsets, piece_containing, plan_c
 from runtime.zero.buckets import BucketTracker
 from runtime.zero.flat import FlatGroup
 
-GRAD_TRANSFER_ENV = "DSLAUNCH_OFFLOAD_GRAD_TRANSFER"
-GRAD_TRANSFER_SETTINGS = ("auto", "fp32", "native")
+KEY = "offload_optimizer.grad_transfer"  # how the reasons name the setting
 FP32_LANDING_HOST_BYTES = 16  # per parameter of the shard: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 4
 FP32_LANDING_HEADROOM = 4 << 30  # per rank, what the rest of the process keeps under "auto" (CUDA context,
 # pinned staging, checkpoint buffers), as the offload bench's own host guard assumes
@@ -67,18 +65,17 @@ def choose_landing(
     grad_dtype: torch.dtype,
     master_dtype: torch.dtype,
     *,
-    setting: str = "auto",
+    setting: str | None = None,
     on_gpu: bool,
     weights_on_host: bool,
     shard_numel: int,
     local_ranks: int,
     host_available: int,
 ) -> LandingChoice:
-    """Whether 16-bit gradients land as fp32 (see the module docstring). `setting` is the variable's
-    value; `host_available` the host's available bytes, shared by `local_ranks` ranks like this one."""
-    if setting not in GRAD_TRANSFER_SETTINGS:
-        choices = ", ".join(GRAD_TRANSFER_SETTINGS)
-        raise ValueError(f"{GRAD_TRANSFER_ENV}={setting!r}: expected one of {choices} (default auto)")
+    """Whether 16-bit gradients land as fp32 (see the module docstring). `setting` is the key's value
+    (None: auto); `host_available` the host's available bytes, shared by `local_ranks` ranks like this one."""
+    if setting not in (None, "fp32", "native"):
+        raise ValueError(f"{KEY} {setting!r}: expected 'fp32', 'native' or None (auto)")
     if grad_dtype == master_dtype:
         return LandingChoice(grad_dtype, f"gradients land as {_name(grad_dtype)}, the master's dtype")
     if master_dtype != torch.float32:  # the fused fp32 kernel is what fp32 landing buys
@@ -87,9 +84,9 @@ def choose_landing(
     if weights_on_host:  # the kernel writes the new 16-bit weights straight into the offloaded shard
         return LandingChoice(grad_dtype, f"gradients land as {native}: offload_param updates on the host")
     if setting == "native":
-        return LandingChoice(grad_dtype, f"gradients land as {native} ({GRAD_TRANSFER_ENV}=native)")
+        return LandingChoice(grad_dtype, f'gradients land as {native} ({KEY}: "native")')
     if setting == "fp32":
-        return LandingChoice(torch.float32, f"gradients land as fp32 ({GRAD_TRANSFER_ENV}=fp32)")
+        return LandingChoice(torch.float32, f'gradients land as fp32 ({KEY}: "fp32")')
     if not on_gpu:
         return LandingChoice(grad_dtype, f"gradients land as {native}: no PCIe to trade bytes on")
     need = (shard_numel * FP32_LANDING_HOST_BYTES + FP32_LANDING_HEADROOM) * local_ranks
@@ -105,7 +102,7 @@ def choose_landing(
         torch.float32,
         f"gradients land as fp32: 16 host bytes a parameter ({need / gib:.1f} GiB for {local_ranks} "
         f"rank(s) here, of {host_available / gib:.1f} GiB available) buy the fused host step; "
-        f"{GRAD_TRANSFER_ENV}=native keeps 14",
+        f'{KEY}: "native" keeps 14',
     )
 
 
@@ -113,13 +110,13 @@ def landing_choice(
     grad_dtype: torch.dtype,
     master_dtype: torch.dtype,
     *,
+    setting: str | None,
     on_gpu: bool,
     weights_on_host: bool,
     shard_numel: int,
 ) -> LandingChoice:
-    """`choose_landing` with the variable, the host memory left to this process (a container's limit
-    included) and the number of ranks on this host read here."""
-    setting = os.environ.get(GRAD_TRANSFER_ENV, "").strip().lower() or "auto"
+    """`choose_landing` with the host memory left to this process (a container's limit included) and
+    the number of ranks on this host read here."""
     return choose_landing(
         grad_dtype,
         master_dtype,

@@ -12,7 +12,8 @@ The engine's step talks to a `MasterPlacement` and never asks where the state is
 `DeviceMasters` is the plain case (the masters sit next to the gradients: fp32 master gradients, then
 `finish_grads`, then `optimizer.step()`, then the ZeRO stage writes back and all-gathers).
 `HostMasters` (host_masters.py) is `offload_optimizer: {device: cpu}`. `build_master_placement` picks one
-from the config.
+from the config, and hands the offload its `OffloadSettings` (settings.py) with the benchmark overrides
+applied, once.
 
 `GradMath` carries what the engine knows about the step's gradient arithmetic (how many ranks and
 micro-steps the sums span, the loss scale, the clipping norm, and whether a norm is needed at all), so a
@@ -21,6 +22,7 @@ placement can apply it wherever its gradients are.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -29,8 +31,11 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm
+from runtime.offload.settings import with_overrides
 from runtime.precision.mixed import GradResult, finish_grads, master_grads_from
 from runtime.zero.flat import FlatGroup
+
+_log = logging.getLogger("runtime.offload")
 
 
 @dataclass(frozen=True)
@@ -217,13 +222,17 @@ def build_master_placement(
     from runtime.offload.host_masters import HostMasters
     from runtime.offload.targets import working_target
 
+    settings, overrides = with_overrides(offload)
+    if comm.rank == 0:
+        for note in overrides:
+            _log.warning("offload: %s", note)
     return HostMasters(
         groups,
         zero,
         comm,
         device,
         registration=registration,
-        pin_memory=offload.pin_memory,
+        settings=settings,
         target=working_target(zero, comm),
     )
 

@@ -3,7 +3,7 @@
 A span's Adam update can run in two places, and update_site.py chooses: the device step (device_step.py)
 streams the master and moments of the span's head through the GPU, the host step (host_step.py) updates
 its tail from gradients that landed on the host. With the host step alone every span is all tail; with the
-device step alone all head; with `DSLAUNCH_OFFLOAD_HOST_SHARE` each span is cut at a cache line
+device step alone all head; with `offload_optimizer.host_share` each span is cut at a cache line
 (`spans.share_span`).
 
 A `SplitUpdate` owns that split and the device step's life around a step: `begin` before the first span

@@ -1,7 +1,7 @@
 """Where the offloaded Adam step runs: on the CPU, on the GPU over streamed state, or split between them.
 
 Optimizer offload keeps the fp32 master and both Adam moments in host memory. Where they are updated is
-a separate choice (`DSLAUNCH_OFFLOAD_UPDATE=auto|host|device`, `choose_update`):
+a separate choice (`offload_optimizer.update`: auto, host or device; `choose_update`):
 
 - host: the gradients cross PCIe to the host, the CPU runs the fused Adam kernel, the new weights cross
   back (host_step.py). Per parameter: 8 bytes over PCIe (fp32 landing) and 36 bytes of host memory
@@ -14,7 +14,7 @@ a separate choice (`DSLAUNCH_OFFLOAD_UPDATE=auto|host|device`, `choose_update`):
   GPT-2 XL's 1.56B parameters took 0.38 s this way, about torch's fused CPU step alone, against
   0.56-0.64 s for the host step with its copies, and it runs while backward computes.
 
-The two can share a step: with `DSLAUNCH_OFFLOAD_HOST_SHARE=f` the GPU streams the head of every span
+The two can share a step: with `offload_optimizer.host_share: f` the GPU streams the head of every span
 and the CPU updates its tail, about f of its elements, from gradients landed on the host (only the tails
 land, into buffers their size). Both work on every span at once, from the first span backward hands over:
 PCIe carries the GPU's state and the CPU's gradients and weights, the host's cores and memory bandwidth
@@ -26,8 +26,6 @@ so the CPU's default share is 0. All ranks take the same placement (`agree_on_up
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +34,10 @@ from runtime.comm import Comm
 from runtime.distributed import local_world_size
 from runtime.memory import host_available_bytes
 from runtime.offload.device_step import staging_bytes
+from runtime.offload.settings import OffloadSettings
 
-UPDATE_ENV = "DSLAUNCH_OFFLOAD_UPDATE"
-UPDATE_SETTINGS = ("auto", "host", "device")
-HOST_SHARE_ENV = "DSLAUNCH_OFFLOAD_HOST_SHARE"
+KEY = "offload_optimizer.update"  # how the reasons name the settings
+SHARE_KEY = "offload_optimizer.host_share"
 DEFAULT_HOST_SHARE = 0.0
 """The fraction of the elements whose update the CPU takes when the GPU runs the step, with one rank on
 the host (`default_host_share` scales it for more)."""
@@ -71,23 +69,9 @@ def default_host_share(local_ranks: int, one_rank: float | None = None) -> float
     return 1.0 / (1.0 + local_ranks * (1.0 - one_rank) / one_rank)
 
 
-def parse_host_share(value: str) -> float:
-    """`DSLAUNCH_OFFLOAD_HOST_SHARE`: a fraction from 0 (the GPU updates everything) to 1."""
-    try:
-        share = float(value)
-    except ValueError:
-        share = math.nan
-    if not 0.0 <= share <= 1.0:  # also false for nan
-        raise ValueError(
-            f"{HOST_SHARE_ENV}={value!r}: expected the fraction of the Adam step the CPU takes while the "
-            f"GPU runs the rest, from 0 to 1 (default {DEFAULT_HOST_SHARE})"
-        )
-    return share
-
-
 def choose_update(
     *,
-    setting: str = "auto",
+    setting: str | None = None,
     on_gpu: bool,
     adam: bool,
     weights_on_host: bool,
@@ -97,20 +81,19 @@ def choose_update(
     host_available: int | None = None,
     device_free: int | None = None,
     host_share: float = DEFAULT_HOST_SHARE,
+    staging: int | None = None,
 ) -> UpdateChoice:
-    """The update placement for this run. `setting` is `DSLAUNCH_OFFLOAD_UPDATE`: host or device when it
-    says so (device only where it can run), else device exactly where it can run and pays: a GPU, Adam or
-    AdamW, pinned host state, working weights on the device, host memory with room to pin the state
-    (`host_available` bytes shared by `local_ranks` ranks) and a device with room for the staging slots
-    (at most 1/8 of its `device_free` bytes: the model came to the GPU already, its activations have not);
-    None: not checked. With the device, the CPU still updates `host_share` of the elements."""
-    setting = setting.strip().lower() or "auto"
-    if setting not in UPDATE_SETTINGS:
-        raise ValueError(
-            f"{UPDATE_ENV}={setting!r}: expected one of {', '.join(UPDATE_SETTINGS)} (default auto)"
-        )
+    """The update placement for this run. `setting` is `offload_optimizer.update`: host or device when it
+    says so (device only where it can run), else (None: auto) device exactly where it can run and pays:
+    a GPU, Adam or AdamW, pinned host state, working weights on the device, host memory with room to pin
+    the state (`host_available` bytes shared by `local_ranks` ranks) and a device with room for the
+    `staging` slots (default: the fewest slots of the default chunk; at most 1/8 of its `device_free`
+    bytes: the model came to the GPU already, its activations have not); None: not checked. With the
+    device, the CPU still updates `host_share` of the elements."""
+    if setting not in (None, "host", "device"):
+        raise ValueError(f"{KEY} {setting!r}: expected 'host', 'device' or None (auto)")
     if setting == "host":
-        return UpdateChoice(False, f"the CPU runs the Adam step ({UPDATE_ENV}=host)")
+        return UpdateChoice(False, f'the CPU runs the Adam step ({KEY}: "host")')
     blocker = None
     if not adam:
         blocker = "the optimizer is not Adam or AdamW (or uses options the fused kernel lacks)"
@@ -120,10 +103,10 @@ def choose_update(
         blocker = "offload_optimizer.pin_memory is false, and the state could not stream asynchronously"
     if setting == "device":
         if blocker is not None:
-            return UpdateChoice(False, f"the CPU runs the Adam step although {UPDATE_ENV}=device: {blocker}")
+            return UpdateChoice(False, f'the CPU runs the Adam step although {KEY} is "device": {blocker}')
         return UpdateChoice(
             True,
-            f"the GPU runs the Adam step on state streamed from host memory ({UPDATE_ENV}=device)"
+            f'the GPU runs the Adam step on state streamed from host memory ({KEY}: "device")'
             + _sharing(host_share),
             host_share,
         )
@@ -138,19 +121,20 @@ def choose_update(
             False,
             f"the CPU runs the Adam step: streaming the state through the GPU pins all of it, and this host "
             f"has {host_available / gib:.1f} GiB available of the {need / gib:.1f} GiB that {local_ranks} "
-            f"rank(s) would want; {UPDATE_ENV}=device insists",
+            f'rank(s) would want; {KEY}: "device" insists',
         )
-    staging = staging_bytes()
+    staging = staging_bytes() if staging is None else staging
     if device_free is not None and staging * 8 > device_free:
         return UpdateChoice(
             False,
             f"the CPU runs the Adam step: the GPU has {device_free / gib:.1f} GiB free, too little to spare "
-            f"{staging / gib:.2f} GiB for the device step's staging; {UPDATE_ENV}=device insists",
+            f"{staging / gib:.2f} GiB for the device step's staging; "
+            f'{KEY}: "device" insists',
         )
     return UpdateChoice(
         True,
         "the GPU runs the Adam step on state streamed from pinned host memory (24 bytes a parameter over "
-        f"PCIe, no CPU pass over host memory){_sharing(host_share)}; {UPDATE_ENV}=host runs it all on the "
+        f'PCIe, no CPU pass over host memory){_sharing(host_share)}; {KEY}: "host" runs it all on the '
         "CPU",
         host_share,
     )
@@ -159,18 +143,18 @@ def choose_update(
 def _sharing(share: float) -> str:
     if share == 0.0:
         return ""
-    return f", and the CPU updates {share:.0%} of the elements at the same time ({HOST_SHARE_ENV})"
+    return f", and the CPU updates {share:.0%} of the elements at the same time ({SHARE_KEY})"
 
 
 def update_choice(
-    *, device: torch.device, weights_on_host: bool, pinned: bool, shard_numel: int
+    settings: OffloadSettings, *, device: torch.device, weights_on_host: bool, pinned: bool, shard_numel: int
 ) -> UpdateChoice:
-    """`choose_update` with the variable, the host memory left to this process, the ranks on this host
+    """`choose_update` with `settings`, and the host memory left to this process, the ranks on this host
     and the device's free memory read here (Adam is assumed; `HostMasters.bind` checks the optimizer)."""
     on_gpu = device.type == "cuda"
-    share = os.environ.get(HOST_SHARE_ENV, "").strip()
+    share = settings.host_share
     return choose_update(
-        setting=os.environ.get(UPDATE_ENV, "auto"),
+        setting=settings.update,
         on_gpu=on_gpu,
         adam=True,
         weights_on_host=weights_on_host,
@@ -179,7 +163,8 @@ def update_choice(
         local_ranks=local_world_size(),
         host_available=host_available_bytes() if on_gpu else None,
         device_free=torch.cuda.mem_get_info(device)[0] if on_gpu else None,
-        host_share=parse_host_share(share) if share else default_host_share(local_world_size()),
+        host_share=default_host_share(local_world_size()) if share is None else share,
+        staging=staging_bytes(settings.device_chunk_elems, settings.device_slots),
     )
 
 

@@ -79,15 +79,6 @@ class ZeroStage(Protocol):
     def close(self) -> None: ...
 
 
-ONE_RANK_OFFLOAD_BUCKET_NUMEL = 1 << 24
-"""Bucket cap for optimizer offload with one rank, where gradients stream to the offloaded step during
-backward: its first bucket must be final before any update can start. With DeepSpeed's default
-reduce_bucket_size (5e8) GPT-2 XL is four buckets, and the first completes a quarter into backward; with
-16M-element buckets the H200's device step ran 0.457-0.484 s against 0.488-0.489 s (the CPU step: no
-change beyond noise). With more ranks reduce_bucket_size stays what the config says: it sizes the
-reductions."""
-
-
 def shards_optimizer_state(stage: int) -> bool:
     """Whether master weights and optimizer state are split across ranks at this stage."""
     return stage >= 1
@@ -156,9 +147,10 @@ def _flatten_specs(
     sharded = shards_optimizer_state(setup.zero.stage) and comm.world_size > 1
     shard_world, shard_rank = (comm.world_size, comm.rank) if sharded else (1, 0)
     bucket_numel = setup.zero.reduce_bucket_size
-    if comm.world_size == 1 and setup.zero.offload_optimizer.device != "none":
+    offload = setup.zero.offload_optimizer
+    if comm.world_size == 1 and offload.device != "none":
         # nothing to reduce: a bucket is only the unit in which gradients reach the offloaded step
-        bucket_numel = min(bucket_numel, ONE_RANK_OFFLOAD_BUCKET_NUMEL)
+        bucket_numel = min(bucket_numel, offload.one_rank_bucket_numel)
     groups = []
     for index, spec in enumerate(specs):
         # reverse registration order: buckets then fill in the order backward produces gradients

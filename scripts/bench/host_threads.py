@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from runtime.offload.host_adam import HostAdam
-from runtime.offload.host_masters import TRANSFER_CHUNK_ELEMS
+from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
 from runtime.offload.spans import plan_chunks
 from runtime.ops.adam import CPUAdam
 

@@ -79,6 +79,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from runtime.distributed import accelerator  # noqa: E402
 from runtime.models import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -246,7 +247,7 @@ def work_gpu(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 def work_adam(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     from runtime.offload.host_adam import HostAdam
-    from runtime.offload.host_masters import TRANSFER_CHUNK_ELEMS
+    from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
     from runtime.offload.spans import plan_chunks
     from runtime.ops.adam import CPUAdam
 
@@ -555,6 +556,8 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
     device = torch.device(spec["device"])
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
+    # our engine picks its device from DS_ACCELERATOR and LOCAL_RANK, not from --device: make them agree
+    os.environ["DS_ACCELERATOR"] = device.type
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     if name == "ours-bf16grads":
@@ -826,7 +829,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="--find_max: also try sizes whose estimated host memory exceeds what is available",
     )
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per configuration")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        help="default: cuda where torch sees a GPU, unless DS_ACCELERATOR=cpu; every configuration, our "
+        "engine included, runs there",
+    )
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     parser.add_argument(
         "--summarize",
@@ -837,6 +845,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.worker is not None:
         return args
+    if args.device is None:
+        args.device = accelerator()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS and share_of(n) is None]
     if unknown or not names:

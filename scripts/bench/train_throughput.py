@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
+from runtime.distributed import accelerator
 from runtime.models import GPT, MODEL_SIZES, GPTConfig
 
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 dense bf16 datasheet (1979 is the 2:4-sparse figure)
@@ -305,7 +306,7 @@ def init_single_process_group(device: torch.device) -> None:
         port = s.getsockname()[1]
     for key, value in {
         "RANK": "0",
-        "LOCAL_RANK": "0",
+        "LOCAL_RANK": str(device.index or 0),  # cuda:N: the engine's device_for(LOCAL_RANK) is that GPU
         "WORLD_SIZE": "1",
         "LOCAL_WORLD_SIZE": "1",
         "MASTER_ADDR": "127.0.0.1",
@@ -341,6 +342,16 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def device_arg(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+
+
 def name_list(choices: tuple[str, ...] | list[str]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [part.strip() for part in text.split(",") if part.strip()]
@@ -373,9 +384,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="recompute every transformer block in backward (runtime.checkpointing), for every peer",
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        type=device_arg,
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, unless DS_ACCELERATOR=cpu); every "
+        "configuration trains there, our engine included",
+    )
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
     args = parser.parse_args(argv)
+    if args.device is None:
+        args.device = device_arg(accelerator())
     for name in ("seq_len", "steps"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive")
@@ -414,16 +433,18 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
+    device = args.device
+    # our engine picks its device from DS_ACCELERATOR and LOCAL_RANK, not from --device: make them agree
+    os.environ["DS_ACCELERATOR"] = device.type
     init_single_process_group(device)
     emit(
         {
             "bench": "train_throughput",
             "event": "start",
             **environment(device),
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "args": {
+                k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()
+            },
         },
         args.out,
     )

@@ -1,0 +1,134 @@
+"""How optimizer offload runs: `OffloadSettings`, the typed `zero_optimization.offload_optimizer` section.
+
+The config reader (runtime/config_zero.py) fills the keys and checks them; the engine's placement
+(placement.py) applies the benchmark overrides here once, logs each, and passes the settings down to
+every part of the offloaded step. This module is the only place in runtime/offload that reads the
+environment.
+
+Keys (DeepSpeed's `device` and `pin_memory`, and ours, in the same style):
+
+- `update`: where the Adam step runs (update_site.py): "host", "device", or "auto" (the default: the GPU
+  over state streamed from pinned host memory where it can run and the host and the GPU have room, else
+  the CPU).
+- `host_share`: with the device step, the fraction of each span's elements the CPU updates at the same
+  time, from 0 to 1, or "auto" (the default: DEFAULT_HOST_SHARE in update_site.py, scaled by the ranks on
+  the host).
+- `grad_transfer`: the dtype 16-bit gradients cross PCIe in for the host step (landing.py): "fp32",
+  "native", or "auto" (the default: fp32 on a GPU where the host has room).
+
+"auto" is decided when the engine starts, from the machine; the settings hold it as None (and the
+resolved config as null), since it is a choice left open, not a value.
+
+The other fields are internal (no config keys, not in the resolved config): chunk and bucket sizes that
+tests shrink so a tiny model still spans several chunks, and a benchmark may set.
+
+Benchmark overrides: `DSLAUNCH_OFFLOAD_UPDATE`, `DSLAUNCH_OFFLOAD_HOST_SHARE` and
+`DSLAUNCH_OFFLOAD_GRAD_TRANSFER`, when set and not empty, replace their key (scripts/bench/offload.py's
+rows use them; the launcher forwards them to remote hosts). Each override is logged on rank 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+UPDATE_CHOICES = ("auto", "host", "device")  # "auto" is held as None
+GRAD_TRANSFER_CHOICES = ("auto", "fp32", "native")
+SECTION = "zero_optimization.offload_optimizer"
+INTERNAL = "internal"
+"""Field metadata of the internal settings: runtime.config leaves them out of the resolved config."""
+
+TRANSFER_CHUNK_ELEMS = 1 << 23
+"""Elements per copy-back chunk of the host step: 16 MiB of bf16 (about 0.3 ms on PCIe 5, a few ms of host
+update), small enough that only the last chunk's copy is exposed, large enough that per-chunk overhead stays
+below 1%."""
+DEVICE_CHUNK_ELEMS = 1 << 24
+"""Elements per staging slot of the device step: 16M, 256 MiB of fp32 master, moments and gradient; on the
+H200 16M-element chunks with 4 slots ran at 49.6 GB/s each way, 32M with 3 at 48.4 and 64M with 2 at
+47.0."""
+ONE_RANK_BUCKET_NUMEL = 1 << 24
+"""Bucket cap for optimizer offload with one rank, where gradients stream to the offloaded step during
+backward: its first bucket must be final before any update can start. With DeepSpeed's default
+reduce_bucket_size (5e8) GPT-2 XL is four buckets, and the first completes a quarter into backward; with
+16M-element buckets the H200's device step ran 0.457-0.484 s against 0.488-0.489 s (the CPU step: no
+change beyond noise). With more ranks reduce_bucket_size stays what the config says: it sizes the
+reductions."""
+
+
+def _internal(default: Any) -> Any:
+    return field(default=default, metadata={INTERNAL: True})
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """`zero_optimization.offload_optimizer` (see the module docstring)."""
+
+    device: str = "none"  # "none" | "cpu"
+    pin_memory: bool = False  # DeepSpeed 0.19.8 defaults to True
+    update: str | None = None  # "host" | "device"; None: auto
+    host_share: float | None = None  # 0..1; None: auto
+    grad_transfer: str | None = None  # "fp32" | "native"; None: auto
+    # internal: not config keys
+    transfer_chunk_elems: int = _internal(TRANSFER_CHUNK_ELEMS)
+    device_chunk_elems: int = _internal(DEVICE_CHUNK_ELEMS)
+    device_slots: int | None = _internal(None)  # None: as many as the device has room for (device_step.py)
+    one_rank_bucket_numel: int = _internal(ONE_RANK_BUCKET_NUMEL)
+
+
+OVERRIDES = {
+    "update": "DSLAUNCH_OFFLOAD_UPDATE",
+    "host_share": "DSLAUNCH_OFFLOAD_HOST_SHARE",
+    "grad_transfer": "DSLAUNCH_OFFLOAD_GRAD_TRANSFER",
+}
+"""The benchmark override of each key."""
+
+
+def parse_override(key: str, text: str) -> str | float | None:
+    """The value of `key` that the override variable's `text` asks for (None: auto); ValueError names the
+    variable and what it takes."""
+    name = OVERRIDES[key]
+    if text.lower() == "auto":
+        return None
+    if key == "host_share":
+        try:
+            share = float(text)
+        except ValueError:
+            share = math.nan
+        if not 0.0 <= share <= 1.0:  # also false for nan
+            raise ValueError(
+                f"{name}={text!r}: expected the fraction of the Adam step the CPU takes while the GPU runs "
+                f"the rest, from 0 to 1, or auto (it overrides {SECTION}.host_share)"
+            )
+        return share
+    choices = UPDATE_CHOICES if key == "update" else GRAD_TRANSFER_CHOICES
+    value = text.lower()
+    if value not in choices:
+        raise ValueError(
+            f"{name}={text!r}: expected one of {', '.join(choices)} (it overrides {SECTION}.{key})"
+        )
+    return value
+
+
+def with_overrides(
+    settings: OffloadSettings, environ: Mapping[str, str] | None = None
+) -> tuple[OffloadSettings, list[str]]:
+    """`settings` with every override variable that is set (and not empty) in place of its key, and one
+    line per override for the log. `environ`: the process's environment when None."""
+    environ = os.environ if environ is None else environ
+    changes: dict[str, Any] = {}
+    notes = []
+    for key, name in OVERRIDES.items():
+        text = environ.get(name, "").strip()
+        if not text:
+            continue
+        changes[key] = parse_override(key, text)
+        configured = getattr(settings, key)
+        notes.append(
+            f"{name}={text} overrides {SECTION}.{key} (the config says "
+            f"{'auto' if configured is None else repr(configured)}); the variable is a benchmark "
+            "override: set the key in the config instead"
+        )
+    return replace(settings, **changes), notes

@@ -9,7 +9,9 @@ package); without it, on plain PyTorch DDP over gloo. Rank 0 writes the logged l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 
 import torch
 from torch.utils.data import Dataset
@@ -53,6 +55,8 @@ def main() -> None:
     parser.add_argument("--max_steps", type=int, default=6)
     parser.add_argument("--save_steps", type=int, default=0)
     parser.add_argument("--resume_from_checkpoint", default=None)
+    parser.add_argument("--from_pretrained", action="store_true")
+    parser.add_argument("--final_dir", default=None)
     parser.add_argument("--local_rank", type=int, default=-1)  # the launcher's; Trainer reads the env
     args = parser.parse_args()
 
@@ -81,13 +85,53 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    model = GPT2LMHeadModel(config)
+    if args.from_pretrained:
+        init_dir = os.path.join(args.output_dir, "init")
+        with no_deepspeed_config():  # built whole, saved by rank 0: the checkpoint a user starts from
+            GPT2LMHeadModel(config).save_pretrained(init_dir)
+        torch.distributed.barrier()  # the TrainingArguments made the process group
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel.from_pretrained(init_dir)  # under ZeRO-3: inside zero.Init
+    else:
+        model = GPT2LMHeadModel(config)
     recorder = RecordLosses()
     trainer = Trainer(model=model, args=training, train_dataset=Tokens(64), callbacks=[recorder])
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    result: dict = {"losses": {str(k): v for k, v in sorted(recorder.losses.items())}}
+    if args.final_dir:
+        trainer.save_model(args.final_dir)
+        result.update(check_reload(trainer, args.final_dir))
     if trainer.is_world_process_zero():
         with open(args.losses_out, "w") as f:
-            json.dump({str(k): v for k, v in sorted(recorder.losses.items())}, f)
+            json.dump(result, f)
+
+
+@contextlib.contextmanager
+def no_deepspeed_config():
+    """Build without zero.Init: Transformers consults the live DeepSpeed config (a weak reference)."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    saved = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = saved
+
+
+def check_reload(trainer: Trainer, final_dir: str) -> dict:
+    """The engine's whole weights (every rank takes part) against what from_pretrained loads back."""
+    engine = trainer.model_wrapped
+    if hasattr(engine, "_zero3_consolidated_16bit_state_dict"):
+        trained = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        trained = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    if not trainer.is_world_process_zero():
+        return {}
+    with no_deepspeed_config():
+        reloaded = GPT2LMHeadModel.from_pretrained(final_dir).state_dict()
+    diffs = {k: (reloaded[k].float() - v.float()).abs().max().item() for k, v in trained.items()}
+    return {"reload_max_diff": max(diffs.values()), "reload_tensors": len(diffs)}
 
 
 if __name__ == "__main__":

@@ -279,3 +279,35 @@ def test_unsupported_features_raise_by_name(call: Any, feature: str, alternative
     assert message.startswith("DeepSpeed's ") and "is not supported by dslaunch; " in message
     assert feature in message and alternative in message
     assert isinstance(info.value, NotImplementedError)  # what DeepSpeed-aware code catches
+
+
+@pytest.mark.parametrize(
+    ("extra", "path", "feature"),
+    [
+        ({"autotuning": {"enabled": True}}, "autotuning", "autotuning"),
+        ({"compression_training": {"x": {}}}, "compression_training", "compression training"),
+        ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}},
+         "zero_optimization.zero_hpz_partition_size", "ZeRO++ hierarchical partitioning"),
+        ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
+         "zero_optimization.zero_quantized_gradients", "ZeRO++ quantized gradients"),
+    ],
+)  # fmt: skip
+def test_config_names_deepspeed_options_it_does_not_support(extra: dict, path: str, feature: str) -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from runtime.config_reader import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, **extra})
+    assert str(info.value).startswith(f"{path}: a DeepSpeed option dslaunch does not support: {feature}")
+    assert "did you mean" not in str(info.value)
+
+
+def test_config_unknown_key_is_a_typo_not_an_unsupported_option() -> None:
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from runtime.config_reader import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "gradient_clippin": 1.0})
+    assert str(info.value) == 'gradient_clippin: unknown key; did you mean "gradient_clipping"?'

@@ -366,8 +366,15 @@ def irecv(
 
 
 def log_summary(show_straggler: bool = False) -> None:
-    """DeepSpeed's communication-logger summary: dslaunch keeps byte counts per engine instead
-    (``engine.comm.counter``), so there is nothing to print here."""
+    """DeepSpeed's communication-logger summary. dslaunch has no communication logger (its engines count
+    bytes per collective in ``engine.comm.counter``); say so rather than print nothing."""
+    from runtime.ds_utils import logger
+
+    if get_rank() == 0:
+        logger.info(
+            "deepspeed.comm.log_summary: dslaunch has no communication logger; bytes per collective are "
+            "in engine.comm.counter"
+        )
 
 
 # -- deepspeed.utils.groups: one data-parallel group (the world); no expert/sequence/model groups ---------

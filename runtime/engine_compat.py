@@ -156,11 +156,30 @@ class EngineAccessors:
         return [g.get("betas", g.get("momentum")) for g in groups]
 
     # -- features dslaunch does not have --------------------------------------------------------------
-    def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None) -> None:
-        unsupported(
-            "engine.compile()",
-            "compile the model yourself before runtime.initialize (model = torch.compile(model))",
-        )
+    def compile(
+        self,
+        backend: str | None = None,
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """torch.compile the wrapped model in place (``nn.Module.compile``): the engine's gradient hooks
+        and ZeRO-3's gather hooks stay on the same module objects. DeepSpeed's DeepCompile schedules
+        (``schedule``) and compiled autograd are not available."""
+        if schedule is not None or compiled_autograd_enabled:
+            unsupported(
+                "DeepCompile (engine.compile(schedule=...) / compiled autograd)",
+                "call engine.compile(backend=...) without a schedule (the model is then torch.compile'd)",
+            )
+        kwargs = dict(compile_kwargs or {})
+        if backend is not None:
+            kwargs["backend"] = backend
+        self.module.compile(**kwargs)
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_is_compiled", False)
 
     def register_post_step_hook(self, hook: Callable[..., Any]) -> None:
         unsupported("engine.register_post_step_hook()", "call your function after engine.step() in the loop")

@@ -123,6 +123,11 @@ def _engine_names(rank: int, world_size: int) -> dict[str, Any]:
         engine.config.get("no_such", "dflt"),
     )
     _step(engine, rank)
+    probe = torch.ones(3, 4)
+    before = engine(probe).detach()
+    engine.compile(backend="eager")  # in place: the engine's gradient hooks stay
+    seen["compiled"] = (engine.is_compiled, torch.equal(engine(probe).detach(), before))
+    _step(engine, rank)
 
     weight = model[0].weight
     full = safe_get_full_fp32_param(weight)
@@ -182,6 +187,7 @@ def test_engine_and_utility_names() -> None:
     for rank, seen in enumerate(results):
         assert seen["accessors"] == (rank, rank, 2, False, False, 2, 0)
         assert seen["config_get"] == (2, "dflt")
+        assert seen["compiled"] == (True, True)
         assert seen["fp32_param_equal"] is True
         assert seen["after_set"] == ([0.25], [0.25])
         assert "safe_get_full_grad under ZeRO stage 2" in seen["full_grad_stage2"]

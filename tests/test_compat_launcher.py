@@ -97,3 +97,14 @@ def test_bind_cores_save_pid_and_rank_logs(tmp_path: Path) -> None:
                         str(tmp_path)], tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "rank_0.json").read_text())["cores"] == [int(last)]
+
+
+def test_ds_report_says_which_deepspeed_is_importable() -> None:
+    from launcher.deepspeed_report import find_deepspeed
+
+    found = find_deepspeed()
+    assert found.importable and found.is_dslaunch
+    assert found.version == "0.19.8+dslaunch.0.1.0"
+    assert Path(found.location or "") == REPO / "compat" / "deepspeed"
+    where = REPO / "compat" / "deepspeed"
+    assert found.describe() == f"deepspeed 0.19.8+dslaunch.0.1.0: dslaunch's compatibility package, from {where}"

@@ -107,4 +107,5 @@ def test_ds_report_says_which_deepspeed_is_importable() -> None:
     assert found.version == "0.19.8+dslaunch.0.1.0"
     assert Path(found.location or "") == REPO / "compat" / "deepspeed"
     where = REPO / "compat" / "deepspeed"
-    assert found.describe() == f"deepspeed 0.19.8+dslaunch.0.1.0: dslaunch's compatibility package, from {where}"
+    expected = f"deepspeed 0.19.8+dslaunch.0.1.0: dslaunch's compatibility package, from {where}"
+    assert found.describe() == expected

@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-__all__ = ["UnsupportedFeature", "unsupported", "unsupported_callable", "unsupported_class"]
+__all__ = [
+    "UnsupportedFeature",
+    "UnsupportedName",
+    "missing_names",
+    "unsupported",
+    "unsupported_callable",
+    "unsupported_class",
+]
 
 
 class UnsupportedFeature(NotImplementedError):
@@ -46,3 +53,20 @@ def unsupported_class(name: str, feature: str, alternative: str) -> type:
 
     doc = f"Not supported by dslaunch ({feature}): {alternative}."
     return type(name, (), {"__init__": __init__, "__doc__": doc})
+
+
+class UnsupportedName(UnsupportedFeature, AttributeError):
+    """A DeepSpeed module attribute dslaunch does not provide. Also an AttributeError, so ``hasattr`` and
+    ``getattr(module, name, default)`` (how integrations probe for optional features) still answer."""
+
+
+def missing_names(module_name: str, alternative: str) -> Any:
+    """A module-level ``__getattr__`` for a compat module: a name DeepSpeed has there but dslaunch does
+    not raises UnsupportedName naming it, instead of a bare AttributeError."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):  # import machinery and tools probe dunders; those stay plain
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        raise UnsupportedName(f"{module_name}.{name}", alternative)
+
+    return __getattr__

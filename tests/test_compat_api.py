@@ -270,12 +270,21 @@ def test_zero3_names() -> None:
             "op builder",
             "runtime.ops",
         ),
+        (lambda ds: ds.runtime.fp16.onebit.adam.OnebitAdam([]), "1-bit Adam", "Adam/AdamW"),
+        (lambda ds: ds.DeepSpeedHybridEngine, "deepspeed.DeepSpeedHybridEngine", "Coming from DeepSpeed"),
+        (lambda ds: ds.utils.groups._get_sequence_parallel_group(), "sequence-parallel", "data parallelism"),
+        (
+            lambda ds: ds.initialize(model=nn.Linear(2, 2), config={}, mpu=object()),
+            "model parallelism",
+            "ZeRO",
+        ),
     ],
 )
 def test_unsupported_features_raise_by_name(call: Any, feature: str, alternative: str) -> None:
     import deepspeed
     import deepspeed.moe.layer
     import deepspeed.ops.lion
+    import deepspeed.runtime.fp16.onebit.adam
 
     from runtime.unsupported import UnsupportedFeature
 
@@ -285,6 +294,17 @@ def test_unsupported_features_raise_by_name(call: Any, feature: str, alternative
     assert message.startswith("DeepSpeed's ") and "is not supported by dslaunch; " in message
     assert feature in message and alternative in message
     assert isinstance(info.value, NotImplementedError)  # what DeepSpeed-aware code catches
+
+
+def test_missing_module_names_raise_by_name_and_keep_hasattr_working() -> None:
+    import deepspeed
+
+    from runtime.unsupported import UnsupportedName
+
+    assert not hasattr(deepspeed, "DeepSpeedHybridEngine")  # probing integrations still get False
+    assert getattr(deepspeed.utils, "no_such_helper", "fallback") == "fallback"
+    with pytest.raises(UnsupportedName, match=r"^DeepSpeed's deepspeed.zero.TiledLinear is not supported"):
+        deepspeed.zero.TiledLinear  # noqa: B018
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ packages, where ``import runtime`` users get it too. A DeepSpeed feature dslaunc
 
 from __future__ import annotations
 
+from runtime.unsupported import missing_names
+
 try:
     import runtime as _runtime
 except ImportError as _missing:  # the compat package was installed without dslaunch itself
@@ -73,3 +75,9 @@ __all__ = [
     "utils",
     "zero",
 ]
+
+
+__getattr__ = missing_names(
+    "deepspeed",
+    "see README.md, Coming from DeepSpeed, for what dslaunch supports",
+)

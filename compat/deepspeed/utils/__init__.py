@@ -9,6 +9,7 @@ from runtime.param_access import (
     safe_set_full_fp32_param,
     set_z3_leaf_modules,
 )
+from runtime.unsupported import missing_names
 
 __all__ = [
     "RepeatingLoader",
@@ -23,3 +24,9 @@ __all__ = [
     "set_z3_leaf_modules",
     "zero_to_fp32",
 ]
+
+
+__getattr__ = missing_names(
+    "deepspeed.utils",
+    "see README.md, Coming from DeepSpeed, for what dslaunch supports",
+)

@@ -7,6 +7,7 @@ from deepspeed.runtime.zero.partition_parameters import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from runtime.unsupported import missing_names
 
 __all__ = [
     "GatheredParameters",
@@ -15,3 +16,9 @@ __all__ = [
     "register_external_parameter",
     "unregister_external_parameter",
 ]
+
+
+__getattr__ = missing_names(
+    "deepspeed.runtime.zero",
+    "ZeRO-3 offers Init, GatheredParameters and register_external_parameter",
+)

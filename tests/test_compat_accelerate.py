@@ -1,4 +1,5 @@
-"""An Accelerate loop with a DeepSpeedPlugin (ZeRO stages 2 and 3) on dslaunch through the `deepspeed`
+"""An Accelerate loop with a DeepSpeedPlugin (ZeRO stages 2 and 3, and 2 with the optimizer offloaded, where
+Accelerate swaps the torch AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam) on dslaunch through the `deepspeed`
 compat package, launched as ``deepspeed --num_gpus 2 loop.py`` on CPU: the loss of every step and the
 trained model's loss over the whole data set equal the same loop on Accelerate's plain CPU DDP, and
 Accelerate counts both CPU workers (it would see one without the backend hand-over in
@@ -26,39 +27,30 @@ def free_port() -> int:
 
 def test_accelerate_deepspeed_plugin_stages_2_and_3_match_ddp(tmp_path: Path) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    procs = {
-        stage: subprocess.Popen(
-            [
-                str(DEEPSPEED),
-                "--num_gpus",
-                "2",
-                "--master_port",
-                str(free_port()),
-                str(SCRIPT),
-                "--zero_stage",
-                str(stage),
-                "--out",
-                f"stage{stage}.json",
-            ],
+    variants = {"ddp": ["--zero_stage", "0"], "z2": ["--zero_stage", "2"], "z3": ["--zero_stage", "3"],
+                "z2-offload": ["--zero_stage", "2", "--offload"]}  # fmt: skip
+    procs = {}
+    for name, flags in variants.items():
+        command = [str(DEEPSPEED), "--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPT), *flags]
+        procs[name] = subprocess.Popen(
+            [*command, "--out", f"{name}.json"],
             cwd=tmp_path,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for stage in (0, 2, 3)
-    }
     runs = {}
-    for stage, proc in procs.items():
+    for name, proc in procs.items():
         output, _ = proc.communicate(timeout=280)
         assert proc.returncode == 0, output[-4000:]
-        runs[stage] = json.loads((tmp_path / f"stage{stage}.json").read_text())
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
 
-    ddp = runs[0]
+    ddp = runs["ddp"]
     assert ddp["type"] == "DistributedType.MULTI_CPU" and ddp["num_processes"] == 2
     assert len(ddp["losses"]) == 5
     assert ddp["final_loss"] < ddp["initial_loss"] - 0.5  # it trained
-    for stage in (2, 3):
+    for stage in ("z2", "z3", "z2-offload"):  # offload: Accelerate swaps in DeepSpeedCPUAdam
         run = runs[stage]
         assert run["type"] == "DistributedType.DEEPSPEED" and run["num_processes"] == 2, run
         assert len(run["losses"]) == len(ddp["losses"])

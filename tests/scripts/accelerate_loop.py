@@ -25,13 +25,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--zero_stage", type=int, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--offload", action="store_true", help="offload the optimizer to the CPU")
     parser.add_argument("--local_rank", type=int, default=-1)  # the launcher's; Accelerate reads the env
     args = parser.parse_args()
 
     plugin = None
     if args.zero_stage:
         plugin = DeepSpeedPlugin(
-            zero_stage=args.zero_stage, gradient_accumulation_steps=1, gradient_clipping=CLIP
+            zero_stage=args.zero_stage,
+            gradient_accumulation_steps=1,
+            gradient_clipping=CLIP,
+            # Accelerate then swaps the torch AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam
+            offload_optimizer_device="cpu" if args.offload else "none",
         )
     # Without DeepSpeed a CPU-only machine needs Accelerate's CPU mode for DDP.
     accelerator = Accelerator(deepspeed_plugin=plugin, cpu=plugin is None)

@@ -337,3 +337,19 @@ def test_config_unknown_key_is_a_typo_not_an_unsupported_option() -> None:
     with pytest.raises(ConfigError) as info:
         DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "gradient_clippin": 1.0})
     assert str(info.value) == 'gradient_clippin: unknown key; did you mean "gradient_clipping"?'
+
+
+def test_memory_estimators_under_deepspeed_names(capsys: pytest.CaptureFixture[str]) -> None:
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs_all_cold
+
+    from runtime.estimator import estimate_all, model_sizes
+
+    model = _model()
+    live = estimate_zero3_model_states_mem_needs_all_live(model, num_gpus_per_node=2)
+    want = estimate_all(model_sizes(model), num_gpus_per_node=2, num_nodes=1, stages=(3,))
+    assert [e.per_gpu_bytes for e in live] == [e.per_gpu_bytes for e in want]
+    cold = estimate_zero2_model_states_mem_needs_all_cold(int(1.5e9), num_gpus_per_node=8)
+    assert cold and all(e.per_gpu_bytes > 0 for e in cold)
+    printed = capsys.readouterr().out
+    assert printed.count("Model states of ") == 2 and "8 GPU(s) per node x 1 node(s)" in printed

@@ -80,6 +80,16 @@ class DeepSpeedArgs:
     notes: list[str] = field(default_factory=list)
 
 
+_HELP = """deepspeed: dslaunch's launcher under DeepSpeed's name. Besides dslaunch's flags (below):
+  --bind_cores_to_rank          pin each worker to its block of this node's cores (OMP_NUM_THREADS = its size)
+  --bind_core_list LIST         the cores to split, e.g. 0-7,16-23 (with --bind_cores_to_rank)
+  --enable_each_rank_log DIR    a log file per rank in DIR (dslaunch's --log_dir)
+  --save_pid                    write this launcher's pid to /tmp/<pid>.deepspeed while the job runs
+  --force_multi                 the multi-node (ssh) runner even for one host
+  refused: --autotuning, --elastic_training, --min/max_elastic_nodes, --no_ssh, --node_rank > 0
+"""
+
+
 def _split_flag(token: str) -> tuple[str, str | None]:
     if token.startswith("--") and "=" in token:
         name, value = token.split("=", 1)
@@ -152,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     from launcher import cli
 
     args = list(argv) if argv is not None else sys.argv[1:]
+    if not args or args[0] in ("-h", "--help"):
+        print(_HELP, flush=True)  # then dslaunch's own flags
     try:
         parsed = translate(args)
         launch_args = parsed.dslaunch_args + _script_part(parsed)

@@ -109,3 +109,11 @@ def test_ds_report_says_which_deepspeed_is_importable() -> None:
     where = REPO / "compat" / "deepspeed"
     expected = f"deepspeed 0.19.8+dslaunch.0.1.0: dslaunch's compatibility package, from {where}"
     assert found.describe() == expected
+
+
+def test_help_lists_the_deepspeed_flags_then_dslaunchs(tmp_path: Path) -> None:
+    result = deepspeed(["--help"], tmp_path)
+    assert result.returncode == 0
+    assert result.stdout.startswith("deepspeed: dslaunch's launcher under DeepSpeed's name.")
+    assert "--bind_cores_to_rank" in result.stdout
+    assert "Usage: dslaunch [OPTIONS] USER_SCRIPT" in result.stdout

@@ -124,6 +124,9 @@ def initialize(
     config: Any = None,
     collate_fn: Callable[..., Any] | None = None,
     dist_init_required: bool | None = None,
+    config_params: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
 ) -> tuple[Engine, Any, torch.utils.data.DataLoader | None, Any]:
     """Build the engine, like ``deepspeed.initialize``.
 
@@ -139,6 +142,7 @@ def initialize(
         config: a dict, a .json/.yaml path, or an already loaded ``runtime.config.Config``.
         collate_fn: passed to the DataLoader.
         dist_init_required: False to forbid creating the process group here (it must exist then).
+        config_params, distributed_port, mpu: DeepSpeed's keywords; see runtime.initialize_compat.
 
     Returns:
         (engine, optimizer, dataloader or None, lr_scheduler or None). The optimizer is the torch optimizer
@@ -146,6 +150,9 @@ def initialize(
     """
     if model is None:
         raise ValueError("runtime.initialize needs model=<torch.nn.Module>")
+    from runtime.initialize_compat import deepspeed_keywords
+
+    config = deepspeed_keywords(config, config_params, distributed_port, mpu)
     source = _config_source(args, config)
     if not dist.is_initialized() and dist_init_required is False:
         raise RuntimeError(

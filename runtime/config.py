@@ -144,6 +144,11 @@ class Config:
         """The resolved config as plain dicts and lists."""
         return thaw(self.raw)
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """A top-level key of the resolved config: DeepSpeed's ``engine.config`` is a dict, and Trainer
+        reads it with ``engine.config.get("zero_optimization", {})``."""
+        return self.raw.get(key, default)
+
 
 # DeepSpeed top-level keys for features dslaunch does not have (yet). The value names the feature.
 _UNSUPPORTED_TOP_LEVEL = {
@@ -172,6 +177,15 @@ _UNSUPPORTED_TOP_LEVEL = {
     "data_types": "data_types (gradient accumulation dtype)",
     "torch_autocast": "torch_autocast section",
 }
+
+
+def _never_if_inf(check: Any) -> Any:
+    """Accelerate writes steps_per_print = float("inf") for "never"; that is 0 here."""
+
+    def read(path: str, value: Any) -> Any:
+        return 0 if isinstance(value, float) and value == float("inf") else check(path, value)
+
+    return read
 
 
 def _read_fp16(r: SectionReader, model: torch.nn.Module | None) -> FP16Config:
@@ -280,7 +294,7 @@ def load_config(
     optimizer = read_optimizer(top.section("optimizer")) if has_optimizer else None
     scheduler = read_scheduler(top.section("scheduler")) if has_scheduler else None
     simple = {
-        "steps_per_print": top.get("steps_per_print", Int(0, nullable=True), 10) or 0,
+        "steps_per_print": top.get("steps_per_print", _never_if_inf(Int(0, nullable=True)), 10) or 0,
         "gradient_clipping": top.get("gradient_clipping", Float(0.0), 0.0),
         "wall_clock_breakdown": top.get("wall_clock_breakdown", Bool(), False),
         "prescale_gradients": top.get("prescale_gradients", Bool(), False),

@@ -296,7 +296,8 @@ class SectionReader:
         if key in self.data and self.data[key] != default:
             raise ConfigError(
                 self.key_path(key),
-                f"{self.data[key]!r} is not supported yet ({what}); remove the key or set it to {default!r}",
+                f"a DeepSpeed option dslaunch does not support: {what} ({self.data[key]!r}); remove the key "
+                f"or set it to {default!r}",
             )
 
     def finish(self, unsupported: Mapping[str, str] | None = None) -> None:
@@ -313,6 +314,6 @@ class SectionReader:
                     continue
                 raise ConfigError(
                     self.key_path(key),
-                    f"DeepSpeed's {unsupported[key]} is not supported by dslaunch yet; remove this key",
+                    f"a DeepSpeed option dslaunch does not support: {unsupported[key]}; remove this key",
                 )
             self.ctx.unknown.append((self.key_path(key), key, tuple(self.known)))

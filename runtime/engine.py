@@ -29,6 +29,7 @@ from runtime import checkpointing
 from runtime.comm import Comm
 from runtime.config import Config
 from runtime.distributed import current_device
+from runtime.engine_compat import EngineAccessors
 from runtime.engine_log import StepLog, Timers
 from runtime.monitor import TrainingMonitor
 from runtime.offload import GradMath, MasterPlacement, build_master_placement
@@ -72,7 +73,7 @@ class MemoryBreakdown:
         return self.model_state_bytes + self.buffer_bytes
 
 
-class Engine(nn.Module):
+class Engine(EngineAccessors, nn.Module):
     """Wraps a model for data-parallel training with ZeRO stage 0, 1, 2 or 3 and mixed precision."""
 
     def __init__(

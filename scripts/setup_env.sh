@@ -24,10 +24,17 @@ if ! "$_py" -c "import torch" >/dev/null 2>&1; then
     "$_py" -m pip install -q --disable-pip-version-check torch==2.13.0
 fi
 _extra="${1:-}"
+# The tests also need the Hugging Face clients and the `deepspeed` compat distribution (compat/).
+_extras="$_extra"
+[ "$_extra" = "test" ] && _extras="test,hf"
 _stamp="$_venv/.dslaunch-installed${_extra:+-$_extra}"
-if [ ! -f "$_stamp" ] || [ "$_root/pyproject.toml" -nt "$_stamp" ]; then
-    echo "setup: installing dslaunch${_extra:+[$_extra]} into $_venv"
-    "$_py" -m pip install -q --disable-pip-version-check -e "$_root${_extra:+[$_extra]}"
+if [ ! -f "$_stamp" ] || [ "$_root/pyproject.toml" -nt "$_stamp" ] || [ "$_root/compat/pyproject.toml" -nt "$_stamp" ]; then
+    echo "setup: installing dslaunch${_extras:+[$_extras]} into $_venv"
+    "$_py" -m pip install -q --disable-pip-version-check -e "$_root${_extras:+[$_extras]}"
+    if [ "$_extra" = "test" ]; then
+        echo "setup: installing the deepspeed compat distribution (-e ./compat) into $_venv"
+        "$_py" -m pip install -q --disable-pip-version-check -e "$_root/compat"
+    fi
     touch "$_stamp"
 fi
 export PATH="$_venv/bin:$PATH"

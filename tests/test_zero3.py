@@ -264,14 +264,16 @@ def _check_after_training(
                 problems.append(f"unclear error for loss.backward(): {error}")
         for what, action in (
             ("sum", lambda: model.blocks[1].down.weight.sum()),
-            ("state_dict", lambda: model.state_dict()),
+            # state_dict() itself works (keys and shapes, as DeepSpeed's placeholders give them:
+            # from_pretrained needs that) but its values stay sharded: saving it raises
+            ("saving state_dict()", lambda: torch.save(model.state_dict(), io.BytesIO())),
             ("torch.save", lambda: torch.save(model.blocks[1].down.weight, io.BytesIO())),
         ):
             try:
                 action()
                 problems.append(f"{what} on a released parameter did not raise")
             except ParamNotGathered as error:
-                if "blocks.1.down.weight" not in str(error) and what != "state_dict":
+                if "blocks.1.down.weight" not in str(error) and what != "saving state_dict()":
                     problems.append(f"{what}: error does not name the parameter: {error}")
         if model.blocks[1].down.weight.shape != (24, 37) or model.blocks[1].down.weight.numel() != 24 * 37:
             problems.append("released parameter lost its shape metadata")

@@ -116,7 +116,10 @@ class Init:
         config_dict_or_path / config: the run's config; it must ask for ZeRO stage 3.
         enabled: False makes this a no-op (build normally).
         dtype: dtype of the shards (default: the dtype each parameter was created with).
-        remote_device: only None/"none" (parameter offload is not available through Init).
+        remote_device: None/"none", or "cpu" (DeepSpeed's parameter offload at construction): the
+            shards are built on `device` as without it, and the engine moves them to the host when the
+            config's zero_optimization.offload_param asks for it; "nvme" is refused.
+        pin_memory: accepted with remote_device="cpu" (the engine pins its own host buffers).
         device: where shards live (default: this rank's device); construction also happens there.
     """
 
@@ -139,18 +142,17 @@ class Init:
         if config_dict_or_path is not None and config is not None:
             raise ValueError("zero.Init got both config_dict_or_path and config; pass one of them")
         _check_config(config_dict_or_path if config_dict_or_path is not None else config)
-        if remote_device not in (None, "none") or pin_memory:
+        if remote_device not in (None, "none", "cpu"):
             raise NotImplementedError(
-                f"zero.Init(remote_device={remote_device!r}, pin_memory={pin_memory}): parameter offload "
-                "is not available through zero.Init; build on the device and set offload in the config"
+                f"zero.Init(remote_device={remote_device!r}): only 'cpu' parameter offload is available "
+                '(NVMe offload is not); use remote_device="cpu" with offload_param.device "cpu"'
             )
         if mpu is not None:
             raise NotImplementedError("zero.Init(mpu=...): model parallelism is not supported")
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "zero.Init needs the process group to exist (it shards over the data-parallel ranks); "
-                "call runtime.init_distributed() before building the model"
-            )
+        if not dist.is_initialized():  # as in DeepSpeed: Init creates the group from the environment
+            from runtime.distributed import init_distributed
+
+            init_distributed()
         from runtime.distributed import current_device
 
         self.comm = Comm(data_parallel_group)
@@ -336,8 +338,9 @@ def _check_config(source: str | os.PathLike | Mapping[str, Any] | None) -> None:
             f"{stage!r}; build the model without zero.Init or set stage 3"
         )
     offload = zero.get("offload_param") or {}
-    if isinstance(offload, Mapping) and offload.get("device") not in (None, "none"):
+    # "cpu": the shards are built on the device and the engine moves them to the host when it adopts them
+    if isinstance(offload, Mapping) and offload.get("device") not in (None, "none", "cpu"):
         raise NotImplementedError(
             f"zero.Init with zero_optimization.offload_param.device={offload.get('device')!r} is not "
-            "available; parameters are sharded on the device"
+            'available (NVMe offload is not supported); use "cpu"'
         )

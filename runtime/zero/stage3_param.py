@@ -91,6 +91,11 @@ class ShardedParameter(nn.Parameter):
                 owner = owner_of(param)
                 context = owner.touch(param) if owner is not None else None
                 if context is None:
+                    if name == "detach" and len(released) == 1:
+                        # module.state_dict() detaches every parameter; code that only wants the keys
+                        # and shapes (Transformers' from_pretrained under ZeRO-3) gets the parameter
+                        # itself, still sharded: reading its values, or saving it, still raises.
+                        return param
                     raise ParamNotGathered(not_gathered_message(param, f"torch operation {name!r}"))
                 stack.enter_context(context)
             return func(*args, **kwargs)

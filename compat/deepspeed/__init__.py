@@ -1,0 +1,83 @@
+"""DeepSpeed's import names, served by dslaunch (the ``deepspeed`` distribution in ``compat/``).
+
+Names only: every behaviour lives in dslaunch's ``runtime`` (training) and ``launcher`` (processes)
+packages, where ``import runtime`` users get it too. A DeepSpeed feature dslaunch lacks raises
+``runtime.unsupported.UnsupportedFeature`` naming it and the nearest supported alternative.
+"""
+
+from __future__ import annotations
+
+from runtime.unsupported import missing_names
+
+try:
+    import runtime as _runtime
+except ImportError as _missing:  # the compat package was installed without dslaunch itself
+    raise ImportError(
+        "this `deepspeed` is dslaunch's compatibility package and needs dslaunch's `runtime` package: "
+        "install dslaunch too (pip install <dslaunch checkout> <dslaunch checkout>/compat)"
+    ) from _missing
+
+from deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.engine import DeepSpeedEngine
+from deepspeed.version import __version__, __version_major__, __version_minor__, __version_patch__
+from runtime import add_config_arguments, initialize
+from runtime.dist_api import init_distributed
+from runtime.unsupported import unsupported_callable, unsupported_class
+
+__git_hash__ = None
+__git_branch__ = None
+dslaunch_version = _runtime.__version__
+
+init_inference = unsupported_callable(
+    "init_inference",
+    "inference engine (deepspeed.init_inference)",
+    "run the trained model with plain PyTorch (model.eval() under torch.no_grad()); ZeRO-3 weights can be "
+    "consolidated with engine.save_16bit_model() or ds_consolidate first",
+)
+tp_model_init = unsupported_callable(
+    "tp_model_init",
+    "tensor parallelism (AutoTP, tp_model_init)",
+    "use ZeRO stage 3 to split the model's weights",
+)
+PipelineModule = unsupported_class(
+    "PipelineModule", "pipeline parallelism (PipelineModule)", "use ZeRO stage 3 to fit a large model"
+)
+PipelineEngine = unsupported_class(
+    "PipelineEngine", "pipeline parallelism (PipelineEngine)", "use ZeRO stage 3 to fit a large model"
+)
+
+
+def is_compile_supported() -> bool:
+    return False
+
+
+__all__ = [
+    "DeepSpeedConfig",
+    "DeepSpeedEngine",
+    "PipelineEngine",
+    "PipelineModule",
+    "__version__",
+    "__version_major__",
+    "__version_minor__",
+    "__version_patch__",
+    "accelerator",
+    "add_config_arguments",
+    "checkpointing",
+    "comm",
+    "init_distributed",
+    "init_inference",
+    "initialize",
+    "is_compile_supported",
+    "ops",
+    "runtime",
+    "tp_model_init",
+    "utils",
+    "zero",
+]
+
+
+__getattr__ = missing_names(
+    "deepspeed",
+    "see README.md, Coming from DeepSpeed, for what dslaunch supports",
+)

@@ -1,0 +1,4 @@
+"""``deepspeed.checkpointing``: activation checkpointing (runtime.checkpointing)."""
+
+from runtime.checkpointing import *  # noqa: F403
+from runtime.checkpointing import checkpoint, configure, is_configured, reset  # noqa: F401

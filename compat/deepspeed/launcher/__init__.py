@@ -1,0 +1,1 @@
+"""``deepspeed.launcher``: the ``deepspeed`` command (launcher.deepspeed_cli)."""

@@ -1,0 +1,12 @@
+"""``deepspeed.runtime``: DeepSpeed's runtime module names over dslaunch's ``runtime`` package."""
+
+from deepspeed.runtime import config, engine, lr_schedules, utils, zero
+from runtime.unsupported import missing_names
+
+__all__ = ["config", "engine", "lr_schedules", "utils", "zero"]
+
+
+__getattr__ = missing_names(
+    "deepspeed.runtime",
+    "see README.md, Coming from DeepSpeed, for what dslaunch supports",
+)

@@ -1,0 +1,5 @@
+"""``deepspeed.runtime.config``: ``DeepSpeedConfig`` (runtime.ds_config)."""
+
+from runtime.ds_config import DeepSpeedConfig
+
+__all__ = ["DeepSpeedConfig"]

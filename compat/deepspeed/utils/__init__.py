@@ -1,0 +1,32 @@
+"""``deepspeed.utils``: logging, the repeating loader and ZeRO's full-parameter accessors."""
+
+from deepspeed.utils import groups, zero_to_fp32
+from runtime.ds_utils import RepeatingLoader, log_dist, logger, print_rank_0
+from runtime.param_access import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    set_z3_leaf_modules,
+)
+from runtime.unsupported import missing_names
+
+__all__ = [
+    "RepeatingLoader",
+    "groups",
+    "log_dist",
+    "logger",
+    "print_rank_0",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "set_z3_leaf_modules",
+    "zero_to_fp32",
+]
+
+
+__getattr__ = missing_names(
+    "deepspeed.utils",
+    "see README.md, Coming from DeepSpeed, for what dslaunch supports",
+)

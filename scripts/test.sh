@@ -6,5 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install_system_deps.sh
 source scripts/setup_env.sh test
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-"$PYTHON" -m ruff check launcher runtime tests scripts
+"$PYTHON" -m ruff check launcher runtime tests scripts compat
 exec "$PYTHON" -m pytest "$@"

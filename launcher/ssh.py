@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import paramiko
+from launcher import known_hosts
+from launcher.sshlib import enable_match_exec, paramiko, uses_match_exec
 
 # paramiko's transport thread logs every failed handshake with a traceback; with no handler configured
 # Python would print those on the user's terminal. Our typed errors carry the cause instead.
@@ -123,16 +124,23 @@ def _split_host(host: str) -> tuple[str | None, str, int | None]:
 
 
 def load_ssh_config(settings: SSHSettings) -> paramiko.SSHConfig:
+    """The user's ssh_config (``--ssh_config``, else ~/.ssh/config when it exists). Parse it once per
+    launch and hand it to :func:`resolve`: every host then reuses it."""
     path = settings.config_path
     if path is None:
         default = Path("~/.ssh/config").expanduser()
-        return paramiko.SSHConfig.from_path(str(default)) if default.is_file() else paramiko.SSHConfig()
-    if not Path(path).is_file():
+        if not default.is_file():
+            return paramiko.SSHConfig()
+        path = default
+    elif not Path(path).is_file():
         raise SSHHostError(
             "(all hosts)", Cause.CONFIG, f"ssh config file not found: {path}", "check --ssh_config"
         )
     try:
-        return paramiko.SSHConfig.from_path(str(path))
+        text = Path(path).read_text()
+        if uses_match_exec(text):
+            enable_match_exec()
+        return paramiko.SSHConfig.from_text(text)
     except Exception as e:  # paramiko raises ConfigParseError, ValueError, ... on bad lines
         raise SSHHostError("(all hosts)", Cause.CONFIG, f"cannot parse {path}: {e}") from e
 
@@ -228,12 +236,14 @@ def connect(host: str | HostTarget, settings: SSHSettings) -> paramiko.SSHClient
 
 def _connect_once(t: HostTarget, settings: SSHSettings) -> paramiko.SSHClient:
     client = paramiko.SSHClient()
-    for f in t.global_known_hosts_files:
-        if os.path.isfile(f):
-            client.load_system_host_keys(f)
-    for f in reversed(t.known_hosts_files):  # the first file is the one new keys go to
-        if os.path.isfile(f):
-            client.load_host_keys(f)
+    try:  # each file parsed once per launch; the client gets only this host's keys
+        known = known_hosts.lookup(
+            t.known_hosts_key, t.global_known_hosts_files, tuple(reversed(t.known_hosts_files))
+        )
+    except known_hosts.KnownHostsError as e:
+        raise SSHHostError(str(t), Cause.CONFIG, f"bad known_hosts line: {e}", e.hint) from None
+    for keytype, key in (known or {}).items():
+        client.get_host_keys().add(t.known_hosts_key, keytype, key)
     client.set_missing_host_key_policy(_HostKeyPolicy(t, settings.accept_new_host_keys))
     keys = [f for f in t.identity_files if os.path.isfile(f)]
     sock = None

@@ -106,21 +106,29 @@ class HostTarget:
         return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
 
     def __str__(self) -> str:
-        return f"{self.alias} ({self.user}@{self.hostname}:{self.port})"
+        name = f"[{self.hostname}]" if ":" in self.hostname else self.hostname  # IPv6: as OpenSSH writes it
+        return f"{self.alias} ({self.user}@{name}:{self.port})"
 
 
 def _split_host(host: str) -> tuple[str | None, str, int | None]:
-    """``[user@]name[:port]`` -> (user, name, port)."""
+    """``[user@]name[:port]`` -> (user, name, port); an IPv6 name is written ``[addr]`` or ``[addr]:port``
+    (returned without brackets: what paramiko connects to) or bare ``addr`` (port from the settings)."""
     user, _, rest = host.rpartition("@")
-    name, port = rest, None
-    if rest.count(":") == 1:  # not an IPv6 literal
-        name, _, p = rest.partition(":")
-        if not p.isdigit():
+    name, port_text = rest, None
+    if rest.startswith("["):
+        inner, closed, after = rest[1:].partition("]")
+        if not closed or not inner or (after and not after.startswith(":")):
             raise SSHHostError(
-                host, Cause.CONFIG, f"bad port {p!r} in host {host!r}", "use host or host:PORT"
+                host, Cause.CONFIG, f"bad host {host!r}", "write an IPv6 address as [ADDR] or [ADDR]:PORT"
             )
-        port = int(p)
-    return user or None, name, port
+        name, port_text = inner, (after[1:] if after else None)
+    elif rest.count(":") == 1:  # not an IPv6 literal
+        name, _, port_text = rest.partition(":")
+    if port_text is not None and not port_text.isdigit():
+        raise SSHHostError(
+            host, Cause.CONFIG, f"bad port {port_text!r} in host {host!r}", "use host or host:PORT"
+        )
+    return user or None, name, int(port_text) if port_text is not None else None
 
 
 def load_ssh_config(settings: SSHSettings) -> paramiko.SSHConfig:

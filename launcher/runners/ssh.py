@@ -50,7 +50,7 @@ _LOST = 255  # what OpenSSH's client returns when the connection died; no exit s
 
 def is_local_host(host: str) -> bool:
     """Whether a hostfile name means this machine (then no SSH is needed)."""
-    names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    names = {"localhost", "127.0.0.1", "::1", "[::1]", socket.gethostname(), socket.getfqdn()}
     return host in names
 
 

@@ -66,7 +66,7 @@ PROBE_MARK = b"@dslaunch-probe "
 # module is not on the bare path (the working directory, PYTHONPATH), site.main() adds what -S left out
 # and the import is tried again, so it resolves exactly as without -S.
 _PROBE = r"""
-import json, os, socket, sys
+import json, os, sys
 def load():
     return __import__(sys.argv[1], fromlist=["_"])
 try:
@@ -80,7 +80,7 @@ except Exception as e:
     print(f"{type(e).__name__}: {e}", file=sys.stderr)
     sys.exit(103)
 conn = os.environ.get("SSH_CONNECTION", "").split()
-info = {"hostname": socket.gethostname(), "address": conn[2] if len(conn) == 4 else "",
+info = {"hostname": os.uname().nodename, "address": conn[2] if len(conn) == 4 else "",
         "python": sys.version.split()[0]}
 print("@dslaunch-probe " + json.dumps(info), flush=True)
 if len(sys.argv) > 2:

@@ -11,8 +11,11 @@ first action writes ``time.time()`` to a file. Measured per run:
   workers are not counted: on a real cluster they run on the hosts, here they share the head's cores);
 * ``hosts_cpu_s``: CPU time spent on the fake hosts (their sshd, the login shells, agents and workers),
   read from each host's sshd once the host is idle again. Every fake host shares this machine's cores,
-  so ``head_cpu_s + hosts_cpu_s`` is what a launch costs here, and it does not depend on what else the
-  machine runs, unlike the times (other load stretches them).
+  so ``head_cpu_s + hosts_cpu_s`` is what a launch costs here, and it depends less on what else the
+  machine runs than the times do (other load stretches those).
+
+The launcher's bytecode is compiled first (as ``pip install`` does), so that a checkout run with
+``PYTHONDONTWRITEBYTECODE=1`` does not compile its source at every launch.
 
 Launchers: ``dslaunch`` (the SSH runner: preflight of every host, then one channel per host),
 ``dslaunch-pdsh`` (``--launcher pdsh``) and ``pdsh`` (pdsh starting the workers itself, with no
@@ -32,6 +35,7 @@ same repetition (the two runs are seconds apart, so a load change hits both), wi
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import resource
@@ -138,6 +142,10 @@ def main() -> int:
     if a.ref:
         os.environ["BENCH_REF"] = str(a.ref.resolve())
         launchers.insert(0, "dslaunch-ref")
+    # An installed dslaunch has its bytecode; a checkout run with PYTHONDONTWRITEBYTECODE=1 (set on the
+    # test machines) would compile the launcher's source at every launch and measure that instead.
+    for tree in [REPO, *([a.ref] if a.ref else [])]:
+        compileall.compile_dir(str(Path(tree) / "launcher"), quiet=1)
     with tempfile.TemporaryDirectory(prefix="dsl-bench-") as tmp:
         work = Path(tmp)
         script = work / "worker.py"

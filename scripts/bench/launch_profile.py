@@ -21,6 +21,7 @@ per-phase durations and of the slowest host's phase ends.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import statistics
@@ -156,6 +157,7 @@ def main() -> int:
     if reason:
         print(f"launch_profile: {reason}", file=sys.stderr)
         return 2
+    compileall.compile_dir(str(REPO / "launcher"), quiet=1)  # as launch_multinode.py does
     with tempfile.TemporaryDirectory(prefix="dsl-profile-") as tmp:
         work = Path(tmp)
         script = work / "worker.py"

@@ -15,7 +15,10 @@ The clock starts just before the launcher process is created, as in ``launch_mul
 JSON line per run with every phase's start and end (seconds), then a summary line with the medians of the
 per-phase durations and of the slowest host's phase ends.
 
-    python scripts/bench/launch_profile.py --hosts 8 --reps 5
+    python scripts/bench/launch_profile.py --hosts 8 --reps 5 [--ref DIR]
+
+``--ref DIR`` profiles another checkout too (``git archive REV launcher | tar -x -C DIR``), alternating
+with this one run by run, for a before/after breakdown under the same load.
 """
 
 from __future__ import annotations
@@ -113,22 +116,25 @@ cli.main()
 PER_HOST = ("tcp", "kex", "auth", "connect", "probe", "started")
 
 
-def one_run(tb, n: int, script: Path, work: Path, rep: int) -> dict:
-    out = work / f"run-{n}-{rep}"
+def one_run(tb, n: int, script: Path, work: Path, rep: int, tree: Path = REPO) -> dict:
+    out = work / f"run-{n}-{rep}-{tree.name}"
     out.mkdir()
     hostfile = tb.write_hostfile(work / f"hostfile{n}", slots=1, hosts=tb.names[:n])
-    trace = work / f"trace-{n}-{rep}.json"
+    trace = work / f"trace-{n}-{rep}-{tree.name}.json"
     argv = [sys.executable, "-c", TRACER, "--hostfile", str(hostfile), "--ssh_config", str(tb.ssh_config),
             "--master_port", str(free_port()), "--no_local_rank", "--env", f"BENCH_DIR={out}",
             str(script)]  # fmt: skip
     t0 = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PROFILE_T0": repr(t0), "PROFILE_OUT": str(trace)}
-    r = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    if tree != REPO:  # the other checkout's launcher first on the path, here and (cwd) on the hosts
+        env["PYTHONPATH"] = str(tree)
+    r = subprocess.run(argv, env=env, cwd=tree, capture_output=True, text=True, timeout=120)
     stamps = [float(f.read_text()) - t0 for f in out.iterdir()]
     if r.returncode != 0 or len(stamps) != n:
         raise RuntimeError(f"n={n}: rc {r.returncode}, {len(stamps)} workers\n{r.stderr[-2000:]}")
     events = json.loads(trace.read_text())
-    row: dict = {"bench": "launch_profile", "hosts": n, "rep": rep, "worker_last_s": round(max(stamps), 4)}
+    row: dict = {"bench": "launch_profile", "tree": "this" if tree == REPO else "ref", "hosts": n, "rep": rep,
+                 "worker_last_s": round(max(stamps), 4)}  # fmt: skip
     for name, host, start, end in events:
         if host is None or name not in PER_HOST:
             key = name
@@ -152,30 +158,37 @@ def main() -> int:
     p.add_argument("--hosts", type=int, default=8)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--per-host", action="store_true", help="print each host's phases too")
+    p.add_argument("--ref", type=Path, help="another checkout to profile too, alternating with this one")
     a = p.parse_args()
     reason = sshd_testbed.unavailable_reason()
     if reason:
         print(f"launch_profile: {reason}", file=sys.stderr)
         return 2
-    compileall.compile_dir(str(REPO / "launcher"), quiet=1)  # as launch_multinode.py does
+    trees = [REPO, *([a.ref.resolve()] if a.ref else [])]
+    for tree in trees:  # as launch_multinode.py does
+        compileall.compile_dir(str(tree / "launcher"), quiet=1)
     with tempfile.TemporaryDirectory(prefix="dsl-profile-") as tmp:
         work = Path(tmp)
         script = work / "worker.py"
         script.write_text(WORKER)
         tb = sshd_testbed.start(work / "testbed", a.hosts, 1)
-        rows = []
+        rows: list[dict] = []
         try:
             for rep in range(a.reps):
-                row = one_run(tb, a.hosts, script, work, rep)
-                rows.append(row)
-                if not a.per_host:
-                    row = {k: v for k, v in row.items() if k != "per_host"}
-                print(json.dumps(row), flush=True)
+                for tree in trees:
+                    row = one_run(tb, a.hosts, script, work, rep, tree)
+                    rows.append(row)
+                    if not a.per_host:
+                        row = {k: v for k, v in row.items() if k != "per_host"}
+                    print(json.dumps(row), flush=True)
         finally:
             tb.stop()
-    keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, (int, float)) and k != "rep"})
-    summary = {k: round(statistics.median(r.get(k, 0) for r in rows), 4) for k in keys}
-    print(json.dumps({"bench": "launch_profile", "summary": True, "reps": len(rows), **summary}), flush=True)
+    for name in dict.fromkeys(r["tree"] for r in rows):
+        mine = [r for r in rows if r["tree"] == name]
+        keys = sorted({k for r in mine for k, v in r.items() if isinstance(v, (int, float)) and k != "rep"})
+        summary = {k: round(statistics.median(r.get(k, 0) for r in mine), 4) for k in keys}
+        print(json.dumps({"bench": "launch_profile", "summary": True, "tree": name, "reps": len(mine),
+                          **summary}), flush=True)  # fmt: skip
     return 0
 
 

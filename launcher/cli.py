@@ -241,6 +241,8 @@ def cli(
             },
         )
     )
+    if master_addr.startswith("[") and master_addr.endswith("]"):
+        master_addr = master_addr[1:-1]  # [IPv6] as in the hostfile; torch's rendezvous wants it bare
     if not master_addr:
         master_addr = "127.0.0.1" if single_local else runner.master_addr(hosts[0].host)
     _check_script(user_script, module, no_python)

@@ -8,16 +8,16 @@ getaddrinfo, which takes ``::1`` and refuses ``[::1]``: the workers' all-reduce 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import TestbedFactory
-from tests.test_launch_multinode import REPORT_WORKER, base_args, run_dslaunch, worker
-
-pytestmark = [pytest.mark.ssh, pytest.mark.timeout(180)]
+from tests.test_launch_multinode import DSLAUNCH, REPORT_WORKER, base_args, run_dslaunch, worker
 
 
 def _free_v6_port() -> int:
@@ -29,6 +29,8 @@ def _free_v6_port() -> int:
         pytest.skip(f"this machine has no IPv6 loopback ({e})")
 
 
+@pytest.mark.ssh
+@pytest.mark.timeout(180)
 def test_a_job_on_an_ipv6_host(sshd_testbed_factory: TestbedFactory, tmp_path: Path) -> None:
     port = _free_v6_port()
     tb = sshd_testbed_factory(1, 2, sshd_extra=f"ListenAddress [::1]:{port}")
@@ -48,3 +50,16 @@ def test_a_job_on_an_ipv6_host(sshd_testbed_factory: TestbedFactory, tmp_path: P
         assert rep["env"]["MASTER_ADDR"] == "::1"  # no brackets: what getaddrinfo takes
         assert rep["sum"] == 0 + 1  # the rendezvous on ::1 worked
         assert rep["host"] == tb.hostname_of("worker1")  # it ran on the fake host, over SSH
+
+
+
+def test_master_addr_given_in_brackets_reaches_workers_bare(tmp_path: Path) -> None:
+    """``--master_addr [::1]`` (written as in the hostfile) becomes ``::1`` for the workers."""
+    script = tmp_path / "show.py"
+    script.write_text("import os; print('ADDR=' + os.environ['MASTER_ADDR'])\n")
+    args = ["--num_gpus", "1", "--master_addr", "[::1]", "--master_port", str(_free_v6_port()),
+            "--no_local_rank", str(script)]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    r = subprocess.run([*DSLAUNCH, *args], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "ADDR=::1" in r.stdout, r.stdout

@@ -36,11 +36,11 @@ class KnownHostsError(Exception):
         shown = self.text if len(self.text) <= 80 else self.text[:77] + "..."
         return f"{self.path} line {self.line}: {self.reason}: {shown!r}"
 
-    @property
-    def hint(self) -> str:
+    def hint(self, host: str = "HOST") -> str:
+        """What to do; ``host`` as known_hosts names the host being connected to."""
         return (
             f"remove or fix line {self.line} of {self.path} (sed -i '{self.line}d' {self.path}); if it "
-            f"is this host's entry, ssh-keygen -f {self.path} -R HOST removes it, then record the key "
+            f"is {host}'s entry, ssh-keygen -f {self.path} -R '{host}' removes it, then record the key "
             f"again (ssh-keyscan, or --accept_new_host_keys)"
         )
 

@@ -15,7 +15,9 @@ What a user gets that ``ssh host hostname >/dev/null 2>&1`` does not give:
 - every failure as :class:`SSHHostError` naming the host, a :class:`Cause`, the underlying message and a
   hint.
 
-``launcher.preflight`` builds on this to check every host before a job starts. ds_report and the runners
+known_hosts files are read through ``launcher.known_hosts`` (once per launch, bad lines reported with file and
+line); paramiko comes from ``launcher.sshlib``. ``launcher.preflight`` builds on this to check every host
+before a job starts. ds_report and the runners
 reuse :func:`resolve`, :func:`connect` and :func:`run`.
 """
 
@@ -249,7 +251,8 @@ def _connect_once(t: HostTarget, settings: SSHSettings) -> paramiko.SSHClient:
             t.known_hosts_key, t.global_known_hosts_files, tuple(reversed(t.known_hosts_files))
         )
     except known_hosts.KnownHostsError as e:
-        raise SSHHostError(str(t), Cause.CONFIG, f"bad known_hosts line: {e}", e.hint) from None
+        hint = e.hint(t.known_hosts_key)
+        raise SSHHostError(str(t), Cause.CONFIG, f"bad known_hosts line: {e}", hint) from None
     for keytype, key in (known or {}).items():
         client.get_host_keys().add(t.known_hosts_key, keytype, key)
     client.set_missing_host_key_policy(_HostKeyPolicy(t, settings.accept_new_host_keys))

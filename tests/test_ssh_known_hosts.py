@@ -40,7 +40,7 @@ def test_a_bad_line_names_file_line_and_fix(tmp_path: Path, line: bytes, reason:
     err = info.value
     assert (err.path, err.line) == (str(kh), 3)
     assert str(err).startswith(f"{kh} line 3: {reason}")
-    assert f"sed -i '3d' {kh}" in err.hint and f"ssh-keygen -f {kh} -R HOST" in err.hint
+    assert f"sed -i '3d' {kh}" in err.hint() and f"ssh-keygen -f {kh} -R 'HOST'" in err.hint()
 
 
 def test_lines_openssh_skips_are_skipped_and_hashed_names_match(tmp_path: Path) -> None:
@@ -76,7 +76,9 @@ def test_a_corrupt_known_hosts_line_fails_the_preflight_with_the_line(
     (err,) = info.value.errors
     assert err.cause is ssh.Cause.CONFIG
     assert f"bad known_hosts line: {kh} line {bad_line}: not text (binary garbage in the file)" in str(err)
+    w1 = sshd_hosts.host("worker1")
     assert f"sed -i '{bad_line}d' {kh}" in err.hint
+    assert f"ssh-keygen -f {kh} -R '[{w1.address}]:{w1.port}'" in err.hint
     assert "UnicodeDecodeError" not in str(err)
 
 

@@ -9,7 +9,6 @@ offers (GPUs, ``DS_ACCELERATOR=cpu``, a free rendezvous port) is decided in ``la
 from __future__ import annotations
 
 import os
-import secrets
 import shlex
 import shutil
 import sys
@@ -220,6 +219,8 @@ def cli(
             },
         )
     )
+    if master_addr.startswith("[") and master_addr.endswith("]"):
+        master_addr = master_addr[1:-1]  # [IPv6] as in the hostfile; torch's rendezvous wants it bare
     master_is_here = hosts[0].local or (bool(master_addr) and is_local_host(master_addr))
     if not master_addr:
         master_addr = "127.0.0.1" if single_local else runner.master_addr(hosts[0].host)
@@ -234,7 +235,7 @@ def cli(
         no_local_rank=no_local_rank,
         master_addr=master_addr,
         master_port=port.port,
-        job_id=f"dsl-{secrets.token_hex(4)}",
+        job_id=f"dsl-{os.urandom(4).hex()}",  # not secrets.token_hex: its import costs 10-20 ms
         max_restarts=max_restarts,
         cwd=os.getcwd(),
         user_env=user_env,

@@ -7,9 +7,11 @@ Hostfile format (DeepSpeed/MPI style), one host per line, line order = rank orde
     worker-1 slots=4   # a comment after an entry is fine
 
 A host is ``[user@]name[:port]``: ``name`` a DNS name, an IPv4 address or an ssh_config ``Host`` alias
-(letters, digits, ``.-_``), the user and SSH port optional. Filters name a host by ``name`` alone (``@``
-and ``:`` are filter separators), so a name may appear on one line only. IPv6 literals are not
-accepted (use a name). ``slots=0`` is allowed (the host is listed but gets no workers).
+(letters, digits, ``.-_``), or an IPv6 address in brackets (``[::1]``, ``[fe80::1%eth0]:2222``,
+``user@[::1]:22``, as OpenSSH writes them in known_hosts); the user and SSH port optional. Filters name a
+host by ``name`` alone, an IPv6 address with its brackets (``--include [::1]:0,1``): ``@`` and ``:`` are
+filter separators, so a name may appear on one line only. ``slots=0`` is allowed (the host is listed but
+gets no workers).
 
 Filters (DeepSpeed syntax): ``NAME[:SLOT[,SLOT...]][@NAME[:SLOTS]...]``, e.g. ``worker-0@worker-1:0,2``.
 ``--include`` keeps only what it names (a bare name keeps all of the host's slots); ``--exclude`` drops
@@ -22,19 +24,22 @@ starts anything.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass
 
 from launcher.errors import HostfileError
 
-_HOST = re.compile(r"(?:(?P<user>[A-Za-z0-9_.\-]+)@)?(?P<name>[A-Za-z0-9_.\-]+)(?::(?P<port>\d+))?")
+_HOST = re.compile(
+    r"(?:(?P<user>[A-Za-z0-9_.\-]+)@)?(?P<name>[A-Za-z0-9_.\-]+|\[[^\]@\s]+\])(?::(?P<port>\d+))?"
+)
 _FLAG_USAGE = "expected NAME[:SLOT,...][@NAME...]"
 
 
 @dataclass(frozen=True)
 class HostEntry:
     host: str  # as written: [user@]name[:port], what runners connect to
-    name: str  # the bare name, what filters use
+    name: str  # the bare name, what filters use (an IPv6 address with its brackets)
     slots: int
     line: int  # 1-based line number in the hostfile (0 for a synthesized entry)
     text: str  # the line as written
@@ -62,6 +67,36 @@ def _parse_slots(value: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
+def _bad_host(host: str) -> str | None:
+    """Why a host token is not ``[user@]name[:port]``, or None when it is."""
+    match = _HOST.fullmatch(host)
+    if match is None:
+        if host.count(":") > 1 and "[" not in host:
+            return f"bad host {host!r}: write an IPv6 address in brackets, e.g. [{host}] or [{host}]:22"
+        return f"bad host {host!r} (expected [user@]name[:port])"
+    name = match["name"]
+    if name.startswith("["):
+        try:
+            ipaddress.IPv6Address(name[1:-1])
+        except ValueError:
+            return f"bad host {host!r}: {name} is not an IPv6 address (brackets are for IPv6 only)"
+    if match["port"] is not None and not 0 < int(match["port"]) < 65536:
+        return f"port {match['port']} is not a TCP port (1-65535)"
+    return None
+
+
+def split_host(host: str) -> tuple[str | None, str, int | None]:
+    """A hostfile host ``[user@]name[:port]`` -> (user, name, port), an IPv6 name without brackets.
+    Raises ValueError for a host that :func:`parse_hostfile` would refuse."""
+    why = _bad_host(host)
+    if why:
+        raise ValueError(why)
+    match = _HOST.fullmatch(host)
+    assert match is not None
+    name = match["name"].strip("[]")
+    return match["user"], name, int(match["port"]) if match["port"] else None
+
+
 def parse_hostfile(text: str, path: str) -> Hostfile:
     entries: list[HostEntry] = []
     for number, raw in enumerate(text.splitlines(), start=1):
@@ -71,12 +106,13 @@ def parse_hostfile(text: str, path: str) -> Hostfile:
             continue
         tokens = content.split()
         host = tokens[0]
+        why = f"bad host {host!r} (expected [user@]name[:port])" if host.startswith("slots=") else None
+        why = why or _bad_host(host)
+        if why:
+            raise HostfileError(path, number, line, why)
         match = _HOST.fullmatch(host)
-        if host.startswith("slots=") or match is None:
-            raise HostfileError(path, number, line, f"bad host {host!r} (expected [user@]name[:port])")
+        assert match is not None
         name = match["name"]
-        if match["port"] is not None and not 0 < int(match["port"]) < 65536:
-            raise HostfileError(path, number, line, f"port {match['port']} is not a TCP port (1-65535)")
         if len(tokens) == 1:
             raise HostfileError(path, number, line, "missing 'slots=N' after the host name")
         if not tokens[1].startswith("slots="):
@@ -117,7 +153,14 @@ def parse_filter(text: str, flag: str, hostfile: Hostfile) -> dict[str, tuple[in
     path = hostfile.path
     where = f"{flag} {text!r}"
     for part in text.split("@"):
-        name, colon, slot_text = part.partition(":")
+        if part.startswith("["):  # an IPv6 address: its colons are not the slot separator
+            end = part.find("]") + 1
+            name, rest = (part[:end], part[end:]) if end else (part, "")
+            colon, slot_text = rest[:1], rest[1:]
+            if rest and colon != ":":
+                raise HostfileError(path, 0, "", f"{where}: bad host {part!r} ({_FLAG_USAGE})")
+        else:
+            name, colon, slot_text = part.partition(":")
         if not name:
             raise HostfileError(path, 0, "", f"{where}: empty host name ({_FLAG_USAGE})")
         entry = hostfile.find(name)
@@ -207,6 +250,16 @@ def select_hosts(
         chosen = [(e, tuple(range(num_gpus))) for e, _ in chosen]
     selected = tuple(SelectedHost(e.host, s, e) for e, s in chosen if s)
     if not selected:
-        what = f"--exclude {exclude!r}" if exclude else "the hostfile"
+        empty = [e for e, _ in chosen if e.slots == 0]
+        if empty:  # the line to change is the one with slots=0
+            more = f" (so do {len(empty) - 1} more host(s))" if len(empty) > 1 else ""
+            raise HostfileError(
+                path,
+                empty[0].line,
+                empty[0].text,
+                f"no slots left to run on: host {empty[0].name!r} has slots=0{more}; set slots=N (N >= 1)",
+            )
+        flag = f"--exclude {exclude!r}" if exclude else f"--include {include!r}" if include else ""
+        what = flag or "the hostfile"
         raise HostfileError(path, 0, "", f"no slots left to run on after {what}")
     return selected

@@ -18,9 +18,8 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import paramiko
-
 from launcher.ssh import Cause, HostTarget, SSHHostError, SSHSettings, connect, load_ssh_config, resolve
+from launcher.sshlib import paramiko
 
 
 @dataclass(frozen=True)
@@ -62,15 +61,26 @@ class Connection:
 
 PROBE_MARK = b"@dslaunch-probe "
 
+# Run with -S: the agent needs only the standard library, and site's work (every .pth file, e.g. the
+# finder of an editable install) costs a remote interpreter more than the agent's own imports. When the
+# module is not on the bare path (the working directory, PYTHONPATH), site.main() adds what -S left out
+# and the import is tried again, so it resolves exactly as without -S.
 _PROBE = r"""
-import json, os, socket, sys
+import json, os, sys
+def load():
+    return __import__(sys.argv[1], fromlist=["_"])
 try:
-    mod = __import__(sys.argv[1], fromlist=["_"])
+    try:
+        mod = load()
+    except ImportError:
+        import site
+        site.main()
+        mod = load()
 except Exception as e:
     print(f"{type(e).__name__}: {e}", file=sys.stderr)
     sys.exit(103)
 conn = os.environ.get("SSH_CONNECTION", "").split()
-info = {"hostname": socket.gethostname(), "address": conn[2] if len(conn) == 4 else "",
+info = {"hostname": os.uname().nodename, "address": conn[2] if len(conn) == 4 else "",
         "python": sys.version.split()[0]}
 print("@dslaunch-probe " + json.dumps(info), flush=True)
 if len(sys.argv) > 2:
@@ -85,7 +95,7 @@ def probe_command(check: RemoteCheck) -> str:
     return (
         f"cd -- {cwd} 2>/dev/null || exit 101; "
         f"command -v -- {py} >/dev/null 2>&1 || exit 102; "
-        f"exec {py} -c {shlex.quote(_PROBE)} {shlex.quote(check.module)}{call}"
+        f"exec {py} -S -c {shlex.quote(_PROBE)} {shlex.quote(check.module)}{call}"
     )
 
 

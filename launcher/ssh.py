@@ -15,7 +15,9 @@ What a user gets that ``ssh host hostname >/dev/null 2>&1`` does not give:
 - every failure as :class:`SSHHostError` naming the host, a :class:`Cause`, the underlying message and a
   hint.
 
-``launcher.preflight`` builds on this to check every host before a job starts. ds_report and the runners
+known_hosts files are read through ``launcher.known_hosts`` (once per launch, bad lines reported with file and
+line); paramiko comes from ``launcher.sshlib``. ``launcher.preflight`` builds on this to check every host
+before a job starts. ds_report and the runners
 reuse :func:`resolve`, :func:`connect` and :func:`run`.
 """
 
@@ -34,7 +36,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import paramiko
+from launcher import known_hosts
+from launcher.sshlib import enable_match_exec, paramiko, uses_match_exec
 
 # paramiko's transport thread logs every failed handshake with a traceback; with no handler configured
 # Python would print those on the user's terminal. Our typed errors carry the cause instead.
@@ -105,34 +108,49 @@ class HostTarget:
         return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
 
     def __str__(self) -> str:
-        return f"{self.alias} ({self.user}@{self.hostname}:{self.port})"
+        name = f"[{self.hostname}]" if ":" in self.hostname else self.hostname  # IPv6: as OpenSSH writes it
+        return f"{self.alias} ({self.user}@{name}:{self.port})"
 
 
 def _split_host(host: str) -> tuple[str | None, str, int | None]:
-    """``[user@]name[:port]`` -> (user, name, port)."""
+    """``[user@]name[:port]`` -> (user, name, port); an IPv6 name is written ``[addr]`` or ``[addr]:port``
+    (returned without brackets: what paramiko connects to) or bare ``addr`` (port from the settings)."""
     user, _, rest = host.rpartition("@")
-    name, port = rest, None
-    if rest.count(":") == 1:  # not an IPv6 literal
-        name, _, p = rest.partition(":")
-        if not p.isdigit():
+    name, port_text = rest, None
+    if rest.startswith("["):
+        inner, closed, after = rest[1:].partition("]")
+        if not closed or not inner or (after and not after.startswith(":")):
             raise SSHHostError(
-                host, Cause.CONFIG, f"bad port {p!r} in host {host!r}", "use host or host:PORT"
+                host, Cause.CONFIG, f"bad host {host!r}", "write an IPv6 address as [ADDR] or [ADDR]:PORT"
             )
-        port = int(p)
-    return user or None, name, port
+        name, port_text = inner, (after[1:] if after else None)
+    elif rest.count(":") == 1:  # not an IPv6 literal
+        name, _, port_text = rest.partition(":")
+    if port_text is not None and not port_text.isdigit():
+        raise SSHHostError(
+            host, Cause.CONFIG, f"bad port {port_text!r} in host {host!r}", "use host or host:PORT"
+        )
+    return user or None, name, int(port_text) if port_text is not None else None
 
 
 def load_ssh_config(settings: SSHSettings) -> paramiko.SSHConfig:
+    """The user's ssh_config (``--ssh_config``, else ~/.ssh/config when it exists). Parse it once per
+    launch and hand it to :func:`resolve`: every host then reuses it."""
     path = settings.config_path
     if path is None:
         default = Path("~/.ssh/config").expanduser()
-        return paramiko.SSHConfig.from_path(str(default)) if default.is_file() else paramiko.SSHConfig()
-    if not Path(path).is_file():
+        if not default.is_file():
+            return paramiko.SSHConfig()
+        path = default
+    elif not Path(path).is_file():
         raise SSHHostError(
             "(all hosts)", Cause.CONFIG, f"ssh config file not found: {path}", "check --ssh_config"
         )
     try:
-        return paramiko.SSHConfig.from_path(str(path))
+        text = Path(path).read_text()
+        if uses_match_exec(text):
+            enable_match_exec()
+        return paramiko.SSHConfig.from_text(text)
     except Exception as e:  # paramiko raises ConfigParseError, ValueError, ... on bad lines
         raise SSHHostError("(all hosts)", Cause.CONFIG, f"cannot parse {path}: {e}") from e
 
@@ -228,12 +246,15 @@ def connect(host: str | HostTarget, settings: SSHSettings) -> paramiko.SSHClient
 
 def _connect_once(t: HostTarget, settings: SSHSettings) -> paramiko.SSHClient:
     client = paramiko.SSHClient()
-    for f in t.global_known_hosts_files:
-        if os.path.isfile(f):
-            client.load_system_host_keys(f)
-    for f in reversed(t.known_hosts_files):  # the first file is the one new keys go to
-        if os.path.isfile(f):
-            client.load_host_keys(f)
+    try:  # each file parsed once per launch; the client gets only this host's keys
+        known = known_hosts.lookup(
+            t.known_hosts_key, t.global_known_hosts_files, tuple(reversed(t.known_hosts_files))
+        )
+    except known_hosts.KnownHostsError as e:
+        hint = e.hint(t.known_hosts_key)
+        raise SSHHostError(str(t), Cause.CONFIG, f"bad known_hosts line: {e}", hint) from None
+    for keytype, key in (known or {}).items():
+        client.get_host_keys().add(t.known_hosts_key, keytype, key)
     client.set_missing_host_key_policy(_HostKeyPolicy(t, settings.accept_new_host_keys))
     keys = [f for f in t.identity_files if os.path.isfile(f)]
     sock = None

@@ -217,6 +217,24 @@ class Testbed:
             return [p for p in procs if p.pid != init]
         return [p for p in _all_procs() if p.pid in _descendants(root)]
 
+    def cpu_seconds(self, name: str) -> float:
+        """CPU seconds spent on a host so far by its sshd and every process it reaped.
+
+        The host's sshd is the root of everything that runs there (namespace mode: PID 1, which also
+        reaps orphans), so its own time plus its children's (``cutime``/``cstime``, counted when a parent
+        waits) is the host's CPU use. Read it once the host is idle (``processes`` empty) for exact sums.
+        """
+        root = _read_pid(self.host(name).dir / "pid")
+        if root is None:
+            return 0.0
+        sshd = _ns_init(root) if self.isolated else root
+        try:
+            fields = Path(f"/proc/{sshd}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        # after the ")": state is field 3 of stat(5), so utime..cstime (fields 14-17) sit at 11..14 here
+        return sum(int(x) for x in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
     def hostname_of(self, name: str) -> str:
         """The hostname a process on this host sees (``workerN`` when isolated, the head's otherwise)."""
         return name if self.isolated else socket.gethostname()

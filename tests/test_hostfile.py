@@ -46,6 +46,38 @@ def test_user_and_port_are_kept_and_filters_use_the_bare_name():
     assert [(s.host, s.slots) for s in selected] == [("root@w0:2222", (1,)), ("admin@w2", (0,))]
 
 
+def test_ipv6_hosts_in_brackets_as_openssh_writes_them():
+    hf = parse_hostfile("[::1] slots=2\n[fe80::1%eth0]:2222 slots=1\nuser@[2001:db8::7]:22 slots=4\n", "hf")
+    assert [(e.host, e.name) for e in hf.entries] == [
+        ("[::1]", "[::1]"),
+        ("[fe80::1%eth0]:2222", "[fe80::1%eth0]"),
+        ("user@[2001:db8::7]:22", "[2001:db8::7]"),
+    ]
+    # Filters name an IPv6 host with its brackets; the colon after "]" starts the slot list.
+    chosen = select_hosts(hf, include="[2001:db8::7]:1,3@[::1]")
+    assert [(s.host, s.slots) for s in chosen] == [("[::1]", (0, 1)), ("user@[2001:db8::7]:22", (1, 3))]
+    chosen = select_hosts(hf, exclude="[::1]:0@[fe80::1%eth0]")
+    assert [(s.host, s.slots) for s in chosen] == [("[::1]", (1,)), ("user@[2001:db8::7]:22", (0, 1, 2, 3))]
+    with pytest.raises(HostfileError, match=r"--include '\[::2\]': host '\[::2\]' is not in the hostfile"):
+        select_hosts(hf, include="[::2]")
+    with pytest.raises(HostfileError, match=r"--include '\[::1\]x': bad host '\[::1\]x'"):
+        select_hosts(hf, include="[::1]x")
+
+
+def test_a_job_left_without_slots_names_the_slots_0_line():
+    hf = parse_hostfile("# only a listed host\nworker-0 slots=0\nworker-1 slots=0\n", "hf")
+    with pytest.raises(HostfileError) as info:
+        select_hosts(hf)
+    err = info.value
+    assert (err.line, err.text) == (2, "worker-0 slots=0")
+    assert str(err) == (
+        "hf:2: no slots left to run on: host 'worker-0' has slots=0 (so do 1 more host(s)); "
+        "set slots=N (N >= 1): 'worker-0 slots=0'"
+    )
+    with pytest.raises(HostfileError, match=r"^hf:2: no slots left.*'worker-1' has slots=0"):
+        select_hosts(parse_hostfile("worker-0 slots=2\nworker-1 slots=0\n", "hf"), include="worker-1")
+
+
 def test_shipped_example_hostfiles_parse():
     assert [e.name for e in read_hostfile(str(REPO / "hostfiles" / "localhost")).entries] == ["localhost"]
     two = read_hostfile(str(REPO / "hostfiles" / "two_nodes"))
@@ -87,6 +119,11 @@ def test_filters(filters, expected):
             "host 'a' is already listed on line 1",
         ),
         ("a slots=1 max_slots=2\n", 1, "a slots=1 max_slots=2", "unexpected 'max_slots=2'"),
+        ("::1 slots=1\n", 1, "::1 slots=1", "write an IPv6 address in brackets, e.g. [::1] or [::1]:22"),
+        ("[gpu1] slots=1\n", 1, "[gpu1] slots=1", "[gpu1] is not an IPv6 address (brackets are for IPv6"),
+        ("[::1 slots=1\n", 1, "[::1 slots=1", "bad host '[::1' (expected [user@]name[:port])"),
+        ("[::1]:0 slots=1\n", 1, "[::1]:0 slots=1", "port 0 is not a TCP port"),
+        ("[::1] slots=1\nroot@[::1]:22 slots=1\n", 2, "root@[::1]:22 slots=1", "already listed on line 1"),
         ("# only\n\n   \n", 0, "", "no hosts"),
     ],
 )

@@ -173,3 +173,12 @@ def test_fanout_tools_refuse_per_host_user_or_port(host: str) -> None:
     plan = _plan([host, "w2"])
     with pytest.raises(LaunchError, match=rf"host '{host}': user@ and :port .* --launcher ssh only"):
         runner.check(plan)
+
+
+@pytest.mark.parametrize("host", ["[::1]", "[fe80::1]:2222"])
+def test_fanout_tools_refuse_ipv6_literals_with_a_way_out(host: str) -> None:
+    # pdsh reads brackets as a host range (node[1-4]): the host needs a name there.
+    runner = PDSHRunner(RunnerOptions(python=sys.executable))
+    plan = _plan([host, "w2"])
+    with pytest.raises(LaunchError, match=r"IPv6 addresses in the hostfile work with --launcher ssh only"):
+        runner.check(plan)

@@ -81,6 +81,12 @@ class FanoutRunner(SSHRunner):
                 f"--launcher {self.name}: host {odd[0]!r}: user@ and :port in the hostfile work with "
                 f"--launcher ssh only; set User/Port for that host in ssh_config instead"
             )
+        v6 = [n.host for n in plan.nodes if n.host.startswith("[")]
+        if v6:  # pdsh reads brackets as a host range (node[1-4]); mpirun and srun want names too
+            raise LaunchError(
+                f"--launcher {self.name}: host {v6[0]!r}: IPv6 addresses in the hostfile work with "
+                f"--launcher ssh only; give the host a name (ssh_config Host with HostName, or /etc/hosts)"
+            )
         self.forwarded = forwarded_env(self.options, plan)
         if self.uses_ssh:  # the same checks and messages as --launcher ssh; the tool starts the agents
             self.connect([n.host for n in plan.nodes], plan.cwd)

@@ -37,13 +37,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
-import paramiko
-
 from launcher import envfwd, preflight, ssh
 from launcher.errors import LaunchError
 from launcher.plan import JobPlan
 from launcher.runners.base import AgentHandle, Runner, RunnerOptions
 from launcher.runners.local import LocalRunner
+from launcher.sshlib import paramiko
 
 AGENT_MODULE = "launcher.agent"
 _LOST = 255  # what OpenSSH's client returns when the connection died; no exit status came back
@@ -51,7 +50,7 @@ _LOST = 255  # what OpenSSH's client returns when the connection died; no exit s
 
 def is_local_host(host: str) -> bool:
     """Whether a hostfile name means this machine (then no SSH is needed)."""
-    names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    names = {"localhost", "127.0.0.1", "::1", "[::1]", socket.gethostname(), socket.getfqdn()}
     return host in names
 
 
@@ -164,6 +163,17 @@ class SSHRunner(Runner):
         self.remote_python = str(options.extra.get("remote_python") or options.python)
         self.conns: dict[str, preflight.Connection] = {}
         self.forwarded: envfwd.ForwardedEnv | None = None
+        self._ssh_config: paramiko.SSHConfig | None = None  # parsed once, for every host
+
+    def ssh_config(self) -> paramiko.SSHConfig:
+        """The user's ssh_config, read on first use. Raises SSHHostError."""
+        if self._ssh_config is None:
+            self._ssh_config = ssh.load_ssh_config(self.settings)
+        return self._ssh_config
+
+    def resolve(self, host: str) -> ssh.HostTarget:
+        """A host's connection parameters. Raises SSHHostError."""
+        return ssh.resolve(host, self.settings, self.ssh_config())
 
     # -- before anything starts -----------------------------------------------------------------
     def _agent_check(self, cwd: str | None) -> preflight.RemoteCheck:
@@ -190,6 +200,11 @@ class SSHRunner(Runner):
         check = self._agent_check(cwd)
         todo = [h for h in hosts if not is_local_host(h) and not (h in self.conns and self.conns[h].session)]
         errors: dict[str, ssh.SSHHostError] = {}
+        if todo:
+            try:
+                self.ssh_config()  # once, before the threads
+            except ssh.SSHHostError as e:
+                raise LaunchError(str(preflight.PreflightError([e]))) from None
 
         def one(host: str) -> None:
             try:
@@ -200,8 +215,7 @@ class SSHRunner(Runner):
                     return
                 if conn is not None:  # lost between restart attempts: connect again
                     conn.close()
-                target = ssh.resolve(host, self.settings)
-                self.conns[host] = preflight.check_host(target, self.settings, check)
+                self.conns[host] = preflight.check_host(self.resolve(host), self.settings, check)
             except ssh.SSHHostError as e:
                 errors[host] = e
             except Exception as e:  # never lose a host's failure to a thread
@@ -233,7 +247,7 @@ class SSHRunner(Runner):
         if is_local_host(first_host):
             return _primary_address()
         try:
-            target = ssh.resolve(first_host, self.settings)
+            target = self.resolve(first_host)
         except ssh.SSHHostError as e:
             raise LaunchError(str(e)) from None
         if not (target.proxy_jump or target.proxy_command):

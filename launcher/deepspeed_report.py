@@ -1,16 +1,15 @@
-"""``ds_report`` as installed by the ``deepspeed`` compat distribution: first which ``deepspeed`` this
-interpreter imports and from where (dslaunch's compat package, a real DeepSpeed, or none), then
-dslaunch's own environment report. Finding the package does not import it (nor torch)."""
+"""Which ``deepspeed`` this interpreter imports, and from where: dslaunch's compat package (``compat/``), a
+real DeepSpeed, or none. The environment report (``ds_report``, whichever distribution installed the
+command) shows it as its ``deepspeed`` check. Finding the package does not import it (nor torch)."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
 import os
-import sys
 from dataclasses import dataclass
 
-__all__ = ["DeepSpeedFound", "cli_main", "find_deepspeed", "main"]
+__all__ = ["DeepSpeedFound", "find_deepspeed"]
 
 COMPAT_LABEL = "dslaunch"
 
@@ -43,15 +42,3 @@ def find_deepspeed() -> DeepSpeedFound:
         version = None
     is_dslaunch = bool(version and f"+{COMPAT_LABEL}" in version)
     return DeepSpeedFound(True, location, version, is_dslaunch)
-
-
-def main() -> None:
-    print(find_deepspeed().describe(), flush=True)
-
-
-def cli_main() -> None:
-    """The ``ds_report`` command: the line above, then dslaunch's report (same flags)."""
-    main()
-    from launcher.report import main as report_main
-
-    report_main(args=sys.argv[1:], prog_name="ds_report")

@@ -109,6 +109,11 @@ def test_ds_report_says_which_deepspeed_is_importable() -> None:
     where = REPO / "compat" / "deepspeed"
     expected = f"deepspeed 0.19.8+dslaunch.0.1.0: dslaunch's compatibility package, from {where}"
     assert found.describe() == expected
+    # the installed ds_report command (both distributions install the same entry point) says so too
+    report = subprocess.run([str(Path(sys.executable).parent / "ds_report"), "--json"], capture_output=True,
+                            text=True, timeout=120, stdin=subprocess.DEVNULL)  # fmt: skip
+    checks = {c["name"]: c for c in json.loads(report.stdout)["checks"] if c["host"] is None}
+    assert checks["deepspeed"]["status"] == "OK" and checks["deepspeed"]["detail"] == expected, checks
 
 
 def test_help_lists_the_deepspeed_flags_then_dslaunchs(tmp_path: Path) -> None:

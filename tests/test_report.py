@@ -25,9 +25,9 @@ REPORT_TIMEOUT_S = 120
 STATUSES = {s.value for s in Status}
 # Present on every machine; a GPU machine has gpu0, gpu1, ... instead of "gpus".
 EXPECTED = {
-    "python", "torch", "dslaunch", "paramiko", "driver", "cuda", "backends", "cpu", "memory", "shm",
-    "hostname", "env", "pinned_memory", "cpu_adamw_fused", "fp16", "bf16", "gloo", "ssh", "pdsh", "mpirun",
-    "srun",
+    "python", "torch", "dslaunch", "paramiko", "deepspeed", "driver", "cuda", "backends", "cpu", "memory",
+    "shm", "hostname", "env", "pinned_memory", "cpu_adamw_fused", "fp16", "bf16", "gloo", "ssh", "pdsh",
+    "mpirun", "srun",
 }  # fmt: skip
 HOST_CHECKS = ["ssh", "python", "torch", "dslaunch", "gpus", "clock"]
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

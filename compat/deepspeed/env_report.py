@@ -1,8 +1,10 @@
-"""``deepspeed.env_report``: ``ds_report`` (launcher.deepspeed_report, then dslaunch's report)."""
+"""``deepspeed.env_report``: DeepSpeed's report module. ``ds_report`` (this distribution's command and
+dslaunch's are the same entry point, ``launcher.report:main``) includes which ``deepspeed`` is importable."""
 
-from launcher.deepspeed_report import cli_main, main
+from launcher.deepspeed_report import DeepSpeedFound, find_deepspeed
+from launcher.report import main
 
-__all__ = ["cli_main", "main"]
+__all__ = ["DeepSpeedFound", "find_deepspeed", "main"]
 
 if __name__ == "__main__":
-    cli_main()
+    main()

@@ -82,6 +82,18 @@ def check_dslaunch() -> Outcome:
     return Status.OK, detail
 
 
+def check_deepspeed() -> Outcome:
+    """Which `import deepspeed` Hugging Face Trainer and Accelerate would get (they look it up by name)."""
+    from launcher.deepspeed_report import find_deepspeed
+
+    found = find_deepspeed()
+    if not found.importable:
+        return Status.OK, "not installed (optional: pip install ./compat runs Trainer and Accelerate on us)"
+    if not found.is_dslaunch:
+        return Status.OK, f"{found.describe()}: `import deepspeed` runs DeepSpeed itself, not dslaunch"
+    return Status.OK, found.describe()
+
+
 def check_paramiko() -> Outcome:
     try:
         import paramiko
@@ -196,6 +208,7 @@ def local_checks() -> list[Check]:
         Check("torch", "software", check_torch, timeout_s=120.0),
         Check("dslaunch", "software", check_dslaunch),
         Check("paramiko", "software", check_paramiko),
+        Check("deepspeed", "software", check_deepspeed),
         Check("driver", "gpu", gpu.check_driver),
         Check("gpus", "gpu", gpu.check_gpus, needs=("driver",)),
         Check("cuda", "gpu", gpu.check_cuda, needs=("torch",), timeout_s=30.0),

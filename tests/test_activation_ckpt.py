@@ -147,6 +147,7 @@ def test_contiguous_slots_hold_the_inputs_and_are_freed_by_backward() -> None:
     for block in blocks:
         h = checkpointing.checkpoint(block, h)
     arena = checkpointing._state.arena
+    assert len(arena._pools) == 1, list(arena._pools)  # one (numel, dtype, device) of inputs
     ((buffer, free),) = arena._pools.values()
     assert buffer.shape == (layers, x.numel()) and free == []  # one buffer, every slot in use
     assert checkpointing.take_profile().device_bytes_kept == layers * x.numel() * 4

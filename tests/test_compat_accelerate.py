@@ -26,7 +26,8 @@ def free_port() -> int:
 
 
 def test_accelerate_deepspeed_plugin_stages_2_and_3_match_ddp(tmp_path: Path) -> None:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    # CPU workers: Trainer and Accelerate choose their device themselves, so a GPU host hides its GPUs
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     variants = {"ddp": ["--zero_stage", "0"], "z2": ["--zero_stage", "2"], "z3": ["--zero_stage", "3"],
                 "z2-offload": ["--zero_stage", "2", "--offload"]}  # fmt: skip
     procs = {}

@@ -104,7 +104,9 @@ def _train(rank: int, world_size: int, out: str) -> dict:
             got["missing"][section] = str(error)
     if HAS_TENSORBOARD:
         tb = {"enabled": True, "output_path": out, "job_name": "tb"}
-        engine, _, _, _ = runtime.initialize(model=GPT(GPT_CONFIG), config=_config(out, tensorboard=tb))
+        # the CSV monitor off: its files belong to the run above (a row of this engine's broke them)
+        config = _config(out, tensorboard=tb, csv_monitor={"enabled": False})
+        engine, _, _, _ = runtime.initialize(model=GPT(GPT_CONFIG), config=config)
         idx = torch.randint(0, GPT_CONFIG.vocab_size, (MICRO, SEQ), generator=gen)
         for _ in range(ACCUMULATION):
             _, loss = engine(idx, idx)

@@ -73,8 +73,6 @@ class FanoutRunner(SSHRunner):
     uses_ssh: ClassVar[bool] = True  # preflight the hosts over SSH first (same settings as the tool)
 
     def check(self, plan: JobPlan) -> None:
-        if shutil.which(self.tool) is None:
-            raise LaunchError(f"--launcher {self.name}: {self.tool} is not installed ({self.install_hint})")
         odd = [n.host for n in plan.nodes if "@" in n.host or n.host.count(":") == 1]
         if odd:
             raise LaunchError(
@@ -87,6 +85,9 @@ class FanoutRunner(SSHRunner):
                 f"--launcher {self.name}: host {v6[0]!r}: IPv6 addresses in the hostfile work with "
                 f"--launcher ssh only; give the host a name (ssh_config Host with HostName, or /etc/hosts)"
             )
+        # after the hostfile's forms: a host the tool cannot take is wrong whether or not the tool is here
+        if shutil.which(self.tool) is None:
+            raise LaunchError(f"--launcher {self.name}: {self.tool} is not installed ({self.install_hint})")
         self.forwarded = forwarded_env(self.options, plan)
         if self.uses_ssh:  # the same checks and messages as --launcher ssh; the tool starts the agents
             self.connect([n.host for n in plan.nodes], plan.cwd)

@@ -1,0 +1,159 @@
+"""PipelineEngine.train_batch equals a single-process PyTorch run, at world 4 on gloo.
+
+One spawn of 4 ranks runs every case: pp2 x dp2 and pp4 (1F1B), GPipe, a tiny GPT whose embedding and
+head share one weight across the first and last stage, ZeRO-1 with clipping by the global norm. Each
+case trains 8 global batches and returns, per rank, the losses train_batch returned, the gradient norms,
+and its stage's fp32 master weights; the test compares them with `tests.pipe_cases.reference_train`
+(fp32: 1e-5 relative). The in-flight recorder on the first stage shows how many micro-batches of
+activations were alive at once: at most the number of stages under 1F1B, all of them under GPipe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.pipe_cases import (
+    BASE_SEED,
+    InFlightRecorder,
+    data_iterator,
+    gpt_layers,
+    mlp_layers,
+    mse,
+    reference_train,
+    token_loss,
+)
+
+WORLD = 4
+STEPS = 8
+ROWS = 8  # global rows per micro-batch
+
+
+@dataclass(frozen=True)
+class Case:
+    pp: int
+    kind: str = "mlp"
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+    optimizer: str = "SGD"
+    stage: int = 0
+    clip: float = 0.0
+    partition: str = "parameters"
+    interval: int = 0
+
+    @property
+    def lr(self) -> float:
+        return 0.05 if self.optimizer == "SGD" else 0.01
+
+    def config(self) -> dict:
+        dp = WORLD // self.pp
+        params = {"lr": self.lr, "momentum": 0.9} if self.optimizer == "SGD" else {"lr": self.lr}
+        return {
+            "train_batch_size": ROWS * self.micro_batches,
+            "train_micro_batch_size_per_gpu": ROWS // dp,
+            "gradient_accumulation_steps": self.micro_batches,
+            "steps_per_print": 0,
+            "gradient_clipping": self.clip,
+            "optimizer": {"type": self.optimizer, "params": params},
+            "zero_optimization": {"stage": self.stage, "reduce_bucket_size": 100},
+            "pipeline": {"schedule": self.schedule, "activation_checkpoint_interval": self.interval},
+        }
+
+
+CASES = [
+    Case(pp=2),  # pp2 x dp2
+    Case(pp=4, optimizer="Adam", interval=2),  # pp4, activation checkpointing every 2 layers
+    Case(pp=2, schedule="gpipe", micro_batches=8),
+    Case(pp=4, micro_batches=8),  # 1F1B with more micro-batches than stages
+    Case(pp=2, kind="gpt", optimizer="Adam", partition="type:Block"),  # tied embedding/head
+    Case(pp=2, stage=1, clip=0.05, optimizer="Adam"),  # ZeRO-1 over data, clipping across stages
+    Case(pp=2, kind="gpt", stage=1, clip=0.05),  # ties counted once in the clipped norm
+]
+
+
+def _train(case: Case, rank: int) -> dict:
+    from runtime.pipe import PipelineEngine, PipelineModule
+
+    layers = gpt_layers() if case.kind == "gpt" else mlp_layers()
+    module = PipelineModule(
+        layers,
+        num_stages=case.pp,
+        loss_fn=token_loss if case.kind == "gpt" else mse,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+        partition_method=case.partition,
+    )
+    engine = PipelineEngine(module, case.config())
+    dp_rank, dp_size = module.grid.get_data_parallel_rank(), module.grid.get_data_parallel_world_size()
+    InFlightRecorder.log.clear()
+    losses, norms = [], []
+    for step in range(STEPS):
+        batches = data_iterator(case.kind, step, case.micro_batches, ROWS, dp_rank, dp_size)
+        losses.append(float(engine.train_batch(batches)))
+        if step == 0:  # the first step also ran one forward on placeholders to infer shapes
+            InFlightRecorder.log.clear()
+        norms.append(engine.get_global_grad_norm())
+    peak = InFlightRecorder.max_in_flight() if engine.is_first_stage() else None
+    state = engine.full_state_dict()
+    engine.destroy()
+    return {"losses": losses, "norms": norms, "state": state, "stage": engine.stage_id, "peak": peak}
+
+
+def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
+    return [_train(case, rank) for case in cases]
+
+
+def _problems(case: Case, per_rank: list[dict]) -> list[str]:
+    ref = reference_train(
+        case.kind,
+        steps=STEPS,
+        micro_batches=case.micro_batches,
+        rows=ROWS,
+        optimizer=case.optimizer,
+        lr=case.lr,
+        clip=case.clip,
+    )
+    problems = []
+    for rank, got in enumerate(per_rank):
+        for step, (a, b) in enumerate(zip(got["losses"], ref.losses, strict=True)):
+            if abs(a - b) > 1e-5 * abs(b):
+                problems.append(f"rank {rank} loss[{step}] {a:.7f} vs reference {b:.7f}")
+                break
+        if case.clip > 0:
+            for step, (a, b) in enumerate(zip(got["norms"], ref.norms, strict=True)):
+                if a is None or abs(a - b) > 1e-5 * b:
+                    problems.append(f"rank {rank} grad norm[{step}] {a} vs reference {b:.7f}")
+                    break
+    seen: set[str] = set()
+    for got in per_rank:
+        for name, value in got["state"].items():
+            seen.add(name)
+            want = ref.params[name]
+            if not torch.allclose(value, want, rtol=1e-5, atol=1e-6):
+                problems.append(
+                    f"stage {got['stage']} {name}: max diff {float((value - want).abs().max()):.3e}"
+                )
+    if seen != set(ref.params):
+        problems.append(f"parameters {sorted(set(ref.params) - seen)} missing on every stage")
+    peak = per_rank[0]["peak"]
+    if case.kind == "mlp":
+        bound = case.micro_batches if case.schedule == "gpipe" else min(case.pp, case.micro_batches)
+        if peak != bound:
+            problems.append(f"first stage held {peak} micro-batches of activations at once, expected {bound}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def results() -> list[list[dict]]:
+    by_rank = run_distributed(_run_cases, WORLD, CASES, timeout=240)
+    return [[by_rank[r][i] for r in range(WORLD)] for i in range(len(CASES))]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[str(asdict(c)) for c in CASES])
+def test_pipeline_matches_single_process(results: list[list[dict]], index: int) -> None:
+    case = CASES[index]
+    problems = _problems(case, results[index])
+    assert not problems, "\n".join(problems)

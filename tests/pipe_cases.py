@@ -10,6 +10,7 @@ data-parallel rank d of D takes rows [d*R/D, (d+1)*R/D).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -141,6 +142,7 @@ class Reference:
     losses: list[float] = field(default_factory=list)  # per step: mean over micro-batches
     norms: list[float] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
+    initial: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def make_optimizer(kind: str, params: Any, lr: float) -> torch.optim.Optimizer:
@@ -150,24 +152,45 @@ def make_optimizer(kind: str, params: Any, lr: float) -> torch.optim.Optimizer:
 
 
 def reference_train(
-    kind: str, *, steps: int, micro_batches: int, rows: int, optimizer: str, lr: float, clip: float
+    kind: str,
+    *,
+    steps: int,
+    micro_batches: int,
+    rows: int,
+    optimizer: str,
+    lr: float,
+    clip: float,
+    dtype: torch.dtype = torch.float32,
 ) -> Reference:
+    """Train the reference; with a 16-bit dtype the forward and backward run on a working copy in that
+    dtype (gradients accumulate in it) and the optimizer steps fp32 master weights, as the engine does."""
     layers = gpt_layers() if kind == "gpt" else mlp_layers()
-    model = ReferenceModel(layers)
+    master = ReferenceModel(layers)
+    working = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
+    pairs = list(zip(master.parameters(), working.parameters(), strict=True))
     loss_fn = token_loss if kind == "gpt" else mse
-    opt = make_optimizer(optimizer, model.parameters(), lr)
-    out = Reference()
+    opt = make_optimizer(optimizer, master.parameters(), lr)
+    out = Reference(initial={n: p.detach().clone() for n, p in master.named_parameters()})
     for step in range(steps):
         total = 0.0
         for micro in range(micro_batches):
             x, y = global_micro_batch(kind, step, micro, rows)
-            loss = loss_fn(model(x), y)
-            (loss / micro_batches).backward()
+            loss = loss_fn(working(x.to(dtype) if x.is_floating_point() else x), y)
+            loss.backward()
             total += loss.item()
         out.losses.append(total / micro_batches)
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
+        with torch.no_grad():
+            for pm, pw in pairs:
+                pm.grad = pw.grad.float() / micro_batches
+                if pw is not pm:
+                    pw.grad = None
+        norm = torch.nn.utils.clip_grad_norm_(master.parameters(), clip if clip > 0 else math.inf)
         out.norms.append(float(norm))
         opt.step()
         opt.zero_grad()
-    out.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        if working is not master:
+            with torch.no_grad():
+                for pm, pw in pairs:
+                    pw.copy_(pm)
+    out.params = {n: p.detach().clone() for n, p in master.named_parameters()}
     return out

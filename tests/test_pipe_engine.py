@@ -43,6 +43,7 @@ class Case:
     clip: float = 0.0
     partition: str = "parameters"
     interval: int = 0
+    dtype: str = "fp32"
 
     @property
     def lr(self) -> float:
@@ -60,6 +61,7 @@ class Case:
             "optimizer": {"type": self.optimizer, "params": params},
             "zero_optimization": {"stage": self.stage, "reduce_bucket_size": 100},
             "pipeline": {"schedule": self.schedule, "activation_checkpoint_interval": self.interval},
+            "bf16": {"enabled": self.dtype == "bf16"},
         }
 
 
@@ -71,6 +73,7 @@ CASES = [
     Case(pp=2, kind="gpt", optimizer="Adam", partition="type:Block"),  # tied embedding/head
     Case(pp=2, stage=1, clip=0.05, optimizer="Adam"),  # ZeRO-1 over data, clipping across stages
     Case(pp=2, kind="gpt", stage=1, clip=0.05),  # ties counted once in the clipped norm
+    Case(pp=2, stage=1, clip=0.05, optimizer="Adam", dtype="bf16"),  # bf16 working weights, ZeRO-1
 ]
 
 
@@ -115,16 +118,21 @@ def _problems(case: Case, per_rank: list[dict]) -> list[str]:
         optimizer=case.optimizer,
         lr=case.lr,
         clip=case.clip,
+        dtype=torch.bfloat16 if case.dtype == "bf16" else torch.float32,
     )
+    # fp32 is exact to 1e-5; bf16 accumulates gradients in 16 bits in another order (per data rank, then
+    # summed), so its losses get 2e-2 and its weights are compared by the error of the whole update
+    exact = case.dtype == "fp32"
+    loss_tol = 1e-5 if exact else 2e-2
     problems = []
     for rank, got in enumerate(per_rank):
         for step, (a, b) in enumerate(zip(got["losses"], ref.losses, strict=True)):
-            if abs(a - b) > 1e-5 * abs(b):
+            if abs(a - b) > loss_tol * abs(b):
                 problems.append(f"rank {rank} loss[{step}] {a:.7f} vs reference {b:.7f}")
                 break
         if case.clip > 0:
             for step, (a, b) in enumerate(zip(got["norms"], ref.norms, strict=True)):
-                if a is None or abs(a - b) > 1e-5 * b:
+                if a is None or abs(a - b) > (1e-5 if exact else 3e-2) * b:
                     problems.append(f"rank {rank} grad norm[{step}] {a} vs reference {b:.7f}")
                     break
     seen: set[str] = set()
@@ -132,7 +140,11 @@ def _problems(case: Case, per_rank: list[dict]) -> list[str]:
         for name, value in got["state"].items():
             seen.add(name)
             want = ref.params[name]
-            if not torch.allclose(value, want, rtol=1e-5, atol=1e-6):
+            if not exact:
+                update = (want - ref.initial[name]).norm()
+                if float((value - want).norm() / update) > 0.05:
+                    problems.append(f"stage {got['stage']} {name}: update error above 5%")
+            elif not torch.allclose(value, want, rtol=1e-5, atol=1e-6):
                 problems.append(
                     f"stage {got['stage']} {name}: max diff {float((value - want).abs().max()):.3e}"
                 )

@@ -11,6 +11,7 @@ activations were alive at once: at most the number of stages under 1F1B, all of 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ CASES = [
 ]
 
 
-def _train(case: Case, rank: int) -> dict:
+def _engine(case: Case) -> Any:
     from runtime.pipe import PipelineEngine, PipelineModule
 
     layers = gpt_layers() if case.kind == "gpt" else mlp_layers()
@@ -89,13 +90,21 @@ def _train(case: Case, rank: int) -> dict:
         base_seed=BASE_SEED,
         partition_method=case.partition,
     )
-    engine = PipelineEngine(module, case.config())
-    dp_rank, dp_size = module.grid.get_data_parallel_rank(), module.grid.get_data_parallel_world_size()
+    return PipelineEngine(module, case.config())
+
+
+def _batches(engine: Any, case: Case, step: int) -> Any:
+    grid = engine.grid
+    dp_rank, dp_size = grid.get_data_parallel_rank(), grid.get_data_parallel_world_size()
+    return data_iterator(case.kind, step, case.micro_batches, ROWS, dp_rank, dp_size)
+
+
+def _train(case: Case, rank: int) -> dict:
+    engine = _engine(case)
     InFlightRecorder.log.clear()
     losses, norms = [], []
     for step in range(STEPS):
-        batches = data_iterator(case.kind, step, case.micro_batches, ROWS, dp_rank, dp_size)
-        losses.append(float(engine.train_batch(batches)))
+        losses.append(float(engine.train_batch(_batches(engine, case, step))))
         if step == 0:  # the first step also ran one forward on placeholders to infer shapes
             InFlightRecorder.log.clear()
         norms.append(engine.get_global_grad_norm())
@@ -105,8 +114,42 @@ def _train(case: Case, rank: int) -> dict:
     return {"losses": losses, "norms": norms, "state": state, "stage": engine.stage_id, "peak": peak}
 
 
-def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict]:
-    return [_train(case, rank) for case in cases]
+RESUME_CASES = [Case(pp=2, stage=1, optimizer="Adam", clip=0.05), Case(pp=4, kind="gpt", optimizer="Adam")]
+
+
+def _resume(case: Case, save_dir: str) -> dict:
+    """Train 8 steps saving after 4; a fresh engine loading that checkpoint repeats steps 4-7 exactly."""
+    first = _engine(case)
+    straight = []
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            first.save_checkpoint(save_dir)
+        straight.append(float(first.train_batch(_batches(first, case, step))))
+    second = _engine(case)
+    second.load_checkpoint(save_dir)
+    resumed = [float(second.train_batch(_batches(second, case, s))) for s in range(STEPS // 2, STEPS)]
+    a, b = first.full_state_dict(), second.full_state_dict()
+    return {
+        "straight": straight[STEPS // 2 :],
+        "resumed": resumed,
+        "equal_weights": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
+        "steps": second.global_steps,
+    }
+
+
+def _run_cases(rank: int, world_size: int, cases: list[Case], save_root: str) -> dict:
+    import os
+
+    out = {
+        "train": [_train(case, rank) for case in cases],
+        "resume": [_resume(case, os.path.join(save_root, str(i))) for i, case in enumerate(RESUME_CASES)],
+    }
+    try:  # the pp2 checkpoint at pp4
+        _engine(Case(pp=4)).load_checkpoint(os.path.join(save_root, "0"))
+        out["other_degree"] = "loaded"
+    except ValueError as error:
+        out["other_degree"] = str(error)
+    return out
 
 
 def _problems(case: Case, per_rank: list[dict]) -> list[str]:
@@ -159,13 +202,26 @@ def _problems(case: Case, per_rank: list[dict]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[list[dict]]:
-    by_rank = run_distributed(_run_cases, WORLD, CASES, timeout=240)
-    return [[by_rank[r][i] for r in range(WORLD)] for i in range(len(CASES))]
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_distributed(_run_cases, WORLD, CASES, str(tmp_path_factory.mktemp("pipe")), timeout=300)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[str(asdict(c)) for c in CASES])
-def test_pipeline_matches_single_process(results: list[list[dict]], index: int) -> None:
-    case = CASES[index]
-    problems = _problems(case, results[index])
+def test_pipeline_matches_single_process(results: list[dict], index: int) -> None:
+    problems = _problems(CASES[index], [r["train"][index] for r in results])
     assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("index", range(len(RESUME_CASES)), ids=[str(asdict(c)) for c in RESUME_CASES])
+def test_resume_repeats_the_uninterrupted_run(results: list[dict], index: int) -> None:
+    for rank, r in enumerate(results):
+        got = r["resume"][index]
+        assert got["resumed"] == got["straight"], f"rank {rank}"
+        assert got["equal_weights"], f"rank {rank}: weights differ after resuming"
+        assert got["steps"] == STEPS
+
+
+def test_resume_at_another_pipeline_degree_is_refused(results: list[dict]) -> None:
+    for stage, r in enumerate(results):
+        assert f"has no checkpoint for stage {stage} of 4 (pipe_stage_{stage:02d}_of_04)" in r["other_degree"]
+        assert "['pipe_stage_00_of_02', 'pipe_stage_01_of_02']" in r["other_degree"]

@@ -40,6 +40,7 @@ from runtime.pipe.tied import (
 )
 
 _SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+_PARTS_KEY = "_pipeline_layer_boundaries"  # in each stage's client state: the partition it was saved with
 
 
 def _read_config(config: Any) -> dict[str, Any]:
@@ -291,6 +292,64 @@ class PipelineEngine(Engine):
         if return_logits:
             return loss, outputs if self.is_last_stage() else None
         return loss
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def _stage_dir(self, root: str | os.PathLike) -> str:
+        """Each stage saves its own ZeRO checkpoint (its data-parallel ranks' shards) in its own
+        directory; the name carries the pipeline degree, so a resume at another degree is caught."""
+        return os.path.join(os.fspath(root), f"pipe_stage_{self.stage_id:02d}_of_{self.num_stages:02d}")
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Save this stage's training state under save_dir/pipe_stage_SS_of_NN/<tag>; every rank must call
+        it. Returns this stage's tag directory."""
+        state = dict(client_state or {})
+        state[_PARTS_KEY] = list(self.module.parts)
+        return super().save_checkpoint(self._stage_dir(save_dir), tag, state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict[str, Any]]:
+        """Resume from a pipeline checkpoint saved at the same pipeline degree and partition."""
+        stage_dir = self._stage_dir(load_dir)
+        if not os.path.isdir(stage_dir):
+            saved = (
+                sorted(n for n in os.listdir(load_dir) if n.startswith("pipe_stage_"))
+                if os.path.isdir(load_dir)
+                else []
+            )
+            raise ValueError(
+                f"{load_dir} has no checkpoint for stage {self.stage_id} of {self.num_stages} "
+                f"({os.path.basename(stage_dir)}); it holds {saved or 'no pipeline stages'}: resume at the "
+                "pipeline degree the checkpoint was saved with"
+            )
+        path, state = super().load_checkpoint(
+            stage_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+        state = dict(state or {})
+        parts = state.pop(_PARTS_KEY, None)
+        if parts is not None and list(parts) != list(self.module.parts):
+            raise ValueError(
+                f"the checkpoint's stages hold layers {parts} (boundaries) but this module's hold "
+                f"{list(self.module.parts)}: build the PipelineModule with the same partition_method"
+            )
+        return path, state
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a PipelineEngine runs whole batches: call train_batch() or eval_batch()")

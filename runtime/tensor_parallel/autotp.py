@@ -37,8 +37,9 @@ _PERMUTED = "_autotp_fused_qkv"  # attribute on a fused projection: the degree i
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """Hugging Face's Conv1D (by name: transformers need not be installed): weight (in, out), attr nf."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+    """Hugging Face's Conv1D (by name: transformers need not be installed): weight (in, out), attr nf.
+    The MRO is searched because a parametrized module's class is a generated subclass."""
+    return any(cls.__name__ == "Conv1D" for cls in type(module).__mro__) and hasattr(module, "nf")
 
 
 class Conv1DColwise(ParallelStyle):
@@ -204,10 +205,17 @@ def tp_model_init(
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole weights in the original (Hugging Face) layout; every rank of the model group must call
-    it (sharded tensors are gathered)."""
+    it (sharded tensors are gathered). Parametrized parameters (the engine's local shards) are read
+    through their parametrization, under their plain names."""
     out: dict[str, torch.Tensor] = {}
     fused = {name: getattr(m, _PERMUTED) for name, m in model.named_modules() if hasattr(m, _PERMUTED)}
     for key, value in model.state_dict().items():
+        if ".parametrizations." in key or key.startswith("parametrizations."):
+            owner, _, rest = key.rpartition("parametrizations.")
+            leaf = rest.split(".", 1)[0]
+            owner = owner.rstrip(".")
+            key = f"{owner}.{leaf}" if owner else leaf
+            value = getattr(model.get_submodule(owner), leaf)
         tensor = value.full_tensor() if isinstance(value, DTensor) else value
         owner, _, leaf = key.rpartition(".")
         if owner in fused:

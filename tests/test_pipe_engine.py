@@ -1,7 +1,8 @@
 """PipelineEngine.train_batch equals a single-process PyTorch run, at world 4 on gloo.
 
-One spawn of 4 ranks runs every case: pp2 x dp2 and pp4 (1F1B), GPipe, a tiny GPT whose embedding and
-head share one weight across the first and last stage, ZeRO-1 with clipping by the global norm. Each
+The shared spawn of 4 ranks (tests/pipe_world4.py) runs every case: pp2 x dp2 and pp4 (1F1B), GPipe,
+a tiny GPT whose embedding and head share one weight across the first and last stage, ZeRO-1 with
+clipping by the global norm, bf16. Each
 case trains 8 global batches and returns, per rank, the losses train_batch returned, the gradient norms,
 and its stage's fp32 master weights; the test compares them with `tests.pipe_cases.reference_train`
 (fp32: 1e-5 relative). The in-flight recorder on the first stage shows how many micro-batches of
@@ -16,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist import run_distributed
 from tests.pipe_cases import (
     BASE_SEED,
     InFlightRecorder,
@@ -27,6 +27,7 @@ from tests.pipe_cases import (
     reference_train,
     token_loss,
 )
+from tests.pipe_world4 import part
 
 WORLD = 4
 STEPS = 8
@@ -202,8 +203,8 @@ def _problems(case: Case, per_rank: list[dict]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return run_distributed(_run_cases, WORLD, CASES, str(tmp_path_factory.mktemp("pipe")), timeout=300)
+def results() -> list[dict]:
+    return part("engine")
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[str(asdict(c)) for c in CASES])

@@ -1,5 +1,6 @@
 """PipelineModule: the partition as pure functions, each stage building only its own layers, eval_batch,
-and the clear errors for bad input (one spawn of 4 gloo ranks for the distributed checks)."""
+and the clear errors for bad input (the distributed checks run in
+the shared spawn of 4 gloo ranks, tests/pipe_world4.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from torch import nn
 
 from runtime.pipe.module import LayerSpec, count_trainable_params, layer_type_name
 from runtime.pipe.partition import partition_balanced, partition_layers, partition_uniform, type_weights
-from tests.dist import run_distributed
 from tests.pipe_cases import BASE_SEED, ReferenceModel, data_iterator, global_micro_batch, mlp_layers, mse
+from tests.pipe_world4 import part
 
 
 class Recorded(nn.Module):
@@ -130,7 +131,7 @@ def _worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return run_distributed(_worker, 4, timeout=180)
+    return part("module")
 
 
 def test_each_stage_builds_only_its_layers(results: list[dict]) -> None:

@@ -1,4 +1,5 @@
-"""Topology rank arithmetic (no processes) and the grid's process groups at world 4 (gloo)."""
+"""Topology rank arithmetic (no processes) and the grid's process groups at world 4 (gloo, in the shared
+spawn of tests/pipe_world4.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from runtime.parallel.topology import (
     ProcessTopology,
     topology_for,
 )
-from tests.dist import run_distributed
+from tests.pipe_world4 import part
 
 
 def test_row_major_layout_last_axis_fastest() -> None:
@@ -97,7 +98,7 @@ def _grid_worker(rank: int, world_size: int) -> dict:
 
 
 def test_grid_groups_at_world_4() -> None:
-    results = run_distributed(_grid_worker, 4)
+    results = part("topology")
     assert [r["stage"] for r in results] == [0, 0, 1, 1]
     assert [r["dp_rank"] for r in results] == [0, 1, 0, 1]
     assert [r["ranks"]["data"] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]

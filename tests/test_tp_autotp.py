@@ -1,11 +1,13 @@
 """AutoTP (`tp_model_init`) on GPT-2-style Conv1D and Llama-style Linear blocks equals the unsharded model.
 
-One spawn of 4 gloo ranks laid out as tp2 x dp2 (`topology_for(4, tp=2)`): each model group of two ranks
-trains a sharded copy on its own data, and every rank trains the whole model (the reference) on the same
-data; 8 SGD steps. Checked: losses to 1e-5 relative, the gathered Hugging Face-layout weights against the
-reference's (so the fused q|k|v reordering is undone), the per-rank parameter elements against the plan
-(sharded projections / 2), the local head counts, and the errors for degrees that do not divide.
-The data-parallel reduction of sharded gradients (ZeRO over the data group) is not covered here.
+Runs in the shared spawn of 4 gloo ranks (tests/pipe_world4.py), laid out tp2 x dp2
+(`topology_for(4, tp=2)`). Two kinds of check, 8 steps each:
+- `tp_model_init` alone: each model group trains a sharded copy on its own data next to the whole model
+  (the reference) on the same data: losses to 1e-5 relative, the gathered Hugging Face-layout weights
+  (so the fused q|k|v reordering is undone), per-rank parameter elements against the plan (sharded
+  projections / 2), local head counts, and the errors for degrees that do not divide;
+- `TensorParallelEngine` (`"tensor_parallel": {"autotp_size": 2}`): ZeRO-0/1 over data, clipping by the
+  norm over the whole grid, against one process training on the global batch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.dist import run_distributed
+from tests.pipe_world4 import part
 
 DIM, HEADS, KV_HEADS, VOCAB, SEQ = 16, 4, 2, 13, 6
 STEPS = 8
@@ -289,7 +291,7 @@ class _OddHeads(nn.Module):
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return run_distributed(_worker, 4, timeout=180)
+    return part("tp")
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

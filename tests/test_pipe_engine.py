@@ -11,6 +11,7 @@ activations were alive at once: at most the number of stages under 1F1B, all of 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -130,11 +131,31 @@ def _resume(case: Case, save_dir: str) -> dict:
     second.load_checkpoint(save_dir)
     resumed = [float(second.train_batch(_batches(second, case, s))) for s in range(STEPS // 2, STEPS)]
     a, b = first.full_state_dict(), second.full_state_dict()
+    # consolidate every stage into one state dict, and continue at another pipeline degree from it
+    from runtime.pipe import PipelineEngine, PipelineModule
+    from runtime.pipe.checkpoint import get_fp32_state_dict_from_pipeline_checkpoint, load_stage_state_dict
+
+    second.save_checkpoint(save_dir, tag="final")
+    torch.distributed.barrier()
+    whole = get_fp32_state_dict_from_pipeline_checkpoint(save_dir)
+    other = dataclasses.replace(case, pp=2 if case.pp == 4 else 4)
+    module = PipelineModule(
+        gpt_layers() if case.kind == "gpt" else mlp_layers(),
+        num_stages=other.pp,
+        loss_fn=token_loss if case.kind == "gpt" else mse,
+        partition_method=case.partition,
+    )
+    load_stage_state_dict(module, whole)
+    continued = PipelineEngine(module, other.config()).full_state_dict()
     return {
         "straight": straight[STEPS // 2 :],
         "resumed": resumed,
         "equal_weights": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
         "steps": second.global_steps,
+        "whole_matches_stage": all(torch.equal(whole[k], v) for k, v in b.items()),
+        "whole_keys": sorted(whole),
+        "continued_matches": all(torch.equal(whole[k], v) for k, v in continued.items()),
+        "continued_keys": sorted(continued),
     }
 
 
@@ -220,6 +241,14 @@ def test_resume_repeats_the_uninterrupted_run(results: list[dict], index: int) -
         assert got["resumed"] == got["straight"], f"rank {rank}"
         assert got["equal_weights"], f"rank {rank}: weights differ after resuming"
         assert got["steps"] == STEPS
+        assert got["whole_matches_stage"], f"rank {rank}: consolidated weights differ from the stage's"
+        assert got["continued_matches"], f"rank {rank}: weights differ after moving to another degree"
+    ref = reference_train(
+        RESUME_CASES[index].kind, steps=1, micro_batches=1, rows=ROWS, optimizer="SGD", lr=0.0, clip=0.0
+    )
+    assert results[0]["resume"][index]["whole_keys"] == sorted(ref.params)  # every parameter, once
+    # the stages that continue at the other degree hold every parameter between them
+    assert sorted({k for r in results for k in r["resume"][index]["continued_keys"]}) == sorted(ref.params)
 
 
 def test_resume_at_another_pipeline_degree_is_refused(results: list[dict]) -> None:

@@ -161,6 +161,7 @@ def reference_train(
     lr: float,
     clip: float,
     dtype: torch.dtype = torch.float32,
+    loss_scale: float = 1.0,
 ) -> Reference:
     """Train the reference; with a 16-bit dtype the forward and backward run on a working copy in that
     dtype (gradients accumulate in it) and the optimizer steps fp32 master weights, as the engine does."""
@@ -176,12 +177,12 @@ def reference_train(
         for micro in range(micro_batches):
             x, y = global_micro_batch(kind, step, micro, rows)
             loss = loss_fn(working(x.to(dtype) if x.is_floating_point() else x), y)
-            loss.backward()
+            (loss * loss_scale).backward()
             total += loss.item()
         out.losses.append(total / micro_batches)
         with torch.no_grad():
             for pm, pw in pairs:
-                pm.grad = pw.grad.float() / micro_batches
+                pm.grad = pw.grad.float() / (micro_batches * loss_scale)
                 if pw is not pm:
                     pw.grad = None
         norm = torch.nn.utils.clip_grad_norm_(master.parameters(), clip if clip > 0 else math.inf)

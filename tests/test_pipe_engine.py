@@ -33,6 +33,8 @@ from tests.pipe_world4 import part
 WORLD = 4
 STEPS = 8
 ROWS = 8  # global rows per micro-batch
+FP16_SCALE_POWER = 8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class Case:
             "zero_optimization": {"stage": self.stage, "reduce_bucket_size": 100},
             "pipeline": {"schedule": self.schedule, "activation_checkpoint_interval": self.interval},
             "bf16": {"enabled": self.dtype == "bf16"},
+            "fp16": {
+                "enabled": self.dtype == "fp16",
+                "auto_cast": True,
+                "initial_scale_power": FP16_SCALE_POWER,
+            },
         }
 
 
@@ -77,6 +84,7 @@ CASES = [
     Case(pp=2, stage=1, clip=0.05, optimizer="Adam"),  # ZeRO-1 over data, clipping across stages
     Case(pp=2, kind="gpt", stage=1, clip=0.05),  # ties counted once in the clipped norm
     Case(pp=2, stage=1, clip=0.05, optimizer="Adam", dtype="bf16"),  # bf16 working weights, ZeRO-1
+    Case(pp=4, clip=0.05, optimizer="Adam", dtype="fp16"),  # fp16 with loss scaling
 ]
 
 
@@ -112,8 +120,18 @@ def _train(case: Case, rank: int) -> dict:
         norms.append(engine.get_global_grad_norm())
     peak = InFlightRecorder.max_in_flight() if engine.is_first_stage() else None
     state = engine.full_state_dict()
+    own = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    out = {
+        "losses": losses,
+        "norms": norms,
+        "state": state,
+        "stage": engine.stage_id,
+        "peak": peak,
+        "skipped": engine.skipped_steps,
+        "own_param_bytes": own,
+    }
     engine.destroy()
-    return {"losses": losses, "norms": norms, "state": state, "stage": engine.stage_id, "peak": peak}
+    return out
 
 
 RESUME_CASES = [Case(pp=2, stage=1, optimizer="Adam", clip=0.05), Case(pp=4, kind="gpt", optimizer="Adam")]
@@ -164,6 +182,7 @@ def _run_cases(rank: int, world_size: int, cases: list[Case], save_root: str) ->
 
     out = {
         "train": [_train(case, rank) for case in cases],
+        "overflow": _overflow(rank),
         "resume": [_resume(case, os.path.join(save_root, str(i))) for i, case in enumerate(RESUME_CASES)],
     }
     try:  # the pp2 checkpoint at pp4
@@ -183,10 +202,11 @@ def _problems(case: Case, per_rank: list[dict]) -> list[str]:
         optimizer=case.optimizer,
         lr=case.lr,
         clip=case.clip,
-        dtype=torch.bfloat16 if case.dtype == "bf16" else torch.float32,
+        dtype=DTYPES[case.dtype],
+        loss_scale=2.0**FP16_SCALE_POWER if case.dtype == "fp16" else 1.0,
     )
-    # fp32 is exact to 1e-5; bf16 accumulates gradients in 16 bits in another order (per data rank, then
-    # summed), so its losses get 2e-2 and its weights are compared by the error of the whole update
+    # fp32 is exact to 1e-5; bf16/fp16 accumulate gradients in 16 bits in another order (per data rank,
+    # then summed), so their losses get 2e-2 and their weights are compared by the error of the update
     exact = case.dtype == "fp32"
     loss_tol = 1e-5 if exact else 2e-2
     problems = []
@@ -215,12 +235,37 @@ def _problems(case: Case, per_rank: list[dict]) -> list[str]:
                 )
     if seen != set(ref.params):
         problems.append(f"parameters {sorted(set(ref.params) - seen)} missing on every stage")
+    for got in per_rank:
+        if got["skipped"]:
+            problems.append(f"stage {got['stage']} skipped {got['skipped']} steps")
     peak = per_rank[0]["peak"]
     if case.kind == "mlp":
         bound = case.micro_batches if case.schedule == "gpipe" else min(case.pp, case.micro_batches)
         if peak != bound:
             problems.append(f"first stage held {peak} micro-batches of activations at once, expected {bound}")
     return problems
+
+
+def _overflow(rank: int) -> dict:
+    """An inf in one gradient of the last stage only, twice: every stage skips both steps, and the scale
+    halves on the second (hysteresis 2, DeepSpeed's default) on every stage."""
+    case = Case(pp=2, dtype="fp16", optimizer="Adam")
+    engine = _engine(case)
+    poison = [False]
+    if engine.is_last_stage():
+        weight = next(engine.module.parameters())
+        weight.register_hook(lambda grad: grad * float("inf") if poison[0] else grad)
+    engine.train_batch(_batches(engine, case, 0))
+    before, scale = engine.full_state_dict(rank0_only=False), engine.loss_scale
+    poison[0] = True
+    engine.train_batch(_batches(engine, case, 1))
+    engine.train_batch(_batches(engine, case, 2))
+    after = engine.full_state_dict(rank0_only=False)
+    return {
+        "skipped": engine.skipped_steps,
+        "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+        "scale_ratio": engine.loss_scale / scale,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +294,19 @@ def test_resume_repeats_the_uninterrupted_run(results: list[dict], index: int) -
     assert results[0]["resume"][index]["whole_keys"] == sorted(ref.params)  # every parameter, once
     # the stages that continue at the other degree hold every parameter between them
     assert sorted({k for r in results for k in r["resume"][index]["continued_keys"]}) == sorted(ref.params)
+
+
+def test_fp16_overflow_in_one_stage_skips_the_step_everywhere(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        assert r["overflow"] == {"skipped": 2, "unchanged": True, "scale_ratio": 0.5}, f"rank {rank}"
+
+
+def test_stage_memory_follows_the_partition(results: list[dict]) -> None:
+    """pp2 x dp2 MLP: each stage's parameters are its layers' (Linear(6,16) + Linear(16,16) | Linear(16,16)
+    + Linear(16,4), fp32), the heavier stage within 10% of parameters / pp."""
+    per_rank = [r["train"][0] for r in results]
+    assert [r["own_param_bytes"] for r in per_rank] == [4 * 384, 4 * 384, 4 * 340, 4 * 340]
+    assert max(r["own_param_bytes"] for r in per_rank) <= 1.1 * 4 * (384 + 340) / 2
 
 
 def test_resume_at_another_pipeline_degree_is_refused(results: list[dict]) -> None:

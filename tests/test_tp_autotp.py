@@ -179,7 +179,7 @@ def _train_pair(block: type[nn.Module], mesh: object, dp_rank: int) -> dict:
             loss.backward()
             o.step()
             o.zero_grad()
-            log.append(float(loss))
+            log.append(float(loss.detach()))
     got, want = full_state_dict(model), reference.state_dict()
     attn = model.h[0].attn if block is GPT2Block else model.h[0].self_attn
     return {

@@ -258,13 +258,88 @@ def _engine_reference(kind: str, clip: float, optimizer: str) -> dict:
     return {"losses": losses, "norms": norms, "state": model.state_dict()}
 
 
+def _layers_3d() -> list:
+    from runtime.pipe import LayerSpec, TiedLayerSpec
+    from tests.pipe_cases import VOCAB as PIPE_VOCAB
+    from tests.pipe_cases import head_forward
+
+    return [
+        TiedLayerSpec("embed", nn.Embedding, PIPE_VOCAB, DIM),
+        LayerSpec(GPT2Block),
+        LayerSpec(LlamaBlock),
+        LayerSpec(nn.LayerNorm, DIM),
+        TiedLayerSpec("embed", nn.Embedding, PIPE_VOCAB, DIM, forward_fn=head_forward),
+    ]
+
+
+CLIP_3D = 0.3
+
+
+def _pipeline_3d(rank: int) -> dict:
+    """pp2 x tp2 (dp1): stage 0 = tied embedding + GPT-2 block, stage 1 = Llama block, norm, tied head."""
+    from runtime.parallel import PipeModelDataParallelTopology
+    from runtime.pipe import PipelineEngine, PipelineModule
+    from runtime.tensor_parallel.autotp import full_state_dict
+    from tests.pipe_cases import BASE_SEED, data_iterator, token_loss
+
+    module = PipelineModule(
+        _layers_3d(),
+        topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+        loss_fn=token_loss,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+        partition_method="type:Block",
+    )
+    config = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 0,
+        "gradient_clipping": CLIP_3D,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}},
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    engine = PipelineEngine(module, config)
+    losses, norms = [], []
+    for step in range(STEPS):
+        losses.append(float(engine.train_batch(data_iterator("gpt", step, 2, 4, 0, 1))))
+        norms.append(engine.get_global_grad_norm())
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": full_state_dict(engine.module),
+        "stage": engine.stage_id,
+    }
+
+
+def _reference_3d() -> dict:
+    from tests.pipe_cases import ReferenceModel, global_micro_batch, token_loss
+
+    model = ReferenceModel(_layers_3d())
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(2):
+            tokens, labels = global_micro_batch("gpt", step, micro, 4)
+            loss = token_loss(model(tokens), labels)
+            (loss / 2).backward()
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_3D)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / 2)
+    return {"losses": losses, "norms": norms, "state": model.state_dict()}
+
+
 def _worker(rank: int, world_size: int) -> dict:
     from runtime.parallel import ParallelGrid, topology_for
     from runtime.tensor_parallel import tp_model_init
 
     grid = ParallelGrid(topology_for(world_size, tp=2))
     mesh = grid.mesh["model"]
-    out: dict = {"engine": [_engine_run(*case) for case in ENGINE_CASES]}
+    out: dict = {"engine": [_engine_run(*case) for case in ENGINE_CASES], "pipeline_3d": _pipeline_3d(rank)}
     out |= {
         "gpt2": _train_pair(GPT2Block, mesh, grid.get_data_parallel_rank()),
         "llama": _train_pair(LlamaBlock, mesh, grid.get_data_parallel_rank()),
@@ -325,6 +400,22 @@ def test_engine_tp2_dp2_matches_single_process(results: list[dict], index: int) 
             torch.testing.assert_close(
                 got["state"][key], want, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}"
             )
+
+
+def test_pipeline_with_tensor_parallel_matches_single_process(results: list[dict]) -> None:
+    """pp2 x tp2: losses, the clipped norm (ties and replicated weights once), the gathered weights."""
+    ref = _reference_3d()
+    seen = set()
+    for rank, r in enumerate(results):
+        got = r["pipeline_3d"]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), f"rank {rank}"
+        for key, value in got["state"].items():
+            seen.add(key)
+            torch.testing.assert_close(
+                value, ref["state"][key], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}"
+            )
+    assert seen == set(ref["state"])
 
 
 def test_degrees_that_do_not_divide_are_refused(results: list[dict]) -> None:

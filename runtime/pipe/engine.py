@@ -51,6 +51,20 @@ def _read_config(config: Any) -> dict[str, Any]:
     raise TypeError(f"PipelineEngine needs the config as a dict or a file path, got {type(config).__name__}")
 
 
+def _tensor_parallel_degree(section: Any, grid_tp: int) -> int:
+    """The tensor-parallel degree: the grid's model dim, which the config's autotp_size must match."""
+    from runtime.tensor_parallel import read_tensor_parallel_config
+
+    asked = read_tensor_parallel_config(section).autotp_size
+    if section and asked != grid_tp:
+        raise ValueError(
+            f"tensor_parallel.autotp_size is {asked} but the PipelineModule's topology has a model "
+            f"dimension of {grid_tp}: build it with PipeModelDataParallelTopology(num_pp, num_mp={asked}, "
+            "num_dp)"
+        )
+    return grid_tp
+
+
 def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineModule) -> None:
     """Refuse what the pipeline engine cannot do, before any training."""
     stage = cfg.zero_optimization.stage
@@ -86,6 +100,7 @@ class PipelineEngine(Engine):
         raw = _read_config(config)
         self_pipe = read_pipeline_config(raw.pop("pipeline", None))
         grid = module.grid
+        tp = _tensor_parallel_degree(raw.pop("tensor_parallel", None), grid.model_parallel_size)
         cfg = load_config(raw, world_size=grid.data_parallel_size, model=module)
         check_pipeline_config(cfg, self_pipe, module)
         if self_pipe.activation_checkpoint_interval is not None:
@@ -97,6 +112,13 @@ class PipelineEngine(Engine):
 
         device = current_device()
         # ties first: the engine copies the weights into its flat buffers and master shards
+        replicated: set[int] = set()
+        if tp > 1:  # 3D: each stage's projections sharded over the grid's model axis (AutoTP)
+            from runtime.tensor_parallel.engine import shard_for_tensor_parallel
+
+            model_parameters, replicated = shard_for_tensor_parallel(
+                module, tp, grid.mesh["model"], model_parameters
+            )
         ties = build_ties(module)
         broadcast_tied_weights(ties, device)
         super().__init__(
@@ -111,6 +133,8 @@ class PipelineEngine(Engine):
         self.pipeline = self_pipe
         self.grid = grid
         self.ties = ties
+        self.tp_size = tp
+        self._replicated_specs = replicated
         self.num_stages = module.num_stages
         self.stage_id = module.stage_id
         self.micro_batches = cfg.gradient_accumulation_steps
@@ -223,18 +247,28 @@ class PipelineEngine(Engine):
         return dataclasses.replace(math, all_reduce_sum=self._grid_sum(math.all_reduce_sum))
 
     def _grid_sum(self, dp_sum: Any) -> Any:
-        """Sum of squared gradients over the grid: data (when gradients are sharded), minus the tied
-        copies this stage does not own, then over the pipeline."""
-        if self.num_stages == 1 and not self.ties:
+        """Sum of squared gradients over the grid, each weight once: parameters whole on every model rank
+        count 1/tp per rank, then the sum over data (when gradients are sharded), minus the tied copies
+        this stage does not own, then over the pipeline and the model axis."""
+        if self.num_stages == 1 and not self.ties and self.tp_size == 1:
             return dp_sum
+        tp = self.tp_size
 
         def reduce(squared: torch.Tensor) -> None:
+            if tp > 1:
+                from runtime.tensor_parallel.engine import replicated_squares
+
+                squares = replicated_squares(self, self._replicated_specs)
+                if squares is not None:
+                    squared.sub_(squares.to(squared.dtype) * (tp - 1) / tp)
             if dp_sum is not None:
                 dp_sum(squared)
-            if self._duplicate_squares is not None:
-                squared.sub_(self._duplicate_squares.to(squared.dtype))
+            if self._duplicate_squares is not None:  # tied copies are whole on every model rank
+                squared.sub_(self._duplicate_squares.to(squared.dtype) / tp)
             if self.num_stages > 1:
                 dist.all_reduce(squared, group=self._pipe_group)
+            if tp > 1:
+                dist.all_reduce(squared, group=self.grid.get_model_parallel_group())
 
         return reduce
 

@@ -90,6 +90,35 @@ def split_param_groups(
     return groups, replicated
 
 
+def replicated_squares(engine: Engine, replicated_specs: set[int]) -> torch.Tensor | None:
+    """Sum of squares of this rank's reduced gradients of the parameters every model rank holds whole
+    (the param groups in `replicated_specs`), in the units of the engine's norm; None when there are
+    none. Call it where the norm is computed: the gradients are reduced by then."""
+    pieces = [
+        piece.float()
+        for group, group_pieces in zip(engine.groups, engine.zero.grad_pieces(), strict=True)
+        if group.spec_index in replicated_specs
+        for piece in group_pieces
+    ]
+    if not pieces:
+        return None
+    return torch.stack([torch.linalg.vector_norm(p) for p in pieces]).square().sum()
+
+
+def shard_for_tensor_parallel(
+    model: nn.Module, tp_size: int, mesh: Any, model_parameters: Any
+) -> tuple[list[dict[str, Any]], set[int]]:
+    """AutoTP `model` over `mesh`, local shards as its parameters; returns the param groups for the
+    engine and the indices of the replicated ones (see `split_param_groups`). A model with nothing to
+    shard (a pipeline stage of only embeddings and norms) stays whole."""
+    from runtime.tensor_parallel.autotp import tp_plan
+
+    if tp_plan(model):
+        tp_model_init(model, tp_size, mesh=mesh)
+    sharded = localize_parameters(model)
+    return split_param_groups(model, model_parameters, sharded)
+
+
 class TensorParallelEngine(Engine):
     """The ZeRO engine (stages 0 and 1) over the data group of a model sharded with AutoTP."""
 
@@ -114,9 +143,7 @@ class TensorParallelEngine(Engine):
             )
         if optimizer is not None:
             raise ValueError("TensorParallelEngine builds the optimizer from the config's optimizer section")
-        tp_model_init(model, tp, mesh=grid.mesh["model"])
-        sharded = localize_parameters(model)
-        groups, self_replicated = split_param_groups(model, model_parameters, sharded)
+        groups, self_replicated = shard_for_tensor_parallel(model, tp, grid.mesh["model"], model_parameters)
         super().__init__(
             model,
             cfg,
@@ -142,15 +169,8 @@ class TensorParallelEngine(Engine):
 
         def reduce(squared: torch.Tensor) -> None:
             # replicated parameters: every model rank holds the same gradient, so each adds 1/tp of it
-            pieces = self.zero.grad_pieces()
-            replicated = [
-                piece.float()
-                for group, group_pieces in zip(self.groups, pieces, strict=True)
-                if group.spec_index in self._replicated_specs
-                for piece in group_pieces
-            ]
-            if replicated:
-                squares = torch.stack([torch.linalg.vector_norm(p) for p in replicated]).square().sum()
+            squares = replicated_squares(self, self._replicated_specs)
+            if squares is not None:
                 squared.sub_(squares.to(squared.dtype) * (tp - 1) / tp)
             if dp_sum is not None:
                 dp_sum(squared)
@@ -173,4 +193,11 @@ def tensor_parallel_size(config: Any) -> int:
     return read_tensor_parallel_config(raw.get("tensor_parallel")).autotp_size
 
 
-__all__ = ["TensorParallelEngine", "localize_parameters", "split_param_groups", "tensor_parallel_size"]
+__all__ = [
+    "TensorParallelEngine",
+    "localize_parameters",
+    "replicated_squares",
+    "shard_for_tensor_parallel",
+    "split_param_groups",
+    "tensor_parallel_size",
+]

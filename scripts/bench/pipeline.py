@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,30 +70,63 @@ class SleepLayer(nn.Module):
         return _Sleep.apply(x, self.weight, self.forward_s, self.backward_s)
 
 
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out - y).pow(2).mean()
+
+
+def _build(kind: str, world: int, micro: int, schedule: str, args: argparse.Namespace) -> Any:
+    """Our PipelineEngine, or DeepSpeed's (kind "deepspeed", run from a DeepSpeed venv), on the same job."""
+    config = {
+        "train_batch_size": micro,
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": micro,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 0.0,  # DeepSpeed 0.19 defaults it to 1.0
+        "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+    }
+    cost = (args.forward_ms / 1e3, args.backward_ms / 1e3)
+    if kind == "deepspeed":
+        import deepspeed
+        from deepspeed.pipe import LayerSpec as DSLayerSpec
+        from deepspeed.pipe import PipelineModule as DSPipelineModule
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the process group made above
+
+        module = DSPipelineModule(
+            [DSLayerSpec(SleepLayer, *cost) for _ in range(world)],
+            num_stages=world,
+            loss_fn=_mse,
+            partition_method="uniform",
+        )
+        engine, *_ = deepspeed.initialize(
+            model=module, config=config, model_parameters=list(module.parameters())
+        )
+        return engine
+    from runtime.pipe import LayerSpec, PipelineEngine, PipelineModule
+
+    module = PipelineModule(
+        [LayerSpec(SleepLayer, *cost) for _ in range(world)], num_stages=world, loss_fn=_mse
+    )
+    return PipelineEngine(module, {**config, "pipeline": {"schedule": schedule}})
+
+
 def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results: Any) -> None:
-    os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.update(
+        DS_ACCELERATOR="cpu",
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(args.port),
+    )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    from runtime.pipe import LayerSpec, PipelineEngine, PipelineModule
 
     try:
         for schedule in args.schedules.split(","):
             for micro in (int(m) for m in args.micro_batches.split(",")):
-                layers = [
-                    LayerSpec(SleepLayer, args.forward_ms / 1e3, args.backward_ms / 1e3) for _ in range(world)
-                ]
-                module = PipelineModule(
-                    layers, num_stages=world, loss_fn=lambda out, y: (out - y).pow(2).mean()
-                )
-                config = {
-                    "train_batch_size": micro,
-                    "train_micro_batch_size_per_gpu": 1,
-                    "gradient_accumulation_steps": micro,
-                    "steps_per_print": 0,
-                    "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
-                    "pipeline": {"schedule": schedule},
-                }
-                engine = PipelineEngine(module, config)
+                engine = _build(args.engine, world, micro, schedule, args)
                 idles, walls = [], []
                 for step in range(args.steps + 1):
                     data = iter([(torch.ones(1, 4), torch.zeros(1, 4))] * micro)
@@ -112,7 +147,10 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                     results.put(
                         {
                             "bench": "pipeline_idle",
-                            "schedule": schedule,
+                            "engine": args.engine,
+                            "schedule": "1f1b (DeepSpeed TrainSchedule)"
+                            if args.engine == "deepspeed"
+                            else schedule,
                             "stages": world,
                             "micro_batches": micro,
                             "forward_ms": args.forward_ms,
@@ -126,7 +164,8 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                             "ratio": round(idle / theory, 3),
                         }
                     )
-                engine.destroy()
+                if hasattr(engine, "destroy"):
+                    engine.destroy()
     finally:
         dist.destroy_process_group()
 
@@ -141,6 +180,14 @@ def main() -> None:
     parser.add_argument("--forward_ms", type=float, default=50.0)
     parser.add_argument("--backward_ms", type=float, default=100.0)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--engine", choices=("ours", "deepspeed"), default="ours")
+    parser.add_argument(
+        "--peer_python",
+        default=None,
+        help="a python with DeepSpeed installed: also run the 1F1B job under DeepSpeed's PipelineEngine "
+        "and print each step time's ratio to ours",
+    )
+    parser.add_argument("--port", type=int, default=29571, help=argparse.SUPPRESS)
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -153,12 +200,63 @@ def main() -> None:
         for proc in procs:
             proc.start()
         expected = len(args.schedules.split(",")) * len(args.micro_batches.split(","))
+        ours = []
         for _ in range(expected):
-            print(json.dumps(results.get(timeout=600)), flush=True)
+            ours.append(_next_result(results, procs))
+            print(json.dumps(ours[-1]), flush=True)
         for proc in procs:
             proc.join()
             if proc.exitcode:
                 raise SystemExit(f"a rank exited with {proc.exitcode}")
+    if args.peer_python and args.engine == "ours":
+        _compare_with_deepspeed(args, [r for r in ours if r["schedule"] == "1f1b"])
+
+
+def _next_result(results: Any, procs: list[Any]) -> dict:
+    """The next result; a rank that died fails the run at once instead of after a long timeout."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode]
+            if dead:
+                raise SystemExit(f"a rank exited with {dead[0]}") from None
+    raise SystemExit("no result within 600 s")
+
+
+def _compare_with_deepspeed(args: argparse.Namespace, ours: list[dict]) -> None:
+    command = [
+        args.peer_python,
+        __file__,
+        "--engine=deepspeed",
+        "--schedules=1f1b",
+        f"--stages={args.stages}",
+        f"--micro_batches={args.micro_batches}",
+        f"--forward_ms={args.forward_ms}",
+        f"--backward_ms={args.backward_ms}",
+        f"--steps={args.steps}",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"the DeepSpeed run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    peer = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            record = json.loads(line)
+            peer[record["micro_batches"]] = record
+            print(line, flush=True)
+    for record in ours:
+        theirs = peer[record["micro_batches"]]
+        summary = {
+            "bench": "pipeline_vs_deepspeed",
+            "stages": record["stages"],
+            "micro_batches": record["micro_batches"],
+            "ours_step_s": record["step_s"],
+            "deepspeed_step_s": theirs["step_s"],
+            "ratio": round(record["step_s"] / theirs["step_s"], 3),
+        }
+        print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,10 @@ def _worker(rank: int, world_size: int) -> dict:
     module4 = PipelineModule(mlp_layers(), num_stages=4, loss_fn=mse)
     engine4 = PipelineEngine(module4, _config(4, 1))
     out["ran_out"] = _error(lambda: engine4.train_batch(data_iterator("mlp", 0, 2, 8, 0, 1)))
+    # no iterator on the last stage (pp4 x dp1: rank 3): it says so, every other rank stops too
+    out["no_iterator"] = _error(
+        lambda: engine4.train_batch(None if rank == 3 else data_iterator("mlp", 0, 4, 8, 0, 1))
+    )
     out["bad_stages"] = _error(lambda: PipelineModule(mlp_layers(), num_stages=3, loss_fn=mse))
     out["too_many_stages"] = _error(lambda: PipelineModule([LayerSpec(nn.Linear, 2, 2)] * 3, num_stages=4))
     out["zero3"] = _error(lambda: PipelineEngine(module4, _config(4, 1, zero_optimization={"stage": 3})))
@@ -169,6 +173,11 @@ def test_bad_input_is_refused_before_training(results: list[dict]) -> None:
         assert r["bad_stages"] == (
             "num_stages=3 does not divide the world size 4: every data-parallel replica needs one rank "
             "per stage"
+        )
+        assert r["no_iterator"] == (
+            "stage 3: no data iterator was given (train_batch(data_iter) on the first and last stage)"
+            if r["stage"] == 3
+            else "train_batch: the first or last stage was given no data iterator"
         )
         assert r["too_many_stages"].startswith("the pipeline has 4 stages but only 3 layers")
         assert r["zero3"].startswith(

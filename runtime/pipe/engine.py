@@ -176,12 +176,16 @@ class PipelineEngine(Engine):
                         batches.append(next(data_iter))
                     except StopIteration:
                         break
-        read = torch.tensor(
-            [len(batches) if wants and not problem else self.micro_batches], dtype=torch.int64
+        read = torch.tensor(  # on the device: NCCL reduces only device tensors
+            [-1 if problem else len(batches) if wants else self.micro_batches],
+            dtype=torch.int64,
+            device=self.device,
         )
         dist.all_reduce(read, op=dist.ReduceOp.MIN)  # every rank learns it before any compute starts
         if problem:
             raise ValueError(f"stage {self.stage_id}: {problem}")
+        if int(read) < 0:
+            raise ValueError("train_batch: the first or last stage was given no data iterator")
         if int(read) < self.micro_batches:
             raise ValueError(
                 f"the data iterator ran out after {int(read)} of {self.micro_batches} micro-batches "

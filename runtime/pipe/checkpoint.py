@@ -1,0 +1,72 @@
+"""A pipeline checkpoint as one plain state dict, and a stage's share of a plain state dict.
+
+`PipelineEngine.save_checkpoint` writes one ZeRO checkpoint per stage (`pipe_stage_SS_of_NN/`). Since
+parameter names carry global layer indices, the stages' consolidated state dicts (the existing
+`get_fp32_state_dict_from_checkpoint`, no process group needed) simply add up; a tied weight appears on
+several stages and must be equal there. `load_stage_state_dict` gives a `PipelineModule` built at any
+pipeline degree the entries its stage holds, so a run continues at another degree or world size (weights
+only; optimizer state restarts).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from runtime.checkpoint.consolidate import get_fp32_state_dict_from_checkpoint
+from runtime.pipe.module import PipelineModule
+
+_STAGE_DIR = re.compile(r"^pipe_stage_(\d+)_of_(\d+)$")
+
+
+def pipeline_stage_dirs(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
+    """The stage directories of a pipeline checkpoint, by stage; every stage must be present."""
+    root = Path(checkpoint_dir)
+    found = {}
+    degrees = set()
+    for child in root.iterdir() if root.is_dir() else []:
+        match = _STAGE_DIR.match(child.name)
+        if match:
+            found[int(match.group(1))] = child
+            degrees.add(int(match.group(2)))
+    if not found:
+        raise ValueError(f"{root} holds no pipeline stage directories (pipe_stage_SS_of_NN)")
+    if len(degrees) > 1:
+        raise ValueError(f"{root} mixes checkpoints of pipelines with {sorted(degrees)} stages")
+    stages = degrees.pop()
+    missing = sorted(set(range(stages)) - set(found))
+    if missing:
+        raise ValueError(f"{root}: the checkpoint of a {stages}-stage pipeline lacks stages {missing}")
+    return [found[s] for s in range(stages)]
+
+
+def get_fp32_state_dict_from_pipeline_checkpoint(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None = None, *, verify: bool = True
+) -> dict[str, torch.Tensor]:
+    """The whole model's state dict (fp32 master weights) from every stage of a pipeline checkpoint."""
+    merged: dict[str, torch.Tensor] = {}
+    for stage_dir in pipeline_stage_dirs(checkpoint_dir):
+        for key, value in get_fp32_state_dict_from_checkpoint(stage_dir, tag, verify=verify).items():
+            if key in merged and not torch.equal(merged[key], value):
+                raise ValueError(f"{key} differs between the stages holding it (a tied weight out of step?)")
+            merged[key] = value
+    return merged
+
+
+def load_stage_state_dict(module: PipelineModule, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load the entries of `state_dict` this stage holds into `module` (before building the engine)."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    if missing:
+        raise ValueError(f"stage {module.stage_id}: the state dict lacks {missing}")
+    module.load_state_dict({key: state_dict[key] for key in own})
+
+
+__all__ = [
+    "get_fp32_state_dict_from_pipeline_checkpoint",
+    "load_stage_state_dict",
+    "pipeline_stage_dirs",
+]

@@ -1,0 +1,418 @@
+"""`PipelineEngine`: DeepSpeed's `train_batch` / `eval_batch` over `torch.distributed.pipelining`.
+
+One `train_batch(data_iter)` is one global batch: `gradient_accumulation_steps` micro-batches go through
+the stages under a schedule from `torch.distributed.pipelining` (1F1B by default, so at most `stages`
+micro-batches of activations are alive on a stage; GPipe as an option), gradients accumulate in the
+engine's flat buffers, and then the data-parallel part is the ordinary ZeRO step of `runtime.Engine`
+(this class extends it) over the grid's data group: tied gradients summed over their stages -> reduction
+over data (ZeRO stage 0 or 1) -> the gradient norm over the whole grid (each tied weight counted once) ->
+clip -> optimizer step on this rank's shard.
+
+The data-iterator contract is DeepSpeed's: each `next(data_iter)` is one micro-batch `(inputs, labels)`;
+the first stage reads inputs and the last stage labels (middle stages do not touch the iterator, which
+may be None there). All micro-batches are read before any compute, and every rank agrees they exist, so
+an iterator that runs out is an error before training, not a hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from runtime.comm import Comm
+from runtime.config import load_config
+from runtime.config_reader import read_config_file
+from runtime.engine import Engine
+from runtime.offload import GradMath
+from runtime.pipe.config import PipelineConfig, read_pipeline_config
+from runtime.pipe.module import PipelineModule
+from runtime.pipe.tied import (
+    all_reduce_tied_grads,
+    broadcast_tied_weights,
+    build_ties,
+    duplicate_grad_squares,
+)
+
+_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+_PARTS_KEY = "_pipeline_layer_boundaries"  # in each stage's client state: the partition it was saved with
+
+
+def _read_config(config: Any) -> dict[str, Any]:
+    if isinstance(config, (str, os.PathLike)):
+        return dict(read_config_file(config))
+    if isinstance(config, dict):
+        return dict(config)
+    raise TypeError(f"PipelineEngine needs the config as a dict or a file path, got {type(config).__name__}")
+
+
+def _tensor_parallel_degree(section: Any, grid_tp: int) -> int:
+    """The tensor-parallel degree: the grid's model dim, which the config's autotp_size must match."""
+    from runtime.tensor_parallel import read_tensor_parallel_config
+
+    asked = read_tensor_parallel_config(section).autotp_size
+    if section and asked != grid_tp:
+        raise ValueError(
+            f"tensor_parallel.autotp_size is {asked} but the PipelineModule's topology has a model "
+            f"dimension of {grid_tp}: build it with PipeModelDataParallelTopology(num_pp, num_mp={asked}, "
+            "num_dp)"
+        )
+    return grid_tp
+
+
+def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineModule) -> None:
+    """Refuse what the pipeline engine cannot do, before any training."""
+    stage = cfg.zero_optimization.stage
+    if stage >= 2:
+        raise ValueError(
+            f"zero_optimization.stage {stage} cannot be combined with pipeline parallelism "
+            f"({module.num_stages} stages): gradients accumulate over micro-batches in every stage, so "
+            "sharding them (stage 2) or the parameters (stage 3) does not fit; use stage 0 or 1"
+        )
+    if cfg.zero_optimization.offload_optimizer.device != "none":
+        raise ValueError("zero_optimization.offload_optimizer is not supported with pipeline parallelism yet")
+    if pipe_cfg.stages is not None and pipe_cfg.stages != module.num_stages:
+        raise ValueError(
+            f"pipeline.stages is {pipe_cfg.stages} but the PipelineModule was built with "
+            f"{module.num_stages} stages"
+        )
+
+
+class PipelineEngine(Engine):
+    """Trains a `PipelineModule`: `train_batch(data_iter)` and `eval_batch(data_iter)`."""
+
+    def __init__(
+        self,
+        module: PipelineModule,
+        config: Any,
+        *,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+    ) -> None:
+        if not isinstance(module, PipelineModule):
+            raise TypeError(f"PipelineEngine trains a PipelineModule, got {type(module).__name__}")
+        raw = _read_config(config)
+        self_pipe = read_pipeline_config(raw.pop("pipeline", None))
+        grid = module.grid
+        tp = _tensor_parallel_degree(raw.pop("tensor_parallel", None), grid.model_parallel_size)
+        cfg = load_config(raw, world_size=grid.data_parallel_size, model=module)
+        check_pipeline_config(cfg, self_pipe, module)
+        if self_pipe.activation_checkpoint_interval is not None:
+            module.activation_checkpoint_interval = self_pipe.activation_checkpoint_interval
+        comm = Comm(
+            grid.get_data_parallel_group(), emulate_reduce_scatter=not cfg.zero_optimization.reduce_scatter
+        )
+        from runtime.distributed import current_device
+
+        device = current_device()
+        # ties first: the engine copies the weights into its flat buffers and master shards
+        replicated: set[int] = set()
+        if tp > 1:  # 3D: each stage's projections sharded over the grid's model axis (AutoTP)
+            from runtime.tensor_parallel.engine import shard_for_tensor_parallel
+
+            model_parameters, replicated = shard_for_tensor_parallel(
+                module, tp, grid.mesh["model"], model_parameters
+            )
+        ties = build_ties(module)
+        broadcast_tied_weights(ties, device)
+        super().__init__(
+            module,
+            cfg,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            comm=comm,
+            device=device,
+        )
+        self.pipeline = self_pipe
+        self.grid = grid
+        self.ties = ties
+        self.tp_size = tp
+        self._replicated_specs = replicated
+        self.num_stages = module.num_stages
+        self.stage_id = module.stage_id
+        self.micro_batches = cfg.gradient_accumulation_steps
+        self._pipe_group = grid.get_pipe_parallel_group()
+        self._last_stage_rank = grid.stage_to_global(self.num_stages - 1)
+        self._duplicate_squares: torch.Tensor | None = None
+        self._stage = PipelineStage(
+            module, self.stage_id, self.num_stages, self.device, group=self._pipe_group
+        )
+        # scale_grads=False: the ZeRO step divides by micro-batches x data-parallel ranks once
+        self._schedule = _SCHEDULES[self_pipe.schedule](
+            self._stage, self.micro_batches, loss_fn=self._scaled_loss, scale_grads=False
+        )
+        self._forward_only: Any = None
+        self._losses: list[torch.Tensor] = []
+
+    # -- stages ----------------------------------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    # -- data ------------------------------------------------------------------------------------------
+    def _read_micro_batches(self, data_iter: Iterator[Any] | None) -> tuple[tuple[Any, ...], Any]:
+        """Read this batch's micro-batches (first and last stage), check on every rank that they were
+        all there, and return (stage inputs, labels) as whole batches for the schedule to split."""
+        wants = self.is_first_stage() or self.is_last_stage()
+        batches: list[Any] = []
+        problem = ""
+        if wants:
+            if data_iter is None:
+                data_iter = iter(self.training_dataloader) if self.training_dataloader is not None else None
+            if data_iter is None:
+                problem = "no data iterator was given (train_batch(data_iter) on the first and last stage)"
+            else:
+                for _ in range(self.micro_batches):
+                    try:
+                        batches.append(next(data_iter))
+                    except StopIteration:
+                        break
+        read = torch.tensor(  # on the device: NCCL reduces only device tensors
+            [-1 if problem else len(batches) if wants else self.micro_batches],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        dist.all_reduce(read, op=dist.ReduceOp.MIN)  # every rank learns it before any compute starts
+        if problem:
+            raise ValueError(f"stage {self.stage_id}: {problem}")
+        if int(read) < 0:
+            raise ValueError("train_batch: the first or last stage was given no data iterator")
+        if int(read) < self.micro_batches:
+            raise ValueError(
+                f"the data iterator ran out after {int(read)} of {self.micro_batches} micro-batches "
+                "(gradient_accumulation_steps) of this batch; give every batch all of its micro-batches"
+            )
+        if not wants:
+            return (), None
+        inputs, labels = zip(*(_split_batch(b) for b in batches), strict=True)
+        stage_inputs = _concat(inputs, self.device) if self.is_first_stage() else None
+        if stage_inputs is not None and self.policy.cast_inputs:
+            stage_inputs = tuple(
+                t.to(self.policy.param_dtype) if t.is_floating_point() else t for t in stage_inputs
+            )
+        targets = _concat(labels, self.device) if self.is_last_stage() else None
+        if targets is not None and len(targets) == 1:
+            targets = targets[0]
+        return stage_inputs or (), targets
+
+    # -- training --------------------------------------------------------------------------------------
+    def _scaled_loss(self, outputs: Any, labels: Any) -> torch.Tensor:
+        module = self.module
+        if module.loss_fn is None:
+            raise ValueError("the last stage needs a loss: PipelineModule(..., loss_fn=...)")
+        loss = module.loss_fn(outputs, labels)
+        self._losses.append(loss.detach().float())
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Run one global batch through the pipeline and step; returns the loss averaged over the
+        micro-batches and data-parallel ranks, on every rank."""
+        if self.optimizer is None:
+            raise RuntimeError("train_batch: no optimizer; configure one or pass optimizer=")
+        self.module.train()
+        inputs, targets = self._read_micro_batches(data_iter)
+        self._losses = []
+        self._schedule.step(*inputs, target=targets, return_outputs=False)
+        all_reduce_tied_grads(self.ties)
+        math = self._grad_math()
+        self._duplicate_squares = None
+        if math.needs_norm:
+            self._duplicate_squares = duplicate_grad_squares(
+                self.ties,
+                dp_group=self.comm.group,
+                dp_size=self.comm.world_size,
+                scale=self._pre_reduce_scale,
+                device=self.device,
+            )
+        # every micro-batch's backward is done: reduce over data once, as at an accumulation boundary
+        self.zero.begin_backward(boundary=True)
+        self.zero.end_backward(boundary=True)
+        loss = self._batch_loss()
+        self._log.record_loss(loss)
+        self.set_gradient_accumulation_boundary(True)
+        try:
+            self.step()
+        finally:
+            self.set_gradient_accumulation_boundary(None)
+        self.micro_steps += self.micro_batches - 1  # step() counted one
+        return loss
+
+    def _grad_math(self) -> GradMath:
+        math = super()._grad_math()
+        return dataclasses.replace(math, all_reduce_sum=self._grid_sum(math.all_reduce_sum))
+
+    def _grid_sum(self, dp_sum: Any) -> Any:
+        """Sum of squared gradients over the grid, each weight once: parameters whole on every model rank
+        count 1/tp per rank, then the sum over data (when gradients are sharded), minus the tied copies
+        this stage does not own, then over the pipeline and the model axis."""
+        if self.num_stages == 1 and not self.ties and self.tp_size == 1:
+            return dp_sum
+        tp = self.tp_size
+
+        def reduce(squared: torch.Tensor) -> None:
+            if tp > 1:
+                from runtime.tensor_parallel.engine import replicated_squares
+
+                squares = replicated_squares(self, self._replicated_specs)
+                if squares is not None:
+                    squared.sub_(squares.to(squared.dtype) * (tp - 1) / tp)
+            if dp_sum is not None:
+                dp_sum(squared)
+            if self._duplicate_squares is not None:  # tied copies are whole on every model rank
+                squared.sub_(self._duplicate_squares.to(squared.dtype) / tp)
+            if self.num_stages > 1:
+                dist.all_reduce(squared, group=self._pipe_group)
+            if tp > 1:
+                dist.all_reduce(squared, group=self.grid.get_model_parallel_group())
+
+        return reduce
+
+    def _batch_loss(self) -> torch.Tensor:
+        """The mean loss of the batch (over micro-batches and data ranks), sent from the last stage."""
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.is_last_stage():
+            # the schedule's first step also runs the loss once on placeholder tensors, to learn the
+            # shapes of the gradients: the batch's own losses are the last ones
+            loss = torch.stack(self._losses[-self.micro_batches :]).mean().to(self.device)
+            if self.comm.world_size > 1:
+                dist.all_reduce(loss, group=self.comm.group)
+                loss /= self.comm.world_size
+        if self.num_stages > 1:
+            dist.broadcast(loss, self._last_stage_rank, group=self._pipe_group)
+        return loss
+
+    # -- evaluation ------------------------------------------------------------------------------------
+    def eval_batch(
+        self,
+        data_iter: Iterator[Any] | None,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+    ) -> Any:
+        """Forward `gradient_accumulation_steps` micro-batches. Returns the loss (reduce_output="avg": the
+        mean over micro-batches and data ranks; None: one value per micro-batch, averaged over data ranks)
+        on every rank, or None without compute_loss; with return_logits, (loss, outputs) where outputs are
+        the last stage's (None on other stages)."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+        self.module.eval()
+        inputs, targets = self._read_micro_batches(data_iter)
+        self._losses = []
+        with torch.no_grad():
+            if compute_loss:
+                outputs = self._schedule.eval(*inputs, target=targets)
+            else:
+                if self._forward_only is None:
+                    self._forward_only = ScheduleGPipe(self._stage, self.micro_batches, loss_fn=None)
+                outputs = self._forward_only.eval(*inputs)
+        self.module.train()
+        loss = None
+        if compute_loss:
+            loss = torch.zeros(self.micro_batches, dtype=torch.float32, device=self.device)
+            if self.is_last_stage():
+                loss = torch.stack(self._losses[-self.micro_batches :]).to(self.device)
+                if self.comm.world_size > 1:
+                    dist.all_reduce(loss, group=self.comm.group)
+                    loss /= self.comm.world_size
+            if self.num_stages > 1:
+                dist.broadcast(loss, self._last_stage_rank, group=self._pipe_group)
+            if reduce_output == "avg":
+                loss = loss.mean()
+        if return_logits:
+            return loss, outputs if self.is_last_stage() else None
+        return loss
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def _stage_dir(self, root: str | os.PathLike) -> str:
+        """Each stage saves its own ZeRO checkpoint (its data-parallel ranks' shards) in its own
+        directory; the name carries the pipeline degree, so a resume at another degree is caught."""
+        return os.path.join(os.fspath(root), f"pipe_stage_{self.stage_id:02d}_of_{self.num_stages:02d}")
+
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: str | None = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Save this stage's training state under save_dir/pipe_stage_SS_of_NN/<tag>; every rank must call
+        it. Returns this stage's tag directory."""
+        state = dict(client_state or {})
+        state[_PARTS_KEY] = list(self.module.parts)
+        return super().save_checkpoint(self._stage_dir(save_dir), tag, state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict[str, Any]]:
+        """Resume from a pipeline checkpoint saved at the same pipeline degree and partition."""
+        stage_dir = self._stage_dir(load_dir)
+        if not os.path.isdir(stage_dir):
+            saved = (
+                sorted(n for n in os.listdir(load_dir) if n.startswith("pipe_stage_"))
+                if os.path.isdir(load_dir)
+                else []
+            )
+            raise ValueError(
+                f"{load_dir} has no checkpoint for stage {self.stage_id} of {self.num_stages} "
+                f"({os.path.basename(stage_dir)}); it holds {saved or 'no pipeline stages'}: resume at the "
+                "pipeline degree the checkpoint was saved with"
+            )
+        path, state = super().load_checkpoint(
+            stage_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+        state = dict(state or {})
+        parts = state.pop(_PARTS_KEY, None)
+        if parts is not None and list(parts) != list(self.module.parts):
+            raise ValueError(
+                f"the checkpoint's stages hold layers {parts} (boundaries) but this module's hold "
+                f"{list(self.module.parts)}: build the PipelineModule with the same partition_method"
+            )
+        return path, state
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a PipelineEngine runs whole batches: call train_batch() or eval_batch()")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a PipelineEngine runs whole batches: call train_batch(), not backward()")
+
+
+def _split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise ValueError(
+            f"each micro-batch must be a pair (inputs, labels), got {type(batch).__name__}"
+            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        )
+    inputs, labels = batch
+    as_tuple = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)  # noqa: E731
+    return as_tuple(inputs), as_tuple(labels)
+
+
+def _concat(parts: tuple[tuple[torch.Tensor, ...], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Micro-batches -> one batch per tensor position (the schedule splits it back into equal chunks)."""
+    sizes = {t.shape[0] for part in parts for t in part}
+    if len(sizes) > 1:
+        raise ValueError(f"micro-batches must have the same size along dim 0, got sizes {sorted(sizes)}")
+    return tuple(torch.cat(column).to(device) for column in zip(*parts, strict=True))
+
+
+__all__ = ["PipelineEngine", "check_pipeline_config"]

@@ -1,0 +1,203 @@
+"""`TensorParallelEngine`: AutoTP over the grid's model axis composed with the ZeRO engine over data.
+
+The config's `"tensor_parallel": {"autotp_size": N}` shards the model with `tp_model_init` on a
+pipe=1 x data x model=N grid. The ZeRO machinery flattens plain tensors, so each sharded parameter is then
+re-registered as its local shard (a plain Parameter) behind a parametrization that wraps it back into the
+DTensor on every access (`DTensor.from_local`, differentiable): the forward still runs the DTensor plans,
+and the gradients land, local, in the engine's flat buffers, to be reduced over data as usual.
+
+The gradient norm counts every weight once: sharded parameters are summed over the model group, and the
+parameters every tensor-parallel rank holds whole (norms, embeddings, row-wise biases) are kept in their
+own param groups, whose squares are scaled by 1/tp before that sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import parametrize
+
+from runtime.comm import Comm
+from runtime.config import load_config
+from runtime.config_reader import read_config_file
+from runtime.engine import Engine
+from runtime.offload import GradMath
+from runtime.parallel import ParallelGrid, topology_for
+from runtime.tensor_parallel import read_tensor_parallel_config
+from runtime.tensor_parallel.autotp import tp_model_init
+
+
+class _FromLocal(nn.Module):
+    """Parametrization: this rank's shard -> the DTensor the plans compute with."""
+
+    def __init__(self, like: DTensor) -> None:
+        super().__init__()
+        self.mesh = like.device_mesh
+        self.placements = like.placements
+        self.shape = like.shape
+        self.stride = like.stride()
+
+    def forward(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
+
+
+def localize_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """Re-register every DTensor parameter as its local shard behind a `_FromLocal` parametrization;
+    returns the local shards of the parameters that are split over the model group."""
+    sharded: set[nn.Parameter] = set()
+    for module in list(model.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                continue
+            local = nn.Parameter(param.to_local().detach().clone(), requires_grad=param.requires_grad)
+            wrap = _FromLocal(param)
+            del module._parameters[name]
+            module.register_parameter(name, local)
+            parametrize.register_parametrization(module, name, wrap, unsafe=True)
+            if any(p.is_shard() for p in wrap.placements):
+                sharded.add(module.parametrizations[name].original)
+    return sharded
+
+
+def split_param_groups(
+    model: nn.Module, model_parameters: Any, sharded: set[nn.Parameter]
+) -> tuple[list[dict[str, Any]], set[int]]:
+    """Each param group split into its sharded and its replicated parameters (same options); returns the
+    groups and the indices of the replicated ones."""
+    if model_parameters is None:
+        base = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    else:
+        items = list(model_parameters)
+        base = items if items and isinstance(items[0], dict) else [{"params": items}]
+    groups, replicated = [], set()
+    for group in base:
+        params = list(group["params"])
+        options = {k: v for k, v in group.items() if k != "params"}
+        for is_sharded in (True, False):
+            part = [p for p in params if (p in sharded) == is_sharded]
+            if part:
+                if not is_sharded:
+                    replicated.add(len(groups))
+                groups.append({"params": part, **options})
+    return groups, replicated
+
+
+def replicated_squares(engine: Engine, replicated_specs: set[int]) -> torch.Tensor | None:
+    """Sum of squares of this rank's reduced gradients of the parameters every model rank holds whole
+    (the param groups in `replicated_specs`), in the units of the engine's norm; None when there are
+    none. Call it where the norm is computed: the gradients are reduced by then."""
+    pieces = [
+        piece.float()
+        for group, group_pieces in zip(engine.groups, engine.zero.grad_pieces(), strict=True)
+        if group.spec_index in replicated_specs
+        for piece in group_pieces
+    ]
+    if not pieces:
+        return None
+    return torch.stack([torch.linalg.vector_norm(p) for p in pieces]).square().sum()
+
+
+def shard_for_tensor_parallel(
+    model: nn.Module, tp_size: int, mesh: Any, model_parameters: Any
+) -> tuple[list[dict[str, Any]], set[int]]:
+    """AutoTP `model` over `mesh`, local shards as its parameters; returns the param groups for the
+    engine and the indices of the replicated ones (see `split_param_groups`). A model with nothing to
+    shard (a pipeline stage of only embeddings and norms) stays whole."""
+    from runtime.tensor_parallel.autotp import tp_plan
+
+    if tp_plan(model):
+        tp_model_init(model, tp_size, mesh=mesh)
+    sharded = localize_parameters(model)
+    return split_param_groups(model, model_parameters, sharded)
+
+
+class TensorParallelEngine(Engine):
+    """The ZeRO engine (stages 0 and 1) over the data group of a model sharded with AutoTP."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Any,
+        *,
+        optimizer: Any = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+    ) -> None:
+        raw = dict(read_config_file(config)) if isinstance(config, (str, os.PathLike)) else dict(config)
+        tp_cfg = read_tensor_parallel_config(raw.pop("tensor_parallel", None))
+        tp = tp_cfg.autotp_size
+        grid = ParallelGrid(topology_for(dist.get_world_size(), tp=tp))
+        cfg = load_config(raw, world_size=grid.data_parallel_size, model=model)
+        if cfg.zero_optimization.stage >= 2:
+            raise ValueError(
+                f"zero_optimization.stage {cfg.zero_optimization.stage} with tensor parallelism "
+                f"(autotp_size {tp}) is not supported yet; use stage 0 or 1"
+            )
+        if optimizer is not None:
+            raise ValueError("TensorParallelEngine builds the optimizer from the config's optimizer section")
+        groups, self_replicated = shard_for_tensor_parallel(model, tp, grid.mesh["model"], model_parameters)
+        super().__init__(
+            model,
+            cfg,
+            model_parameters=groups,
+            lr_scheduler=lr_scheduler,
+            comm=Comm(
+                grid.get_data_parallel_group(),
+                emulate_reduce_scatter=not cfg.zero_optimization.reduce_scatter,
+            ),
+        )
+        self.grid = grid
+        self.tp_size = tp
+        self._replicated_specs = self_replicated
+
+    def _grad_math(self) -> GradMath:
+        math = super()._grad_math()
+        if self.tp_size == 1:
+            return math
+        return dataclasses.replace(math, all_reduce_sum=self._grid_sum(math.all_reduce_sum))
+
+    def _grid_sum(self, dp_sum: Any) -> Any:
+        tp = self.tp_size
+
+        def reduce(squared: torch.Tensor) -> None:
+            # replicated parameters: every model rank holds the same gradient, so each adds 1/tp of it
+            squares = replicated_squares(self, self._replicated_specs)
+            if squares is not None:
+                squared.sub_(squares.to(squared.dtype) * (tp - 1) / tp)
+            if dp_sum is not None:
+                dp_sum(squared)
+            dist.all_reduce(squared, group=self.grid.get_model_parallel_group())
+
+        return reduce
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model in the Hugging Face layout (weights gathered over the model group, the fused
+        q|k|v order undone); every rank must call it."""
+        from runtime.tensor_parallel.autotp import full_state_dict
+
+        self.masters.flush()
+        return full_state_dict(self.module)
+
+
+def tensor_parallel_size(config: Any) -> int:
+    """The autotp_size a config asks for (1 without a "tensor_parallel" section)."""
+    raw = read_config_file(config) if isinstance(config, (str, os.PathLike)) else config
+    return read_tensor_parallel_config(raw.get("tensor_parallel")).autotp_size
+
+
+__all__ = [
+    "TensorParallelEngine",
+    "localize_parameters",
+    "replicated_squares",
+    "shard_for_tensor_parallel",
+    "split_param_groups",
+    "tensor_parallel_size",
+]

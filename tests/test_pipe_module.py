@@ -1,0 +1,186 @@
+"""PipelineModule: the partition as pure functions, each stage building only its own layers, eval_batch,
+and the clear errors for bad input (the distributed checks run in
+the shared spawn of 4 gloo ranks, tests/pipe_world4.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.pipe.module import LayerSpec, count_trainable_params, layer_type_name
+from runtime.pipe.partition import partition_balanced, partition_layers, partition_uniform, type_weights
+from tests.pipe_cases import BASE_SEED, ReferenceModel, data_iterator, global_micro_batch, mlp_layers, mse
+from tests.pipe_world4 import part
+
+
+class Recorded(nn.Module):
+    """A layer that notes where it was built: (layer id, device of its weight)."""
+
+    built: list[tuple[int, str]] = []  # noqa: RUF012 - per process
+
+    def __init__(self, layer_id: int, width: int = 4) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+        Recorded.built.append((layer_id, self.weight.device.type))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.weight
+
+
+# -- pure partitioning -------------------------------------------------------------------------------
+def test_uniform_gives_the_first_stages_the_extra_layers() -> None:
+    assert partition_uniform(10, 4) == [0, 3, 6, 8, 10]
+    assert partition_uniform(4, 4) == [0, 1, 2, 3, 4]
+
+
+def test_balanced_minimises_the_heaviest_stage() -> None:
+    # Linear(6,16), two parameterless layers, Linear(16,16), tanh, Linear(16,16), tanh, Linear(16,4)
+    weights = [112, 0, 0, 272, 0, 272, 0, 68]
+    assert partition_balanced(weights, 4) == [0, 3, 5, 7, 8]
+    assert partition_balanced(weights, 2) == [0, 5, 8]  # 384 | 340, the best split
+    assert partition_balanced([5, 1, 1, 1, 1, 1], 2) == [0, 1, 6]
+    assert partition_balanced([0, 0, 0, 0], 2) == [0, 3, 4]  # every stage still gets a layer
+
+
+def test_type_regex_spreads_the_matching_layers() -> None:
+    names = ["Embedding", "Block", "Block", "Block", "Block", "LayerNorm", "Head"]
+    assert type_weights(names, "block") == [0, 1, 1, 1, 1, 0, 0]
+    assert partition_layers("type:Block", 2, type_names=names) == [0, 3, 7]
+    with pytest.raises(ValueError, match=r"'type:Attention' matches none of the layer types \['Block', "):
+        partition_layers("type:Attention", 2, type_names=names)
+
+
+def test_bad_partition_input_names_the_numbers() -> None:
+    with pytest.raises(ValueError, match="the pipeline has 5 stages but only 4 layers"):
+        partition_uniform(4, 5)
+    with pytest.raises(ValueError, match="the pipeline has 3 stages but only 2 layers"):
+        partition_layers("parameters", 3, param_counts=[1, 1], type_names=["A", "B"])
+    with pytest.raises(
+        ValueError, match="unknown partition_method 'blocks'; use one of 'parameters', 'uniform'"
+    ):
+        partition_layers("blocks", 2, type_names=["A", "B"])
+
+
+def test_counting_a_spec_builds_it_on_meta_only() -> None:
+    Recorded.built.clear()
+    assert count_trainable_params(LayerSpec(Recorded, 7, width=9)) == 9
+    assert count_trainable_params(LayerSpec(nn.Linear, 3, 2)) == 8
+    assert count_trainable_params(torch.tanh) == 0
+    assert Recorded.built == [(7, "meta")]
+    assert layer_type_name(LayerSpec(Recorded, 0)) == "Recorded"
+    assert layer_type_name(torch.tanh) == "tanh"
+
+
+# -- distributed -------------------------------------------------------------------------------------
+def _config(micro_batches: int, dp: int, **extra: Any) -> dict:
+    return {
+        "train_batch_size": 8 * micro_batches,
+        "gradient_accumulation_steps": micro_batches,
+        "train_micro_batch_size_per_gpu": 8 // dp,
+        "steps_per_print": 0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        **extra,
+    }
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return "no error"
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    from runtime.pipe import PipelineEngine, PipelineModule
+
+    out: dict[str, Any] = {}
+    # each stage builds its own layers for real; the others only on meta (to count their parameters)
+    Recorded.built.clear()
+    module = PipelineModule([LayerSpec(Recorded, i) for i in range(8)], num_stages=4, loss_fn=mse)
+    out["stage"] = module.stage_id
+    out["real"] = sorted(i for i, device in Recorded.built if device != "meta")
+    out["names"] = sorted(n for n, _ in module.named_parameters())
+
+    # eval_batch against the reference forward
+    module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=mse, seed_layers=True, base_seed=BASE_SEED)
+    engine = PipelineEngine(module, _config(2, 2))
+    dp_rank = module.grid.get_data_parallel_rank()
+    out["eval_avg"] = float(engine.eval_batch(data_iterator("mlp", 0, 2, 8, dp_rank, 2)))
+    per_micro, logits = engine.eval_batch(
+        data_iterator("mlp", 0, 2, 8, dp_rank, 2), return_logits=True, reduce_output=None
+    )
+    out["eval_micro"] = per_micro.tolist()
+    out["logits"] = logits
+    out["dp_rank"] = dp_rank
+    out["no_loss"] = engine.eval_batch(data_iterator("mlp", 0, 2, 8, dp_rank, 2), compute_loss=False)
+
+    # a data iterator that runs out mid-batch: every rank stops before any compute, middle stages too
+    module4 = PipelineModule(mlp_layers(), num_stages=4, loss_fn=mse)
+    engine4 = PipelineEngine(module4, _config(4, 1))
+    out["ran_out"] = _error(lambda: engine4.train_batch(data_iterator("mlp", 0, 2, 8, 0, 1)))
+    # no iterator on the last stage (pp4 x dp1: rank 3): it says so, every other rank stops too
+    out["no_iterator"] = _error(
+        lambda: engine4.train_batch(None if rank == 3 else data_iterator("mlp", 0, 4, 8, 0, 1))
+    )
+    out["bad_stages"] = _error(lambda: PipelineModule(mlp_layers(), num_stages=3, loss_fn=mse))
+    out["too_many_stages"] = _error(lambda: PipelineModule([LayerSpec(nn.Linear, 2, 2)] * 3, num_stages=4))
+    out["zero3"] = _error(lambda: PipelineEngine(module4, _config(4, 1, zero_optimization={"stage": 3})))
+    out["bad_key"] = _error(lambda: PipelineEngine(module4, _config(4, 1, pipeline={"stagez": 2})))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return part("module")
+
+
+def test_each_stage_builds_only_its_layers(results: list[dict]) -> None:
+    assert [r["stage"] for r in results] == [0, 1, 2, 3]
+    assert [r["real"] for r in results] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # parameter names carry the global layer index, whatever the partition
+    assert results[2]["names"] == ["4.weight", "5.weight"]
+
+
+def test_eval_batch_matches_the_reference_forward(results: list[dict]) -> None:
+    model = ReferenceModel(mlp_layers())
+    with torch.no_grad():
+        outputs = [model(global_micro_batch("mlp", 0, m, 8)[0]) for m in range(2)]
+        losses = [float(mse(o, global_micro_batch("mlp", 0, m, 8)[1])) for m, o in enumerate(outputs)]
+    for r in results:
+        assert r["eval_avg"] == pytest.approx(sum(losses) / 2, rel=1e-5)
+        assert r["eval_micro"] == pytest.approx(losses, rel=1e-5)
+        assert r["no_loss"] is None
+    for r in results:  # logits on the last stage only: this data rank's rows of both micro-batches
+        if r["stage"] in (0, 1):
+            assert r["logits"] is None
+        else:
+            rows = slice(4 * r["dp_rank"], 4 * r["dp_rank"] + 4)
+            torch.testing.assert_close(
+                r["logits"], torch.cat([o[rows] for o in outputs]), rtol=1e-5, atol=1e-6
+            )
+
+
+def test_bad_input_is_refused_before_training(results: list[dict]) -> None:
+    for r in results:
+        assert r["ran_out"] == (
+            "the data iterator ran out after 2 of 4 micro-batches (gradient_accumulation_steps) of this "
+            "batch; give every batch all of its micro-batches"
+        )
+        assert r["bad_stages"] == (
+            "num_stages=3 does not divide the world size 4: every data-parallel replica needs one rank "
+            "per stage"
+        )
+        assert r["no_iterator"] == (
+            "stage 3: no data iterator was given (train_batch(data_iter) on the first and last stage)"
+            if r["stage"] == 3
+            else "train_batch: the first or last stage was given no data iterator"
+        )
+        assert r["too_many_stages"].startswith("the pipeline has 4 stages but only 3 layers")
+        assert r["zero3"].startswith(
+            "zero_optimization.stage 3 cannot be combined with pipeline parallelism (4 stages)"
+        )
+        assert r["bad_key"].startswith("pipeline: unknown keys ['stagez']")

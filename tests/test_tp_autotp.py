@@ -1,0 +1,427 @@
+"""AutoTP (`tp_model_init`) on GPT-2-style Conv1D and Llama-style Linear blocks equals the unsharded model.
+
+Runs in the shared spawn of 4 gloo ranks (tests/pipe_world4.py), laid out tp2 x dp2
+(`topology_for(4, tp=2)`). Two kinds of check, 8 steps each:
+- `tp_model_init` alone: each model group trains a sharded copy on its own data next to the whole model
+  (the reference) on the same data: losses to 1e-5 relative, the gathered Hugging Face-layout weights
+  (so the fused q|k|v reordering is undone), per-rank parameter elements against the plan (sharded
+  projections / 2), local head counts, and the errors for degrees that do not divide;
+- `TensorParallelEngine` (`"tensor_parallel": {"autotp_size": 2}`): ZeRO-0/1 over data, clipping by the
+  norm over the whole grid, against one process training on the global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.pipe_world4 import part
+
+DIM, HEADS, KV_HEADS, VOCAB, SEQ = 16, 4, 2, 13, 6
+STEPS = 8
+
+
+class Conv1D(nn.Module):
+    """Hugging Face's Conv1D layout: weight (in, out), y = x @ W + b, output size `nf`."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = (*x.size()[:-1], self.nf)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, heads: int = HEADS) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.split_size = heads, DIM // heads, DIM
+        self.c_attn = Conv1D(3 * DIM, DIM)
+        self.c_proj = Conv1D(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (
+            part.view(b, t, -1, self.head_dim).transpose(1, 2)
+            for part in self.c_attn(x).split(self.split_size, dim=2)
+        )
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = Conv1D(4 * DIM, DIM)
+        self.c_proj = Conv1D(DIM, 4 * DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, heads: int = HEADS) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(DIM), GPT2Attention(heads)
+        self.ln_2, self.mlp = nn.LayerNorm(DIM), GPT2MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query attention: HEADS query heads share KV_HEADS key/value heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = DIM // HEADS
+        self.num_heads, self.num_key_value_heads = HEADS, KV_HEADS
+        self.q_proj = nn.Linear(DIM, DIM, bias=False)
+        self.k_proj = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        repeat = self.num_heads // self.num_key_value_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.up_proj = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.down_proj = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.self_attn = nn.LayerNorm(DIM), LlamaAttention()
+        self.post_attention_layernorm, self.mlp = nn.LayerNorm(DIM), LlamaMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, block: type[nn.Module], layers: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, DIM)
+        self.h = nn.ModuleList(block() for _ in range(layers))
+        self.ln_f = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens)
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(900 + 31 * step + dp_rank)
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tokens).reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def _sharded_numel(model: nn.Module) -> int:
+    """Elements the plan splits: every planned weight, plus the biases of column-wise projections."""
+    from runtime.tensor_parallel.autotp import ROWWISE_NAMES, tp_plan
+
+    total = 0
+    for name in tp_plan(model):
+        module = model.get_submodule(name)
+        total += module.weight.numel()
+        if getattr(module, "bias", None) is not None and name.rsplit(".", 1)[-1] not in ROWWISE_NAMES:
+            total += module.bias.numel()
+    return total
+
+
+def _train_pair(block: type[nn.Module], mesh: object, dp_rank: int) -> dict:
+    from runtime.tensor_parallel import full_state_dict, local_numel, tp_model_init
+
+    torch.manual_seed(0)
+    reference = TinyLM(block)
+    model = copy.deepcopy(reference)
+    whole = sum(p.numel() for p in reference.parameters())
+    expected_local = whole - _sharded_numel(reference) // 2
+    tp_model_init(model, 2, mesh=mesh)
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        tokens, labels = _batch(step, dp_rank)
+        for m, o, log in ((reference, opt_ref, ref_losses), (model, opt, losses)):
+            loss = _loss(m, tokens, labels)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            log.append(float(loss.detach()))
+    got, want = full_state_dict(model), reference.state_dict()
+    attn = model.h[0].attn if block is GPT2Block else model.h[0].self_attn
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "max_diff": max(float((got[k] - want[k]).abs().max()) for k in want),
+        "same_keys": sorted(got) == sorted(want),
+        "local": local_numel(model),
+        "expected_local": expected_local,
+        "heads": (
+            attn.num_heads,
+            getattr(attn, "num_key_value_heads", None),
+            getattr(attn, "split_size", None),
+        ),
+    }
+
+
+# GPT-2 trains with SGD: its key bias gets a zero gradient in exact arithmetic (softmax ignores a shift
+# shared by all keys), and Adam would turn the rounding noise in it into full-size steps
+ENGINE_CASES = [("gpt2", 0, 0.0, "SGD"), ("llama", 1, 0.3, "Adam"), ("gpt2", 1, 0.3, "SGD")]
+
+
+def _engine_run(kind: str, stage: int, clip: float, optimizer: str) -> dict:
+    """tp2 x dp2 through TensorParallelEngine: ZeRO over data, clipping by the norm over the whole grid."""
+    import torch.distributed as dist
+
+    from runtime.tensor_parallel.engine import TensorParallelEngine
+
+    torch.manual_seed(0)
+    model = TinyLM(GPT2Block if kind == "gpt2" else LlamaBlock)
+    lr = 0.2 if optimizer == "SGD" else 0.02
+    params = {"lr": lr, "momentum": 0.9} if optimizer == "SGD" else {"lr": lr}
+    config = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 0,
+        "gradient_clipping": clip,
+        "optimizer": {"type": optimizer, "params": params},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 200},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    engine = TensorParallelEngine(model, config)
+    dp_rank = engine.grid.get_data_parallel_rank()
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, labels = _batch(step, dp_rank)
+        loss = _loss(engine, tokens, labels)
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=engine.grid.get_data_parallel_group())
+        losses.append(float(mean) / 2)
+        norms.append(engine.get_global_grad_norm())
+    return {"losses": losses, "norms": norms, "state": engine.hf_state_dict()}
+
+
+def _engine_reference(kind: str, clip: float, optimizer: str) -> dict:
+    torch.manual_seed(0)
+    model = TinyLM(GPT2Block if kind == "gpt2" else LlamaBlock)
+    lr = 0.2 if optimizer == "SGD" else 0.02
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        if optimizer == "SGD"
+        else torch.optim.Adam(model.parameters(), lr=lr)
+    )
+    losses, norms = [], []
+    for step in range(STEPS):
+        batches = [_batch(step, d) for d in range(2)]
+        tokens, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        loss = _loss(model, tokens, labels)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else 1e9)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "state": model.state_dict()}
+
+
+def _layers_3d() -> list:
+    from runtime.pipe import LayerSpec, TiedLayerSpec
+    from tests.pipe_cases import VOCAB as PIPE_VOCAB
+    from tests.pipe_cases import head_forward
+
+    return [
+        TiedLayerSpec("embed", nn.Embedding, PIPE_VOCAB, DIM),
+        LayerSpec(GPT2Block),
+        LayerSpec(LlamaBlock),
+        LayerSpec(nn.LayerNorm, DIM),
+        TiedLayerSpec("embed", nn.Embedding, PIPE_VOCAB, DIM, forward_fn=head_forward),
+    ]
+
+
+CLIP_3D = 0.3
+
+
+def _pipeline_3d(rank: int) -> dict:
+    """pp2 x tp2 (dp1): stage 0 = tied embedding + GPT-2 block, stage 1 = Llama block, norm, tied head."""
+    from runtime.parallel import PipeModelDataParallelTopology
+    from runtime.pipe import PipelineEngine, PipelineModule
+    from runtime.tensor_parallel.autotp import full_state_dict
+    from tests.pipe_cases import BASE_SEED, data_iterator, token_loss
+
+    module = PipelineModule(
+        _layers_3d(),
+        topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+        loss_fn=token_loss,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+        partition_method="type:Block",
+    )
+    config = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 0,
+        "gradient_clipping": CLIP_3D,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.2, "momentum": 0.9}},
+        "zero_optimization": {"stage": 1},
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    engine = PipelineEngine(module, config)
+    losses, norms = [], []
+    for step in range(STEPS):
+        losses.append(float(engine.train_batch(data_iterator("gpt", step, 2, 4, 0, 1))))
+        norms.append(engine.get_global_grad_norm())
+    return {
+        "losses": losses,
+        "norms": norms,
+        "state": full_state_dict(engine.module),
+        "stage": engine.stage_id,
+    }
+
+
+def _reference_3d() -> dict:
+    from tests.pipe_cases import ReferenceModel, global_micro_batch, token_loss
+
+    model = ReferenceModel(_layers_3d())
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(2):
+            tokens, labels = global_micro_batch("gpt", step, micro, 4)
+            loss = token_loss(model(tokens), labels)
+            (loss / 2).backward()
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_3D)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / 2)
+    return {"losses": losses, "norms": norms, "state": model.state_dict()}
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    from runtime.parallel import ParallelGrid, topology_for
+    from runtime.tensor_parallel import tp_model_init
+
+    grid = ParallelGrid(topology_for(world_size, tp=2))
+    mesh = grid.mesh["model"]
+    out: dict = {"engine": [_engine_run(*case) for case in ENGINE_CASES], "pipeline_3d": _pipeline_3d(rank)}
+    out |= {
+        "gpt2": _train_pair(GPT2Block, mesh, grid.get_data_parallel_rank()),
+        "llama": _train_pair(LlamaBlock, mesh, grid.get_data_parallel_rank()),
+    }
+    try:
+        tp_model_init(TinyLM(lambda: GPT2Block(heads=8)), 2, mesh=mesh)  # 8 heads of width 2: fine
+        tp_model_init(_OddHeads(), 2, mesh=mesh)
+        out["odd_heads"] = "no error"
+    except ValueError as error:
+        out["odd_heads"] = str(error)
+    try:
+        tp_model_init(TinyLM(GPT2Block), 3)
+        out["odd_degree"] = "no error"
+    except ValueError as error:
+        out["odd_degree"] = str(error)
+    return out
+
+
+class _OddHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = GPT2Attention(heads=1)
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return part("tp")
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_sharded_model_trains_like_the_whole_one(results: list[dict], kind: str) -> None:
+    for rank, r in enumerate(results):
+        got = r[kind]
+        assert got["losses"] == pytest.approx(got["ref_losses"], rel=1e-5), f"rank {rank}"
+        assert got["same_keys"], f"rank {rank}: full_state_dict keys differ from the model's"
+        assert got["max_diff"] < 1e-5, f"rank {rank}: weights differ by {got['max_diff']:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_each_rank_holds_its_share_of_the_projections(results: list[dict], kind: str) -> None:
+    for r in results:
+        assert r[kind]["local"] == r[kind]["expected_local"]
+    assert results[0]["gpt2"]["heads"] == (HEADS // 2, None, DIM // 2)
+    assert results[0]["llama"]["heads"] == (HEADS // 2, KV_HEADS // 2, None)
+
+
+@pytest.mark.parametrize("index", range(len(ENGINE_CASES)), ids=[str(c) for c in ENGINE_CASES])
+def test_engine_tp2_dp2_matches_single_process(results: list[dict], index: int) -> None:
+    kind, _, clip, optimizer = ENGINE_CASES[index]
+    ref = _engine_reference(kind, clip, optimizer)
+    for rank, r in enumerate(results):
+        got = r["engine"][index]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
+        if clip > 0:
+            assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), f"rank {rank}"
+        assert sorted(got["state"]) == sorted(ref["state"])
+        for key, want in ref["state"].items():
+            torch.testing.assert_close(
+                got["state"][key], want, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}"
+            )
+
+
+def test_pipeline_with_tensor_parallel_matches_single_process(results: list[dict]) -> None:
+    """pp2 x tp2: losses, the clipped norm (ties and replicated weights once), the gathered weights."""
+    ref = _reference_3d()
+    seen = set()
+    for rank, r in enumerate(results):
+        got = r["pipeline_3d"]
+        assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"rank {rank}"
+        assert got["norms"] == pytest.approx(ref["norms"], rel=1e-5), f"rank {rank}"
+        for key, value in got["state"].items():
+            seen.add(key)
+            torch.testing.assert_close(
+                value, ref["state"][key], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}"
+            )
+    assert seen == set(ref["state"])
+
+
+def test_degrees_that_do_not_divide_are_refused(results: list[dict]) -> None:
+    for r in results:
+        assert r["odd_heads"] == "tensor-parallel degree 2 does not divide attn.num_heads = 1"
+        assert r["odd_degree"] == (
+            "1 pipeline stages x tensor-parallel degree 3 = 3 ranks per replica does not divide the "
+            "world size 4"
+        )

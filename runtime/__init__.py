@@ -15,6 +15,7 @@ User scripts ``import runtime`` where they would ``import deepspeed``::
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -161,6 +162,18 @@ def initialize(
     init_distributed()  # the group, or for one the script made, only the care its exit needs
     from runtime.config import Config, load_config
 
+    parallel = _model_parallel_engine(model, source)
+    if parallel is not None:  # pipeline or tensor parallel: the engine reads its own sections of the config
+        engine = parallel(
+            model, source, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
+        )
+        if training_data is not None:
+            raise ValueError(
+                "runtime.initialize: training_data with pipeline or tensor parallelism: build the data "
+                "iterator yourself (every data-parallel group reads its own batches); engine.train_batch() "
+                "takes it"
+            )
+        return engine, engine.optimizer, None, engine.lr_scheduler
     world_size = dist.get_world_size()
     cfg = source if isinstance(source, Config) else load_config(source, world_size=world_size, model=model)
     if cfg.world_size != world_size:
@@ -175,6 +188,29 @@ def initialize(
         loader = build_dataloader(training_data, cfg, collate_fn=collate_fn)
         engine.training_dataloader = loader
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _model_parallel_engine(model: nn.Module, source: Any) -> type[Engine] | None:
+    """The engine class for pipeline parallelism (a PipelineModule) or tensor parallelism (the config's
+    ``tensor_parallel.autotp_size`` > 1); None for data parallelism alone (the plain Engine)."""
+    from runtime.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        from runtime.pipe.engine import PipelineEngine
+
+        return PipelineEngine
+    from runtime.config import Config
+    from runtime.config_reader import read_config_file
+
+    if isinstance(source, Config):
+        return None
+    raw = read_config_file(source) if isinstance(source, (str, os.PathLike)) else source
+    section = raw.get("tensor_parallel") if isinstance(raw, dict) else None
+    if isinstance(section, dict) and int(section.get("autotp_size", section.get("tp_size", 1)) or 1) > 1:
+        from runtime.tensor_parallel.engine import TensorParallelEngine
+
+        return TensorParallelEngine
+    return None
 
 
 def build_dataloader(

@@ -150,11 +150,14 @@ class Config:
         return self.raw.get(key, default)
 
 
-# DeepSpeed top-level keys for features dslaunch does not have (yet). The value names the feature.
+# DeepSpeed top-level keys for features dslaunch does not have (yet), or not for this model: the value names
+# the feature. ("pipeline" and "tensor_parallel" are read by runtime.pipe / runtime.tensor_parallel, whose
+# engines runtime.initialize picks for a PipelineModule or an autotp_size above 1.)
 _UNSUPPORTED_TOP_LEVEL = {
     "amp": "apex AMP",
-    "pipeline": "pipeline parallelism",
-    "tensor_parallel": "tensor parallelism (AutoTP)",
+    "pipeline": "a pipeline section for a model that is not a PipelineModule (runtime.pipe.PipelineModule, "
+    "deepspeed.pipe.PipelineModule: pipeline parallelism)",
+    "tensor_parallel": "tensor_parallel with autotp_size 1 (no tensor parallelism: leave the section out)",
     "sequence_parallel_size": "sequence parallelism",
     "compression_training": "compression training",
     "compression": "compression",

@@ -248,18 +248,61 @@ def test_zero3_names() -> None:
         assert "register_external_parameter for a ZeRO-3-sharded parameter" in seen["external"]
 
 
+def _pipeline_through_initialize(rank: int, world_size: int) -> dict[str, Any]:
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    layers = [LayerSpec(nn.Linear, 4, 8), nn.ReLU(), LayerSpec(nn.Linear, 8, 1)]
+    module = PipelineModule(layers=layers, num_stages=2, loss_fn=nn.functional.mse_loss)
+    config = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 0,
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}  # fmt: skip
+    engine, _, _, _ = deepspeed.initialize(model=module, config=config, model_parameters=module.parameters())
+    initial = {name: value.clone() for name, value in module.state_dict().items()}  # this stage's layers
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 4, generator=gen), torch.randn(2, 1, generator=gen)) for _ in range(2)]
+    loss = engine.train_batch(iter(batches))
+    out = {"engine": type(engine).__name__, "loss": float(loss), "stage": engine.stage_id, "initial": initial}
+    try:
+        deepspeed.initialize(model=nn.Linear(2, 2), config={"train_batch_size": 2, "tensor_parallel": {
+            "autotp_size": 4}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})  # fmt: skip
+    except Exception as error:
+        out["tp_error"] = str(error)
+    return out
+
+
+def test_pipeline_and_tensor_parallel_configs_reach_their_engines_through_initialize() -> None:
+    import deepspeed
+    import deepspeed.runtime.pipe.topology
+
+    from runtime.pipe import PipelineModule
+    from runtime.tensor_parallel import tp_model_init
+
+    assert deepspeed.PipelineModule is PipelineModule and deepspeed.tp_model_init is tp_model_init
+    assert deepspeed.runtime.pipe.topology.PipeDataParallelTopology(2, 1).get_dim("pipe") == 2
+    results = run_distributed(_pipeline_through_initialize, 2)
+    # the reference: the same two micro-batches through the whole model (the stages' initial weights, by
+    # global layer index), averaged
+    initial = {**results[0]["initial"], **results[1]["initial"]}
+    first, second = nn.Linear(4, 8), nn.Linear(8, 1)
+    first.load_state_dict({"weight": initial["0.weight"], "bias": initial["0.bias"]})
+    second.load_state_dict({"weight": initial["2.weight"], "bias": initial["2.bias"]})
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(2, 4, generator=gen), torch.randn(2, 1, generator=gen)) for _ in range(2)]
+    with torch.no_grad():
+        want = sum(float(nn.functional.mse_loss(second(torch.relu(first(x))), y)) for x, y in batches) / 2
+    assert [r["engine"] for r in results] == ["PipelineEngine"] * 2
+    assert [r["stage"] for r in results] == [0, 1]
+    assert all(r["loss"] == pytest.approx(want, rel=1e-6) for r in results), (results, want)
+    assert all("tensor-parallel degree 4" in r["tp_error"] for r in results), results
+
+
 @pytest.mark.parametrize(
     ("call", "feature", "alternative"),
     [
         (lambda ds: ds.init_inference(nn.Linear(2, 2)), "inference engine", "plain PyTorch"),
         (lambda ds: ds.moe.layer.MoE(hidden_size=4), "Mixture-of-Experts layers", "dense model"),
         (lambda ds: ds.ops.lion.DeepSpeedCPULion([]), "Lion optimizer", "Adam"),
-        (lambda ds: ds.PipelineModule(layers=[]), "pipeline parallelism", "ZeRO stage 3"),
-        (
-            lambda ds: ds.tp_model_init(nn.Linear(2, 2), 2, torch.float32),
-            "tensor parallelism",
-            "ZeRO stage 3",
-        ),
         (
             lambda ds: ds.utils.set_z3_leaf_modules(nn.Linear(2, 2), [nn.Linear]),
             "set_z3_leaf_modules",

@@ -259,8 +259,8 @@ BAD_CONFIGS = [
     pytest.param(
         {**MICRO, "pipeline": {"stages": 2}},
         "pipeline",
-        ["a DeepSpeed option dslaunch does not support: pipeline parallelism"],
-        id="unsupported-pipeline",
+        ["a pipeline section for a model that is not a PipelineModule"],
+        id="pipeline-without-a-pipeline-module",
     ),
     pytest.param(
         {**MICRO, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}},

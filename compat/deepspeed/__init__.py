@@ -17,13 +17,16 @@ except ImportError as _missing:  # the compat package was installed without dsla
         "install dslaunch too (pip install <dslaunch checkout> <dslaunch checkout>/compat)"
     ) from _missing
 
-from deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero
+from deepspeed import accelerator, checkpointing, comm, ops, pipe, runtime, utils, zero
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.version import __version__, __version_major__, __version_minor__, __version_patch__
 from runtime import add_config_arguments, initialize
 from runtime.dist_api import init_distributed
-from runtime.unsupported import unsupported_callable, unsupported_class
+from runtime.pipe import PipelineModule
+from runtime.pipe.engine import PipelineEngine
+from runtime.tensor_parallel import tp_model_init
+from runtime.unsupported import unsupported_callable
 
 __git_hash__ = None
 __git_branch__ = None
@@ -35,19 +38,6 @@ init_inference = unsupported_callable(
     "run the trained model with plain PyTorch (model.eval() under torch.no_grad()); ZeRO-3 weights can be "
     "consolidated with engine.save_16bit_model() or ds_consolidate first",
 )
-tp_model_init = unsupported_callable(
-    "tp_model_init",
-    "tensor parallelism (AutoTP, tp_model_init)",
-    "use ZeRO stage 3 to split the model's weights",
-)
-PipelineModule = unsupported_class(
-    "PipelineModule", "pipeline parallelism (PipelineModule)", "use ZeRO stage 3 to fit a large model"
-)
-PipelineEngine = unsupported_class(
-    "PipelineEngine", "pipeline parallelism (PipelineEngine)", "use ZeRO stage 3 to fit a large model"
-)
-
-
 def is_compile_supported() -> bool:
     return False
 
@@ -70,6 +60,7 @@ __all__ = [
     "initialize",
     "is_compile_supported",
     "ops",
+    "pipe",
     "runtime",
     "tp_model_init",
     "utils",

@@ -24,6 +24,8 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
     ours-shareNN "ours" with DSLAUNCH_OFFLOAD_HOST_SHARE=0.NN: the CPU updates NN% of the elements from
                  landed gradients while the GPU streams the rest (ours-share0: the GPU all of it)
     ours-clip    the same with gradient_clipping 1.0: the update waits for the norm, after backward
+    ours-unchecked  "ours" with bf16.check_grad_overflow false: no non-finite verdict, so one rank's update
+                 streams during backward (DeepSpeed's bf16 default: a NaN step is applied)
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
     ours-bf16grads   "ours-host" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=native: gradients land as bf16 and
                  the host step is ours (the adam row), 14 host bytes a parameter instead of 16
@@ -87,6 +89,7 @@ ENGINES = (
     "ours",
     "ours-host",
     "ours-clip",
+    "ours-unchecked",
     "ours-dpu",
     "ours-bf16grads",
     "ours-z3-param",
@@ -214,7 +217,7 @@ def engine_config(spec: dict[str, Any], offload: bool) -> dict[str, Any]:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": spec["clip"],  # DeepSpeed 0.19.8 would default to 1.0
         "steps_per_print": 1_000_000,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": True, **({"check_grad_overflow": False} if spec.get("unchecked") else {})},
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",
@@ -542,6 +545,7 @@ WORKERS = {
     "devstep": work_devstep,
     "ours": work_ours,
     "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
+    "ours-unchecked": lambda spec, device: work_ours({**spec, "unchecked": True}, device),
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
     "ours-bf16grads": lambda spec, device: work_ours(spec, device),  # the variables are set in worker_main

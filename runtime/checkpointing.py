@@ -278,8 +278,10 @@ class _Packed:
 
 
 def _pack(tensor: torch.Tensor) -> Any:
-    if isinstance(tensor, nn.Parameter) or not tensor.is_floating_point():
-        return tensor  # weights and index tensors are not activations: keep them as they are
+    if isinstance(tensor, nn.Parameter) or not tensor.is_floating_point() or tensor.numel() == 0:
+        # weights and index tensors are not activations, and an empty tensor (some torch versions save
+        # one as a placeholder) holds nothing: keep them as they are, out of the contiguous slots
+        return tensor
     chosen, comm = _state.settings, _state.partition
     packed = _Packed(tensor.shape, tensor.device, tensor.numel())
     data = tensor.detach().reshape(-1)

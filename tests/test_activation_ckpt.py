@@ -356,3 +356,20 @@ def test_train_gpt_flag_checkpoints_every_block_with_the_same_losses(
     losses = {k: re.findall(pattern, v, re.M) for k, v in runs.items()}
     assert len(losses[True]) == 3 and losses[True] == losses[False], runs
     assert "\r" not in runs[True] and "\033[" not in runs[True]
+
+
+def test_empty_inputs_take_no_contiguous_slot() -> None:
+    # an empty tensor among what a checkpointed call keeps (torch 2.11 on the GPU machine kept one) holds
+    # nothing: it must
+    # not use up, or overflow, the slots that number_checkpoints sizes for the real inputs
+    checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=1)
+    weight = torch.randn(4, 4, requires_grad=True)
+
+    def block(h: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        return h @ weight + first.sum() + second.sum()
+
+    x = torch.randn(3, 4, requires_grad=True)
+    out = checkpointing.checkpoint(block, x, torch.zeros(0), torch.zeros(0))
+    assert list(checkpointing._state.arena._pools) == [(12, torch.float32, torch.device("cpu"))]
+    out.sum().backward()
+    assert torch.allclose(x.grad, weight.detach().sum(1).expand(3, 4))

@@ -360,8 +360,7 @@ def test_train_gpt_flag_checkpoints_every_block_with_the_same_losses(
 
 def test_empty_inputs_take_no_contiguous_slot() -> None:
     # an empty tensor among what a checkpointed call keeps (torch 2.11 on the GPU machine kept one) holds
-    # nothing: it must
-    # not use up, or overflow, the slots that number_checkpoints sizes for the real inputs
+    # nothing: it must not use up, or overflow, the slots that number_checkpoints sizes for the inputs
     checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=1)
     weight = torch.randn(4, 4, requires_grad=True)
 

@@ -10,6 +10,12 @@ process group of world size 1. Configurations, in this order for each model:
     deepspeed  deepspeed.initialize with the same config as ours, for each of --ds_stages (when importable);
                all DeepSpeed runs come after every other configuration of every model
 
+Two more peers, only when named in --peers, compare whole-model compilation (issue 20's target: the
+compiled engine at >= 1.0x the compiled plain loop); their rows carry ratio_to_torch_compiled as well:
+
+    torch-compiled  the torch loop on torch.compile(model)
+    ours-compiled   ours, then engine.compile() (the module compiled in place under the engine's hooks)
+
 Timing: --warmup steps, then --steps steps each bracketed by device synchronization; the median step time
 gives tokens/s and TFLOP/s (6N + 12·L·d·T FLOPs per token, as in shared/research/perf_anchors.md §6.1).
 Peak memory is torch.cuda.max_memory_allocated from model construction to the last step, less what was
@@ -23,6 +29,7 @@ to stdout too: read the lines that start with '{"bench"' or use --out.
 
     python scripts/bench/train_throughput.py                       # H200: medium + xl, about 5 minutes
     python scripts/bench/train_throughput.py --models medium --peers torch,ours --stages 2
+    python scripts/bench/train_throughput.py --models xl --peers torch-compiled,ours-compiled --stages 2
     python scripts/bench/train_throughput.py --device cpu --models tiny --seq_len 64 --micro_batch 2 \\
         --warmup 1 --steps 2                                       # smoke check without a GPU
 """
@@ -56,6 +63,8 @@ PEAK_BF16_TFLOPS = 989.0  # H100/H200 dense bf16 datasheet (1979 is the 2:4-spar
 MEASURED_GEMM_TFLOPS = 790.0  # 8192^3 bf16 GEMM on one H200 (perf_anchors.md §6.1)
 DEFAULT_MICRO_BATCH = {"medium": 16, "xl": 8}  # the batches of the perf_anchors.md §9 peer runs
 PEERS = ("torch", "ours", "fsdp2", "deepspeed")
+COMPILED_PEERS = ("torch-compiled", "ours-compiled")  # measured only when asked for
+ALL_PEERS = PEERS[:2] + COMPILED_PEERS + PEERS[2:]  # measuring order
 LR, WEIGHT_DECAY = 1e-4, 0.01
 
 StepFn = Callable[[], torch.Tensor]
@@ -85,6 +94,7 @@ class Workload:
     compile: bool
     ds_torch_adam: bool
     activation_checkpointing: bool = False
+    compile_backend: str = "inductor"  # of the *-compiled peers
 
     @property
     def tokens_per_step(self) -> int:
@@ -96,8 +106,8 @@ def plan_runs(models: list[str], peers: list[str], stages: list[int], ds_stages:
     after all the others, because it keeps global state that a later configuration could trip over."""
     runs: list[Run] = []
     for model in models:
-        for peer in sorted(set(peers) - {"deepspeed"}, key=PEERS.index):
-            if peer == "ours":
+        for peer in sorted(set(peers) - {"deepspeed"}, key=ALL_PEERS.index):
+            if peer.startswith("ours"):
                 runs += [Run(model, peer, s) for s in stages]
             else:
                 runs.append(Run(model, peer))
@@ -136,9 +146,14 @@ def fresh_model(work: Workload) -> GPT:
     return model
 
 
-def setup_torch(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None) -> StepFn:
+def setup_torch(
+    work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None, compiled: bool = False
+) -> StepFn:
     model = fresh_model(work)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    if compiled:
+        # the optimizer was built on the same parameters: the compiled wrapper shares them
+        model = torch.compile(model, backend=work.compile_backend)
     x, y = batch
 
     def step() -> torch.Tensor:
@@ -152,7 +167,9 @@ def setup_torch(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage:
     return step
 
 
-def setup_ours(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None) -> StepFn:
+def setup_ours(
+    work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None, compiled: bool = False
+) -> StepFn:
     import runtime
 
     if not hasattr(runtime, "initialize"):
@@ -161,6 +178,8 @@ def setup_ours(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: 
     engine, _, _, _ = runtime.initialize(
         model=model, model_parameters=model.parameters(), config=engine_config(work, stage or 0)
     )
+    if compiled:
+        engine.compile(backend=work.compile_backend)
     x, y = batch
 
     def step() -> torch.Tensor:
@@ -220,6 +239,8 @@ def setup_deepspeed(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], st
 SETUPS: dict[str, Callable[[Workload, tuple[torch.Tensor, torch.Tensor], int | None], StepFn]] = {
     "torch": setup_torch,
     "ours": setup_ours,
+    "torch-compiled": lambda work, batch, stage: setup_torch(work, batch, stage, compiled=True),
+    "ours-compiled": lambda work, batch, stage: setup_ours(work, batch, stage, compiled=True),
     "fsdp2": setup_fsdp2,
     "deepspeed": setup_deepspeed,
 }
@@ -285,7 +306,8 @@ def run_one(
     run: Run, work: Workload, batch: tuple[torch.Tensor, torch.Tensor], warmup: int, steps: int
 ) -> dict[str, Any]:
     """Measure one configuration; any failure becomes {"error": ...} instead of stopping the benchmark."""
-    release_memory(work.device, work.compile)
+    compiled = work.compile or run.peer in COMPILED_PEERS
+    release_memory(work.device, compiled)
     try:
         return measure(run, work, batch, warmup, steps)
     except ImportError as exc:
@@ -294,7 +316,7 @@ def run_one(
         out_of_memory = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc)
         return {"error": f"{type(exc).__name__}: {exc}"[:2000], "oom": out_of_memory}
     finally:
-        release_memory(work.device, work.compile)
+        release_memory(work.device, compiled)
 
 
 def init_single_process_group(device: torch.device) -> None:
@@ -366,7 +388,7 @@ def name_list(choices: tuple[str, ...] | list[str]) -> Callable[[str], list[str]
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=name_list(list(MODEL_SIZES)), default=["medium", "xl"])
-    parser.add_argument("--peers", type=name_list(PEERS), default=list(PEERS))
+    parser.add_argument("--peers", type=name_list(ALL_PEERS), default=list(PEERS))
     parser.add_argument("--stages", type=int_list, default=[0, 1, 2, 3], help="ZeRO stages of ours")
     parser.add_argument("--ds_stages", type=int_list, default=[2, 3], help="ZeRO stages of DeepSpeed")
     parser.add_argument("--micro_batch", type=int, help="default: medium 16, xl 8, others 8")
@@ -374,6 +396,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--compile", action="store_true", help="torch.compile each block, for every peer")
+    parser.add_argument(
+        "--compile_backend",
+        default="inductor",
+        help="torch.compile backend of the torch-compiled and ours-compiled peers ('eager' traces with "
+        "dynamo but builds no kernels: the CPU smoke check)",
+    )
     parser.add_argument(
         "--ds_torch_adam",
         action="store_true",
@@ -403,6 +431,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def ratio(record: dict[str, Any], base_tokens_per_s: float | None) -> float | None:
+    if base_tokens_per_s is None or "tokens_per_s" not in record:
+        return None
+    return round(record["tokens_per_s"] / base_tokens_per_s, 4)
+
+
 def emit(record: dict[str, Any], out: Path | None) -> None:
     line = json.dumps(record)
     print(line, flush=True)
@@ -413,19 +447,19 @@ def emit(record: dict[str, Any], out: Path | None) -> None:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
-        f"\n{'model':8} {'config':16} {'tokens/s':>10} {'x torch':>8} {'TFLOP/s':>8} {'MFU':>6} "
+        f"\n{'model':8} {'config':20} {'tokens/s':>10} {'x torch':>8} {'TFLOP/s':>8} {'MFU':>6} "
         f"{'peak GiB':>9}",
         file=sys.stderr,
     )
     for r in rows:
         if "tokens_per_s" not in r:
             why = r.get("error") or r.get("skipped") or "?"
-            print(f"{r['model']:8} {r['config']:16} {why[:70]}", file=sys.stderr)
+            print(f"{r['model']:8} {r['config']:20} {why[:70]}", file=sys.stderr)
             continue
         ratio = "" if r.get("ratio_to_torch") is None else f"{r['ratio_to_torch']:.3f}"
         peak = "" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}"
         print(
-            f"{r['model']:8} {r['config']:16} {r['tokens_per_s']:>10,.0f} {ratio:>8} {r['tflops']:>8.1f} "
+            f"{r['model']:8} {r['config']:20} {r['tokens_per_s']:>10,.0f} {ratio:>8} {r['tflops']:>8.1f} "
             f"{r['mfu']:>6.1%} {peak:>9}",
             file=sys.stderr,
         )
@@ -449,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
     )
     rows = []
-    baseline: dict[str, float] = {}
+    baseline: dict[tuple[str, str], float] = {}  # (model, torch or torch-compiled): tokens/s
     for run in plan_runs(args.models, args.peers, args.stages, args.ds_stages):
         base = GPTConfig.named(run.model)
         config = GPTConfig.named(run.model, max_seq_len=max(base.max_seq_len, args.seq_len))
@@ -462,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
             args.compile,
             args.ds_torch_adam,
             args.activation_checkpointing,
+            args.compile_backend,
         )
         # The same batch for every configuration of a model: random ids drawn once from a fixed seed.
         gen = torch.Generator().manual_seed(1234)
@@ -480,16 +515,16 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "steps": args.steps,
             "compile": args.compile,
+            **({"compile_backend": args.compile_backend} if run.peer in COMPILED_PEERS else {}),
             "activation_checkpointing": args.activation_checkpointing,
             "device": str(device),
         }
         record.update(run_one(run, work, batch, args.warmup, args.steps))
-        if run.peer == "torch" and "tokens_per_s" in record:
-            baseline[run.model] = record["tokens_per_s"]
-        if "tokens_per_s" in record and run.model in baseline:
-            record["ratio_to_torch"] = round(record["tokens_per_s"] / baseline[run.model], 4)
-        else:
-            record["ratio_to_torch"] = None
+        if run.peer in ("torch", "torch-compiled") and "tokens_per_s" in record:
+            baseline[(run.model, run.peer)] = record["tokens_per_s"]
+        record["ratio_to_torch"] = ratio(record, baseline.get((run.model, "torch")))
+        if run.peer in COMPILED_PEERS:
+            record["ratio_to_torch_compiled"] = ratio(record, baseline.get((run.model, "torch-compiled")))
         del batch, tokens
         emit(record, args.out)
         rows.append(record)

@@ -72,15 +72,30 @@ def test_hf_trainer_bench_runs_every_configuration_on_cpu(tmp_path: Path) -> Non
         assert ratio == round(speed / by_config["plain"]["tokens_per_s"], 4) and ratio > 0
 
 
-def test_hf_trainer_bench_reports_a_timed_out_configuration_and_carries_on() -> None:
-    command = [sys.executable, str(HF_BENCH), "--device", "cpu", "--tiny", "--configs", "plain,plain",
-               "--timeout", "0.5"]  # fmt: skip
-    proc = subprocess.run(command, env=cpu_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
-    *records, summary = bench_lines(proc.stdout)
-    assert len(records) == 2  # the first timeout did not stop the second configuration
+def test_hf_trainer_bench_reports_timeouts_and_the_spent_budget_and_carries_on() -> None:
+    def run(*flags: str) -> tuple[int, list[dict], dict]:
+        command = [
+            sys.executable,
+            str(HF_BENCH),
+            "--device",
+            "cpu",
+            "--tiny",
+            "--configs",
+            "plain,plain",
+            *flags,
+        ]
+        proc = subprocess.run(command, env=cpu_env(), capture_output=True, text=True, timeout=120)
+        *records, summary = bench_lines(proc.stdout)
+        return proc.returncode, records, summary
+
+    code, records, summary = run("--timeout", "0.5")
+    assert code == 1 and len(records) == 2  # the first timeout did not stop the second configuration
     assert all(r["error"].startswith("timed out after 0.5 s") for r in records), records
     assert summary["failed"] == ["plain", "plain"] and summary["ratio_to_plain"] == {}
+
+    code, (first, second), summary = run("--timeout", "5", "--budget", "0.5")
+    assert code == 1 and first["error"].startswith("timed out after 0.5 s"), first
+    assert second["error"] == "not run: the --budget of 0.5 s was spent by the configurations before"
 
 
 def load_throughput_module() -> object:

@@ -17,7 +17,10 @@ a clock reading at each step's begin and end; tokens/s is the timed steps' token
 the first timed step's begin to the last one's end (what the Trainer does between steps is included).
 
 Output: one JSON line per configuration on stdout (also appended to --out), a failing or timed-out one
-with "error", then a summary line with every configuration's ratio to `plain` from the same run.
+with "error", then a summary line with every configuration's ratio to `plain` from the same run. Each
+configuration gets --timeout seconds (its whole process group is stopped after that), all of them
+together --budget seconds. On CPU (the smoke check) training is fp32 and `fsdp` is skipped with its
+reason: the Trainer does not apply FSDP there.
 
     python scripts/bench/hf_trainer.py                                     # H200: about 4 minutes
     DS_ACCELERATOR=cpu python scripts/bench/hf_trainer.py --device cpu --tiny   # smoke check, no GPU
@@ -26,9 +29,12 @@ with "error", then a summary line with every configuration's ratio to `plain` fr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -127,28 +133,45 @@ def worker_env(device: str) -> dict[str, str]:
     return env
 
 
-def run_config(config: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run_config(config: str, args: argparse.Namespace, workdir: Path, timeout: float) -> dict[str, Any]:
     record: dict[str, Any] = {"bench": "hf_trainer", "config": config, "num_gpus": args.num_gpus}
     if config == "fsdp" and args.device == "cpu":
         record["skipped"] = CPU_FSDP_SKIP
         return record
     command = launch_command(config, args, workdir)
-    record["command"] = " ".join(command)
+    record["command"] = shlex.join(command)
+    if timeout <= 0:
+        record["error"] = f"not run: the --budget of {args.budget} s was spent by the configurations before"
+        return record
     start = time.perf_counter()
+    # its own session, so a timeout stops the launcher's workers too, not only the launcher
+    proc = subprocess.Popen(command, cwd=workdir, env=worker_env(args.device), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     try:
-        proc = subprocess.run(command, cwd=workdir, env=worker_env(args.device), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=args.timeout)  # fmt: skip
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.output or b"")[-1500:]
-        record["error"] = f"timed out after {args.timeout} s; output tail: {tail!r}"
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        output = stop_session(proc)
+        record["error"] = f"timed out after {round(timeout, 1)} s; output tail: {output[-1500:]}"
         return record
     record["wall_s"] = round(time.perf_counter() - start, 1)
     result = workdir / f"{config}.json"
     if proc.returncode != 0 or not result.exists():
-        record["error"] = f"exit code {proc.returncode}; output tail: {proc.stdout[-3000:]}"
+        record["error"] = f"exit code {proc.returncode}; output tail: {output[-3000:]}"
         return record
     record.update(json.loads(result.read_text()))
     return record
+
+
+def stop_session(proc: subprocess.Popen) -> str:
+    """SIGTERM to the configuration's whole process group, SIGKILL after 10 s; returns its output."""
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            return proc.communicate(timeout=grace)[0] or ""
+        except subprocess.TimeoutExpired:
+            continue
+    return ""
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -170,9 +193,10 @@ def emit(record: dict[str, Any], out: Path | None) -> None:
 
 def drive(args: argparse.Namespace) -> int:
     records = []
+    deadline = time.monotonic() + args.budget  # the whole run's, so a slow configuration cannot eat the call
     with tempfile.TemporaryDirectory(prefix="hf_trainer_bench_") as tmp:
         for config in args.configs:
-            record = run_config(config, args, Path(tmp))
+            record = run_config(config, args, Path(tmp), min(args.timeout, deadline - time.monotonic()))
             emit(record, args.out)
             records.append(record)
     emit(summary(records), args.out)
@@ -231,7 +255,7 @@ def run_worker(args: argparse.Namespace) -> None:
         max_steps=total_steps,
         learning_rate=1e-4,
         weight_decay=0.01,
-        optim="adamw_torch",
+        # optim: the Trainer's default (torch's fused AdamW on torch >= 2.8); ds-* use the config's AdamW
         bf16=not on_cpu,  # the CPU smoke check trains fp32: Transformers refuses bf16 on CPU with DeepSpeed
         logging_steps=total_steps,  # one log line at the end, no per-step host sync from logging
         save_strategy="no",
@@ -301,7 +325,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=8, help="per-device batch (sequences)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--timeout", type=float, default=150.0, help="seconds per configuration")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per configuration")
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds for all configurations together")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer GPT-2 on 64 tokens (smoke check)")
     parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -120,11 +122,28 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--tiny"] if args.tiny else [])
 
 
-def worker_env(device: str) -> dict[str, str]:
+def compat_metadata(workdir: Path) -> list[str]:
+    """Where `pip install -e ./compat` was not run: a directory holding the distribution's metadata alone,
+    for PYTHONPATH. Accelerate (and older Transformers) call `deepspeed` available only when
+    importlib.metadata finds the distribution, not merely the package."""
+    try:
+        importlib.metadata.version("deepspeed")
+        return []
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pyproject = (REPO / "compat" / "pyproject.toml").read_text()
+    version = re.search(r'^version = "([^"]+)"', pyproject, re.MULTILINE).group(1)  # tomllib is 3.11+
+    info = workdir / "compat_metadata" / f"deepspeed-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {version}\n")
+    return [str(info.parent)]
+
+
+def worker_env(device: str, workdir: Path) -> dict[str, str]:
     env = dict(os.environ)
     # our runtime and the compat `deepspeed` package importable from this checkout, ahead of anything else
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO), str(REPO / "compat"), *filter(None, [env.get("PYTHONPATH")])]
+        [str(REPO), str(REPO / "compat"), *compat_metadata(workdir), *filter(None, [env.get("PYTHONPATH")])]
     )
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -145,8 +164,9 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path, timeout: fl
         return record
     start = time.perf_counter()
     # its own session, so a timeout stops the launcher's workers too, not only the launcher
-    proc = subprocess.Popen(command, cwd=workdir, env=worker_env(args.device), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    env = worker_env(args.device, workdir)
+    proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -394,7 +394,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
         config=config,
     )
     if model_parallel:  # every rank of a data-parallel replica reads that replica's batches
-        loader = replica_loader(dataset, engine.train_micro_batch_size_per_gpu(), engine.grid, args.seed)
+        loader = engine.training_dataloader = replica_loader(
+            dataset, engine.train_micro_batch_size_per_gpu(), engine.grid
+        )
     accumulation = engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * args.seq_len
     if rank == 0:

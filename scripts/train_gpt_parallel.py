@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 
 from runtime.errors import UserError
 from runtime.models.gpt import Block, GPTConfig
@@ -153,9 +153,15 @@ def check_degrees(world: int, pipeline: int, tensor: int) -> None:
         if degree < 1:
             raise ParallelUsageError(f"{flag} must be at least 1, got {degree}")
     if world % (pipeline * tensor):
+        asked = " x ".join(
+            f"{flag} {degree}"
+            for flag, degree in (("--pipeline_parallel", pipeline), ("--tensor_parallel", tensor))
+            if degree > 1
+        )
+        product = f" = {pipeline * tensor}" if pipeline > 1 and tensor > 1 else ""
         raise ParallelUsageError(
-            f"--pipeline_parallel {pipeline} x --tensor_parallel {tensor} = {pipeline * tensor} does not "
-            f"divide the {world} rank(s); every data-parallel replica needs pipeline x tensor ranks"
+            f"{asked}{product} does not divide the {world} rank(s): every data-parallel replica needs "
+            f"{pipeline * tensor} ranks"
         )
 
 
@@ -206,15 +212,13 @@ def model_parallel_config(config: str | dict[str, Any], args: Any) -> dict[str, 
     return config
 
 
-def replica_loader(dataset: Dataset, micro_batch: int, grid: Any, seed: int) -> DataLoader:
-    """Micro-batches for this rank's data-parallel replica: shuffled per epoch, the same on every pipeline
-    stage and tensor-parallel rank of the replica."""
-    sampler = DistributedSampler(
-        dataset,
-        num_replicas=grid.get_data_parallel_world_size(),
-        rank=grid.get_data_parallel_rank(),
-        shuffle=True,
-        seed=seed,
-        drop_last=True,
+def replica_loader(dataset: Dataset, micro_batch: int, grid: Any) -> DataLoader:
+    """Micro-batches for this rank's data-parallel replica, the same on every pipeline stage and
+    tensor-parallel rank of it: runtime.build_dataloader's sampler (so a replica reads what a rank of a
+    data-parallel run would, and its position is checkpointed), over the grid's data axis."""
+    from runtime.checkpoint.data_position import ResumableDataLoader, ResumableSampler
+
+    sampler = ResumableSampler(
+        dataset, num_replicas=grid.get_data_parallel_world_size(), rank=grid.get_data_parallel_rank()
     )
-    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, drop_last=True)
+    return ResumableDataLoader(dataset, batch_size=micro_batch, sampler=sampler)

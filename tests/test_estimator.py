@@ -307,3 +307,66 @@ def test_cli_pipeline_and_tensor_parallel(capsys: pytest.CaptureFixture[str]) ->
             main(bad)
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err, bad
+
+
+class _MLP(torch.nn.Module):
+    """A block AutoTP shards by name: up_proj colwise, down_proj rowwise; the norm stays whole."""
+
+    def __init__(self, dim: int = 96) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up_proj = torch.nn.Linear(dim, 4 * dim)
+        self.down_proj = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(torch.nn.functional.gelu(self.up_proj(self.norm(x))))
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out.float(), target.float())
+
+
+def _measure_model_parallel(rank: int, world_size: int, stage: int) -> dict:
+    import runtime
+    from runtime.pipe import LayerSpec, PipelineModule
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+    }
+    out = {}
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(*(_MLP() for _ in range(4)))
+    out["sizes"] = model_sizes(whole)
+    pipe = PipelineModule([LayerSpec(_MLP) for _ in range(4)], num_stages=2, loss_fn=_mse)
+    engine, *_ = runtime.initialize(model=pipe, model_parameters=pipe.parameters(), config=config)
+    batches = iter([(torch.randn(2, 3, 96), torch.randn(2, 3, 96)) for _ in range(2)])
+    engine.train_batch(batches)
+    out["pp"] = {f: getattr(engine.memory_breakdown(), f) for f in FIELDS}
+    tp_config = {**config, "gradient_accumulation_steps": 1, "tensor_parallel": {"autotp_size": 2}}
+    engine, *_ = runtime.initialize(model=whole, model_parameters=whole.parameters(), config=tp_config)
+    x = torch.randn(2, 3, 96)
+    engine.backward(_mse(engine(x), x))
+    engine.step()
+    out["tp"] = {f: getattr(engine.memory_breakdown(), f) for f in FIELDS}
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_model_parallel_estimate_matches_the_engines(stage: int) -> None:
+    """2 ranks as 2 pipeline stages, then as 2 tensor-parallel ranks: each rank's model states are what
+    the estimate says (parameters / pp, sharded projections / tp), within 10%."""
+    for rank, got in enumerate(run_distributed(_measure_model_parallel, 2, stage, timeout=240)):
+        sizes = got["sizes"]
+        assert sizes.tensor_parallel_params == 4 * (2 * 96 * 384 + 384)  # weights and the colwise bias
+        for kind, degrees in (("pp", {"pipeline_parallel": 2}), ("tp", {"tensor_parallel": 2})):
+            e = estimate(sizes, stage=stage, num_gpus_per_node=2, **degrees)
+            want = {"param_bytes": e.gpu.params, "grad_bytes": e.gpu.grads, "master_bytes": e.gpu.master,
+                    "optimizer_bytes": e.gpu.optimizer}  # fmt: skip
+            total_got, total_want = sum(got[kind].values()), sum(want.values())
+            assert abs(total_got - total_want) <= 0.10 * total_want, (rank, kind, got[kind], want)
+            assert total_want <= 0.55 * estimate(sizes, stage=stage).gpu.total  # about half the model

@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime
-from runtime.checkpoint import read_latest
 from runtime.data import DEFAULT_CORPUS, TokenBlockDataset, Tokenizer, load_tokenizer
 from runtime.distributed import accelerator
 from runtime.errors import UserError
@@ -59,7 +58,8 @@ from runtime.monitor import ProgressBar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when imported
 from train_gpt_parallel import (  # noqa: I001
-    check_parallel_args, gpt_pipeline, hf_gpt2_from_config, model_parallel_config, replica_loader,
+    check_parallel_args, gpt_pipeline, has_checkpoint, hf_gpt2_from_config, model_parallel_config,
+    replica_loader,
 )  # fmt: skip
 
 # Used when no --deepspeed_config is given: plain data parallelism, fp32, AdamW.
@@ -414,7 +414,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             print(f"train_gpt: {checkpointing_note}", flush=True)
 
     first_step = 1
-    if args.resume and read_latest(args.save_dir) is not None:
+    if args.resume and has_checkpoint(args.save_dir):
         path, _ = engine.load_checkpoint(args.save_dir)
         first_step = engine.global_steps + 1
         if rank == 0:

@@ -212,6 +212,15 @@ def model_parallel_config(config: str | dict[str, Any], args: Any) -> dict[str, 
     return config
 
 
+def has_checkpoint(save_dir: Path) -> bool:
+    """A checkpoint to resume from: a data- or tensor-parallel one, or a pipeline's per-stage folders
+    (pipe_stage_SS_of_NN; the engine refuses a resume at another pipeline degree, saying which)."""
+    from runtime.checkpoint import read_latest
+
+    stages = sorted(save_dir.glob("pipe_stage_*")) if save_dir.is_dir() else []
+    return any(read_latest(folder) is not None for folder in [save_dir, *stages])
+
+
 def replica_loader(dataset: Dataset, micro_batch: int, grid: Any) -> DataLoader:
     """Micro-batches for this rank's data-parallel replica, the same on every pipeline stage and
     tensor-parallel rank of it: runtime.build_dataloader's sampler (so a replica reads what a rank of a

@@ -63,7 +63,7 @@ def _run(args: list[str], *, ranks: int = 1) -> subprocess.CompletedProcess[str]
 
 def _losses(proc: subprocess.CompletedProcess[str]) -> list[float]:
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return [float(v) for v in re.findall(r"step \d+/3 \| loss ([0-9.]+|nan|inf)", proc.stdout)]
+    return [float(v) for v in re.findall(r"step \d+/\d+ \| loss ([0-9.]+|nan|inf)", proc.stdout)]
 
 
 @pytest.fixture
@@ -125,13 +125,23 @@ def test_a_bad_config_name_is_one_line_saying_what_is_missing(tmp_path: Path, ca
 
 
 @needs_launcher
-def test_pipeline_parallel_two_stages_train_the_builtin_gpt() -> None:
-    """The built-in GPT as 2 stages (embedding and head tied across them), 2 micro-batches per step."""
-    proc = _run(["--pipeline_parallel", "2", "--n_layer", "2", *COMMON, "--micro_batch_size", "4"], ranks=2)
+def test_pipeline_parallel_two_stages_train_the_builtin_gpt_and_resume_exactly(tmp_path: Path) -> None:
+    """The built-in GPT as 2 stages (embedding and head tied across them), 2 micro-batches per step; a
+    run saved at step 2 and resumed logs the uninterrupted run's losses for steps 3 and 4."""
+    args = ["--pipeline_parallel", "2", "--n_layer", "2", "--log_interval", "1", "--seq_len", "32"]
+    args += ["--micro_batch_size", "4"]
+    proc = _run([*args, "--steps", "4"], ranks=2)
     losses = _losses(proc)
     assert "pipeline 2, tensor 1" in proc.stdout and "4 x 2 accumulation" in proc.stdout, proc.stdout
-    assert len(losses) == 3 and all(math.isfinite(v) for v in losses), losses
+    assert len(losses) == 4 and all(math.isfinite(v) for v in losses), losses
     assert losses[-1] < losses[0] - 0.1, losses
+    saving = [*args, "--save_dir", str(tmp_path / "ckpt"), "--save_interval", "2", "--resume"]
+    assert _losses(_run([*saving, "--steps", "2"], ranks=2)) == losses[:2]
+    resumed = _run([*saving, "--steps", "4"], ranks=2)
+    assert "train_gpt: resumed from" in resumed.stdout and "pipe_stage_00_of_02" in resumed.stdout, (
+        resumed.stdout
+    )
+    assert _losses(resumed) == losses[2:], resumed.stdout
 
 
 @needs_transformers

@@ -179,6 +179,12 @@ def check_parallel_args(args: Any, world: int) -> None:
         )
     if args.pipeline_parallel > 1 and args.tensor_parallel > 1:
         raise ParallelUsageError("--pipeline_parallel with --tensor_parallel: not in train_gpt.py yet")
+    if args.tensor_parallel > 1 and args.save_dir is not None:
+        # runtime/checkpoint names every file mp_rank_00: the model ranks' shards would overwrite each other
+        raise ParallelUsageError(
+            f"--tensor_parallel {args.tensor_parallel} with --save_dir: checkpoints do not keep "
+            "tensor-parallel shards apart yet; train without --save_dir, or with --pipeline_parallel"
+        )
     if args.tensor_parallel > 1 and not wants_hf_model(args):
         raise ParallelUsageError(
             f"--tensor_parallel {args.tensor_parallel} shards a Hugging Face GPT-2's projections (AutoTP), "

@@ -59,7 +59,7 @@ from runtime.monitor import ProgressBar
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when imported
 from train_gpt_parallel import (  # noqa: I001
     check_parallel_args, gpt_pipeline, has_checkpoint, hf_gpt2_from_config, model_parallel_config,
-    replica_loader,
+    replica_loader, check_tensor_parallel_fits,
 )  # fmt: skip
 
 # Used when no --deepspeed_config is given: plain data parallelism, fp32, AdamW.
@@ -375,6 +375,7 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     if pipeline:
         runtime.init_distributed()  # a PipelineModule builds only its stage's layers: it needs the ranks
     model = build_model(args, tokenizer.vocab_size)
+    check_tensor_parallel_fits(model, args.tensor_parallel)
     config = build_config(args)
     if model_parallel:
         config = model_parallel_config(config, args)

@@ -192,6 +192,21 @@ def check_parallel_args(args: Any, world: int) -> None:
         )
 
 
+def check_tensor_parallel_fits(model: nn.Module, degree: int) -> None:
+    """A degree that does not divide the heads or the width: one line naming the numbers, before AutoTP
+    would fail inside the engine."""
+    config = getattr(model, "config", None)
+    if degree == 1 or config is None:
+        return
+    for name in ("n_head", "n_embd", "n_inner"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value % degree:
+            raise ParallelUsageError(
+                f"--tensor_parallel {degree} does not divide the model's {name} = {value}: each rank takes "
+                f"1/{degree} of the heads and of the projections' width"
+            )
+
+
 def model_parallel_config(config: str | dict[str, Any], args: Any) -> dict[str, Any]:
     """The config for --pipeline_parallel / --tensor_parallel: "tensor_parallel": {"autotp_size": N} (the
     flag wins over the file), and for a pipeline at least one micro-batch per stage (accumulation steps;

@@ -8,8 +8,14 @@ Any launcher that sets RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT works, or none fo
 
 By default it trains our GPT (runtime.models) on the corpus shipped in scripts/data with the byte-level
 tokenizer, so nothing is downloaded. With `transformers` installed, --model_name_or_path trains a Hugging
-Face GPT2LMHeadModel and --tokenizer picks a Hugging Face tokenizer; with `datasets` installed,
---dataset_name reads a Hugging Face dataset instead of --train_file.
+Face GPT2LMHeadModel and --tokenizer picks a Hugging Face tokenizer; --config_name DIR_OR_JSON (or
+--model_type gpt2, with --config_overrides "n_embd=64,n_layer=2") builds one from a config alone, with random
+weights, so the walk-through runs offline; with `datasets` installed, --dataset_name reads a Hugging Face
+dataset instead of --train_file.
+
+--pipeline_parallel N trains our GPT as N pipeline stages (engine.train_batch); --tensor_parallel N shards
+a Hugging Face GPT-2's projections over N ranks (AutoTP); the rest of the ranks are data parallel
+(scripts/train_gpt_parallel.py).
 
 The batch size, precision, ZeRO stage, optimizer and schedule come from the DeepSpeed-style config;
 --lr and --micro_batch_size override the config's values. --steps counts optimizer steps. Every
@@ -44,12 +50,17 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime
-from runtime.checkpoint import read_latest
 from runtime.data import DEFAULT_CORPUS, TokenBlockDataset, Tokenizer, load_tokenizer
 from runtime.distributed import accelerator
 from runtime.errors import UserError
 from runtime.models import GPT, MODEL_SIZES, GPTConfig, GPTOutput
 from runtime.monitor import ProgressBar
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling module, also when imported
+from train_gpt_parallel import (  # noqa: I001
+    check_parallel_args, gpt_pipeline, has_checkpoint, hf_gpt2_from_config, model_parallel_config,
+    replica_loader, check_tensor_parallel_fits,
+)  # fmt: skip
 
 # Used when no --deepspeed_config is given: plain data parallelism, fp32, AdamW.
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -92,6 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model_name_or_path",
         help="a Hugging Face GPT2LMHeadModel name or local path (needs transformers) instead of our GPT",
     )
+    model.add_argument("--config_name", help="a Hugging Face GPT-2 from this config.json (or its folder)")
+    model.add_argument("--model_type", help="gpt2: a Hugging Face GPT-2 from its default config")
+    model.add_argument("--config_overrides", help='with --config_name/--model_type: "n_embd=64,n_layer=2"')
+    model.add_argument("--pipeline_parallel", type=int, default=1, help="pipeline stages (built-in GPT)")
+    model.add_argument("--tensor_parallel", type=int, default=1, help="AutoTP degree (Hugging Face GPT-2)")
     data = parser.add_argument_group("data")
     data.add_argument("--train_file", type=Path, default=DEFAULT_CORPUS, help="UTF-8 text to train on")
     data.add_argument(
@@ -126,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be positive, got {getattr(args, name)}")
     if args.micro_batch_size is not None and args.micro_batch_size <= 0:
         parser.error(f"--micro_batch_size must be positive, got {args.micro_batch_size}")
+    if args.model_name_or_path and (args.config_name or args.model_type):
+        parser.error("--model_name_or_path loads weights; --config_name / --model_type build random ones")
     return args
 
 
@@ -242,6 +260,13 @@ class HFCausalLM(nn.Module):
 
 
 def build_model(args: argparse.Namespace, vocab_size: int) -> nn.Module:
+    if args.config_name or args.model_type:
+        model = hf_gpt2_from_config(args.config_name, args.model_type, args.config_overrides)
+        if vocab_size > model.config.vocab_size:
+            raise UsageError(
+                f"the tokenizer has {vocab_size} tokens but the config only {model.config.vocab_size}"
+            )
+        return HFCausalLM(model)
     if args.model_name_or_path:
         try:
             from transformers import GPT2LMHeadModel
@@ -271,6 +296,8 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> nn.Module:
         config = GPTConfig.named(args.model_size, **overrides)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    if args.pipeline_parallel > 1:
+        return gpt_pipeline(config, args.pipeline_parallel, args.seed)
     return GPT(config)
 
 
@@ -339,37 +366,56 @@ def mean_over_ranks(value: torch.Tensor) -> float:
 def train(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(args.seed)
     limit_cpu_threads()
+    check_parallel_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    pipeline = args.pipeline_parallel > 1
+    model_parallel = pipeline or args.tensor_parallel > 1
     if args.model_name_or_path:
         check_model_source(args.model_name_or_path, with_tokenizer=args.tokenizer is None)
     tokenizer, dataset = build_tokenizer_and_data(args)
+    if pipeline:
+        runtime.init_distributed()  # a PipelineModule builds only its stage's layers: it needs the ranks
     model = build_model(args, tokenizer.vocab_size)
+    check_tensor_parallel_fits(model, args.tensor_parallel)
     config = build_config(args)
-    checkpointing_note = (
-        enable_activation_checkpointing(model) if wants_activation_checkpointing(args, config) else None
-    )
+    if model_parallel:
+        config = model_parallel_config(config, args)
+    checkpointing_note = None
+    if wants_activation_checkpointing(args, config):
+        if pipeline:
+            raise UsageError("activation checkpointing with --pipeline_parallel: not in train_gpt.py yet")
+        checkpointing_note = enable_activation_checkpointing(model)
 
     runtime.init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     engine, _, loader, _ = runtime.initialize(
-        model=model, model_parameters=model.parameters(), training_data=dataset, config=config
+        model=model,
+        model_parameters=model.parameters(),
+        training_data=None if model_parallel else dataset,
+        config=config,
     )
+    if model_parallel:  # every rank of a data-parallel replica reads that replica's batches
+        loader = engine.training_dataloader = replica_loader(
+            dataset, engine.train_micro_batch_size_per_gpu(), engine.grid
+        )
     accumulation = engine.gradient_accumulation_steps()
     tokens_per_step = engine.train_batch_size() * args.seq_len
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
+        replicas = engine.grid.get_data_parallel_world_size() if model_parallel else world
         print(
-            f"train_gpt: {n_params / 1e6:.2f}M params, {len(dataset)} sequences of {args.seq_len} tokens "
-            f"from {dataset.source}, {world} rank(s) on {engine.device}, global batch "
-            f"{engine.train_batch_size()} ({engine.train_micro_batch_size_per_gpu()} x {accumulation} "
-            f"accumulation x {world} ranks)",
+            f"train_gpt: {n_params / 1e6:.2f}M params{' on rank 0' if model_parallel else ''}, "
+            f"{len(dataset)} sequences of {args.seq_len} tokens from {dataset.source}, {world} rank(s) on "
+            f"{engine.device}, global batch {engine.train_batch_size()} "
+            f"({engine.train_micro_batch_size_per_gpu()} x {accumulation} accumulation x {replicas} "
+            f"data-parallel ranks; pipeline {args.pipeline_parallel}, tensor {args.tensor_parallel})",
             flush=True,
         )
         if checkpointing_note:
             print(f"train_gpt: {checkpointing_note}", flush=True)
 
     first_step = 1
-    if args.resume and read_latest(args.save_dir) is not None:
+    if args.resume and has_checkpoint(args.save_dir):
         path, _ = engine.load_checkpoint(args.save_dir)
         first_step = engine.global_steps + 1
         if rank == 0:
@@ -384,7 +430,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     last_log_step = first_step - 1
     for step in range(first_step, args.steps + 1):
         step_loss.zero_()
-        for _ in range(accumulation):
+        if pipeline:  # one global batch: its micro-batches flow through the stages; the mean loss back
+            step_loss += engine.train_batch(batches).double() * accumulation
+        for _ in range(0 if pipeline else accumulation):
             idx, targets = (t.to(engine.device, non_blocking=True) for t in next(batches))
             _, loss = engine(idx, targets)
             engine.backward(loss)

@@ -231,3 +231,142 @@ def test_module_entry_point() -> None:
     assert lines[0].startswith("Model states of 0.124B parameters, largest layer 38.6M")
     rows = [line for line in lines if line.split() and line.split()[0].isdigit()]
     assert len(rows) == 8  # 1 + 2 + 2 + 3 configurations
+
+
+# ------------------------------------------------------------------------- pipeline and tensor parallelism
+
+
+def test_pipeline_and_tensor_parallel_divide_what_each_rank_holds() -> None:
+    """Per rank: (replicated + sharded / tp) / pp parameters; ZeRO over the data ranks that remain."""
+    psi, sharded, gpus = 1_200_000_000, 1_000_000_000, 8
+    sizes = ModelSizes(psi, tensor_parallel_params=sharded)
+    local = (psi - sharded + sharded // 2) // 2  # pp 2 x tp 2 x data 2
+    plain = estimate(sizes, stage=0, num_gpus_per_node=gpus)
+    e0 = estimate(sizes, stage=0, num_gpus_per_node=gpus, pipeline_parallel=2, tensor_parallel=2)
+    e1 = estimate(sizes, stage=1, num_gpus_per_node=gpus, pipeline_parallel=2, tensor_parallel=2)
+    assert plain.gpu.total == 16 * psi
+    assert e0.gpu.total == pytest.approx(16 * local, rel=1e-6)
+    assert e1.gpu.total == pytest.approx((4 + 12 / 2) * local, rel=1e-6)  # ZeRO-1 over 2 data ranks
+    assert (e1.pipeline_parallel, e1.tensor_parallel) == (2, 2)
+    pp_only = estimate(psi, stage=0, num_gpus_per_node=gpus, pipeline_parallel=4)
+    assert pp_only.gpu.params == pytest.approx(2 * psi / 4, rel=1e-6)
+    # the engines train pipelines and tensor parallelism with stage 0 or 1, without offload
+    both = estimate_all(sizes, num_gpus_per_node=gpus, pipeline_parallel=2, tensor_parallel=2)
+    assert [(e.stage, e.offload_optimizer) for e in both] == [(0, False), (1, False)]
+    for kwargs, message in (
+        ({"stage": 2, "pipeline_parallel": 2}, "stage 0 or 1 without offload, not stage 2"),
+        ({"stage": 0, "pipeline_parallel": 3}, "pipeline_parallel 3 x tensor_parallel 1 = 3 does not divide"),
+        ({"stage": 0, "tensor_parallel": 0}, "tensor_parallel must be a positive integer"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            estimate(sizes, num_gpus_per_node=gpus, **kwargs)
+    with pytest.raises(ValueError, match="needs the parameters of the sharded projections"):
+        estimate(psi, stage=0, num_gpus_per_node=gpus, tensor_parallel=2)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = torch.nn.Linear(8, 16)  # colwise: weight and bias sharded
+        self.o_proj = torch.nn.Linear(16, 8)  # rowwise: weight sharded, bias whole on every rank
+        self.norm = torch.nn.LayerNorm(8)
+
+
+def test_model_sizes_count_what_autotp_shards() -> None:
+    sizes = model_sizes(_Attention())
+    assert sizes.total_params == 8 * 16 + 16 + 16 * 8 + 8 + 2 * 8
+    assert sizes.tensor_parallel_params == 8 * 16 + 16 + 16 * 8
+    transformers = pytest.importorskip("transformers")
+    d, layers = 64, 2
+    with torch.device("meta"):
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=d, n_layer=layers, n_head=2))
+    # ds_estimate --model_size counts the same share for a GPT-2 layout
+    assert model_sizes(gpt2).tensor_parallel_params == layers * (12 * d * d + 7 * d)
+
+
+def test_cli_pipeline_and_tensor_parallel(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model_size", "xl", "--num_gpus", "8", "--pipeline_parallel", "2", "--tensor_parallel", "2"]
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    config = GPTConfig.named("xl")
+    d = config.n_embd
+    sharded = config.n_layer * (12 * d * d + 7 * d)
+    assert data["model"]["tensor_parallel_params"] == sharded
+    local = -(-(config.num_params() - sharded + sharded // 2) // 2)
+    assert [(e["stage"], e["pipeline_parallel"], e["tensor_parallel"]) for e in data["estimates"]] == [
+        (0, 2, 2), (1, 2, 2)
+    ]  # fmt: skip
+    assert data["estimates"][0]["gpu"]["params"] == 2 * local  # bf16 working weights of this rank's share
+    assert main(argv) == 0
+    assert "pipeline 2 x tensor 2 x data 2" in capsys.readouterr().out
+    for bad, message in (
+        (["--params", "1e9", "--tensor_parallel", "2"], "needs --tensor_parallel_params"),
+        (["--params", "1e9", "--num_gpus", "2", "--pipeline_parallel", "3"], "does not divide the 2 GPU(s)"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(bad)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, bad
+
+
+class _MLP(torch.nn.Module):
+    """A block AutoTP shards by name: up_proj colwise, down_proj rowwise; the norm stays whole."""
+
+    def __init__(self, dim: int = 96) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.up_proj = torch.nn.Linear(dim, 4 * dim)
+        self.down_proj = torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(torch.nn.functional.gelu(self.up_proj(self.norm(x))))
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out.float(), target.float())
+
+
+def _measure_model_parallel(rank: int, world_size: int, stage: int) -> dict:
+    import runtime
+    from runtime.pipe import LayerSpec, PipelineModule
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": stage},
+    }
+    out = {}
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(*(_MLP() for _ in range(4)))
+    out["sizes"] = model_sizes(whole)
+    pipe = PipelineModule([LayerSpec(_MLP) for _ in range(4)], num_stages=2, loss_fn=_mse)
+    engine, *_ = runtime.initialize(model=pipe, model_parameters=pipe.parameters(), config=config)
+    batches = iter([(torch.randn(2, 3, 96), torch.randn(2, 3, 96)) for _ in range(2)])
+    engine.train_batch(batches)
+    out["pp"] = {f: getattr(engine.memory_breakdown(), f) for f in FIELDS}
+    tp_config = {**config, "gradient_accumulation_steps": 1, "tensor_parallel": {"autotp_size": 2}}
+    engine, *_ = runtime.initialize(model=whole, model_parameters=whole.parameters(), config=tp_config)
+    x = torch.randn(2, 3, 96)
+    engine.backward(_mse(engine(x), x))
+    engine.step()
+    out["tp"] = {f: getattr(engine.memory_breakdown(), f) for f in FIELDS}
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_model_parallel_estimate_matches_the_engines(stage: int) -> None:
+    """2 ranks as 2 pipeline stages, then as 2 tensor-parallel ranks: each rank's model states are what
+    the estimate says (parameters / pp, sharded projections / tp), within 10%."""
+    for rank, got in enumerate(run_distributed(_measure_model_parallel, 2, stage, timeout=240)):
+        sizes = got["sizes"]
+        assert sizes.tensor_parallel_params == 4 * (2 * 96 * 384 + 384)  # weights and the colwise bias
+        for kind, degrees in (("pp", {"pipeline_parallel": 2}), ("tp", {"tensor_parallel": 2})):
+            e = estimate(sizes, stage=stage, num_gpus_per_node=2, **degrees)
+            want = {"param_bytes": e.gpu.params, "grad_bytes": e.gpu.grads, "master_bytes": e.gpu.master,
+                    "optimizer_bytes": e.gpu.optimizer}  # fmt: skip
+            total_got, total_want = sum(got[kind].values()), sum(want.values())
+            assert abs(total_got - total_want) <= 0.10 * total_want, (rank, kind, got[kind], want)
+            assert total_want <= 0.55 * estimate(sizes, stage=stage).gpu.total  # about half the model

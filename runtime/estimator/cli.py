@@ -10,6 +10,7 @@ Command line (console script ``ds_estimate``, or ``python -m runtime.estimator``
 
     python -m runtime.estimator --params 1.5e9 --num_gpus 8 --num_nodes 1
     python -m runtime.estimator --model_size xl --num_gpus 8 --num_nodes 2
+    python -m runtime.estimator --model_size xl --num_gpus 8 --pipeline_parallel 2 --tensor_parallel 2
 """
 
 from __future__ import annotations
@@ -60,9 +61,14 @@ def format_table(estimates: Sequence[Estimate], sizes: ModelSizes, dtype: str = 
         if sizes.largest_layer_params is not None
         else " (stage 3 needs --largest_layer_params)"
     )
+    pp, tp = first.pipeline_parallel, first.tensor_parallel
+    grid = ""
+    if pp * tp > 1:
+        data = first.gpus_per_node * first.num_nodes // (pp * tp)
+        grid = f"; pipeline {pp} x tensor {tp} x data {data}: a GPU holds (replicated + sharded/{tp}) / {pp}"
     lines = [
         f"Model states of {sizes.total_params / 1e9:.3f}B parameters{largest}; {dtype} weights, fp32 master "
-        f"weights; {first.gpus_per_node} GPU(s) per node x {first.num_nodes} node(s)",
+        f"weights; {first.gpus_per_node} GPU(s) per node x {first.num_nodes} node(s){grid}",
         "Not included: activations, CUDA context, allocator fragmentation.",
         "per host = host memory of all local ranks: offloaded states, or the fp32 model each process builds",
         "before moving it to its GPU (none under zero.Init at stage 3), whichever is larger.",
@@ -172,7 +178,11 @@ def _gpt_sizes(name: str) -> ModelSizes:
     d = config.n_embd
     b = 1 if config.bias else 0
     layers = [config.vocab_size * d, d * 4 * d + b * 4 * d, 4 * d * d + b * d, d * 3 * d + b * 3 * d]
-    return ModelSizes(total_params=config.num_params(), largest_layer_params=max(layers))
+    # AutoTP's share (GPT-2 layout): the q|k|v, attention-out and both MLP weights, and the colwise biases
+    sharded = config.n_layer * (12 * d * d + b * 7 * d)
+    return ModelSizes(
+        total_params=config.num_params(), largest_layer_params=max(layers), tensor_parallel_params=sharded
+    )
 
 
 def _number(text: str) -> float:
@@ -220,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         "--reduce_bucket_size", type=_count, default=DEFAULT_BUCKET, help="elements per reduce bucket"
     )
     parser.add_argument("--stages", default="0,1,2,3", help="comma-separated stages to show")
+    parser.add_argument("--pipeline_parallel", type=_count, default=1, help="pipeline stages")
+    parser.add_argument("--tensor_parallel", type=_count, default=1, help="tensor-parallel (AutoTP) degree")
+    parser.add_argument(
+        "--tensor_parallel_params",
+        type=_number,
+        help="with --params: the parameters tensor parallelism shards (attention and MLP projections)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     try:
@@ -239,7 +256,18 @@ def main(argv: list[str] | None = None) -> int:
         largest = None if args.largest_layer_params is None else int(args.largest_layer_params)
         if largest is not None and largest > args.params:
             parser.error("--largest_layer_params is larger than --params")
-        sizes = ModelSizes(int(args.params), largest)
+        sharded = None if args.tensor_parallel_params is None else int(args.tensor_parallel_params)
+        if sharded is not None and sharded > args.params:
+            parser.error("--tensor_parallel_params is larger than --params")
+        if args.tensor_parallel > 1 and sharded is None:
+            parser.error("--tensor_parallel with --params needs --tensor_parallel_params (what it shards)")
+        sizes = ModelSizes(int(args.params), largest, tensor_parallel_params=sharded)
+    ranks = args.num_gpus * args.num_nodes
+    if ranks % (args.pipeline_parallel * args.tensor_parallel):
+        parser.error(
+            f"--pipeline_parallel {args.pipeline_parallel} x --tensor_parallel {args.tensor_parallel} does "
+            f"not divide the {ranks} GPU(s)"
+        )
     estimates = estimate_all(
         sizes,
         num_gpus_per_node=args.num_gpus,
@@ -248,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         optimizer=args.optimizer,
         reduce_bucket_size=args.reduce_bucket_size,
+        pipeline_parallel=args.pipeline_parallel,
+        tensor_parallel=args.tensor_parallel,
     )
     if args.json:
         print(

@@ -36,6 +36,13 @@ the engine has it). Per host: every local rank's host-resident states, or the fp
 builds on the host before the engine moves it to its GPU (4 bytes per parameter, none for stage 3 under
 ``zero.Init``), whichever is larger.
 
+Model parallelism (``pipeline_parallel`` P, ``tensor_parallel`` T): the ranks form P x T x D with
+D = N / (P x T) data-parallel ranks. Each rank holds one pipeline stage, about 1/P of the parameters
+(the partition balances parameter counts), and of those the tensor-sharded projections' 1/T (AutoTP: the
+attention and MLP weights; embeddings and norms stay whole): per rank (R + S / T) / P parameters, R
+replicated and S sharded, to which the ZeRO rows above apply with D in place of N. The engines take
+stages 0 and 1 with pipelines or tensor parallelism, without offload.
+
 This module is the arithmetic only (numbers in, ``Estimate`` out, nothing printed), which is what the
 tests hold against the engine and what other code may call; ``runtime.estimator.cli`` presents it: the
 text table, DeepSpeed's function names and the ``ds_estimate`` command line.
@@ -79,6 +86,7 @@ class ModelSizes:
     total_params: int
     largest_layer_params: int | None = None  # stage 3 gathers one layer (module) at a time
     numels: tuple[int, ...] | None = None  # every parameter's size: the flat layout's padding becomes exact
+    tensor_parallel_params: int | None = None  # the part AutoTP shards (projection weights, colwise biases)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,8 @@ class Estimate:
     gpu_transient: int  # peak extra on each GPU: stage-2 reduce buckets, stage-3 gathered layer
     host_per_rank: StateBytes  # offloaded states in host memory, per rank (grads: the landing buffer)
     host_init_per_rank: int  # the fp32 model a process builds on the host before it moves to the GPU
+    pipeline_parallel: int = 1
+    tensor_parallel: int = 1
 
     @property
     def per_gpu_bytes(self) -> int:
@@ -125,7 +135,16 @@ class Estimate:
 def model_sizes(model: nn.Module) -> ModelSizes:
     """Parameter counts of `model`: shared parameters once; the largest layer is the module whose own
     (non-recursive) parameters are the most elements, as stage 3 gathers them together."""
+    from runtime.tensor_parallel.autotp import tp_plan
+
     params = list(model.parameters())  # deduplicated (tied weights count once)
+    sharded = 0
+    for name, style in tp_plan(model).items():
+        module = model.get_submodule(name)
+        sharded += module.weight.numel()
+        bias = getattr(module, "bias", None)
+        if bias is not None and "Rowwise" not in type(style).__name__:  # a row-wise bias stays whole
+            sharded += bias.numel()
     largest = 0
     seen: set[int] = set()
     for module in model.modules():
@@ -136,7 +155,26 @@ def model_sizes(model: nn.Module) -> ModelSizes:
         total_params=sum(p.numel() for p in params),
         largest_layer_params=largest,
         numels=tuple(p.numel() for p in reversed(params)),  # the engine lays out in reverse order
+        tensor_parallel_params=sharded,
     )
+
+
+def rank_sizes(sizes: ModelSizes, pipeline_parallel: int, tensor_parallel: int) -> ModelSizes:
+    """What one rank of a P x T model-parallel grid holds: (replicated + sharded / T) / P parameters."""
+    if pipeline_parallel == 1 and tensor_parallel == 1:
+        return sizes
+    sharded = sizes.tensor_parallel_params
+    if tensor_parallel > 1 and sharded is None:
+        raise ValueError(
+            "a tensor-parallel estimate needs the parameters of the sharded projections "
+            "(tensor_parallel_params)"
+        )
+    sharded = sharded or 0
+    local = math.ceil(
+        (sizes.total_params - sharded + math.ceil(sharded / tensor_parallel)) / pipeline_parallel
+    )
+    largest = sizes.largest_layer_params
+    return ModelSizes(total_params=local, largest_layer_params=largest)  # the exact layout is unknown
 
 
 def _flat(sizes: ModelSizes, world: int, bucket: int) -> tuple[int, int, bool]:
@@ -160,6 +198,8 @@ def estimate(
     optimizer: str = "adam",
     reduce_bucket_size: int = DEFAULT_BUCKET,
     zero_init: bool = True,
+    pipeline_parallel: int = 1,
+    tensor_parallel: int = 1,
 ) -> Estimate:
     """Model-state bytes of one ZeRO configuration.
 
@@ -174,11 +214,19 @@ def estimate(
         optimizer: one of OPTIMIZER_BYTES (bytes of state per parameter).
         reduce_bucket_size: zero_optimization.reduce_bucket_size, in elements.
         zero_init: stage 3 models built under ``runtime.zero.Init`` never exist whole on the host.
+        pipeline_parallel, tensor_parallel: model-parallel degrees; the data-parallel world is the ranks
+            divided by their product (stages 0 and 1, no offload).
     """
     if not isinstance(sizes, ModelSizes):
         sizes = ModelSizes(total_params=_positive_int(sizes, "total_params"))
     _check_args(stage, num_gpus_per_node, num_nodes, offload_optimizer, offload_param, dtype, optimizer)
-    world = num_gpus_per_node * num_nodes
+    _check_model_parallel(
+        stage, num_gpus_per_node * num_nodes, pipeline_parallel, tensor_parallel, offload_optimizer
+    )
+    # a process builds its stage whole on the host before AutoTP shards it
+    stage_params = math.ceil(sizes.total_params / pipeline_parallel)
+    sizes = rank_sizes(sizes, pipeline_parallel, tensor_parallel)
+    world = num_gpus_per_node * num_nodes // (pipeline_parallel * tensor_parallel)
     w = DTYPE_BYTES[dtype]
     opt = OPTIMIZER_BYTES[optimizer]
     if stage == 3 and sizes.largest_layer_params is None:
@@ -216,7 +264,7 @@ def estimate(
             gpu = StateBytes(grads=grads)
     else:
         gpu = StateBytes(params=params, grads=grads, master=master, optimizer=shard * opt)
-    init = 0 if stage == 3 and zero_init else sizes.total_params * 4
+    init = 0 if stage == 3 and zero_init else stage_params * 4
     return Estimate(
         stage=stage,
         offload_optimizer=offload_optimizer,
@@ -227,6 +275,8 @@ def estimate(
         gpu_transient=transient,
         host_per_rank=host,
         host_init_per_rank=init,
+        pipeline_parallel=pipeline_parallel,
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -234,6 +284,23 @@ def _positive_int(value: int | float, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
     return int(value)
+
+
+def _check_model_parallel(stage: int, ranks: int, pp: int, tp: int, offload: bool) -> None:
+    for name, value in (("pipeline_parallel", pp), ("tensor_parallel", tp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if pp * tp == 1:
+        return
+    if ranks % (pp * tp):
+        raise ValueError(
+            f"pipeline_parallel {pp} x tensor_parallel {tp} = {pp * tp} does not divide the {ranks} rank(s)"
+        )
+    if stage >= 2 or offload:
+        raise ValueError(
+            f"pipeline or tensor parallelism trains with ZeRO stage 0 or 1 without offload, not stage {stage}"
+            + (" with offload" if offload else "")
+        )
 
 
 def _check_args(
@@ -268,15 +335,20 @@ def estimate_all(
     stages: Sequence[int] = (0, 1, 2, 3),
     **options: object,
 ) -> list[Estimate]:
-    """Every stage and offload choice in `stages` (stage 3 only when the largest layer is known)."""
+    """Every stage and offload choice in `stages` (stage 3 only when the largest layer is known; with
+    pipeline or tensor parallelism only stages 0 and 1 without offload, what those engines train)."""
     if not isinstance(sizes, ModelSizes):
         sizes = ModelSizes(total_params=_positive_int(sizes, "total_params"))
+    degrees = [options.get(key, 1) for key in ("pipeline_parallel", "tensor_parallel")]
+    model_parallel = degrees != [1, 1]
     out = []
     for stage in stages:
         if stage == 3 and sizes.largest_layer_params is None:
             continue
+        if model_parallel and stage >= 2:
+            continue
         choices = [(False, False)]
-        if stage >= 1:
+        if stage >= 1 and not model_parallel:
             choices.append((True, False))
         if stage == 3:
             choices.append((True, True))

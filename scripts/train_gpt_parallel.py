@@ -179,12 +179,6 @@ def check_parallel_args(args: Any, world: int) -> None:
         )
     if args.pipeline_parallel > 1 and args.tensor_parallel > 1:
         raise ParallelUsageError("--pipeline_parallel with --tensor_parallel: not in train_gpt.py yet")
-    if args.tensor_parallel > 1 and args.save_dir is not None:
-        # runtime/checkpoint names every file mp_rank_00: the model ranks' shards would overwrite each other
-        raise ParallelUsageError(
-            f"--tensor_parallel {args.tensor_parallel} with --save_dir: checkpoints do not keep "
-            "tensor-parallel shards apart yet; train without --save_dir, or with --pipeline_parallel"
-        )
     if args.tensor_parallel > 1 and not wants_hf_model(args):
         raise ParallelUsageError(
             f"--tensor_parallel {args.tensor_parallel} shards a Hugging Face GPT-2's projections (AutoTP), "
@@ -238,7 +232,10 @@ def has_checkpoint(save_dir: Path) -> bool:
     (pipe_stage_SS_of_NN; the engine refuses a resume at another pipeline degree, saying which)."""
     from runtime.checkpoint import read_latest
 
-    stages = sorted(save_dir.glob("pipe_stage_*")) if save_dir.is_dir() else []
+    # a pipeline's stages and a tensor-parallel run's model ranks each keep their own checkpoint folder
+    if not save_dir.is_dir():
+        return False
+    stages = sorted([*save_dir.glob("pipe_stage_*"), *save_dir.glob("tp_rank_*")])
     return any(read_latest(folder) is not None for folder in [save_dir, *stages])
 
 

@@ -171,10 +171,6 @@ def test_tensor_parallel_two_ranks_equal_one_process(tiny_config: Path) -> None:
             ["--tensor_parallel", "2", "--model_type", "gpt2", "--config_overrides", "n_embd=36,n_head=3"],
             "--tensor_parallel 2 does not divide the model's n_head = 3",
         ),
-        (
-            ["--tensor_parallel", "2", "--model_type", "gpt2", "--save_dir", "ckpt"],
-            "--tensor_parallel 2 with --save_dir: checkpoints do not keep tensor-parallel shards apart yet",
-        ),
     ],
 )
 def test_a_degree_that_cannot_work_is_one_line(args: list[str], message: str) -> None:

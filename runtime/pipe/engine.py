@@ -335,7 +335,11 @@ class PipelineEngine(Engine):
     def _stage_dir(self, root: str | os.PathLike) -> str:
         """Each stage saves its own ZeRO checkpoint (its data-parallel ranks' shards) in its own
         directory; the name carries the pipeline degree, so a resume at another degree is caught."""
-        return os.path.join(os.fspath(root), f"pipe_stage_{self.stage_id:02d}_of_{self.num_stages:02d}")
+        name = f"pipe_stage_{self.stage_id:02d}_of_{self.num_stages:02d}"
+        grid = self.module.grid
+        if grid.get_model_parallel_world_size() > 1:  # 3D: the model ranks of a stage hold different shards
+            name += f"_tp_{grid.get_model_parallel_rank():02d}_of_{grid.get_model_parallel_world_size():02d}"
+        return os.path.join(os.fspath(root), name)
 
     def save_checkpoint(
         self,

@@ -1,0 +1,68 @@
+"""Tensor-parallel checkpoints: each model rank keeps its own shards, so a tp2 run resumed from a save
+repeats the uninterrupted run exactly (before, both model ranks wrote the same files and the resume
+diverged), and a resume at another degree is refused by name. 2 gloo ranks, CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.test_tp_autotp import GPT2Block, TinyLM, _batch, _loss
+
+STEPS, SAVE_AT = 4, 2
+
+
+def _config(tp: int) -> dict[str, Any]:
+    return {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+            "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": tp}}  # fmt: skip
+
+
+def _train(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
+    import runtime
+    from runtime.checkpoint import CheckpointNotFound
+
+    def engine() -> Any:
+        torch.manual_seed(0)
+        model = TinyLM(GPT2Block)
+        return runtime.initialize(model=model, config=_config(2))[0]
+
+    def steps(eng: Any, start: int) -> list[float]:
+        losses = []
+        for step in range(start, STEPS):
+            tokens, labels = _batch(step, 0)
+            loss = _loss(eng, tokens, labels)
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss))
+            if step + 1 == SAVE_AT and start == 0:
+                eng.save_checkpoint(save_dir)
+        return losses
+
+    whole = steps(engine(), 0)
+    resumed_engine = engine()
+    resumed_engine.load_checkpoint(save_dir)
+    resumed = steps(resumed_engine, SAVE_AT)
+    folders = sorted(p.name for p in Path(save_dir).iterdir())
+    wrong_degree = None
+    try:  # the same checkpoint, read as if saved at tp4
+        resumed_engine.tp_size = 4
+        resumed_engine.load_checkpoint(save_dir)
+    except CheckpointNotFound as error:
+        wrong_degree = str(error)
+    return {"whole": whole, "resumed": resumed, "folders": folders, "wrong_degree": wrong_degree}
+
+
+def test_a_tensor_parallel_resume_repeats_the_uninterrupted_run(tmp_path: Path) -> None:
+    results = run_distributed(_train, 2, str(tmp_path / "ckpt"), timeout=180)
+    for r in results:
+        assert r["resumed"] == pytest.approx(r["whole"][SAVE_AT:], rel=1e-6, abs=0), r
+        assert r["folders"] == ["tp_rank_00_of_02", "tp_rank_01_of_02"]
+        assert "no tp_rank_" in r["wrong_degree"] and "_of_04 folder for tensor-parallel degree 4" in (
+            r["wrong_degree"]
+        ), r["wrong_degree"]
+        assert "it holds tp_rank_00_of_02, tp_rank_01_of_02" in r["wrong_degree"]

@@ -124,15 +124,15 @@ def test_synthetic_dataset_is_seeded_per_sample() -> None:
     assert not torch.equal(ds[7][0], SyntheticTokenDataset(50, 8, 10, seed=4)[7][0])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="transformers installed")
-def test_named_tokenizer_without_transformers_says_what_to_install() -> None:
+def test_named_tokenizer_without_transformers_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed: its import fails
     assert isinstance(load_tokenizer(None), ByteTokenizer)
     with pytest.raises(DataError, match="needs the 'transformers' package"):
         load_tokenizer("gpt2")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("datasets") is not None, reason="datasets installed")
-def test_hf_dataset_without_datasets_says_what_to_install() -> None:
+def test_hf_dataset_without_datasets_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: its import fails
     with pytest.raises(DataError, match=r"--dataset_name 'wikitext' needs the 'datasets' package"):
         TokenBlockDataset.from_hf_dataset("wikitext", "wikitext-2-raw-v1", 128, ByteTokenizer())
 
@@ -170,15 +170,18 @@ def test_single_process_training_lowers_the_loss() -> None:
         (["--model_name_or_path", "gpt2"], "needs the 'transformers' package"),
     ],
 )
-def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str) -> None:
-    if "gpt2" in args and importlib.util.find_spec("transformers") is not None:
-        pytest.skip("transformers installed")
+def test_bad_arguments_exit_2_with_one_line(args: list[str], message: str, tmp_path: Path) -> None:
+    env = _env()
+    if "gpt2" in args:  # as if transformers were not installed: a package of that name that fails to import
+        (tmp_path / "transformers").mkdir()
+        (tmp_path / "transformers" / "__init__.py").write_text("raise ImportError('not installed')\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, str(TRAIN), "--steps", "1", *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env(),
+        env=env,
         cwd=ROOT,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -1,4 +1,5 @@
-"""Tensor-parallel checkpoints: each model rank keeps its own shards, so a tp2 run resumed from a save
+"""Tensor-parallel checkpoints: each model rank keeps its own shards (with pipelines: each stage and model
+rank), so a tp2 run and a pp2 x tp2 run resumed from a save
 repeats the uninterrupted run exactly (before, both model ranks wrote the same files and the resume
 diverged), and a resume at another degree is refused by name. 2 gloo ranks, CPU."""
 
@@ -66,3 +67,44 @@ def test_a_tensor_parallel_resume_repeats_the_uninterrupted_run(tmp_path: Path) 
             r["wrong_degree"]
         ), r["wrong_degree"]
         assert "it holds tp_rank_00_of_02, tp_rank_01_of_02" in r["wrong_degree"]
+
+
+def _train_3d(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
+    """pp2 x tp2: each (stage, model rank) keeps its own folder; a resume repeats the uninterrupted run."""
+    from runtime.parallel import PipeModelDataParallelTopology
+    from runtime.pipe import PipelineEngine, PipelineModule
+    from tests.pipe_cases import BASE_SEED, data_iterator, token_loss
+    from tests.test_tp_autotp import _layers_3d
+
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+              "zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}}  # fmt: skip
+
+    def engine() -> Any:
+        topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
+        module = PipelineModule(_layers_3d(), topology=topology, loss_fn=token_loss, seed_layers=True,
+                                base_seed=BASE_SEED, partition_method="type:Block")  # fmt: skip
+        return PipelineEngine(module, config)
+
+    def steps(eng: Any, start: int) -> list[float]:
+        losses = []
+        for step in range(start, STEPS):
+            losses.append(float(eng.train_batch(data_iterator("gpt", step, 2, 4, 0, 1))))
+            if step + 1 == SAVE_AT and start == 0:
+                eng.save_checkpoint(save_dir)
+        return losses
+
+    whole = steps(engine(), 0)
+    resumed_engine = engine()
+    resumed_engine.load_checkpoint(save_dir)
+    return {"whole": whole, "resumed": steps(resumed_engine, SAVE_AT),
+            "folders": sorted(p.name for p in Path(save_dir).iterdir())}  # fmt: skip
+
+
+def test_a_pipeline_by_tensor_parallel_resume_repeats_the_uninterrupted_run(tmp_path: Path) -> None:
+    results = run_distributed(_train_3d, 4, str(tmp_path / "ckpt"), timeout=240)
+    for r in results:
+        assert r["resumed"] == pytest.approx(r["whole"][SAVE_AT:], rel=1e-6, abs=0), r
+    assert results[0]["folders"] == [
+        f"pipe_stage_{s:02d}_of_02_tp_{t:02d}_of_02" for s in range(2) for t in range(2)
+    ]

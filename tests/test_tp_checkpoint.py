@@ -1,7 +1,7 @@
-"""Tensor-parallel checkpoints: each model rank keeps its own shards (with pipelines: each stage and model
-rank), so a tp2 run and a pp2 x tp2 run resumed from a save
-repeats the uninterrupted run exactly (before, both model ranks wrote the same files and the resume
-diverged), and a resume at another degree is refused by name. 2 gloo ranks, CPU."""
+"""Tensor-parallel checkpoints: each model rank keeps its own shards (with pipelines, each stage and model
+rank), so a tp2 run and a pp2 x tp2 run resumed from a save repeat the uninterrupted run exactly (before,
+the model ranks wrote the same files and the resume diverged), and a resume at another degree is refused
+by name. 2 and 4 gloo ranks, CPU."""
 
 from __future__ import annotations
 

@@ -12,8 +12,6 @@ step skipped for non-finite gradients is never routine: each one gets a warning 
 from __future__ import annotations
 
 import contextlib
-import logging
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,21 +19,12 @@ from typing import Any
 import torch
 
 from runtime import checkpointing
+from runtime.log import ensure_handler
+from runtime.log import logger as _log
 from runtime.memory import format_memory, memory_stats
 from runtime.precision.loss_scaler import ScaleUpdate
 
-_log = logging.getLogger("runtime")
 _CONSECUTIVE_OVERFLOW_WARNING = 20
-
-
-def _ensure_handler() -> None:
-    """Show INFO reports when the application configured no logging at all (like DeepSpeed's logger)."""
-    if not _log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"))
-        _log.addHandler(handler)
-        _log.setLevel(logging.INFO)
-        _log.propagate = False
 
 
 class Timers:
@@ -99,7 +88,7 @@ class StepLog:
         self._overflows = 0
         self._consecutive = 0
         if rank == 0 and steps_per_print:
-            _ensure_handler()
+            ensure_handler()
 
     def start(self, engine: Any) -> None:
         self._time = time.perf_counter()

@@ -13,12 +13,14 @@ at its own limit. ``host_available_bytes`` takes the smaller of the two, reading
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
+
+from runtime.log import ensure_handler
+from runtime.log import logger as _log
 
 __all__ = [
     "MemoryStats",
@@ -29,7 +31,6 @@ __all__ = [
     "see_memory_usage",
 ]
 
-_log = logging.getLogger("runtime")
 GIB = float(1 << 30)
 
 
@@ -102,9 +103,7 @@ def see_memory_usage(message: str, force: bool = False) -> MemoryStats | None:
         return None
     stats = memory_stats()
     if _rank() == 0:
-        from runtime.engine_log import _ensure_handler
-
-        _ensure_handler()
+        ensure_handler()
         _log.info("%s | %s | host used %.1f%%", message, format_memory(stats), stats.host_used_percent)
     cuda = _cuda_device(None)
     if cuda is not None:

@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "accelerate_loop.py"
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_accelerate_deepspeed_plugin_stages_2_and_3_match_ddp(tmp_path: Path) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "hf_trainer.py"
@@ -27,11 +28,6 @@ ZERO2 = REPO / "tests" / "configs" / "deepspeed" / "hf_zero2.json"
 ZERO3 = REPO / "tests" / "configs" / "deepspeed" / "hf_zero3.json"
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"  # the compat distribution's command
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:

@@ -19,16 +19,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.dist import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
 DSLAUNCH = [sys.executable, "-m", "launcher.cli"]
 CPU = {"DS_ACCELERATOR": "cpu"}  # CPU workers, on a machine with GPUs too
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_dslaunch(args, env=None, timeout=60.0, cwd=REPO) -> subprocess.CompletedProcess:

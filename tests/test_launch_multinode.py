@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests import sshd_testbed
+from tests.dist import free_port
 from tests.sshd_testbed import Testbed, find_processes
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(180)]
@@ -63,11 +63,6 @@ if os.environ.get("SLEEP") == "0":
 time.sleep(300)
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(tmp_path: Path, source: str, name: str = "worker.py") -> Path:

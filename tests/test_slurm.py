@@ -12,7 +12,6 @@ import json
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from launcher.errors import LaunchError
 from launcher.plan import HostSlots, JobConfig, make_plan
 from launcher.runners.slurm import gpu_request
 from tests import slurm_testbed
+from tests.dist import free_port
 from tests.slurm_testbed import Cluster
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,11 +101,6 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     finally:
         cluster.stop()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_env(cluster: Cluster, tmp_path: Path, **extra: str) -> dict[str, str]:

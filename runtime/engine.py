@@ -386,7 +386,7 @@ class Engine(EngineAccessors, nn.Module):
         from runtime.checkpoint import save_checkpoint
 
         self.masters.flush()
-        return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))
+        return str(save_checkpoint(self, self._checkpoint_root(save_dir), tag, client_state, save_latest))
 
     def load_checkpoint(
         self,
@@ -404,13 +404,36 @@ class Engine(EngineAccessors, nn.Module):
         self.masters.flush()
         return load_checkpoint(
             self,
-            load_dir,
+            self._checkpoint_root(load_dir, loading=True),
             tag,
             load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
         )
+
+    def checkpoint_folder(self) -> tuple[str, str, str] | None:
+        """Model-parallel engines: (this rank's sub-folder, the family's name prefix, what it holds in
+        words). Ranks holding different shards at the same data rank (pipeline stages, tensor-parallel
+        ranks) each keep their own ZeRO checkpoint there, since the checkpoint's files are named by data
+        rank only. None: the checkpoint directory itself."""
+        return None
+
+    def _checkpoint_root(self, root: str | os.PathLike, *, loading: bool = False) -> str:
+        from runtime.checkpoint import CheckpointNotFound
+
+        folder = self.checkpoint_folder()
+        if folder is None:
+            return os.fspath(root)
+        name, prefix, what = folder
+        path = os.path.join(os.fspath(root), name)
+        if loading and not os.path.isdir(path):
+            saved = sorted(n for n in os.listdir(root) if n.startswith(prefix)) if os.path.isdir(root) else []
+            raise CheckpointNotFound(
+                f"{os.fspath(root)} has no checkpoint for {what} ({name}); it holds {saved or 'none'}",
+                hint="resume with the pipeline and tensor-parallel degrees the checkpoint was saved with",
+            )
+        return path
 
     def destroy(self) -> None:
         """Remove the engine's gradient hooks from the model; flush and close the monitors."""

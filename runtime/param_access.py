@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from runtime.unsupported import unsupported
+from runtime.zero.gather import gather_flat
 
 __all__ = [
     "register_engine",
@@ -109,17 +110,8 @@ def safe_get_full_optimizer_state(param: nn.Parameter, optim_state_key: str) -> 
     state = engine.optimizer.state.get(group.master, {})
     if optim_state_key not in state:
         raise KeyError(f"optimizer state {optim_state_key!r} not found; keys: {sorted(state)}")
-    local = state[optim_state_key]
-    layout = group.layout
-    full = torch.empty(layout.world_size * layout.shard_numel, dtype=local.dtype, device=local.device)
-    engine.comm.all_gather(full, local.contiguous())
-    flat = torch.empty(layout.numel, dtype=local.dtype, device=local.device)
-    for bucket in layout.buckets:
-        for rank in range(layout.world_size):
-            start, end = bucket.piece(rank)
-            source = rank * layout.shard_numel + bucket.shard_offset
-            flat[start:end].copy_(full[source : source + bucket.piece_numel])
-    slot = layout.slots[i]
+    flat = gather_flat(group, engine.comm, state[optim_state_key])
+    slot = group.layout.slots[i]
     return flat.narrow(0, slot.offset, slot.numel).view(param.shape).clone()
 
 

@@ -98,6 +98,7 @@ def _engine_names(rank: int, world_size: int) -> dict[str, Any]:
         logger,
         safe_get_full_fp32_param,
         safe_get_full_grad,
+        safe_get_full_optimizer_state,
         safe_set_full_fp32_param,
         zero_to_fp32,
     )
@@ -132,6 +133,8 @@ def _engine_names(rank: int, world_size: int) -> dict[str, Any]:
     weight = model[0].weight
     full = safe_get_full_fp32_param(weight)
     seen["fp32_param_equal"] = torch.equal(full, weight.detach().float())
+    # ZeRO-2 shards Adam's state over the 2 ranks: the full tensor is put back together from both shards
+    seen["exp_avg_sq"] = safe_get_full_optimizer_state(weight, "exp_avg_sq")
     safe_set_full_fp32_param(weight, torch.full_like(full, 0.25))
     seen["after_set"] = (
         safe_get_full_fp32_param(weight).unique().tolist(),
@@ -198,6 +201,19 @@ def test_engine_and_utility_names() -> None:
         assert seen["ds_config"] == (4, 2, True)
         assert seen["moe_groups"] == (1, 4, 1)
     assert results[0]["zero_to_fp32_equal"] is True
+    # the reference: plain AdamW fed both ranks' batches for the same two steps
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        xs = [torch.randn(2, 4, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+        loss = sum(model(x).square().mean() for x in xs) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    want = opt.state[model[0].weight]["exp_avg_sq"]
+    for seen in results:
+        assert seen["exp_avg_sq"].shape == want.shape
+        assert torch.allclose(seen["exp_avg_sq"], want, rtol=1e-3, atol=1e-9), (seen["exp_avg_sq"], want)
 
 
 def _zero3_names(rank: int, world_size: int) -> dict[str, Any]:

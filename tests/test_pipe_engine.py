@@ -188,7 +188,7 @@ def _run_cases(rank: int, world_size: int, cases: list[Case], save_root: str) ->
     try:  # the pp2 checkpoint at pp4
         _engine(Case(pp=4)).load_checkpoint(os.path.join(save_root, "0"))
         out["other_degree"] = "loaded"
-    except ValueError as error:
+    except Exception as error:
         out["other_degree"] = str(error)
     return out
 
@@ -312,4 +312,4 @@ def test_stage_memory_follows_the_partition(results: list[dict]) -> None:
 def test_resume_at_another_pipeline_degree_is_refused(results: list[dict]) -> None:
     for stage, r in enumerate(results):
         assert f"has no checkpoint for stage {stage} of 4 (pipe_stage_{stage:02d}_of_04)" in r["other_degree"]
-        assert "['pipe_stage_00_of_02', 'pipe_stage_01_of_02']" in r["other_degree"]
+        assert "it holds ['pipe_stage_00_of_02', 'pipe_stage_01_of_02']" in r["other_degree"]

@@ -332,14 +332,17 @@ class PipelineEngine(Engine):
         return loss
 
     # -- checkpoints -----------------------------------------------------------------------------------
-    def _stage_dir(self, root: str | os.PathLike) -> str:
-        """Each stage saves its own ZeRO checkpoint (its data-parallel ranks' shards) in its own
-        directory; the name carries the pipeline degree, so a resume at another degree is caught."""
+    def checkpoint_folder(self) -> tuple[str, str, str]:
+        """Each stage (and, in 3D, each model rank of a stage) keeps its own ZeRO checkpoint; the name
+        carries the degrees, so a resume at another degree is caught."""
         name = f"pipe_stage_{self.stage_id:02d}_of_{self.num_stages:02d}"
+        what = f"stage {self.stage_id} of {self.num_stages}"
         grid = self.module.grid
         if grid.get_model_parallel_world_size() > 1:  # 3D: the model ranks of a stage hold different shards
-            name += f"_tp_{grid.get_model_parallel_rank():02d}_of_{grid.get_model_parallel_world_size():02d}"
-        return os.path.join(os.fspath(root), name)
+            rank, size = grid.get_model_parallel_rank(), grid.get_model_parallel_world_size()
+            name += f"_tp_{rank:02d}_of_{size:02d}"
+            what += f", tensor-parallel rank {rank} of {size}"
+        return name, "pipe_stage_", what
 
     def save_checkpoint(
         self,
@@ -352,7 +355,7 @@ class PipelineEngine(Engine):
         it. Returns this stage's tag directory."""
         state = dict(client_state or {})
         state[_PARTS_KEY] = list(self.module.parts)
-        return super().save_checkpoint(self._stage_dir(save_dir), tag, state, save_latest)
+        return super().save_checkpoint(save_dir, tag, state, save_latest)
 
     def load_checkpoint(
         self,
@@ -364,20 +367,8 @@ class PipelineEngine(Engine):
         load_module_only: bool = False,
     ) -> tuple[str, dict[str, Any]]:
         """Resume from a pipeline checkpoint saved at the same pipeline degree and partition."""
-        stage_dir = self._stage_dir(load_dir)
-        if not os.path.isdir(stage_dir):
-            saved = (
-                sorted(n for n in os.listdir(load_dir) if n.startswith("pipe_stage_"))
-                if os.path.isdir(load_dir)
-                else []
-            )
-            raise ValueError(
-                f"{load_dir} has no checkpoint for stage {self.stage_id} of {self.num_stages} "
-                f"({os.path.basename(stage_dir)}); it holds {saved or 'no pipeline stages'}: resume at the "
-                "pipeline degree the checkpoint was saved with"
-            )
         path, state = super().load_checkpoint(
-            stage_dir,
+            load_dir,
             tag,
             load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states,

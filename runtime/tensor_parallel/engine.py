@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
-from runtime.checkpoint import CheckpointNotFound
 from runtime.comm import Comm
 from runtime.config import load_config
 from runtime.config_reader import read_config_file
@@ -179,40 +178,11 @@ class TensorParallelEngine(Engine):
 
         return reduce
 
-    def _model_rank_dir(self, root: str | os.PathLike) -> str:
-        """Each model rank saves its own ZeRO checkpoint (its shards of the sharded projections, over its
-        data group) in its own folder: the checkpoint's file names carry only the data rank, so model ranks
-        sharing one folder would overwrite each other's shards. The name carries the degree, so a resume at
-        another degree is caught."""
+    def checkpoint_folder(self) -> tuple[str, str, str]:
+        """Each model rank keeps its own ZeRO checkpoint (its shards of the sharded projections, over its
+        data group); the name carries the degree, so a resume at another degree is caught."""
         rank, size = self.grid.get_model_parallel_rank(), self.tp_size
-        return os.path.join(os.fspath(root), f"tp_rank_{rank:02d}_of_{size:02d}")
-
-    def save_checkpoint(
-        self,
-        save_dir: str,
-        tag: str | None = None,
-        client_state: dict[str, Any] | None = None,
-        save_latest: bool = True,
-    ) -> str:
-        """Save this model rank's training state under save_dir/tp_rank_RR_of_NN/<tag> (every rank calls
-        it); `hf_state_dict()` gives the whole model instead."""
-        return super().save_checkpoint(self._model_rank_dir(save_dir), tag, client_state, save_latest)
-
-    def load_checkpoint(
-        self, load_dir: str, tag: str | None = None, **kwargs: Any
-    ) -> tuple[str, dict[str, Any]]:
-        """Resume from a checkpoint saved at the same tensor-parallel degree."""
-        rank_dir = self._model_rank_dir(load_dir)
-        if not os.path.isdir(rank_dir):
-            saved = sorted(os.listdir(load_dir)) if os.path.isdir(load_dir) else []
-            saved = [name for name in saved if name.startswith("tp_rank_")]
-            held = f" (it holds {', '.join(saved)})" if saved else " (not a tensor-parallel checkpoint)"
-            raise CheckpointNotFound(
-                f"{load_dir}: no {os.path.basename(rank_dir)} folder for tensor-parallel degree "
-                f"{self.tp_size}{held}",
-                hint="resume at the degree the checkpoint was saved with (tensor_parallel.autotp_size)",
-            )
-        return super().load_checkpoint(rank_dir, tag, **kwargs)
+        return f"tp_rank_{rank:02d}_of_{size:02d}", "tp_rank_", f"tensor-parallel rank {rank} of {size}"
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model in the Hugging Face layout (weights gathered over the model group, the fused

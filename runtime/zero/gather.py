@@ -17,13 +17,16 @@ from runtime.zero.flat import FlatGroup
 
 def gather_flat_master(group: FlatGroup, comm: Comm) -> torch.Tensor:
     """The group's full master buffer in flat-layout order (a fresh tensor)."""
-    layout = group.layout
     master = group.master.detach()
-    if layout.world_size == 1:
-        return master.clone()
-    shards = torch.empty(layout.world_size * layout.shard_numel, dtype=master.dtype, device=master.device)
-    comm.all_gather(shards, master.contiguous())
-    flat = torch.empty(layout.numel, dtype=master.dtype, device=master.device)
+    return master.clone() if group.layout.world_size == 1 else gather_flat(group, comm, master)
+
+
+def gather_flat(group: FlatGroup, comm: Comm, shard: torch.Tensor) -> torch.Tensor:
+    """Any per-rank shard of `group` (its master, an optimizer state) whole, in flat-layout order."""
+    layout = group.layout
+    shards = torch.empty(layout.world_size * layout.shard_numel, dtype=shard.dtype, device=shard.device)
+    comm.all_gather(shards, shard.contiguous())
+    flat = torch.empty(layout.numel, dtype=shard.dtype, device=shard.device)
     for bucket in layout.buckets:
         for rank in range(layout.world_size):
             start, end = bucket.piece(rank)

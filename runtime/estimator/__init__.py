@@ -1,10 +1,13 @@
-"""``ds_estimate``: how much memory a ZeRO run's model states take per GPU and per host, before running it.
+"""``ds_estimate``: how much memory a ZeRO run takes per GPU and per host, and what fits, before running it.
 
-Two modules, because the numbers and their presentation change for different reasons:
+The numbers live apart from their presentation, because the two change for different reasons:
 
 - ``model_states``: the per-stage byte arithmetic (``estimate``, ``estimate_all``, ``model_sizes`` and
   the ``ModelSizes`` / ``StateBytes`` / ``Estimate`` records); it follows what the engine allocates, and
   its docstring has the bytes-per-parameter table and what offload moves to the host.
+- ``fit``: whether a GPT trains on a machine (GPU and host memory) with everything a step needs beyond
+  the model states (activations, staging, fixed costs), the offload ratios that fit, and the largest size
+  of a family (``fit_gpt``, ``largest_gpt``); ``fit_cli`` is its ``ds_estimate --largest`` / ``--gpt``.
 - ``cli``: the text table, DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs*`` names and the
   command line (``ds_estimate``, or ``python -m runtime.estimator``, through ``__main__``).
 

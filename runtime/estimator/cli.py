@@ -22,6 +22,8 @@ from dataclasses import asdict
 
 from torch import nn
 
+from runtime.estimator.fit import gpt_sizes
+from runtime.estimator.fit_cli import fit_options, run_fit
 from runtime.estimator.model_states import (
     DEFAULT_BUCKET,
     DTYPE_BYTES,
@@ -174,15 +176,17 @@ def _gpt_sizes(name: str) -> ModelSizes:
     """Sizes of a runtime.models.gpt size, from its config (nothing is allocated)."""
     from runtime.models.gpt import GPTConfig
 
-    config = GPTConfig.named(name)
-    d = config.n_embd
-    b = 1 if config.bias else 0
-    layers = [config.vocab_size * d, d * 4 * d + b * 4 * d, 4 * d * d + b * d, d * 3 * d + b * 3 * d]
-    # AutoTP's share (GPT-2 layout): the q|k|v, attention-out and both MLP weights, and the colwise biases
-    sharded = config.n_layer * (12 * d * d + b * 7 * d)
-    return ModelSizes(
-        total_params=config.num_params(), largest_layer_params=max(layers), tensor_parallel_params=sharded
-    )
+    return gpt_sizes(GPTConfig.named(name))
+
+
+def _gpt_shape(text: str) -> tuple[int, int, int]:
+    try:
+        n_embd, n_head, n_layer = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected n_embd:n_head:n_layer such as 5120:40:48, got {text!r}"
+        ) from None
+    return n_embd, n_head, n_layer
 
 
 def _number(text: str) -> float:
@@ -219,6 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument(
         "--model_size", help=f"a runtime.models.gpt size: {', '.join(MODEL_SIZES)} (or gpt2, gpt2-xl, ...)"
     )
+    what.add_argument(
+        "--largest",
+        action="store_true",
+        help="the largest GPT that trains on a machine of --gpu_memory and --host_memory (GiB), with "
+        "everything a step needs, not only model states (runtime.estimator.fit)",
+    )
+    what.add_argument(
+        "--gpt", type=_gpt_shape, help="does this GPT (n_embd:n_head:n_layer) train on the machine"
+    )
     parser.add_argument(
         "--largest_layer_params", type=_number, help="the largest layer's parameter count (for stage 3)"
     )
@@ -238,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         help="with --params: the parameters tensor parallelism shards (attention and MLP projections)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    fit_options(parser)
     args = parser.parse_args(argv)
+    if args.largest or args.gpt is not None:
+        return run_fit(parser, args)
     try:
         stages = tuple(int(s) for s in args.stages.split(","))
         if any(s not in (0, 1, 2, 3) for s in stages):

@@ -1,0 +1,110 @@
+"""``ds_estimate --largest`` and ``ds_estimate --gpt E:H:L``: the machine-fit questions on the command line.
+
+    ds_estimate --largest --gpu_memory 139 --host_memory 125                # ratio "auto", ZeRO-2
+    ds_estimate --largest --gpu_memory 139 --host_memory 125 --ratio 1      # full optimizer offload
+    ds_estimate --gpt 5120:40:48 --gpu_memory 139 --host_memory 125 --stage 3 --offload_param
+
+The arithmetic is runtime.estimator.fit's; this module reads the flags, builds the GPT family the search
+walks (head size 128, widths 2048-12288, depths in steps of 2), and prints one line per verdict, or JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from runtime.estimator.fit import GIB, Fit, Machine, Workload, fit_gpt, largest_gpt
+
+WIDTHS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, 10240, 12288)
+
+
+def gpt_family() -> list:
+    """The sizes `--largest` walks: each width in WIDTHS (head size 128), 4 to 128 layers in steps of 2."""
+    from runtime.models.gpt import GPTConfig
+
+    return [GPTConfig(n_embd=e, n_head=e // 128, n_layer=n) for e in WIDTHS for n in range(4, 129, 2)]
+
+
+def _ratio(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, or auto, got {text!r}")
+    return value
+
+
+def _gib(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size in GiB, got {text!r}")
+    return int(value * GIB)
+
+
+def fit_options(parser: argparse.ArgumentParser) -> None:
+    """The flags of the fit questions (the shared --num_gpus, --dtype, --optimizer come from the caller)."""
+    group = parser.add_argument_group("machine fit (--largest, --gpt)")
+    group.add_argument("--gpu_memory", type=_gib, help="each GPU's memory in GiB (e.g. 139 for an H200)")
+    group.add_argument("--host_memory", type=_gib, help="host memory the job may use, in GiB")
+    group.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage (default 2)")
+    group.add_argument("--ratio", type=_ratio, default="auto", help="offload_optimizer.ratio: 0-1 or auto")
+    group.add_argument("--no_offload", action="store_true", help="no optimizer offload at all")
+    group.add_argument("--offload_param", action="store_true", help="stage 3: weights on the host too")
+    group.add_argument("--host_step", action="store_true", help="the CPU updates the host share")
+    group.add_argument("--seq_len", type=int, default=1024)
+    group.add_argument("--micro_batch", type=int, default=1)
+    group.add_argument(
+        "--no_activation_checkpointing", action="store_true", help="keep every block's activations"
+    )
+
+
+def _line(fit: Fit | None, label: str) -> str:
+    return f"{label}: none" if fit is None else f"{label}: {fit.reason}"
+
+
+def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Answer --largest or --gpt; exit code 0 when it fits (or something does), 1 when not."""
+    from runtime.models.gpt import GPTConfig
+
+    if args.gpu_memory is None or args.host_memory is None:
+        parser.error("--largest and --gpt need --gpu_memory and --host_memory (GiB)")
+    if args.offload_param and args.stage != 3:
+        parser.error("--offload_param needs --stage 3")
+    machine = Machine(gpu_bytes=args.gpu_memory, host_bytes=args.host_memory, gpus_per_node=args.num_gpus)
+    work = Workload(
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        activation_checkpointing=not args.no_activation_checkpointing,
+        dtype=args.dtype,
+        optimizer=args.optimizer,
+    )
+    options = {
+        "stage": args.stage,
+        "offload_optimizer": not args.no_offload,
+        "offload_param": args.offload_param,
+        "ratio": args.ratio,
+        "host_step": args.host_step,
+    }
+    if args.gpt is not None:
+        n_embd, n_head, n_layer = args.gpt
+        try:
+            config = GPTConfig(n_embd=n_embd, n_head=n_head, n_layer=n_layer)
+        except ValueError as error:
+            parser.error(f"--gpt: {error}")
+        fit = fit_gpt(config, machine, work, **options)  # type: ignore[arg-type]
+        print(json.dumps(asdict(fit)) if args.json else fit.reason)
+        return 0 if fit.fits else 1
+    best, too_big = largest_gpt(gpt_family(), machine, work, **options)
+    if args.json:
+        print(json.dumps({"largest": best and asdict(best), "next": too_big and asdict(too_big)}))
+    else:
+        print(_line(best, "largest that fits"))
+        print(_line(too_big, "next size up"))
+    return 0 if best is not None else 1

@@ -88,7 +88,7 @@ def shards_optimizer_state(stage: int) -> bool:
 class StageSetup:
     """What a stage needs, besides the model and its param groups, to group and shard parameters."""
 
-    zero: Any  # runtime.config_zero.ZeroConfig
+    zero: Any  # runtime.config.ZeroConfig
     param_dtype: torch.dtype
     master_dtype: torch.dtype
     reduce_dtype: torch.dtype | None

@@ -114,7 +114,7 @@ def build_zero_stage(
 
         options = stage3_options(setup)
         # One rank gains nothing from sharding, except when the shards are to live in host memory.
-        if comm.world_size > 1 or setup.zero.offload_param.device != "none":
+        if comm.world_size > 1 or setup.zero.offload_param.enabled:
             return build_stage3(model, specs, comm, options)
         groups = resident_unit_groups(model, specs, comm, options)
     else:

@@ -196,7 +196,7 @@ def import_circles(package: str, excluded: tuple[str, ...] = (), root: Path = RO
         hops = [
             f"    {graph[a][b][0]}:{graph[a][b][1]} ({a} imports {b})" for a, b in itertools.pairwise(circle)
         ]
-        others = f" (and {len(group)} modules reach each other: {', '.join(group)})" if len(group) > 2 else ""
+        others = f" ({len(group)} modules reach each other: {', '.join(group)})" if len(group) > 2 else ""
         circles.append(" -> ".join(circle) + others + "\n" + "\n".join(hops))
     return circles
 
@@ -229,21 +229,25 @@ def test_the_circle_check_names_each_import_of_a_circle(tmp_path: Path) -> None:
     assert import_circles("pkg", root=tmp_path) == []
 
 
+def _reads_environment(node: ast.AST) -> bool:
+    """`os.environ` / `os.getenv` (any spelling that names them), or `from os import environ`."""
+    names = ("environ", "environb", "getenv")
+    if isinstance(node, ast.Attribute):
+        return node.attr in names
+    if isinstance(node, ast.ImportFrom) and node.module == "os":
+        return any(alias.name in names for alias in node.names)
+    return False
+
+
 def test_offload_reads_the_environment_only_in_its_settings() -> None:
     """Offload behaviour is set through `OffloadSettings`; only settings.py turns environment variables
     into settings (the benchmark overrides), and everything below it is handed the settings."""
     reads = []
     for path in sorted((ROOT / "runtime" / "offload").rglob("*.py")):
-        if path.relative_to(ROOT).as_posix() == "runtime/offload/settings.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            named = (
-                (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "environb"))
-                or (isinstance(node, ast.ImportFrom) and node.module == "os"
-                    and any(a.name in ("environ", "getenv", "environb") for a in node.names))
-            )  # fmt: skip
-            if named:
-                reads.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        where = path.relative_to(ROOT).as_posix()
+        if where != "runtime/offload/settings.py":
+            tree = ast.parse(path.read_text())
+            reads += [f"{where}:{node.lineno}" for node in ast.walk(tree) if _reads_environment(node)]
     assert reads == [], "the environment read below runtime/offload/settings.py: " + ", ".join(reads)
 
 

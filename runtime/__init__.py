@@ -199,8 +199,7 @@ def _model_parallel_engine(model: nn.Module, source: Any) -> type[Engine] | None
         from runtime.pipe.engine import PipelineEngine
 
         return PipelineEngine
-    from runtime.config import Config
-    from runtime.config_reader import read_config_file
+    from runtime.config import Config, read_config_file
 
     if isinstance(source, Config):
         return None

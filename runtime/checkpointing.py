@@ -185,12 +185,12 @@ def _settings_from(source: Any) -> CheckpointSettings:
         return source
     if isinstance(source, Config):
         return source.activation_checkpointing
-    from runtime.config import _read_activation_checkpointing
-    from runtime.config_reader import ReadContext, SectionReader, read_config_file
+    from runtime.config.reader import ReadContext, SectionReader, read_config_file
+    from runtime.config.sections import read_activation_checkpointing
 
     data = read_config_file(source) if not isinstance(source, Mapping) else source
     ctx = ReadContext()
-    section = _read_activation_checkpointing(
+    section = read_activation_checkpointing(
         SectionReader(data.get("activation_checkpointing"), "activation_checkpointing", ctx)
     )
     ctx.raise_pending()

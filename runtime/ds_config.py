@@ -15,8 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.config import Config, load_config
-from runtime.config_reader import read_config_file
+from runtime.config import Config, load_config, read_config_file
 from runtime.unsupported import unsupported
 
 __all__ = ["DeepSpeedConfig"]

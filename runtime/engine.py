@@ -444,7 +444,7 @@ class Engine(EngineAccessors, nn.Module):
 
 def _refuse_unsupported(config: Any) -> None:
     zero = config.zero_optimization
-    if zero.offload_param.device != "none" and zero.offload_optimizer.device != "cpu":
+    if zero.offload_param.enabled and zero.offload_optimizer.device != "cpu":
         raise NotImplementedError(
             f"zero_optimization.offload_param.device={zero.offload_param.device!r} needs "
             'zero_optimization.offload_optimizer = {"device": "cpu"} too (the host optimizer step writes '

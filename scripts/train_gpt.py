@@ -155,7 +155,7 @@ def build_config(args: argparse.Namespace) -> str | dict[str, Any]:
     elif args.lr is None and args.micro_batch_size is None:
         return source
     else:
-        from runtime.config_reader import read_config_file
+        from runtime.config import read_config_file
 
         config = read_config_file(source)
     if args.lr is not None:
@@ -306,7 +306,7 @@ def wants_activation_checkpointing(args: argparse.Namespace, config: str | dict[
         return True
     if isinstance(config, dict):
         return "activation_checkpointing" in config
-    from runtime.config_reader import read_config_file
+    from runtime.config import read_config_file
 
     return "activation_checkpointing" in read_config_file(config)
 

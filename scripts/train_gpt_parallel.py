@@ -206,7 +206,7 @@ def model_parallel_config(config: str | dict[str, Any], args: Any) -> dict[str, 
     flag wins over the file), and for a pipeline at least one micro-batch per stage (accumulation steps;
     the built-in default config gets exactly that many, a user's config too few is refused)."""
     if not isinstance(config, dict):
-        from runtime.config_reader import read_config_file
+        from runtime.config import read_config_file
 
         config = read_config_file(config)
     config = dict(config)

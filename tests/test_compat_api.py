@@ -380,7 +380,7 @@ def test_missing_module_names_raise_by_name_and_keep_hasattr_working() -> None:
 def test_config_names_deepspeed_options_it_does_not_support(extra: dict, path: str, feature: str) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from runtime.config_reader import ConfigError
+    from runtime.config import ConfigError
 
     with pytest.raises(ConfigError) as info:
         DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, **extra})
@@ -391,7 +391,7 @@ def test_config_names_deepspeed_options_it_does_not_support(extra: dict, path: s
 def test_config_unknown_key_is_a_typo_not_an_unsupported_option() -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from runtime.config_reader import ConfigError
+    from runtime.config import ConfigError
 
     with pytest.raises(ConfigError) as info:
         DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "gradient_clippin": 1.0})

@@ -150,8 +150,7 @@ def test_config_arguments_take_the_local_rank_every_launcher_passes() -> None:
 def test_input_errors_are_user_errors_and_keep_their_old_bases() -> None:
     from runtime.checkpoint import CheckpointCorrupted, CheckpointError
     from runtime.checkpoint.tensorfile import TensorFileError
-    from runtime.config_batch import BatchSizeError
-    from runtime.config_reader import ConfigError
+    from runtime.config import BatchSizeError, ConfigError
     from runtime.data import DataError
 
     for cls, old in [

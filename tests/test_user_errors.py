@@ -142,14 +142,14 @@ def test_plain_python_prints_error_and_hint_and_the_traceback_only_when_asked(jo
     traced = _python(job, "typo.json", DSLAUNCH_TRACEBACK="1")
     assert traced.returncode == 2, traced.stderr
     assert traced.stderr.startswith("Traceback (most recent call last):"), traced.stderr
-    assert f"runtime.config_reader.ConfigError: {TYPO_MESSAGE}" in traced.stderr
+    assert f"runtime.config.reader.ConfigError: {TYPO_MESSAGE}" in traced.stderr
     assert traced.stderr.strip().splitlines()[-2:] == lines
 
 
 RAISE = """
 import sys
 import runtime
-from runtime.config_reader import ConfigError
+from runtime.config import ConfigError
 if sys.argv[1] == "user":
     raise ConfigError("zero_optimization.stage", "must be 0-3, got 7")
 raise RuntimeError("boom")

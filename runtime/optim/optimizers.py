@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from runtime.config_optim import OptimizerConfig, resolve_optimizer_config
+from runtime.config.optim import OptimizerConfig, resolve_optimizer_config
 
 
 class Lamb(torch.optim.Optimizer):

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from runtime.config_optim import SchedulerConfig, resolve_scheduler_config
+from runtime.config.optim import SchedulerConfig, resolve_scheduler_config
 
 
 def _per_group(value: float | Sequence[float], groups: int, name: str) -> list[float]:

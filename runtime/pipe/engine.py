@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from runtime.comm import Comm
-from runtime.config import load_config
-from runtime.config_reader import read_config_file
+from runtime.config import load_config, read_config_file
 from runtime.engine import Engine
 from runtime.offload import GradMath
 from runtime.pipe.config import PipelineConfig, read_pipeline_config

@@ -24,8 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
 from runtime.comm import Comm
-from runtime.config import load_config
-from runtime.config_reader import read_config_file
+from runtime.config import load_config, read_config_file
 from runtime.engine import Engine
 from runtime.offload import GradMath
 from runtime.parallel import ParallelGrid, topology_for

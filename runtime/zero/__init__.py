@@ -88,7 +88,7 @@ def shards_optimizer_state(stage: int) -> bool:
 class StageSetup:
     """What a stage needs, besides the model and its param groups, to group and shard parameters."""
 
-    zero: Any  # runtime.config_zero.ZeroConfig
+    zero: Any  # runtime.config.ZeroConfig
     param_dtype: torch.dtype
     master_dtype: torch.dtype
     reduce_dtype: torch.dtype | None
@@ -114,7 +114,7 @@ def build_zero_stage(
 
         options = stage3_options(setup)
         # One rank gains nothing from sharding, except when the shards are to live in host memory.
-        if comm.world_size > 1 or setup.zero.offload_param.device != "none":
+        if comm.world_size > 1 or setup.zero.offload_param.enabled:
             return build_stage3(model, specs, comm, options)
         groups = resident_unit_groups(model, specs, comm, options)
     else:

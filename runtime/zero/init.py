@@ -325,7 +325,7 @@ def _check_config(source: str | os.PathLike | Mapping[str, Any] | None) -> None:
     if source is None:
         return
     if isinstance(source, (str, os.PathLike)):
-        from runtime.config_reader import read_config_file
+        from runtime.config import read_config_file
 
         source = read_config_file(source)
     zero = source.get("zero_optimization", {}) if isinstance(source, Mapping) else {}

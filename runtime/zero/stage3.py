@@ -246,7 +246,7 @@ def stage3_options(setup: Any) -> Stage3Options:
         ),
         overlap_comm=zero.overlap_comm,
         pre_reduce_scale=setup.pre_reduce_scale,
-        offload_param=offload.device == "cpu",
+        offload_param=offload.enabled,
         pin_memory=offload.pin_memory,
     )
 

@@ -4,7 +4,7 @@
 the scheduler to the engine.
 """
 
-from runtime.config_optim import SCHEDULER_TYPES
+from runtime.config.optim import SCHEDULER_TYPES
 from runtime.optim.schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 WARMUP_LR = "WarmupLR"

@@ -16,32 +16,55 @@ from typing import Any
 
 import torch
 
-from runtime.config_checks import Bool, Choice, Float, Int
-from runtime.config_reader import AutoRefused, ConfigError, SectionReader
+from runtime.config.checks import Bool, Choice, Float, Int
+from runtime.config.reader import AutoRefused, ConfigError, SectionReader
 from runtime.offload.settings import GRAD_TRANSFER_CHOICES, UPDATE_CHOICES, OffloadSettings
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    device: str = "none"  # "none" | "cpu"
+    """`zero_optimization.offload_param`: stage 3's working weight shards in host memory."""
+
+    device: str = "none"  # "none" | "cpu" ("nvme" is refused when read)
     pin_memory: bool = False  # DeepSpeed 0.19.8 defaults to True
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the section offloads anything (device is not "none")."""
+        return self.device != "none"
 
 
 @dataclass(frozen=True)
 class ZeroConfig:
+    """`zero_optimization`. Sizes count elements, not bytes, as in DeepSpeed."""
+
+    # 0: plain data parallelism (all-reduce); 1: optimizer state sharded; 2: also gradients; 3: also weights
     stage: int = 0
+    # elements per gradient bucket reduced (or reduce-scattered) in one collective
     reduce_bucket_size: int = 500_000_000
+    # accepted with no effect: gathers go per reduce bucket (a non-default value gets a note)
     allgather_bucket_size: int = 500_000_000
+    # reduce buckets while backward runs; False waits for each reduction before going on
     overlap_comm: bool = True
+    # accepted with no effect: gradients always live in one flat buffer (a non-default value gets a note)
     contiguous_gradients: bool = True
+    # use the reduce-scatter collective; False emulates it with all-reduce and a slice (runtime.comm)
     reduce_scatter: bool = True
+    # where master weights and optimizer state live and step (runtime/offload/settings.py has its keys)
     offload_optimizer: OffloadSettings = field(default_factory=OffloadSettings)
+    # stage 3 only: the working weight shards in host memory
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)
+    # stage 3: elements gathered ahead of use along the recorded trace; 0 turns prefetching off
     stage3_prefetch_bucket_size: int = 50_000_000
+    # stage 3: gather units with fewer elements stay gathered for the whole run
     stage3_param_persistence_threshold: int = 100_000
+    # stage 3: gathered elements beyond which nothing more is prefetched or kept for reuse
     stage3_max_live_parameters: int = 1_000_000_000
+    # stage 3: a unit needed again within this many elements of the trace is kept, not released
     stage3_max_reuse_distance: int = 1_000_000_000
+    # stage 3: save_16bit_model may gather the full weights (otherwise it raises, not write empty tensors)
     stage3_gather_16bit_weights_on_model_save: bool = False
+    # accepted with no effect: each rank steps its whole shard at once (a non-default value gets a note)
     sub_group_size: int = 1_000_000_000
 
 
@@ -324,7 +347,7 @@ def _check_offload_stage(r: SectionReader, cfg: ZeroConfig) -> None:
             r.key_path("offload_optimizer"),
             "optimizer offload needs ZeRO stage 1, 2 or 3 (stage is 0); set zero_optimization.stage",
         )
-    if cfg.offload_param.device != "none" and cfg.stage != 3:
+    if cfg.offload_param.enabled and cfg.stage != 3:
         raise ConfigError(
             r.key_path("offload_param"),
             f"parameter offload needs ZeRO stage 3 (stage is {cfg.stage}); stages 1-2 offload optimizer only",

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.config_checks import Int
-from runtime.config_reader import ConfigError, SectionReader
+from runtime.config.checks import Int
+from runtime.config.reader import ConfigError, SectionReader
 
 
 class BatchSizeError(ConfigError):

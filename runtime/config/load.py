@@ -1,15 +1,18 @@
-"""The DeepSpeed-style training config as typed, frozen dataclasses.
+"""The whole config: the top-level `Config`, `load_config` that builds it, and `render_config` for the log.
 
 `load_config(source, world_size=..., model=...)` reads a JSON/YAML path or a mapping, checks every key
 (unknown keys are errors with a suggestion, DeepSpeed features we lack are refused by name, wrong types
 name the key path and the expected type), completes the batch arithmetic, resolves or refuses "auto",
 and returns a `Config`. Every `ConfigError` message starts with the key path.
 
+This module owns the top-level keys, the DeepSpeed top-level sections we refuse by name, the checks that
+need two sections at once (fp16 with bf16, the optimizer with the ZeRO stage) and the resolved config
+(`Config.raw`). Each section is read by its own module: `zero_optimization` in `runtime.config.zero`,
+optimizer/scheduler in `runtime.config.optim`, the small sections in `runtime.config.sections`, and the
+batch arithmetic in `runtime.config.batch`.
+
 Defaults follow DeepSpeed except where noted: `gradient_clipping` defaults to 0.0 (no clipping) as in
 DeepSpeed <= 0.16; DeepSpeed 0.19.8 defaults to 1.0, so set it explicitly when comparing the two.
-The optimizer/scheduler sections are checked in `runtime.config_optim`, `zero_optimization` in
-`runtime.config_zero`, tensorboard/csv_monitor/wandb in `runtime.config_monitor` (their dataclasses are
-re-exported here), and the batch arithmetic is done by `runtime.config_batch`.
 """
 
 from __future__ import annotations
@@ -22,12 +25,10 @@ from typing import Any
 
 import torch
 
-from runtime.config_batch import resolve_batch
-from runtime.config_checks import Bool, Choice, Float, Int
-from runtime.config_monitor import CSVMonitorConfig, TensorBoardConfig, WandbConfig, read_monitor, read_wandb
-from runtime.config_optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
-from runtime.config_reader import (
-    AutoRefused,
+from runtime.config.batch import resolve_batch
+from runtime.config.checks import Bool, Choice, Float, Int
+from runtime.config.optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
+from runtime.config.reader import (
     ConfigError,
     FrozenDict,
     ReadContext,
@@ -36,69 +37,22 @@ from runtime.config_reader import (
     read_config_file,
     thaw,
 )
-from runtime.config_zero import OffloadConfig, ZeroConfig, model_hidden_size, read_zero
-
-__all__ = [
-    "ActivationCheckpointingConfig",
-    "BF16Config",
-    "CSVMonitorConfig",
-    "CheckpointConfig",
-    "Config",
-    "ConfigError",
-    "FP16Config",
-    "OffloadConfig",
-    "OptimizerConfig",
-    "SchedulerConfig",
-    "TensorBoardConfig",
-    "WandbConfig",
-    "ZeroConfig",
-    "load_config",
-    "model_hidden_size",
-    "render_config",
-]
-
-
-@dataclass(frozen=True)
-class FP16Config:
-    enabled: bool = False
-    auto_cast: bool = False
-    loss_scale: float = 0.0  # 0 = dynamic loss scaling; > 0 = this static scale
-    initial_scale_power: int = 16  # dynamic scaling starts at 2**initial_scale_power
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
-
-
-@dataclass(frozen=True)
-class BF16Config:
-    """The bf16 section. Its two step-skipping keys also govern fp32 runs (fp32 has no section of its own);
-    fp16 runs skip through the loss scaler instead (the fp16 section)."""
-
-    enabled: bool = False
-    # Decide every step on the global gradient norm: a non-finite one skips the step on every rank
-    # (DeepSpeed's key; DeepSpeed defaults to false and applies such steps, which turns every weight into
-    # NaN). False also lets the offloaded step start during backward (runtime.offload.streamed).
-    check_grad_overflow: bool = True
-    # Stop with NonfiniteGradientsError after this many consecutive skipped steps; 0 = never stop (ours:
-    # DeepSpeed has no such key).
-    max_consecutive_nonfinite_steps: int = 10
-
-
-@dataclass(frozen=True)
-class ActivationCheckpointingConfig:
-    partition_activations: bool = False
-    cpu_checkpointing: bool = False
-    contiguous_memory_optimization: bool = False
-    number_checkpoints: int | None = None
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    tag_validation: str = "WARN"  # "WARN" | "IGNORE" | "FAIL": what to do when ranks save different tags
-    use_node_local_storage: bool = False
+from runtime.config.sections import (
+    ActivationCheckpointingConfig,
+    BF16Config,
+    CheckpointConfig,
+    CSVMonitorConfig,
+    FP16Config,
+    TensorBoardConfig,
+    WandbConfig,
+    read_activation_checkpointing,
+    read_bf16,
+    read_checkpoint,
+    read_fp16,
+    read_monitor,
+    read_wandb,
+)
+from runtime.config.zero import ZeroConfig, read_zero
 
 
 @dataclass(frozen=True)
@@ -191,71 +145,6 @@ def _never_if_inf(check: Any) -> Any:
     return read
 
 
-def _read_fp16(r: SectionReader, model: torch.nn.Module | None) -> FP16Config:
-    cfg = FP16Config(
-        enabled=r.get("enabled", Bool(), False, auto=lambda: _enabled_from_model(model, torch.float16)),
-        auto_cast=r.get("auto_cast", Bool(), False),
-        loss_scale=r.get("loss_scale", Float(0.0), 0.0),
-        initial_scale_power=r.get("initial_scale_power", Int(0, 64), 16),
-        loss_scale_window=r.get("loss_scale_window", Int(1), 1000),
-        hysteresis=r.get("hysteresis", Int(1), 2),
-        consecutive_hysteresis=r.get("consecutive_hysteresis", Bool(), False),
-        min_loss_scale=r.get("min_loss_scale", Float(0.0, lo_open=True), 1.0),
-    )
-    r.default_only("fp16_master_weights_and_grads", False, "fp16 master weights")
-    r.finish()
-    return cfg
-
-
-def _read_bf16(r: SectionReader, model: torch.nn.Module | None) -> BF16Config:
-    cfg = BF16Config(
-        enabled=r.get("enabled", Bool(), False, auto=lambda: _enabled_from_model(model, torch.bfloat16)),
-        check_grad_overflow=r.get("check_grad_overflow", Bool(), True),
-        max_consecutive_nonfinite_steps=r.get("max_consecutive_nonfinite_steps", Int(0), 10),
-    )
-    r.ignored("immediate_grad_update", False, "gradients are reduced during backward, applied at the step")
-    r.default_only("bf16_master_weights_and_grads", False, "bf16 master weights")
-    r.default_only("bf16_optimizer_states", False, "bf16 optimizer states")
-    r.finish()
-    return cfg
-
-
-def _enabled_from_model(model: torch.nn.Module | None, dtype: torch.dtype) -> bool:
-    """ "enabled": "auto" means "match the model": on when its floating-point weights are in `dtype`."""
-    if model is None:
-        raise AutoRefused(
-            "needs the model to see its dtype (HF Trainer fills it from --fp16/--bf16); set true/false"
-        )
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    return dtypes == {dtype}
-
-
-def _read_activation_checkpointing(r: SectionReader) -> ActivationCheckpointingConfig:
-    cfg = ActivationCheckpointingConfig(
-        partition_activations=r.get("partition_activations", Bool(), False),
-        cpu_checkpointing=r.get("cpu_checkpointing", Bool(), False),
-        contiguous_memory_optimization=r.get("contiguous_memory_optimization", Bool(), False),
-        number_checkpoints=r.get("number_checkpoints", Int(1, nullable=True), None),
-        synchronize_checkpoint_boundary=r.get("synchronize_checkpoint_boundary", Bool(), False),
-        profile=r.get("profile", Bool(), False),
-    )
-    r.finish()
-    return cfg
-
-
-def _read_checkpoint(r: SectionReader) -> CheckpointConfig:
-    cfg = CheckpointConfig(
-        tag_validation=r.get("tag_validation", Choice(("WARN", "IGNORE", "FAIL")), "WARN"),
-        use_node_local_storage=r.get("use_node_local_storage", Bool(), False),
-    )
-    r.ignored("load_universal", False, "dslaunch checkpoints reshard on load without a universal conversion")
-    parallel_write = r.section("parallel_write")
-    parallel_write.default_only("pipeline_stage", False, "pipeline-stage parallel checkpoint writes")
-    parallel_write.finish()
-    r.finish(unsupported={"writer": "checkpoint writer selection"})
-    return cfg
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The whole config
 
@@ -288,8 +177,8 @@ def load_config(
         raise ConfigError("bfloat16", 'is another name for "bf16"; set only one of them')
     top.alias("bfloat16", "bf16", "DeepSpeed alias")
 
-    fp16 = _read_fp16(top.section("fp16"), model)
-    bf16 = _read_bf16(top.section("bf16"), model)
+    fp16 = read_fp16(top.section("fp16"), model)
+    bf16 = read_bf16(top.section("bf16"), model)
     zero = read_zero(top.section("zero_optimization"), model)
     # A null section means "none", as in DeepSpeed (a client optimizer / scheduler, or none at all).
     has_optimizer = top.has("optimizer") and top.data["optimizer"] is not None
@@ -310,11 +199,11 @@ def load_config(
         "dataloader_drop_last": top.get("dataloader_drop_last", Bool(), False),
     }
     sections = {
-        "activation_checkpointing": _read_activation_checkpointing(top.section("activation_checkpointing")),
+        "activation_checkpointing": read_activation_checkpointing(top.section("activation_checkpointing")),
         "tensorboard": read_monitor(top.section("tensorboard"), TensorBoardConfig),
         "csv_monitor": read_monitor(top.section("csv_monitor"), CSVMonitorConfig),
         "wandb": read_wandb(top.section("wandb")),
-        "checkpoint": _read_checkpoint(top.section("checkpoint")),
+        "checkpoint": read_checkpoint(top.section("checkpoint")),
     }
     top.ignored("zero_force_ds_cpu_optimizer", True, "any torch optimizer runs on offloaded CPU shards")
     top.ignored("dump_state", False, "no state dump")

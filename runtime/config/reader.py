@@ -2,9 +2,9 @@
 
 This module owns the mechanics that make `runtime.config` strict: loading JSON/YAML with duplicate-key
 detection, reading each key through a check with the key path in the message (the checks themselves,
-Bool, Int, ..., are in `runtime.config_checks`), resolving or refusing "auto", and telling apart keys
+Bool, Int, ..., are in `runtime.config.checks`), resolving or refusing "auto", and telling apart keys
 that are unknown (a typo: "did you mean ...") from keys DeepSpeed has that we do not support yet.
-`runtime.config` declares the schema on top of it; nothing here knows section names.
+The section modules of `runtime.config` declare the schema on top of it; nothing here knows section names.
 """
 
 from __future__ import annotations

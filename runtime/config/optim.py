@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.config_checks import Bool, Choice, Float, FloatOrList, FloatPair, Int, Str
-from runtime.config_reader import ConfigError, FrozenDict, ReadContext, SectionReader, freeze
+from runtime.config.checks import Bool, Choice, Float, FloatOrList, FloatPair, Int, Str
+from runtime.config.reader import ConfigError, FrozenDict, ReadContext, SectionReader, freeze
 
 
 @dataclass(frozen=True)

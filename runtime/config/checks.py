@@ -8,8 +8,8 @@ than a bare 5), so that a quoted number does not read like the number it was mea
 
 `SectionReader` takes any such callable and names none of these, and the checks know nothing of sections
 or "auto" (the key path is just the text their messages start with): that is the seam with
-`runtime.config_reader`. The error type and `describe` stay there,
-so every part of config reading raises the one `ConfigError`.
+`runtime.config.reader`. The error type and `describe` stay there, so every part of config reading raises
+the one `ConfigError`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.config_reader import ConfigError, describe
+from runtime.config.reader import ConfigError, describe
 
 
 def _range_text(lo: float | None, hi: float | None, lo_open: bool) -> str:

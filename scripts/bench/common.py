@@ -222,7 +222,9 @@ def out_file(value: Path | None, theme: str) -> Path | None:
 
 
 def stamped(record: Mapping[str, Any]) -> dict[str, Any]:
-    return {**record, "provenance": provenance()}
+    """`record` with this process's provenance last; a line relayed from another bench process keeps its
+    own."""
+    return {**record, "provenance": record.get("provenance") or provenance()}
 
 
 def emit(record: Mapping[str, Any], out: Path | None = None) -> None:

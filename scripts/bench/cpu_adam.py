@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -40,7 +39,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
 from runtime.ops.adam import CPUAdam, default_chunk_elems
+from scripts.bench import common
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 FP32_STEP_BYTES = 28  # read p, g, m, v + write p, m, v, all fp32
@@ -59,8 +61,8 @@ def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
+def emit(record: dict, out: Path | None) -> None:
+    common.emit({"bench": "cpu_adam", **record}, out)
 
 
 def _filled(n: int, seed: int, scale: float) -> torch.Tensor:
@@ -90,16 +92,6 @@ def _cache_bytes(level: int) -> int | None:
     return None
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def env_record(threads: int) -> dict:
     import psutil
 
@@ -110,7 +102,7 @@ def env_record(threads: int) -> dict:
         "threads": threads,
         "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        "cpu": _cpu_model(),
+        "cpu": common.cpu_model(),
         "l2_bytes_per_core": _cache_bytes(2),
         "l3_bytes": _cache_bytes(3),
         "mem_total_gb": round(psutil.virtual_memory().total / 1e9, 1),
@@ -133,7 +125,7 @@ def _stdout_to_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def deepspeed_optimizer(param: torch.Tensor, size: int) -> torch.optim.Optimizer | None:
+def deepspeed_optimizer(param: torch.Tensor, size: int, out: Path | None) -> torch.optim.Optimizer | None:
     t0 = time.perf_counter()
     stage = "import"
     try:
@@ -151,10 +143,11 @@ def deepspeed_optimizer(param: torch.Tensor, size: int) -> torch.optim.Optimizer
                 "stage": stage,
                 "error": f"{type(e).__name__}: {e}"[:600],
                 "seconds": round(time.perf_counter() - t0, 2),
-            }
+            },
+            out,
         )
         return None
-    emit({"event": "deepspeed_ready", "size": size, "seconds": round(time.perf_counter() - t0, 2)})
+    emit({"event": "deepspeed_ready", "size": size, "seconds": round(time.perf_counter() - t0, 2)}, out)
     return opt
 
 
@@ -165,7 +158,7 @@ def _bytes_needed(n: int, with_ds: bool) -> int:
     return n * (4 + 4 + 2 + 2 + 4 + 8 * optimizers + 12 + 4)
 
 
-def build_variants(n: int, chunks: list[int], with_ds: bool) -> list[Variant]:
+def build_variants(n: int, chunks: list[int], with_ds: bool, out: Path | None) -> list[Variant]:
     param = _filled(n, seed=0, scale=1.0)
     grad32 = _filled(n, seed=1, scale=1e-3)
     param.grad = grad32
@@ -190,7 +183,7 @@ def build_variants(n: int, chunks: list[int], with_ds: bool) -> list[Variant]:
         Variant("torch_adamw_foreach", FP32_STEP_BYTES, foreach.step),
     ]
     if with_ds:
-        ds = deepspeed_optimizer(param, n)
+        ds = deepspeed_optimizer(param, n, out)
         if ds is not None:
             variants.append(Variant("deepspeed_cpu_adam", FP32_STEP_BYTES, ds.step))
     variants += [
@@ -233,10 +226,11 @@ def bench_size(n: int, args: argparse.Namespace) -> list[dict]:
                 "size": n,
                 "variant": "all",
                 "error": f"needs ~{need / 1e9:.1f} GB, {avail / 1e9:.1f} GB available; pass smaller --sizes",
-            }
+            },
+            args.out,
         )
         return []
-    variants = build_variants(n, args.chunks, with_ds)
+    variants = build_variants(n, args.chunks, with_ds, args.out)
     times = time_variants(variants, args.warmup, args.rounds)
     memcpy_gbps = 8 * n / statistics.median(times["memcpy"]) / 1e9
     rows = []
@@ -256,9 +250,9 @@ def bench_size(n: int, args: argparse.Namespace) -> list[dict]:
             "gbps": _sig(gbps),
             "vs_memcpy": round(gbps / memcpy_gbps, 3),
         }
-        emit(row)
+        emit(row, args.out)
         rows.append(row)
-    emit(summarize(n, rows))
+    emit(summarize(n, rows), args.out)
     return rows
 
 
@@ -302,17 +296,14 @@ def summarize(n: int, rows: list[dict]) -> dict:
     }
 
 
-def print_table(rows: list[dict]) -> None:
-    print(
-        f"{'size':>12} {'variant':42} {'median s':>9} {'Gparam/s':>9} {'GB/s':>7} {'x memcpy':>8}",
-        file=sys.stderr,
-    )
-    for r in rows:
-        print(
-            f"{r['size']:>12} {r['variant']:42} {r['median_s']:>9.4f} {r['params_per_s'] / 1e9:>9.3f} "
-            f"{r['gbps']:>7.1f} {r['vs_memcpy']:>8.2f}",
-            file=sys.stderr,
-        )
+TABLE = (
+    common.Column("size", "size", "d", 12),
+    common.Column("variant", "variant", width=42),
+    common.Column("median s", "median_s", ".4f", 9),
+    common.Column("Gparam/s", lambda r: r["params_per_s"] / 1e9, ".3f", 9),
+    common.Column("GB/s", "gbps", ".1f", 7),
+    common.Column("x memcpy", "vs_memcpy", ".2f", 8),
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -329,7 +320,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="extra chunk sizes (elements) for the offload variant, besides the default",
     )
     ap.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
+    common.add_out_argument(ap, "cpu-adam")
     args = ap.parse_args(argv)
+    args.out = common.out_file(args.out, "cpu-adam")
     for name in ("rounds", "warmup"):
         if getattr(args, name) < (1 if name == "rounds" else 0):
             ap.error(f"--{name} must be >= {1 if name == 'rounds' else 0}")
@@ -348,11 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    emit(env_record(torch.get_num_threads()))
+    emit(env_record(torch.get_num_threads()), args.out)
     all_rows: list[dict] = []
     for n in args.sizes:
         all_rows += bench_size(n, args)
-    print_table(all_rows)
+    common.print_table(all_rows, TABLE)
     return 0 if all_rows else 1
 
 

@@ -16,11 +16,12 @@ values, without the offload sections (a GPU throughput comparison) and without t
 a clock reading at each step's begin and end; tokens/s is the timed steps' tokens over the wall time from
 the first timed step's begin to the last one's end (what the Trainer does between steps is included).
 
-Output: one JSON line per configuration on stdout (also appended to --out), a failing or timed-out one
-with "error", then a summary line with every configuration's ratio to `plain` from the same run. Each
-configuration gets --timeout seconds (its whole process group is stopped after that), all of them
-together --budget seconds. On CPU (the smoke check) training is fp32 and `fsdp` is skipped with its
-reason: the Trainer does not apply FSDP there.
+Output: one JSON line per configuration on stdout (also appended to --out FILE, or with a bare --out to
+results/<yyyymmdd>_<hw>_hf-trainer.jsonl), each stamped with the commit, date, machine and command
+(common.py), a failing or timed-out one with "error", then a summary line with every configuration's
+ratio to `plain` from the same run. Each configuration gets --timeout seconds (its whole process group
+is stopped after that), all of them together --budget seconds. On CPU (the smoke check) training is
+fp32 and `fsdp` is skipped with its reason: the Trainer does not apply FSDP there.
 
     python scripts/bench/hf_trainer.py                                     # H200: about 4 minutes
     DS_ACCELERATOR=cpu python scripts/bench/hf_trainer.py --device cpu --tiny   # smoke check, no GPU
@@ -29,16 +30,12 @@ reason: the Trainer does not apply FSDP there.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import json
 import os
 import re
 import shlex
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +43,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from scripts.bench.common import add_out_argument, emit, free_port, out_file, run_isolated  # noqa: E402
+
 CONFIGS = ("plain", "ds-zero2", "ds-zero3", "fsdp")
 SEQ_LEN = 1024
 # --tiny, the CPU smoke check: a 2-layer GPT-2 on 64 tokens
@@ -81,12 +82,6 @@ CPU_FSDP_SKIP = (
 
 
 # ---------------------------------------------------------------------------------------------- driver
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def deepspeed_command() -> list[str]:
@@ -162,36 +157,19 @@ def run_config(config: str, args: argparse.Namespace, workdir: Path, timeout: fl
     if timeout <= 0:
         record["error"] = f"not run: the --budget of {args.budget} s was spent by the configurations before"
         return record
-    start = time.perf_counter()
     # its own session, so a timeout stops the launcher's workers too, not only the launcher
     env = worker_env(args.device, workdir)
-    proc = subprocess.Popen(command, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        output = stop_session(proc)
-        record["error"] = f"timed out after {round(timeout, 1)} s; output tail: {output[-1500:]}"
+    done = run_isolated(command, timeout, cwd=workdir, env=env, merge_stderr=True)
+    if done.timed_out:
+        record["error"] = f"timed out after {round(timeout, 1)} s; output tail: {done.stdout[-1500:]}"
         return record
-    record["wall_s"] = round(time.perf_counter() - start, 1)
+    record["wall_s"] = round(done.wall_s, 1)
     result = workdir / f"{config}.json"
-    if proc.returncode != 0 or not result.exists():
-        record["error"] = f"exit code {proc.returncode}; output tail: {output[-3000:]}"
+    if done.returncode != 0 or not result.exists():
+        record["error"] = f"exit code {done.returncode}; output tail: {done.stdout[-3000:]}"
         return record
     record.update(json.loads(result.read_text()))
     return record
-
-
-def stop_session(proc: subprocess.Popen) -> str:
-    """SIGTERM to the configuration's whole process group, SIGKILL after 10 s; returns its output."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            return proc.communicate(timeout=grace)[0] or ""
-        except subprocess.TimeoutExpired:
-            continue
-    return ""
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -201,14 +179,6 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     failed = [r["config"] for r in records if "error" in r]
     return {"bench": "hf_trainer", "event": "summary", "tokens_per_s": speeds, "ratio_to_plain": ratios,
             "failed": failed, "skipped": [r["config"] for r in records if "skipped" in r]}  # fmt: skip
-
-
-def emit(record: dict[str, Any], out: Path | None) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out is not None:
-        with out.open("a") as f:
-            f.write(line + "\n")
 
 
 def drive(args: argparse.Namespace) -> int:
@@ -349,7 +319,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=float, default=330.0, help="seconds for all configurations together")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer GPT-2 on 64 tokens (smoke check)")
-    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    add_out_argument(parser, "hf-trainer")
     # worker side (the script the launchers start)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -358,6 +328,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the launcher's
     args = parser.parse_args(argv)
+    args.out = out_file(args.out, "hf-trainer")
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown or not args.configs:

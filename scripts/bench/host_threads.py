@@ -12,13 +12,14 @@ shrinks the caller's team first; the last rows measure that shrinking.
     python scripts/bench/host_threads.py --params 20e6         # a quick check on a small machine
 
 Output: one JSON line per placement, {"bench": "host_threads", ...} with the best of --reps steps and
-the ratio to the caller-thread baseline of the same run.
+the ratio to the caller-thread baseline of the same run, stamped with the commit, date, machine and
+command (common.py); --out appends them to a file too (a bare --out:
+results/<yyyymmdd>_<hw>_host-threads.jsonl).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,13 +33,16 @@ from runtime.offload.host_adam import HostAdam
 from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
 from runtime.offload.spans import plan_chunks
 from runtime.ops.adam import CPUAdam
+from scripts.bench.common import add_out_argument, emit, out_file
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=float, default=400e6)
     parser.add_argument("--reps", type=int, default=3)
+    add_out_argument(parser, "host-threads")
     args = parser.parse_args(argv)
+    args.out = out_file(args.out, "host-threads")
     n = int(args.params)
     cores = torch.get_num_threads()
     fewer, rest = max(1, cores - 1), max(1, cores - 2)  # the second thread's teams below
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_s": round(seconds, 4),
             "vs_caller_all_cores": round(seconds / base, 3),
         }
-        print(json.dumps(record), flush=True)
+        emit(record, args.out)
     return 0
 
 

@@ -11,7 +11,8 @@ The default worker imports nothing heavy, so this measures launcher overhead; ``
 the worker ``import torch`` first (what a real job pays). Workers run on CPUs (``CUDA_VISIBLE_DEVICES``
 is emptied), so the numbers do not depend on the GPU count.
 
-Output: JSON lines on stdout, one per run, then one summary per N with medians and
+Output: JSON lines on stdout (stamped with the commit, date, machine and command: common.py; ``--out``
+appends them to a file too), one per run, then one summary per N with medians and
 ``ratio = dslaunch / torchrun`` (below 1: dslaunch is faster).
 
     python scripts/bench/launch.py --reps 7 --sizes 2,4,8
@@ -20,9 +21,7 @@ Output: JSON lines on stdout, one per run, then one summary per N with medians a
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,18 +29,17 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from scripts.bench.common import add_out_argument, emit, free_port, out_file  # noqa: E402
+
 WORKER = """\
 import os, time
 {imports}t = time.time()
 with open(os.path.join(os.environ["BENCH_DIR"], os.environ["RANK"]), "w") as f:
     f.write(repr(t))
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _command(launcher: str, n: int, script: str) -> list[str]:
@@ -61,7 +59,7 @@ def _command(launcher: str, n: int, script: str) -> list[str]:
         "--num_gpus",
         str(n),
         "--master_port",
-        str(_free_port()),
+        str(free_port()),
         script,
     ]
 
@@ -77,7 +75,13 @@ def measure(launcher: str, n: int, script: str, work: Path) -> dict:
     stamps = [float(f.read_text()) for f in work.iterdir()]
     if result.returncode != 0 or len(stamps) != n:
         raise RuntimeError(f"{launcher} n={n} failed (rc {result.returncode}): {result.stderr[-2000:]}")
-    return {"launcher": launcher, "n": n, "first_line_s": max(stamps) - start, "exit_s": exit_s}
+    return {
+        "bench": "launch",
+        "launcher": launcher,
+        "n": n,
+        "first_line_s": max(stamps) - start,
+        "exit_s": exit_s,
+    }
 
 
 def main() -> None:
@@ -87,7 +91,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="2,4,8", help="worker counts, comma separated")
     parser.add_argument("--reps", type=int, default=5, help="repetitions per launcher and size")
     parser.add_argument("--variant", choices=["bare", "torch"], default="bare")
+    add_out_argument(parser, "launch-local")
     args = parser.parse_args()
+    args.out = out_file(args.out, "launch-local")
     sizes = [int(x) for x in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "worker.py"
@@ -104,7 +110,7 @@ def main() -> None:
                 for launcher in order:
                     run = {**measure(launcher, n, str(script), work), "rep": rep, "variant": args.variant}
                     runs.append(run)
-                    print(json.dumps(run), flush=True)
+                    emit(run, args.out)
         for n in sizes:
             med = {
                 (launcher, key): statistics.median(
@@ -114,6 +120,7 @@ def main() -> None:
                 for key in ("first_line_s", "exit_s")
             }
             summary = {
+                "bench": "launch",
                 "summary": True,
                 "variant": args.variant,
                 "n": n,
@@ -127,7 +134,7 @@ def main() -> None:
                 "torchrun_exit_s": round(med["torchrun", "exit_s"], 4),
                 "ratio_exit": round(med["dslaunch", "exit_s"] / med["torchrun", "exit_s"], 3),
             }
-            print(json.dumps(summary), flush=True)
+            emit(summary, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ preflight, no agent and no cleanup: the floor a fan-out tool gives). ``--ref DIR
 the SSH runner of another checkout (e.g. ``git archive HEAD~3 | tar -x -C DIR``), run from that
 directory, so that a change is measured against what it replaces in the same run, under the same load.
 
-Output: JSON lines on stdout, one per run, then one summary per (launcher, N) with medians,
+Output: JSON lines on stdout (stamped with the commit, date, machine and command: common.py; ``--out``
+appends them to a file too), one per run, then one summary per (launcher, N) with medians,
 ``scale_8_over_2`` (median at the largest N over the median at the smallest) and, for each launcher but
 plain pdsh, ``ratio_to_pdsh``: the median over repetitions of its ``all_started_s`` over plain pdsh's in the
 same repetition (the two runs are seconds apart, so a load change hits both), with ``ratio_to_pdsh_min`` /
@@ -36,11 +37,9 @@ from __future__ import annotations
 
 import argparse
 import compileall
-import json
 import os
 import resource
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from scripts.bench.common import add_out_argument, emit, free_port, out_file  # noqa: E402
 from tests import sshd_testbed  # noqa: E402 - after the path set-up
 
 WORKER = """\
@@ -60,12 +60,6 @@ name = sys.argv[1] if len(sys.argv) > 1 else os.environ["RANK"]
 with open(os.path.join(os.environ["BENCH_DIR"], name), "w") as f:
     f.write(repr(t))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(launcher: str, tb: sshd_testbed.Testbed, n: int, slots: int, script: Path, out: Path):
@@ -132,7 +126,9 @@ def main() -> int:
     p.add_argument("--launchers", default="dslaunch,dslaunch-pdsh,pdsh")
     p.add_argument("--isolate", choices=["ns", "plain"], default="ns")
     p.add_argument("--ref", type=Path, help="another checkout to compare with (adds dslaunch-ref)")
+    add_out_argument(p, "launch-multinode")
     a = p.parse_args()
+    a.out = out_file(a.out, "launch-multinode")
     reason = sshd_testbed.unavailable_reason()
     if reason:
         print(f"launch_multinode: {reason}", file=sys.stderr)
@@ -158,7 +154,7 @@ def main() -> int:
                     for launcher in launchers:  # interleaved: load drifts hit every launcher alike
                         row = one_run(launcher, tb, n, a.slots, script, work, rep)
                         results.setdefault((launcher, n), []).append(row)
-                        print(json.dumps(row), flush=True)
+                        emit(row, a.out)
         finally:
             tb.stop()
     for launcher in launchers:
@@ -179,7 +175,7 @@ def main() -> int:
                 summary["ratio_to_pdsh"] = round(statistics.median(ratios), 3)
                 summary["ratio_to_pdsh_min"] = round(min(ratios), 3)
                 summary["ratio_to_pdsh_max"] = round(max(ratios), 3)
-            print(json.dumps(summary), flush=True)
+            emit(summary, a.out)
     return 0
 
 

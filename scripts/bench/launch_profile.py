@@ -11,7 +11,8 @@ functions each phase goes through and stamps when they start and end, per host:
   the agent), ``spec`` (spec sent), ``started`` (the agent's first ``started`` event reaches the head);
 * ``worker``: the worker's first line (its own clock), the end of the launch as the user sees it.
 
-The clock starts just before the launcher process is created, as in ``launch_multinode.py``. Output: one
+The clock starts just before the launcher process is created, as in ``launch_multinode.py``. Output
+(stamped with the commit, date, machine and command: common.py; ``--out`` appends it to a file too): one
 JSON line per run with every phase's start and end (seconds), then a summary line with the medians of the
 per-phase durations and of the slowest host's phase ends.
 
@@ -37,7 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from scripts.bench.launch_multinode import WORKER, free_port  # noqa: E402 - after the path set-up
+from scripts.bench.common import add_out_argument, emit, free_port, out_file  # noqa: E402 - after the path set-up
+from scripts.bench.launch_multinode import WORKER  # noqa: E402
 from tests import sshd_testbed  # noqa: E402
 
 # The tracer runs inside the launcher process: it patches the phase functions, then runs the CLI.
@@ -159,7 +161,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--per-host", action="store_true", help="print each host's phases too")
     p.add_argument("--ref", type=Path, help="another checkout to profile too, alternating with this one")
+    add_out_argument(p, "launch-profile")
     a = p.parse_args()
+    a.out = out_file(a.out, "launch-profile")
     reason = sshd_testbed.unavailable_reason()
     if reason:
         print(f"launch_profile: {reason}", file=sys.stderr)
@@ -180,15 +184,14 @@ def main() -> int:
                     rows.append(row)
                     if not a.per_host:
                         row = {k: v for k, v in row.items() if k != "per_host"}
-                    print(json.dumps(row), flush=True)
+                    emit(row, a.out)
         finally:
             tb.stop()
     for name in dict.fromkeys(r["tree"] for r in rows):
         mine = [r for r in rows if r["tree"] == name]
         keys = sorted({k for r in mine for k, v in r.items() if isinstance(v, (int, float)) and k != "rep"})
         summary = {k: round(statistics.median(r.get(k, 0) for r in mine), 4) for k in keys}
-        print(json.dumps({"bench": "launch_profile", "summary": True, "tree": name, "reps": len(mine),
-                          **summary}), flush=True)  # fmt: skip
+        emit({"bench": "launch_profile", "summary": True, "tree": name, "reps": len(mine), **summary}, a.out)
     return 0
 
 

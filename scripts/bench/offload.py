@@ -53,9 +53,12 @@ largest size that trained (the goal on one H200 with a 128 GiB host is >= 8B). A
 host memory (14 B/param + 4 GiB) exceeds what is available is reported as skipped instead of tried, so
 the kernel's OOM killer never has to choose a victim (--no_host_guard tries anyway).
 
-Output: JSON lines on stdout, each starting with {"bench": "offload"; a table on stderr. A run split over
-several commands (--configs ... --out FILE each) is summarized with --summarize FILE. Exit code 1 when
-a configuration of ours failed. CPU smoke check (tiny model, the same code paths, copies synchronous):
+Output: JSON lines on stdout, each starting with {"bench": "offload" and stamped with the commit, date,
+machine and command (common.py); a table on stderr. --out FILE appends them to FILE too, a bare --out to
+results/<yyyymmdd>_<hw>_offload.jsonl (offload-find-max with --find_max). A run split over several
+commands (--configs ... --out FILE each) is summarized with --summarize FILE. Exit code 1 when a
+configuration of ours failed. The measurements are in offload_work.py. CPU smoke check (tiny model, the
+same code paths, copies synchronous):
 
     python scripts/bench/offload.py --device cpu --model tiny --micro_batch 2 --seq_len 64 --steps 2
     python scripts/bench/offload.py --device cpu --find_max --sizes 64:4:2,128:4:2 --start_params 0 \
@@ -65,14 +68,9 @@ a configuration of ours failed. CPU smoke check (tiny model, the same code paths
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +80,27 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from runtime.distributed import accelerator  # noqa: E402
-from runtime.models import GPT, MODEL_SIZES, GPTConfig  # noqa: E402
+from runtime.models import MODEL_SIZES, GPTConfig  # noqa: E402
+from scripts.bench.common import (  # noqa: E402
+    Column,
+    add_out_argument,
+    emit,
+    environment,
+    init_single_process_group,
+    out_file,
+    print_table,
+    run_isolated,
+)
+from scripts.bench.offload_work import (  # noqa: E402
+    model_config,
+    work_adam,
+    work_deepspeed,
+    work_devstep,
+    work_gpu,
+    work_ours,
+    work_pcie,
+)
 
-LR, WEIGHT_DECAY = 1e-4, 0.01
 ENGINES = (
     "ours",
     "ours-host",
@@ -97,7 +113,6 @@ ENGINES = (
     "deepspeed",
 )
 CONFIGS = ("gpu", "adam", "pcie", "devstep", *ENGINES)
-DEFAULT_CONFIGS = CONFIGS
 SHARE_CONFIG = "ours-share"  # + a percentage: DSLAUNCH_OFFLOAD_HOST_SHARE
 
 
@@ -121,423 +136,7 @@ DEFAULT_SIZES = (
 MARK = '{"bench": "offload"'
 
 
-# -- helpers shared by the workers -----------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn: Any, device: torch.device, warmup: int, steps: int) -> tuple[float, list[float]]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times
-
-
-def _steady_time(fn: Any, device: torch.device, steps: int) -> float:
-    """Seconds per call of `steps` calls back to back, a synchronization before and after: a training
-    loop's steady state, where copies still running after one step overlap the next one's forward."""
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - start) / steps
-
-
-def _host_rss_gib() -> float | None:
-    try:
-        import psutil
-
-        return round(psutil.Process().memory_info().rss / 2**30, 2)
-    except Exception:  # psutil missing or /proc unreadable: the number is optional
-        return None
-
-
-def _init_group(device: torch.device) -> None:
-    import tempfile
-
-    import torch.distributed as dist
-
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
-        os.environ.setdefault(key, value)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    fd, path = tempfile.mkstemp(prefix="offload_bench_store_")
-    os.close(fd)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1)
-
-
-def _model_config(spec: dict[str, Any]) -> GPTConfig:
-    if "size" in spec:
-        base = GPTConfig.named(spec["size"])
-    else:
-        base = GPTConfig(n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"])
-    return GPTConfig(
-        n_layer=base.n_layer,
-        n_head=base.n_head,
-        n_embd=base.n_embd,
-        vocab_size=base.vocab_size,
-        max_seq_len=max(base.max_seq_len, spec["seq_len"]),
-    )
-
-
-def _fresh_model(config: GPTConfig, device: torch.device) -> GPT:
-    torch.manual_seed(0)
-    with torch.device(device):  # initialise on the device: seconds instead of minutes at 1.5B+
-        return GPT(config)
-
-
-def _batch(
-    config: GPTConfig, spec: dict[str, Any], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1234)
-    tokens = torch.randint(0, config.vocab_size, (spec["micro_batch"], spec["seq_len"] + 1), generator=gen)
-    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-
-
-def engine_config(spec: dict[str, Any], offload: bool) -> dict[str, Any]:
-    """The DeepSpeed-style config shared by our engine and DeepSpeed."""
-    zero: dict[str, Any] = {"stage": spec["stage"], "overlap_comm": True, "contiguous_gradients": True}
-    if spec.get("reduce_bucket_size"):
-        zero["reduce_bucket_size"] = spec["reduce_bucket_size"]
-    if offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-    if offload and spec.get("offload_param"):
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {
-        "train_micro_batch_size_per_gpu": spec["micro_batch"],
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": spec["clip"],  # DeepSpeed 0.19.8 would default to 1.0
-        "steps_per_print": 1_000_000,
-        "bf16": {"enabled": True, **({"check_grad_overflow": False} if spec.get("unchecked") else {})},
-        "zero_optimization": zero,
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WEIGHT_DECAY},
-        },
-    }
-
-
-# -- workers (one per subprocess) -------------------------------------------------------------------------
-def work_gpu(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    config = _model_config(spec)
-    model = _fresh_model(config, device).to(torch.bfloat16)
-    x, y = _batch(config, spec, device)
-
-    def step() -> None:
-        _, loss = model(x, y)
-        loss.backward()
-        for p in model.parameters():
-            p.grad = None
-
-    median, _ = _median_time(step, device, spec["warmup"], spec["steps"])
-    steady = _steady_time(step, device, spec["steps"])
-    tokens = spec["micro_batch"] * spec["seq_len"]
-    return {
-        "step_s": round(steady, 5),
-        "step_synced_s": round(median, 5),
-        "tflops": round(config.flops_per_token(spec["seq_len"]) * tokens / steady / 1e12, 1),
-    }
-
-
-def work_adam(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    from runtime.offload.host_adam import HostAdam
-    from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
-    from runtime.offload.spans import plan_chunks
-    from runtime.ops.adam import CPUAdam
-
-    n = _model_config(spec).num_params()
-    master = torch.nn.Parameter(torch.empty(n).normal_(0, 0.02))
-    optimizer = CPUAdam([master], lr=LR, weight_decay=WEIGHT_DECAY)
-    host = HostAdam(optimizer, [master])
-    landing = torch.empty(n, dtype=torch.bfloat16).normal_(0, 1e-3)
-    chunks = plan_chunks(n, TRANSFER_CHUNK_ELEMS)
-
-    def ours() -> None:
-        host.begin_step()
-        for offset, numel in chunks:
-            grad = landing.narrow(0, offset, numel)
-            # the bf16 weights are written over the consumed gradient, as in the engine; the next step
-            # reads them back as its gradient, which costs the same
-            host.update(0, offset, grad, grad, None)
-
-    cpu = torch.device("cpu")
-    t_ours, _ = _median_time(ours, cpu, 1, max(3, spec["adam_steps"]))
-    result: dict[str, Any] = {
-        "params": n,
-        "step_s": round(t_ours, 4),
-        "gparams_per_s": round(n / t_ours / 1e9, 3),
-        "gb_per_s_at_28B": round(28 * n / t_ours / 1e9, 1),
-        "threads": torch.get_num_threads(),
-    }
-    if spec.get("adam_reference", True):
-        del optimizer, host, landing, master  # the reference needs the memory
-        p = torch.nn.Parameter(torch.empty(n).normal_(0, 0.02))
-        p.grad = torch.empty(n).normal_(0, 1e-3)
-        fused = torch.optim.AdamW([p], lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-        t_fused, _ = _median_time(fused.step, cpu, 1, max(3, spec["adam_steps"]))
-        result["torch_fused_fp32_grads_s"] = round(t_fused, 4)
-        result["ours_over_torch_fused"] = round(t_fused / t_ours, 3)
-        if device.type == "cuda":
-            t_shared = _fused_with_copies(fused.step, n, device, max(3, spec["adam_steps"]))
-            result["torch_fused_fp32_with_copies_s"] = round(t_shared, 4)
-    return result
-
-
-def work_devstep(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The device step alone: the model's fp32 master and moments streamed from pinned host memory through
-    the staging slots, updated from a device gradient, and streamed back (the engine's code, no model)."""
-    from runtime.offload.device_step import DeviceStep
-    from runtime.offload.host_adam import HostAdam
-    from runtime.offload.host_memory import HostMemory
-    from runtime.offload.spans import Span
-    from runtime.ops.adam import CPUAdam
-
-    n = _model_config(spec).num_params()
-    memory = HostMemory(device, pin=True)
-    master = torch.nn.Parameter(memory.empty(n, torch.float32, pinned=True).normal_(0, 0.02))
-    optimizer = CPUAdam([master], lr=LR, weight_decay=WEIGHT_DECAY)
-    adam = HostAdam(optimizer, [master], zeros=lambda numel, dtype: memory.zeros(numel, dtype, pinned=True))
-    grad = torch.empty(n, dtype=torch.bfloat16, device=device).normal_(0, 1e-3)
-    working = torch.empty(n, dtype=torch.bfloat16, device=device)
-    step = DeviceStep(device, torch.float32)
-    span = Span(group=0, bucket=0, shard_offset=0, numel=n)
-
-    def once() -> None:
-        adam.begin_step()
-        step.begin_step(adam, 1.0, memory)
-        step.update_span(adam, span, master.data, grad, working, None)
-        step.host_ready()  # until the host state is current: every chunk up, updated and down
-
-    t_step, _ = _median_time(once, device, 1, max(3, spec["adam_steps"]))
-    result = {
-        "params": n,
-        "step_s": round(t_step, 4),
-        "pcie_gb_per_s_each_way": round(12 * n / t_step / 1e9, 1),
-        "pinned": memory.pinned_bytes > 0,
-        "staging_gib": round(step.staging_bytes() / 2**30, 2),
-    }
-    memory.close()
-    return result
-
-
-class _Copies:
-    """A step's worth of pinned copies in one dtype: n elements down (gradients) and n up (weights)."""
-
-    def __init__(self, memory: Any, n: int, dtype: torch.dtype, device: torch.device) -> None:
-        from runtime.offload.copies import CopyEngine
-
-        self.down_host = memory.empty(n, dtype, pinned=True)
-        self.up_host = memory.empty(n, dtype, pinned=True).fill_(1)
-        self.down_dev = torch.ones(n, dtype=dtype, device=device)
-        self.up_dev = torch.empty(n, dtype=dtype, device=device)
-        self.engine = CopyEngine(device)
-
-    def down(self) -> None:
-        self.engine.to_host(self.down_host, self.down_dev)
-        self.engine.downloads_done()
-
-    def up(self) -> None:
-        self.engine.fence_uploads()
-        self.engine.device_wait(self.engine.to_device(self.up_dev, self.up_host))
-
-    def start_both(self) -> None:
-        """Queue both directions at once (the host does not wait); `down_done` ends it."""
-        self.engine.fence_uploads()
-        self.engine.to_host(self.down_host, self.down_dev)
-        self.engine.device_wait(self.engine.to_device(self.up_dev, self.up_host))
-
-    def both(self) -> None:
-        self.start_both()
-        self.engine.downloads_done()
-
-
-def _fused_with_copies(step: Any, n: int, device: torch.device, reps: int) -> float:
-    """The fused fp32 step while one step's fp32 copies (n floats down and n up, as fp32 landing moves
-    them) run on the copy engines: both read and write host memory, so this is the host's real floor."""
-    from runtime.offload.host_memory import HostMemory
-
-    memory = HostMemory(device, pin=True)
-    copies = _Copies(memory, n, torch.float32, device)
-
-    def shared() -> None:
-        copies.start_both()
-        step()
-        copies.engine.downloads_done()
-
-    try:
-        seconds, _ = _median_time(shared, device, 1, reps)
-    finally:
-        memory.close()
-    return seconds
-
-
-def work_pcie(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    from runtime.offload.host_memory import HostMemory
-
-    n = _model_config(spec).num_params()
-    memory = HostMemory(device, pin=True)
-    copies = _Copies(memory, n, torch.bfloat16, device)
-    reps = 6
-    t_down, _ = _median_time(copies.down, device, 1, reps)
-    t_up, _ = _median_time(copies.up, device, 1, reps)
-    t_both, _ = _median_time(copies.both, device, 1, reps)
-    nbytes = 2 * n
-    result = {
-        "bytes_each_way": nbytes,
-        "pinned": memory.pinned_bytes > 0,
-        "down_s": round(t_down, 5),
-        "up_s": round(t_up, 5),
-        "both_s": round(t_both, 5),
-        "down_gb_per_s": round(nbytes / t_down / 1e9, 1),
-        "up_gb_per_s": round(nbytes / t_up / 1e9, 1),
-        "duplex_gb_per_s": round(2 * nbytes / t_both / 1e9, 1),
-    }
-    # the same both ways in fp32: what fp32 landing moves (4 bytes a parameter each way)
-    del copies
-    copies32 = _Copies(memory, n, torch.float32, device)
-    t_both32, _ = _median_time(copies32.both, device, 1, reps)
-    result["both_fp32_s"] = round(t_both32, 5)
-    memory.close()
-    return result
-
-
-def _engine_steps(spec: dict[str, Any], device: torch.device, make: Any) -> dict[str, Any]:
-    """Time `spec["steps"]` steps of an engine built by `make(model) -> engine`."""
-    config = _model_config(spec)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    setup_start = time.perf_counter()
-    model = _fresh_model(config, device)
-    engine = make(model)
-    _sync(device)
-    setup_s = time.perf_counter() - setup_start
-    x, y = _batch(config, spec, device)
-    losses: list[float] = []
-
-    def step() -> None:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach())
-
-    median, times = _median_time(step, device, spec["warmup"], spec["steps"])
-    steady = _steady_time(step, device, spec["steps"])
-    tokens = spec["micro_batch"] * spec["seq_len"]
-    result: dict[str, Any] = {
-        "params": config.num_params(),
-        "setup_s": round(setup_s, 1),
-        "step_s": round(steady, 4),
-        "step_synced_s": round(median, 4),
-        "step_synced_min_s": round(min(times), 4),
-        "tokens_per_s": round(tokens / steady, 1),
-        "loss_first": round(float(losses[0]), 4),
-        "loss_last": round(float(losses[-1]), 4),
-        "host_rss_gib": _host_rss_gib(),
-    }
-    if device.type == "cuda":
-        result["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    return {"engine": engine, "step": step, "result": result, "model": model, "batch": (x, y)}
-
-
-def _phases(run: dict[str, Any], device: torch.device, steps: int = 3) -> dict[str, float]:
-    engine, (x, y) = run["engine"], run["batch"]
-    split: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "step_s": []}
-    for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        _, loss = engine(x, y)
-        _sync(device)
-        t1 = time.perf_counter()
-        engine.backward(loss)
-        _sync(device)
-        t2 = time.perf_counter()
-        engine.step()
-        _sync(device)
-        t3 = time.perf_counter()
-        for key, value in zip(split, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-            split[key].append(value)
-    return {key: round(statistics.median(values), 4) for key, values in split.items()}
-
-
-def work_ours(
-    spec: dict[str, Any],
-    device: torch.device,
-    *,
-    offload: bool = True,
-    dpu: int | None = None,
-    phases: bool = True,
-) -> dict[str, Any]:
-    import runtime
-    import runtime.offload
-
-    def make(model: GPT) -> Any:
-        engine, _, _, _ = runtime.initialize(
-            model=model, model_parameters=model.parameters(), config=engine_config(spec, offload)
-        )
-        if dpu is not None:
-            runtime.offload.enable_delayed_update(engine, after_steps=dpu)
-        return engine
-
-    run = _engine_steps(spec, device, make)
-    result = run["result"]
-    engine = run["engine"]
-    breakdown = engine.memory_breakdown()
-    result["device_state_gib"] = round(breakdown.device_model_state_bytes / 2**30, 2)
-    result["host_state_gib"] = round((breakdown.host_bytes + breakdown.host_buffer_bytes) / 2**30, 2)
-    result["host_bytes_per_param"] = round(
-        (breakdown.host_bytes + breakdown.host_buffer_bytes) / result["params"], 2
-    )
-    if offload:
-        result["pinned_gib"] = round(engine.masters.memory.pinned_bytes / 2**30, 2)
-        on_device = engine.masters.update_on_device
-        result["update"] = "device" if on_device else "host"
-        # the device step lands no gradients: its own bound (below) counts the state it streams instead
-        buffers = engine.masters.grads.buffers
-        result["grad_landing"] = "device" if on_device else str(buffers[0].dtype).removeprefix("torch.")
-        if on_device:
-            result["host_share"] = engine.masters.update.host_share
-    if phases:
-        result["phases"] = _phases(run, device)
-    engine.destroy()
-    return result
-
-
-def work_deepspeed(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    import logging
-
-    with contextlib.redirect_stdout(sys.stderr):
-        import deepspeed
-
-        deepspeed.utils.logger.setLevel(logging.WARNING)
-
-        def make(model: GPT) -> Any:
-            engine, _, _, _ = deepspeed.initialize(
-                model=model, model_parameters=model.parameters(), config=engine_config(spec, True)
-            )
-            return engine
-
-        run = _engine_steps(spec, device, make)
-    run["result"]["deepspeed"] = deepspeed.__version__
-    # its ZeRO-1/2 offload converts each gradient to fp32 on the GPU and copies it into an fp32 host
-    # buffer, so it is held to the same bound as our fp32 landing
-    run["result"]["grad_landing"] = "float32"
-    return run["result"]
-
-
-def work_trial(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """--find_max: does this size train 3 steps with optimizer offload?"""
-    return work_ours(spec, device, phases=False)
-
-
+# -- the configurations (each in its own process) ---------------------------------------------------------
 WORKERS = {
     "gpu": work_gpu,
     "adam": work_adam,
@@ -546,17 +145,24 @@ WORKERS = {
     "ours": work_ours,
     "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
     "ours-unchecked": lambda spec, device: work_ours({**spec, "unchecked": True}, device),
+    "ours-host": work_ours,  # OVERRIDES below
+    "ours-bf16grads": work_ours,
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
-    "ours-bf16grads": lambda spec, device: work_ours(spec, device),  # the variables are set in worker_main
-    "ours-host": lambda spec, device: work_ours(spec, device),
     "ours-device": lambda spec, device: work_ours(spec, device, offload=False),
     "deepspeed": work_deepspeed,
-    "trial": work_trial,
+    "trial": lambda spec, device: work_ours(spec, device, phases=False),  # --find_max: does it train?
+}
+# Benchmark overrides (runtime/offload/settings.py), set in the configuration's process only; they beat a
+# value the caller's environment holds, so a row means the same whatever the run inherits
+OVERRIDES: dict[str, dict[str, str]] = {
+    "ours-host": {"DSLAUNCH_OFFLOAD_UPDATE": "host"},
+    "ours-bf16grads": {"DSLAUNCH_OFFLOAD_UPDATE": "host", "DSLAUNCH_OFFLOAD_GRAD_TRANSFER": "native"},
 }
 
 
 def worker_main(name: str, spec: dict[str, Any]) -> int:
+    """One configuration, in this process: its result (or why not) as the last JSON line."""
     device = torch.device(spec["device"])
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
@@ -564,17 +170,14 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
     os.environ["DS_ACCELERATOR"] = device.type
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    if name == "ours-bf16grads":
-        os.environ["DSLAUNCH_OFFLOAD_GRAD_TRANSFER"] = "native"
-    if name in ("ours-host", "ours-bf16grads"):
-        os.environ["DSLAUNCH_OFFLOAD_UPDATE"] = "host"
+    os.environ.update(OVERRIDES.get(name, {}))
     share = share_of(name)
     if share is not None:
         os.environ["DSLAUNCH_OFFLOAD_HOST_SHARE"] = str(share)
     record: dict[str, Any] = {"bench": "offload", "config": name}
     try:
         if name in (*ENGINES, "trial") or share is not None:
-            _init_group(device)
+            init_single_process_group(device)
         record.update(WORKERS.get(name, work_ours)(spec, device))
     except ImportError as exc:
         record["skipped"] = f"not importable: {exc}"
@@ -590,55 +193,20 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
 def run_worker(name: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one configuration in a fresh interpreter; its last JSON line is the result."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--spec", json.dumps(spec)]
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    except subprocess.TimeoutExpired:
+    done = run_isolated(cmd, timeout, cwd=REPO)
+    if done.timed_out:
         return {"bench": "offload", "config": name, "error": f"timed out after {timeout:.0f} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
     if lines:
         record = json.loads(lines[-1])
     else:
         # killed without a word: the kernel's OOM killer sends SIGKILL (-9) when the host runs out
-        tail = (proc.stderr or "").strip().splitlines()[-5:]
-        why = "killed (host out of memory?)" if proc.returncode == -9 else f"exit code {proc.returncode}"
+        tail = done.stderr.strip().splitlines()[-5:]
+        why = "killed (host out of memory?)" if done.returncode == -9 else f"exit code {done.returncode}"
         record = {"bench": "offload", "config": name, "error": f"{why}: {' | '.join(tail)}"[:2000]}
-        record["oom"] = proc.returncode == -9
-    record["wall_s"] = round(time.perf_counter() - start, 1)
+        record["oom"] = done.returncode == -9
+    record["wall_s"] = round(done.wall_s, 1)
     return record
-
-
-def emit(record: dict[str, Any], out: Path | None) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out is not None:
-        with out.open("a") as f:
-            f.write(line + "\n")
-
-
-def environment(device: str) -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "torch": torch.__version__,
-        "device": device,
-        "cpu_threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-    }
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                env["cpu_model"] = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(Exception):
-        import psutil
-
-        env["host_mem_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-        from runtime.memory import host_available_bytes
-
-        env["host_available_gib"] = round(host_available_bytes() / 2**30, 1)  # a container's limit too
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env["device_name"] = torch.cuda.get_device_name(0)
-    return env
 
 
 def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -702,30 +270,23 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
-def print_table(records: list[dict[str, Any]]) -> None:
-    print(f"\n{'config':13} {'step s':>9} {'tokens/s':>10}  notes", file=sys.stderr)
-    for r in records:
-        if r.get("config") == "summary":
-            continue
-        note = r.get("error") or r.get("skipped") or ""
-        step = r.get("step_s", r.get("both_s"))
-        step_text = "" if step is None else f"{step:.4f}"
-        tps = "" if r.get("tokens_per_s") is None else f"{r['tokens_per_s']:,.0f}"
-        print(f"{r['config']:13} {step_text:>9} {tps:>10}  {note[:80]}", file=sys.stderr)
+TABLE = (
+    Column("config", "config", width=14),
+    Column("step s", lambda r: r.get("step_s", r.get("both_s")), ".4f", 9),
+    Column("tokens/s", "tokens_per_s", ",.0f", 10),
+)
 
 
 def step_mode(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     rows: dict[str, dict[str, Any]] = {}
-    records = []
     for name in args.configs:
         record = run_worker(name, spec, args.timeout)
-        record.update(model=args.model, params=_model_config(spec).num_params())
+        record.update(model=args.model, params=model_config(spec).num_params())
         emit(record, args.out)
         rows[name] = record
-        records.append(record)
     summary = summarize(rows)
     emit(summary, args.out)
-    print_table(records)
+    print_table(list(rows.values()), TABLE)
     print(json.dumps(summary, indent=1), file=sys.stderr)
     ours_failed = any("error" in rows.get(n, {}) for n in engines(rows) if n != "deepspeed")
     return 1 if ours_failed else 0
@@ -766,7 +327,7 @@ def find_max(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     )
 
     def params_of(size: dict[str, int]) -> int:
-        return _model_config({**spec, **size}).num_params()
+        return model_config({**spec, **size}).num_params()
 
     index = next((i for i, s in enumerate(sizes) if params_of(s) >= args.start_params), len(sizes) - 1)
     tried: dict[int, bool] = {}
@@ -821,7 +382,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch threads in every worker (default: torch's)")
     parser.add_argument(
         "--configs",
-        default=",".join(DEFAULT_CONFIGS),
+        default=",".join(CONFIGS),
         help=f"comma-separated, from {', '.join(CONFIGS)}",
     )
     parser.add_argument("--find_max", action="store_true", help="largest GPT that trains with offload")
@@ -839,7 +400,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="default: cuda where torch sees a GPU, unless DS_ACCELERATOR=cpu; every configuration, our "
         "engine included, runs there",
     )
-    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    add_out_argument(parser, "offload")
     parser.add_argument(
         "--summarize",
         type=Path,
@@ -857,6 +418,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices = ", ".join((*CONFIGS, f"{SHARE_CONFIG}0..{SHARE_CONFIG}100"))
         parser.error(f"unknown --configs {unknown or args.configs!r}; choose from {choices}")
     args.configs = names
+    args.out = out_file(args.out, "offload-find-max" if args.find_max else "offload")
     for name in ("seq_len", "steps", "adam_steps"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive")

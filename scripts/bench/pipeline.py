@@ -9,7 +9,8 @@ averaged over stages, median over `--steps` batches after one warm-up batch (the
 shapes). The ideal 1F1B and GPipe schedules with equal stages both idle for (p-1)/(m+p-1) of the step.
 
 Output: one JSON line per (schedule, micro-batches) with the measured and theoretical idle fractions and
-their ratio.
+their ratio, stamped with the commit, date, machine and command (common.py); --out appends them to a
+file too.
 
     python scripts/bench/pipeline.py --stages 4 --micro_batches 4,8,16 --schedules 1f1b,gpipe
 """
@@ -35,6 +36,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
+
+from scripts.bench.common import add_out_argument, emit, out_file  # noqa: E402
 
 BUSY: list[float] = []  # seconds this rank's layer spent in forward and backward, per call
 
@@ -188,7 +191,9 @@ def main() -> None:
         "and print each step time's ratio to ours",
     )
     parser.add_argument("--port", type=int, default=29571, help=argparse.SUPPRESS)
+    add_out_argument(parser, "pipeline")
     args = parser.parse_args()
+    args.out = out_file(args.out, "pipeline")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -203,7 +208,7 @@ def main() -> None:
         ours = []
         for _ in range(expected):
             ours.append(_next_result(results, procs))
-            print(json.dumps(ours[-1]), flush=True)
+            emit(ours[-1], args.out)
         for proc in procs:
             proc.join()
             if proc.exitcode:
@@ -245,7 +250,7 @@ def _compare_with_deepspeed(args: argparse.Namespace, ours: list[dict]) -> None:
         if line.startswith("{"):
             record = json.loads(line)
             peer[record["micro_batches"]] = record
-            print(line, flush=True)
+            emit(record, args.out)  # with its own provenance: the peer's Python and torch
     for record in ours:
         theirs = peer[record["micro_batches"]]
         summary = {
@@ -256,7 +261,7 @@ def _compare_with_deepspeed(args: argparse.Namespace, ours: list[dict]) -> None:
             "deepspeed_step_s": theirs["step_s"],
             "ratio": round(record["step_s"] / theirs["step_s"], 3),
         }
-        print(json.dumps(summary), flush=True)
+        emit(summary, args.out)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,11 @@ still allocated before the configuration started (reported as mem_before_gib; it
 configuration gets a fresh model and frees everything before the next one. A configuration that fails
 (out of memory included) is reported as a JSON line with "error" and the others still run.
 
-Output: one JSON object per line on stdout (also appended to --out), each with ratio_to_torch from the
-baseline measured in the same run, and a readable table on stderr at the end. Other libraries may print
-to stdout too: read the lines that start with '{"bench"' or use --out.
+Output: one JSON object per line on stdout, each with ratio_to_torch from the baseline measured in the
+same run and stamped with the commit, date, machine and command (common.py), and a readable table on
+stderr at the end. --out FILE appends the lines to FILE too, a bare --out to
+results/<yyyymmdd>_<hw>_throughput.jsonl. Other libraries may print to stdout too: read the lines that
+start with '{"bench"' or use --out. The peers' set-up is in throughput_peers.py.
 
     python scripts/bench/train_throughput.py                       # H200: medium + xl, about 5 minutes
     python scripts/bench/train_throughput.py --models medium --peers torch,ours --stages 2
@@ -39,12 +41,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
-import socket
-import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,17 +55,23 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from runtime.distributed import accelerator
-from runtime.models import GPT, MODEL_SIZES, GPTConfig
+from runtime.models import MODEL_SIZES, GPTConfig
+from scripts.bench.common import (
+    Column,
+    add_out_argument,
+    emit,
+    environment,
+    init_single_process_group,
+    median_time,
+    out_file,
+    print_table,
+    synchronize,
+)
+from scripts.bench.throughput_peers import ALL_PEERS, COMPILED_PEERS, PEERS, SETUPS, Batch, Workload
 
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 dense bf16 datasheet (1979 is the 2:4-sparse figure)
 MEASURED_GEMM_TFLOPS = 790.0  # 8192^3 bf16 GEMM on one H200 (perf_anchors.md §6.1)
 DEFAULT_MICRO_BATCH = {"medium": 16, "xl": 8}  # the batches of the perf_anchors.md §9 peer runs
-PEERS = ("torch", "ours", "fsdp2", "deepspeed")
-COMPILED_PEERS = ("torch-compiled", "ours-compiled")  # measured only when asked for
-ALL_PEERS = PEERS[:2] + COMPILED_PEERS + PEERS[2:]  # measuring order
-LR, WEIGHT_DECAY = 1e-4, 0.01
-
-StepFn = Callable[[], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -81,24 +85,6 @@ class Run:
     @property
     def label(self) -> str:
         return self.peer if self.stage is None else f"{self.peer}-zero{self.stage}"
-
-
-@dataclass(frozen=True)
-class Workload:
-    """What every configuration of one model trains on."""
-
-    config: GPTConfig
-    micro_batch: int
-    seq_len: int
-    device: torch.device
-    compile: bool
-    ds_torch_adam: bool
-    activation_checkpointing: bool = False
-    compile_backend: str = "inductor"  # of the *-compiled peers
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.micro_batch * self.seq_len
 
 
 def plan_runs(models: list[str], peers: list[str], stages: list[int], ds_stages: list[int]) -> list[Run]:
@@ -116,141 +102,6 @@ def plan_runs(models: list[str], peers: list[str], stages: list[int], ds_stages:
     return runs
 
 
-def engine_config(work: Workload, stage: int) -> dict[str, Any]:
-    """The DeepSpeed-style config shared by our engine and DeepSpeed."""
-    return {
-        "train_micro_batch_size_per_gpu": work.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,  # DeepSpeed 0.19.8 would default to 1.0
-        "steps_per_print": 1_000_000,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
-        "optimizer": {
-            "type": "AdamW",
-            "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WEIGHT_DECAY},
-        },
-    }
-
-
-def fresh_model(work: Workload) -> GPT:
-    torch.manual_seed(0)
-    with torch.device(work.device):  # initialise on the device: seconds instead of minutes for 1.5B
-        model = GPT(work.config)
-    if work.activation_checkpointing:
-        import runtime.checkpointing
-
-        model.checkpoint_fn = runtime.checkpointing.checkpoint  # every block recomputed in backward
-    if work.compile:
-        for block in model.blocks:
-            block.compile()  # per block, in place, so hooks on module boundaries keep working
-    return model
-
-
-def setup_torch(
-    work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None, compiled: bool = False
-) -> StepFn:
-    model = fresh_model(work)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    if compiled:
-        # the optimizer was built on the same parameters: the compiled wrapper shares them
-        model = torch.compile(model, backend=work.compile_backend)
-    x, y = batch
-
-    def step() -> torch.Tensor:
-        with torch.autocast(work.device.type, dtype=torch.bfloat16):
-            _, loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
-def setup_ours(
-    work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None, compiled: bool = False
-) -> StepFn:
-    import runtime
-
-    if not hasattr(runtime, "initialize"):
-        raise RuntimeError("runtime.initialize does not exist yet in this checkout")
-    model = fresh_model(work)
-    engine, _, _, _ = runtime.initialize(
-        model=model, model_parameters=model.parameters(), config=engine_config(work, stage or 0)
-    )
-    if compiled:
-        engine.compile(backend=work.compile_backend)
-    x, y = batch
-
-    def step() -> torch.Tensor:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    return step
-
-
-def setup_fsdp2(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None) -> StepFn:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    model = fresh_model(work)
-    mesh = init_device_mesh(work.device.type, (1,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    x, y = batch
-
-    def step() -> torch.Tensor:
-        _, loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
-
-
-def setup_deepspeed(work: Workload, batch: tuple[torch.Tensor, torch.Tensor], stage: int | None) -> StepFn:
-    import logging
-
-    import deepspeed
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)  # keep stdout for our JSON lines
-    config = engine_config(work, stage or 0)
-    if work.ds_torch_adam:  # torch.optim.AdamW inside DeepSpeed: no FusedAdam JIT build
-        config["optimizer"]["params"]["torch_adam"] = True
-    model = fresh_model(work)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    x, y = batch
-
-    def step() -> torch.Tensor:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    return step
-
-
-SETUPS: dict[str, Callable[[Workload, tuple[torch.Tensor, torch.Tensor], int | None], StepFn]] = {
-    "torch": setup_torch,
-    "ours": setup_ours,
-    "torch-compiled": lambda work, batch, stage: setup_torch(work, batch, stage, compiled=True),
-    "ours-compiled": lambda work, batch, stage: setup_ours(work, batch, stage, compiled=True),
-    "fsdp2": setup_fsdp2,
-    "deepspeed": setup_deepspeed,
-}
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def release_memory(device: torch.device, compiled: bool) -> None:
     gc.collect()
     if compiled:
@@ -261,25 +112,15 @@ def release_memory(device: torch.device, compiled: bool) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def measure(
-    run: Run, work: Workload, batch: tuple[torch.Tensor, torch.Tensor], warmup: int, steps: int
-) -> dict[str, Any]:
+def measure(run: Run, work: Workload, batch: Batch, warmup: int, steps: int) -> dict[str, Any]:
     device = work.device
     allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
     setup_start = time.perf_counter()
     step = SETUPS[run.peer](work, batch, run.stage)
     synchronize(device)
     setup_s = time.perf_counter() - setup_start
-    losses = [step().item() for _ in range(warmup)]
-    times = []
-    for _ in range(steps):
-        synchronize(device)
-        start = time.perf_counter()
-        loss = step()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    median = statistics.median(times)
+    losses: list[torch.Tensor] = []
+    median, times = median_time(lambda: losses.append(step()), device, warmup, steps)
     tflops = work.config.flops_per_token(work.seq_len) * work.tokens_per_step / median / 1e12
     result: dict[str, Any] = {
         "setup_s": round(setup_s, 2),
@@ -289,8 +130,8 @@ def measure(
         "tflops": float(f"{tflops:.4g}"),
         "mfu": round(tflops / PEAK_BF16_TFLOPS, 4),
         "mfu_vs_gemm": round(tflops / MEASURED_GEMM_TFLOPS, 4),
-        "loss_first": round(losses[0], 4),
-        "loss_last": round(losses[-1], 4),
+        "loss_first": round(losses[0].item(), 4),
+        "loss_last": round(losses[-1].item(), 4),
     }
     if device.type == "cuda":
         # This configuration's own peak: what an earlier configuration failed to free is subtracted (and
@@ -302,9 +143,7 @@ def measure(
     return result
 
 
-def run_one(
-    run: Run, work: Workload, batch: tuple[torch.Tensor, torch.Tensor], warmup: int, steps: int
-) -> dict[str, Any]:
+def run_one(run: Run, work: Workload, batch: Batch, warmup: int, steps: int) -> dict[str, Any]:
     """Measure one configuration; any failure becomes {"error": ...} instead of stopping the benchmark."""
     compiled = work.compile or run.peer in COMPILED_PEERS
     release_memory(work.device, compiled)
@@ -317,44 +156,6 @@ def run_one(
         return {"error": f"{type(exc).__name__}: {exc}"[:2000], "oom": out_of_memory}
     finally:
         release_memory(work.device, compiled)
-
-
-def init_single_process_group(device: torch.device) -> None:
-    """World size 1 for everyone: the env a launcher would set, and a FileStore-backed default group."""
-    if dist.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {
-        "RANK": "0",
-        "LOCAL_RANK": str(device.index or 0),  # cuda:N: the engine's device_for(LOCAL_RANK) is that GPU
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }.items():
-        os.environ.setdefault(key, value)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    fd, store_path = tempfile.mkstemp(prefix="bench_store_")
-    os.close(fd)
-    store = dist.FileStore(store_path, 1)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1)
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    env: dict[str, Any] = {"torch": torch.__version__, "device": str(device)}
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-        env["cuda"] = torch.version.cuda
-    try:
-        import deepspeed
-
-        env["deepspeed"] = deepspeed.__version__
-    except Exception:  # absent or broken: the deepspeed runs will say why
-        env["deepspeed"] = None
-    return env
 
 
 def int_list(text: str) -> list[int]:
@@ -419,8 +220,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="cpu, cuda or cuda:N (default: cuda where torch sees a GPU, unless DS_ACCELERATOR=cpu); every "
         "configuration trains there, our engine included",
     )
-    parser.add_argument("--out", type=Path, help="also append the JSON lines to this file")
+    add_out_argument(parser, "throughput")
     args = parser.parse_args(argv)
+    args.out = out_file(args.out, "throughput")
     if args.device is None:
         args.device = device_arg(accelerator())
     for name in ("seq_len", "steps"):
@@ -437,32 +239,15 @@ def ratio(record: dict[str, Any], base_tokens_per_s: float | None) -> float | No
     return round(record["tokens_per_s"] / base_tokens_per_s, 4)
 
 
-def emit(record: dict[str, Any], out: Path | None) -> None:
-    line = json.dumps(record)
-    print(line, flush=True)
-    if out is not None:
-        with out.open("a") as f:
-            f.write(line + "\n")
-
-
-def print_table(rows: list[dict[str, Any]]) -> None:
-    print(
-        f"\n{'model':8} {'config':20} {'tokens/s':>10} {'x torch':>8} {'TFLOP/s':>8} {'MFU':>6} "
-        f"{'peak GiB':>9}",
-        file=sys.stderr,
-    )
-    for r in rows:
-        if "tokens_per_s" not in r:
-            why = r.get("error") or r.get("skipped") or "?"
-            print(f"{r['model']:8} {r['config']:20} {why[:70]}", file=sys.stderr)
-            continue
-        ratio = "" if r.get("ratio_to_torch") is None else f"{r['ratio_to_torch']:.3f}"
-        peak = "" if r.get("peak_mem_gib") is None else f"{r['peak_mem_gib']:.1f}"
-        print(
-            f"{r['model']:8} {r['config']:20} {r['tokens_per_s']:>10,.0f} {ratio:>8} {r['tflops']:>8.1f} "
-            f"{r['mfu']:>6.1%} {peak:>9}",
-            file=sys.stderr,
-        )
+TABLE = (
+    Column("model", "model", width=8),
+    Column("config", "config", width=20),
+    Column("tokens/s", "tokens_per_s", ",.0f"),
+    Column("x torch", "ratio_to_torch", ".3f", 8),
+    Column("TFLOP/s", "tflops", ".1f", 8),
+    Column("MFU", "mfu", ".1%", 6),
+    Column("peak GiB", "peak_mem_gib", ".1f", 9),
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "bench": "train_throughput",
             "event": "start",
-            **environment(device),
+            **environment(str(device), deepspeed=True),
             "args": {
                 k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in vars(args).items()
             },
@@ -528,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         del batch, tokens
         emit(record, args.out)
         rows.append(record)
-    print_table(rows)
+    print_table(rows, TABLE)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     return 0 if all("error" not in r for r in rows) else 1

@@ -1,0 +1,396 @@
+"""What each configuration of the offload benchmark (offload.py) measures, run in that configuration's own
+process: the parts of the bound (gpu, adam, pcie, devstep) and the engines (ours in its variants,
+DeepSpeed). The configurations, the bound they make up and the command line are offload.py's; the
+method is in its docstring.
+
+The parts drive runtime.offload's own pieces without a model (HostAdam, DeviceStep, CopyEngine,
+HostMemory, plan_chunks, Span, TRANSFER_CHUNK_ELEMS): every import of runtime.offload's insides in the
+benchmarks is in this module's functions, or in host_threads.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from runtime.models import GPT, GPTConfig
+from scripts.bench.common import median_time, steady_time, synchronize
+
+LR, WEIGHT_DECAY = 1e-4, 0.01
+Spec = dict[str, Any]
+
+
+# -- the workload -----------------------------------------------------------------------------------------
+def model_config(spec: Spec) -> GPTConfig:
+    """A named size (spec["size"]) or n_embd/n_head/n_layer (--find_max), long enough for seq_len."""
+    if "size" in spec:
+        base = GPTConfig.named(spec["size"])
+    else:
+        base = GPTConfig(n_layer=spec["n_layer"], n_head=spec["n_head"], n_embd=spec["n_embd"])
+    return GPTConfig(
+        n_layer=base.n_layer,
+        n_head=base.n_head,
+        n_embd=base.n_embd,
+        vocab_size=base.vocab_size,
+        max_seq_len=max(base.max_seq_len, spec["seq_len"]),
+    )
+
+
+def _fresh_model(config: GPTConfig, device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise on the device: seconds instead of minutes at 1.5B+
+        return GPT(config)
+
+
+def _batch(config: GPTConfig, spec: Spec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, config.vocab_size, (spec["micro_batch"], spec["seq_len"] + 1), generator=gen)
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+
+def engine_config(spec: Spec, offload: bool) -> dict[str, Any]:
+    """The DeepSpeed-style config shared by our engine and DeepSpeed."""
+    zero: dict[str, Any] = {"stage": spec["stage"], "overlap_comm": True, "contiguous_gradients": True}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload and spec.get("offload_param"):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {
+        "train_micro_batch_size_per_gpu": spec["micro_batch"],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": spec["clip"],  # DeepSpeed 0.19.8 would default to 1.0
+        "steps_per_print": 1_000_000,
+        "bf16": {"enabled": True, **({"check_grad_overflow": False} if spec.get("unchecked") else {})},
+        "zero_optimization": zero,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WEIGHT_DECAY},
+        },
+    }
+
+
+# -- the parts of the bound -------------------------------------------------------------------------------
+def work_gpu(spec: Spec, device: torch.device) -> dict[str, Any]:
+    """Forward and backward alone, bf16 weights, no optimizer: T_gpu."""
+    config = model_config(spec)
+    model = _fresh_model(config, device).to(torch.bfloat16)
+    x, y = _batch(config, spec, device)
+
+    def step() -> None:
+        _, loss = model(x, y)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    median, _ = median_time(step, device, spec["warmup"], spec["steps"])
+    steady = steady_time(step, device, spec["steps"])
+    tokens = spec["micro_batch"] * spec["seq_len"]
+    return {
+        "step_s": round(steady, 5),
+        "step_synced_s": round(median, 5),
+        "tflops": round(config.flops_per_token(spec["seq_len"]) * tokens / steady / 1e12, 1),
+    }
+
+
+def _host_step_time(n: int, reps: int) -> float:
+    """Median seconds of our host step over n parameters: bf16 gradients in, bf16 weights out, in the
+    engine's chunks."""
+    from runtime.offload.host_adam import HostAdam
+    from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
+    from runtime.offload.spans import plan_chunks
+    from runtime.ops.adam import CPUAdam
+
+    master = torch.nn.Parameter(torch.empty(n).normal_(0, 0.02))
+    host = HostAdam(CPUAdam([master], lr=LR, weight_decay=WEIGHT_DECAY), [master])
+    landing = torch.empty(n, dtype=torch.bfloat16).normal_(0, 1e-3)
+    chunks = plan_chunks(n, TRANSFER_CHUNK_ELEMS)
+
+    def ours() -> None:
+        host.begin_step()
+        for offset, numel in chunks:
+            grad = landing.narrow(0, offset, numel)
+            # the bf16 weights are written over the consumed gradient, as in the engine; the next step
+            # reads them back as its gradient, which costs the same
+            host.update(0, offset, grad, grad, None)
+
+    return median_time(ours, torch.device("cpu"), 1, reps)[0]
+
+
+def work_adam(spec: Spec, device: torch.device) -> dict[str, Any]:
+    """Our host step on a shard of the model's size (T_adam), torch's fused step on fp32 gradients, and on
+    a GPU that step with one step's fp32 copies beside it (the host floor)."""
+    n, reps = model_config(spec).num_params(), max(3, spec["adam_steps"])
+    t_ours = _host_step_time(n, reps)  # its state is freed on return: the reference needs the memory
+    result: dict[str, Any] = {
+        "params": n,
+        "step_s": round(t_ours, 4),
+        "gparams_per_s": round(n / t_ours / 1e9, 3),
+        "gb_per_s_at_28B": round(28 * n / t_ours / 1e9, 1),
+        "threads": torch.get_num_threads(),
+    }
+    p = torch.nn.Parameter(torch.empty(n).normal_(0, 0.02))
+    p.grad = torch.empty(n).normal_(0, 1e-3)
+    fused = torch.optim.AdamW([p], lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    t_fused, _ = median_time(fused.step, torch.device("cpu"), 1, reps)
+    result["torch_fused_fp32_grads_s"] = round(t_fused, 4)
+    result["ours_over_torch_fused"] = round(t_fused / t_ours, 3)
+    if device.type == "cuda":
+        result["torch_fused_fp32_with_copies_s"] = round(_fused_with_copies(fused.step, n, device, reps), 4)
+    return result
+
+
+def _host_memory(device: torch.device) -> Any:
+    from runtime.offload.host_memory import HostMemory
+
+    return HostMemory(device, pin=True)
+
+
+def work_devstep(spec: Spec, device: torch.device) -> dict[str, Any]:
+    """The device step alone: the model's fp32 master and moments streamed from pinned host memory through
+    the staging slots, updated from a device gradient, and streamed back (the engine's code, no model)."""
+    from runtime.offload.device_step import DeviceStep
+    from runtime.offload.host_adam import HostAdam
+    from runtime.offload.spans import Span
+    from runtime.ops.adam import CPUAdam
+
+    n = model_config(spec).num_params()
+    memory = _host_memory(device)
+    master = torch.nn.Parameter(memory.empty(n, torch.float32, pinned=True).normal_(0, 0.02))
+    optimizer = CPUAdam([master], lr=LR, weight_decay=WEIGHT_DECAY)
+    adam = HostAdam(optimizer, [master], zeros=lambda numel, dtype: memory.zeros(numel, dtype, pinned=True))
+    grad = torch.empty(n, dtype=torch.bfloat16, device=device).normal_(0, 1e-3)
+    working = torch.empty(n, dtype=torch.bfloat16, device=device)
+    step = DeviceStep(device, torch.float32)
+    span = Span(group=0, bucket=0, shard_offset=0, numel=n)
+
+    def once() -> None:
+        adam.begin_step()
+        step.begin_step(adam, 1.0, memory)
+        step.update_span(adam, span, master.data, grad, working, None)
+        step.host_ready()  # until the host state is current: every chunk up, updated and down
+
+    t_step, _ = median_time(once, device, 1, max(3, spec["adam_steps"]))
+    result = {
+        "params": n,
+        "step_s": round(t_step, 4),
+        "pcie_gb_per_s_each_way": round(12 * n / t_step / 1e9, 1),
+        "pinned": memory.pinned_bytes > 0,
+        "staging_gib": round(step.staging_bytes() / 2**30, 2),
+    }
+    memory.close()
+    return result
+
+
+class _Copies:
+    """A step's worth of pinned copies in one dtype: n elements down (gradients) and n up (weights)."""
+
+    def __init__(self, memory: Any, n: int, dtype: torch.dtype, device: torch.device) -> None:
+        from runtime.offload.copies import CopyEngine
+
+        self.down_host = memory.empty(n, dtype, pinned=True)
+        self.up_host = memory.empty(n, dtype, pinned=True).fill_(1)
+        self.down_dev = torch.ones(n, dtype=dtype, device=device)
+        self.up_dev = torch.empty(n, dtype=dtype, device=device)
+        self.engine = CopyEngine(device)
+
+    def down(self) -> None:
+        self.engine.to_host(self.down_host, self.down_dev)
+        self.engine.downloads_done()
+
+    def up(self) -> None:
+        self.engine.fence_uploads()
+        self.engine.device_wait(self.engine.to_device(self.up_dev, self.up_host))
+
+    def start_both(self) -> None:
+        """Queue both directions at once (the host does not wait); `downloads_done` ends it."""
+        self.engine.fence_uploads()
+        self.engine.to_host(self.down_host, self.down_dev)
+        self.engine.device_wait(self.engine.to_device(self.up_dev, self.up_host))
+
+    def both(self) -> None:
+        self.start_both()
+        self.engine.downloads_done()
+
+
+def _fused_with_copies(step: Callable[[], Any], n: int, device: torch.device, reps: int) -> float:
+    """The fused fp32 step while one step's fp32 copies (n floats down and n up, as fp32 landing moves
+    them) run on the copy engines: both read and write host memory, so this is the host's real floor."""
+    memory = _host_memory(device)
+    copies = _Copies(memory, n, torch.float32, device)
+
+    def shared() -> None:
+        copies.start_both()
+        step()
+        copies.engine.downloads_done()
+
+    try:
+        seconds, _ = median_time(shared, device, 1, reps)
+    finally:
+        memory.close()
+    return seconds
+
+
+def work_pcie(spec: Spec, device: torch.device) -> dict[str, Any]:
+    """Pinned copies of the bytes a step moves in bf16, each way alone and both at once (T_pcie), and
+    both ways in fp32 (what fp32 landing moves)."""
+    n = model_config(spec).num_params()
+    memory = _host_memory(device)
+    copies = _Copies(memory, n, torch.bfloat16, device)
+    reps = 6
+    t_down, _ = median_time(copies.down, device, 1, reps)
+    t_up, _ = median_time(copies.up, device, 1, reps)
+    t_both, _ = median_time(copies.both, device, 1, reps)
+    nbytes = 2 * n
+    result = {
+        "bytes_each_way": nbytes,
+        "pinned": memory.pinned_bytes > 0,
+        "down_s": round(t_down, 5),
+        "up_s": round(t_up, 5),
+        "both_s": round(t_both, 5),
+        "down_gb_per_s": round(nbytes / t_down / 1e9, 1),
+        "up_gb_per_s": round(nbytes / t_up / 1e9, 1),
+        "duplex_gb_per_s": round(2 * nbytes / t_both / 1e9, 1),
+    }
+    del copies
+    copies32 = _Copies(memory, n, torch.float32, device)
+    t_both32, _ = median_time(copies32.both, device, 1, reps)
+    result["both_fp32_s"] = round(t_both32, 5)
+    memory.close()
+    return result
+
+
+# -- the engines ------------------------------------------------------------------------------------------
+def _host_rss_gib() -> float | None:
+    try:
+        import psutil
+
+        return round(psutil.Process().memory_info().rss / 2**30, 2)
+    except Exception:  # psutil missing or /proc unreadable: the number is optional
+        return None
+
+
+def _engine_steps(spec: Spec, device: torch.device, make: Callable[[GPT], Any]) -> dict[str, Any]:
+    """Time `spec["steps"]` steps of an engine built by `make(model)`: back to back (step_s), then each
+    between synchronizations (step_synced_s)."""
+    config = model_config(spec)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    setup_start = time.perf_counter()
+    model = _fresh_model(config, device)
+    engine = make(model)
+    synchronize(device)
+    setup_s = time.perf_counter() - setup_start
+    x, y = _batch(config, spec, device)
+    losses: list[torch.Tensor] = []
+
+    def step() -> None:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+
+    median, times = median_time(step, device, spec["warmup"], spec["steps"])
+    steady = steady_time(step, device, spec["steps"])
+    tokens = spec["micro_batch"] * spec["seq_len"]
+    result: dict[str, Any] = {
+        "params": config.num_params(),
+        "setup_s": round(setup_s, 1),
+        "step_s": round(steady, 4),
+        "step_synced_s": round(median, 4),
+        "step_synced_min_s": round(min(times), 4),
+        "tokens_per_s": round(tokens / steady, 1),
+        "loss_first": round(float(losses[0]), 4),
+        "loss_last": round(float(losses[-1]), 4),
+        "host_rss_gib": _host_rss_gib(),
+    }
+    if device.type == "cuda":
+        result["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return {"engine": engine, "result": result, "batch": (x, y)}
+
+
+def _phases(run: dict[str, Any], device: torch.device, steps: int = 3) -> dict[str, float]:
+    """Medians of forward, backward and step, with a synchronization after each."""
+    engine, (x, y) = run["engine"], run["batch"]
+    split: dict[str, list[float]] = {"forward_s": [], "backward_s": [], "step_s": []}
+    for _ in range(steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        _, loss = engine(x, y)
+        synchronize(device)
+        t1 = time.perf_counter()
+        engine.backward(loss)
+        synchronize(device)
+        t2 = time.perf_counter()
+        engine.step()
+        synchronize(device)
+        t3 = time.perf_counter()
+        for key, value in zip(split, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            split[key].append(value)
+    return {key: round(statistics.median(values), 4) for key, values in split.items()}
+
+
+def work_ours(
+    spec: Spec, device: torch.device, *, offload: bool = True, dpu: int | None = None, phases: bool = True
+) -> dict[str, Any]:
+    """Our engine (offload.py's environment variables, set before, pick the update site and landing)."""
+    import runtime
+    import runtime.offload
+
+    def make(model: GPT) -> Any:
+        engine, _, _, _ = runtime.initialize(
+            model=model, model_parameters=model.parameters(), config=engine_config(spec, offload)
+        )
+        if dpu is not None:
+            runtime.offload.enable_delayed_update(engine, after_steps=dpu)
+        return engine
+
+    run = _engine_steps(spec, device, make)
+    result, engine = run["result"], run["engine"]
+    breakdown = engine.memory_breakdown()
+    host_bytes = breakdown.host_bytes + breakdown.host_buffer_bytes
+    result["device_state_gib"] = round(breakdown.device_model_state_bytes / 2**30, 2)
+    result["host_state_gib"] = round(host_bytes / 2**30, 2)
+    result["host_bytes_per_param"] = round(host_bytes / result["params"], 2)
+    if offload:
+        masters = engine.masters
+        result["pinned_gib"] = round(masters.memory.pinned_bytes / 2**30, 2)
+        on_device = masters.update_on_device
+        result["update"] = "device" if on_device else "host"
+        # the device step lands no gradients: its own bound (offload.py) counts the state it streams
+        landed = str(masters.grads.buffers[0].dtype).removeprefix("torch.")
+        result["grad_landing"] = "device" if on_device else landed
+        if on_device:
+            result["host_share"] = masters.update.host_share
+    if phases:
+        result["phases"] = _phases(run, device)
+    engine.destroy()
+    return result
+
+
+def work_deepspeed(spec: Spec, device: torch.device) -> dict[str, Any]:
+    """DeepSpeed with the same config (DeepSpeedCPUAdam), where it imports."""
+    import logging
+
+    with contextlib.redirect_stdout(sys.stderr):
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+
+        def make(model: GPT) -> Any:
+            engine, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config=engine_config(spec, True)
+            )
+            return engine
+
+        run = _engine_steps(spec, device, make)
+    run["result"]["deepspeed"] = deepspeed.__version__
+    # its ZeRO-1/2 offload converts each gradient to fp32 on the GPU and copies it into an fp32 host
+    # buffer, so it is held to the same bound as our fp32 landing
+    run["result"]["grad_landing"] = "float32"
+    return run["result"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ast
 import itertools
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,9 +33,6 @@ LINE_LIMIT = 500
 # config file through runtime.config. It ends when the config stops importing from runtime.offload (the
 # plain OffloadSettings dataclass living in runtime/config/) or zero.Init stops importing runtime.config.
 CIRCLE_EXCLUDED = ("runtime.offload",)
-# scripts/bench/ is being rewritten on the `benchprov` branch (scripts/bench/offload.py loses configurations
-# that no longer exist); until that merges, its files are reported but do not fail the size check.
-SIZE_EXCLUDED = ("scripts/bench/",)
 
 
 def _modules(root: Path, package: str) -> dict[str, tuple[Path, bool]]:
@@ -263,15 +259,7 @@ def test_no_library_file_passes_500_lines() -> None:
         for top in ("runtime", "launcher", "compat", "scripts")
         for path in sorted((ROOT / top).rglob("*.py"))
     }
-    over = {path: lines for path, lines in sizes.items() if lines > LINE_LIMIT}
-    excused = {path: lines for path, lines in over.items() if path.startswith(SIZE_EXCLUDED)}
-    if excused:
-        warnings.warn(
-            f"over {LINE_LIMIT} lines, excused until its branch merges: "
-            + ", ".join(f"{path} ({lines} lines)" for path, lines in excused.items()),
-            stacklevel=1,
-        )
-    failing = {path: lines for path, lines in over.items() if path not in excused}
+    failing = {path: lines for path, lines in sizes.items() if lines > LINE_LIMIT}
     assert failing == {}, f"library files over {LINE_LIMIT} lines: " + ", ".join(
         f"{path} ({lines} lines)" for path, lines in failing.items()
     )

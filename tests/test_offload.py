@@ -875,7 +875,7 @@ def test_delayed_update_matches_a_one_step_stale_reference(world_size: int) -> N
 
 # -- pieces without processes ---------------------------------------------------------------------------
 def test_spans_follow_landing_order_and_chunks_tile_each_span() -> None:
-    from runtime.offload.spans import piece_containing, plan_chunks, plan_spans
+    from runtime.offload.io.spans import piece_containing, plan_chunks, plan_spans
     from runtime.zero.partition import plan_flat_layout
 
     layouts = [
@@ -904,7 +904,7 @@ def test_a_shared_step_gives_the_cpu_each_spans_tail_and_packs_the_tails_buffers
     """With the GPU and the CPU sharing the step, each span is split at a cache line: the GPU's head and
     the CPU's tail of about the asked share (so both work on every span at once, whatever the number of
     spans), and the tails land in buffers just their size."""
-    from runtime.offload.spans import CHUNK_ALIGN, Span, packed_offsets, share_span
+    from runtime.offload.io.spans import CHUNK_ALIGN, Span, packed_offsets, share_span
 
     span = Span(1, 3, 5000, 1000)
     head, tail = share_span(span, 0.4)
@@ -926,7 +926,7 @@ def test_a_shared_step_gives_the_cpu_each_spans_tail_and_packs_the_tails_buffers
 def test_the_device_step_stages_more_chunks_where_the_device_has_room() -> None:
     """More slots let the next step's first uploads, and this step's last downloads, overlap the
     forward; they take at most a sixteenth of the free memory, and never fewer than the minimum."""
-    from runtime.offload.device_step import (
+    from runtime.offload.step.device_step import (
         DEVICE_SLOTS,
         MAX_DEVICE_SLOTS,
         SLOTS_SHARE_OF_FREE,
@@ -943,8 +943,8 @@ def test_the_device_step_stages_more_chunks_where_the_device_has_room() -> None:
 
 
 def test_the_cpus_share_of_the_device_step_is_a_checked_fraction() -> None:
+    from runtime.offload.plan import SHARE_KEY, choose_update, default_host_share
     from runtime.offload.settings import parse_override
-    from runtime.offload.update_site import SHARE_KEY, choose_update, default_host_share
 
     # the benchmark override's reading (the config key's is checked with the other keys, below)
     assert parse_override("host_share", "0.35") == 0.35 and parse_override("host_share", "1") == 1.0
@@ -966,7 +966,7 @@ def test_the_cpus_share_of_the_device_step_is_a_checked_fraction() -> None:
 def test_gradients_land_as_fp32_on_a_gpu_only_when_the_host_has_room() -> None:
     """fp32 landing (the faster host step) costs 2 host bytes a parameter more: the default takes it on a
     GPU when every rank on the host fits, and says why it did or did not."""
-    from runtime.offload.landing import LandingChoice, choose_landing
+    from runtime.offload.io.landing import LandingChoice, choose_landing
 
     gib = 1 << 30
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -1017,7 +1017,7 @@ def test_landing_follows_its_key_and_counts_the_ranks_any_launcher_put_on_the_ho
     """grad_transfer decides when set; "auto" (None) weighs the host's memory against the ranks sharing the
     host, counted from whichever launcher started them."""
     from runtime.distributed import LOCAL_SIZE_VARIABLES, DistEnvError
-    from runtime.offload.landing import landing_choice
+    from runtime.offload.io.landing import landing_choice
 
     def choice(setting: str | None = None) -> torch.dtype:
         kwargs = dict(on_gpu=True, weights_on_host=False, shard_numel=1 << 20)
@@ -1039,7 +1039,7 @@ def test_landing_follows_its_key_and_counts_the_ranks_any_launcher_put_on_the_ho
 def test_the_cpus_share_comes_from_its_key_and_shrinks_with_ranks_per_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import runtime.offload.update_site as update_site
+    import runtime.offload.plan as update_site
     from runtime.distributed import LOCAL_SIZE_VARIABLES
     from runtime.offload.settings import OffloadSettings
 
@@ -1063,7 +1063,7 @@ def test_the_cpus_share_comes_from_its_key_and_shrinks_with_ranks_per_host(
 
 def _landing_votes(rank: int, world_size: int) -> list[str]:
     from runtime.comm import Comm
-    from runtime.offload.landing import LandingChoice, agree_on_landing
+    from runtime.offload.io.landing import LandingChoice, agree_on_landing
 
     comm = Comm()
     out = []
@@ -1086,7 +1086,7 @@ def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() 
     """The device step needs a GPU, Adam, pinned state and the working weights on the device; "auto" also
     wants the host to have room to pin the state and the GPU room for the staging, and every refusal
     says why."""
-    from runtime.offload.update_site import KEY, choose_update
+    from runtime.offload.plan import KEY, choose_update
 
     gib = 1 << 30
 
@@ -1123,7 +1123,7 @@ def test_the_gpu_runs_the_adam_step_where_it_can_and_the_host_has_room_to_pin() 
 
 def _update_votes(rank: int, world_size: int) -> list[str]:
     from runtime.comm import Comm
-    from runtime.offload.update_site import UpdateChoice, agree_on_update
+    from runtime.offload.plan import UpdateChoice, agree_on_update
 
     comm = Comm()
     out = []
@@ -1175,8 +1175,8 @@ def test_one_rank_offload_streams_gradients_in_small_buckets_whatever_reduce_buc
 def test_host_adam_chunks_equal_torch_adam_on_the_whole_tensor(optimizer_kind: str) -> None:
     """Chunked updates from bf16 gradients with the scale in the kernel and bf16 weights written over the
     gradient equal torch's AdamW/Adam on the whole fp32 tensor with the gradient pre-divided."""
-    from runtime.offload.host_adam import HostAdam, supports
-    from runtime.offload.spans import plan_chunks
+    from runtime.offload.io.spans import plan_chunks
+    from runtime.offload.step.host_adam import HostAdam, supports
     from runtime.ops.adam import CPUAdam
 
     gen = torch.Generator().manual_seed(0)

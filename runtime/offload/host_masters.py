@@ -64,20 +64,20 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm, Pending
-from runtime.offload import host_adam
-from runtime.offload.copies import CopyEngine, Ticket
-from runtime.offload.delayed import DelayedUpdate, check_after_steps
-from runtime.offload.device_step import DeviceStep
-from runtime.offload.host_memory import HostMemory
-from runtime.offload.host_step import HostStep
-from runtime.offload.landing import GradLanding, agree_on_landing, landing_choice
+from runtime.host_memory import HostMemory
+from runtime.offload.io.copies import CopyEngine, Ticket
+from runtime.offload.io.landing import GradLanding, agree_on_landing, landing_choice
+from runtime.offload.io.spans import Span, plan_spans
+from runtime.offload.io.targets import WorkingTarget
 from runtime.offload.placement import GradMath, scale_from_device_grads
+from runtime.offload.plan import UpdateChoice, agree_on_update, update_choice
 from runtime.offload.settings import OffloadSettings
-from runtime.offload.spans import Span, plan_spans
-from runtime.offload.split_update import HeadTail, SplitUpdate
-from runtime.offload.streamed import StreamedStep
-from runtime.offload.targets import WorkingTarget
-from runtime.offload.update_site import UpdateChoice, agree_on_update, update_choice
+from runtime.offload.step import host_adam
+from runtime.offload.step.delayed import DelayedUpdate, check_after_steps
+from runtime.offload.step.device_step import DeviceStep
+from runtime.offload.step.host_step import HostStep
+from runtime.offload.step.split_update import HeadTail, SplitUpdate
+from runtime.offload.step.streamed import StreamedStep
 from runtime.precision.mixed import GradResult
 from runtime.zero.buckets import bucket_order
 from runtime.zero.flat import FlatGroup

@@ -220,7 +220,7 @@ def build_master_placement(
     if offload.device == "none":
         return DeviceMasters(groups, zero)
     from runtime.offload.host_masters import HostMasters
-    from runtime.offload.targets import working_target
+    from runtime.offload.io.targets import working_target
 
     settings, overrides = with_overrides(offload)
     if comm.rank == 0:

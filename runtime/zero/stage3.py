@@ -261,7 +261,7 @@ def build_stage3(
     names, plans, segments = _plan(model, specs, comm, options)
     host = None
     if options.offload_param:
-        from runtime.offload.host_memory import HostMemory
+        from runtime.host_memory import HostMemory
 
         host = HostMemory(options.device, pin=options.pin_memory)
     stats = GatherStats()

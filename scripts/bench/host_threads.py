@@ -1,7 +1,7 @@
 """Where the offloaded host step runs: on the calling thread, or on a second thread with an OpenMP pool of
 its own.
 
-Times our host Adam step (runtime.offload.host_adam.HostAdam, bf16 gradient in, bf16 weights out, in the
+Times our host Adam step (runtime.offload.step.host_adam.HostAdam, bf16 gradient in, bf16 weights out, in the
 engine's 8M-element chunks) on --params parameters, first on the calling thread (the baseline: its
 OpenMP pool is the process's only one), then on a fresh second thread, whose pool comes on top of the
 caller's. The gap is why the streamed step (runtime/offload/streamed.py) runs autograd on a helper
@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from runtime.offload.host_adam import HostAdam
+from runtime.offload.io.spans import plan_chunks
 from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
-from runtime.offload.spans import plan_chunks
+from runtime.offload.step.host_adam import HostAdam
 from runtime.ops.adam import CPUAdam
 
 

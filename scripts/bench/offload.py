@@ -249,9 +249,9 @@ def work_gpu(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 def work_adam(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    from runtime.offload.host_adam import HostAdam
+    from runtime.offload.io.spans import plan_chunks
     from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
-    from runtime.offload.spans import plan_chunks
+    from runtime.offload.step.host_adam import HostAdam
     from runtime.ops.adam import CPUAdam
 
     n = _model_config(spec).num_params()
@@ -295,10 +295,10 @@ def work_adam(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
 def work_devstep(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """The device step alone: the model's fp32 master and moments streamed from pinned host memory through
     the staging slots, updated from a device gradient, and streamed back (the engine's code, no model)."""
-    from runtime.offload.device_step import DeviceStep
-    from runtime.offload.host_adam import HostAdam
-    from runtime.offload.host_memory import HostMemory
-    from runtime.offload.spans import Span
+    from runtime.host_memory import HostMemory
+    from runtime.offload.io.spans import Span
+    from runtime.offload.step.device_step import DeviceStep
+    from runtime.offload.step.host_adam import HostAdam
     from runtime.ops.adam import CPUAdam
 
     n = _model_config(spec).num_params()
@@ -333,7 +333,7 @@ class _Copies:
     """A step's worth of pinned copies in one dtype: n elements down (gradients) and n up (weights)."""
 
     def __init__(self, memory: Any, n: int, dtype: torch.dtype, device: torch.device) -> None:
-        from runtime.offload.copies import CopyEngine
+        from runtime.offload.io.copies import CopyEngine
 
         self.down_host = memory.empty(n, dtype, pinned=True)
         self.up_host = memory.empty(n, dtype, pinned=True).fill_(1)
@@ -363,7 +363,7 @@ class _Copies:
 def _fused_with_copies(step: Any, n: int, device: torch.device, reps: int) -> float:
     """The fused fp32 step while one step's fp32 copies (n floats down and n up, as fp32 landing moves
     them) run on the copy engines: both read and write host memory, so this is the host's real floor."""
-    from runtime.offload.host_memory import HostMemory
+    from runtime.host_memory import HostMemory
 
     memory = HostMemory(device, pin=True)
     copies = _Copies(memory, n, torch.float32, device)
@@ -381,7 +381,7 @@ def _fused_with_copies(step: Any, n: int, device: torch.device, reps: int) -> fl
 
 
 def work_pcie(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    from runtime.offload.host_memory import HostMemory
+    from runtime.host_memory import HostMemory
 
     n = _model_config(spec).num_params()
     memory = HostMemory(device, pin=True)

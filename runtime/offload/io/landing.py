@@ -40,10 +40,10 @@ from torch.utils.hooks import RemovableHandle
 
 from runtime.comm import Comm
 from runtime.distributed import local_world_size
+from runtime.host_memory import HostMemory
 from runtime.memory import host_available_bytes
-from runtime.offload.copies import CopyEngine, Ticket
-from runtime.offload.host_memory import HostMemory
-from runtime.offload.spans import Span, packed_offsets, piece_containing, plan_chunks
+from runtime.offload.io.copies import CopyEngine, Ticket
+from runtime.offload.io.spans import Span, packed_offsets, piece_containing, plan_chunks
 from runtime.zero.buckets import BucketTracker
 from runtime.zero.flat import FlatGroup
 

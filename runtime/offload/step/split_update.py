@@ -19,13 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.offload.copies import Ticket
-from runtime.offload.device_step import DeviceStep
-from runtime.offload.host_adam import HostAdam
-from runtime.offload.host_memory import HostMemory
-from runtime.offload.host_step import HostStep
-from runtime.offload.landing import GradLanding
-from runtime.offload.spans import Span, share_span
+from runtime.host_memory import HostMemory
+from runtime.offload.io.copies import Ticket
+from runtime.offload.io.landing import GradLanding
+from runtime.offload.io.spans import Span, share_span
+from runtime.offload.step.device_step import DeviceStep
+from runtime.offload.step.host_adam import HostAdam
+from runtime.offload.step.host_step import HostStep
 from runtime.zero.flat import FlatGroup
 
 HeadTail = tuple[Ticket, Ticket]

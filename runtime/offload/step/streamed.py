@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from runtime.offload.host_adam import HostAdam
+from runtime.offload.step.host_adam import HostAdam
 
 
 class StreamedStep:

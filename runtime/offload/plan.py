@@ -33,8 +33,8 @@ import torch
 from runtime.comm import Comm
 from runtime.distributed import local_world_size
 from runtime.memory import host_available_bytes
-from runtime.offload.device_step import staging_bytes
 from runtime.offload.settings import OffloadSettings
+from runtime.offload.step.device_step import staging_bytes
 
 KEY = "offload_optimizer.update"  # how the reasons name the settings
 SHARE_KEY = "offload_optimizer.host_share"

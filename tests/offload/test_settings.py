@@ -12,7 +12,7 @@ import torch
 
 from tests.dist import run_distributed
 from tests.models import loss_fn, rank_batch
-from tests.test_offload import _offload_engine
+from tests.offload.test_parity import _offload_engine
 from tests.test_zero_parity import ROWS
 
 

@@ -9,15 +9,16 @@ only one that names `HostMasters`; engines import only from here (the factory, `
     plan     = agree(plan_offload(settings, facts), ...)   # plan.py (pure), then the ranks' vote
     HostMasters(..., plan=plan, settings=settings)         # host_masters.py: executes the plan
 
-Parts, and which way imports point (each only to those listed after it, and to runtime.zero, never back):
+Parts, and which way imports point (each only to parts listed after it, and to runtime.zero, which
+never imports back; tests/offload/test_imports.py checks it):
 
 - `__init__.py` (this): the factory and `enable_delayed_update`.
 - `host_masters.py`: `HostMasters`, the offloaded step's wiring and order.
 - `step/`: who updates a span (the CPU, the GPU over streamed state, or both; streamed during backward;
   delayed on a worker thread).
 - `machine.py`: the facts the plan is made from, and the agreement across ranks.
-- `io/`: moving bytes: spans, copies, gradient landing, the working-weight targets and their publishing.
 - `plan.py`: pure decisions (what lands, where Adam runs, the CPU's share, streaming, spans).
+- `io/`: moving bytes: spans, copies, gradient landing, the working-weight targets and their publishing.
 - `placement.py`: the `MasterPlacement` protocol, `GradMath`, `DeviceMasters`, gradient helpers.
 - `settings.py`: `OffloadSettings`, the typed `offload_optimizer` section and its benchmark overrides.
 

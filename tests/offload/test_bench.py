@@ -16,7 +16,7 @@ def _bench(*args: str, env: dict[str, str] | None = None) -> list[dict]:
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, str(repo / "scripts/bench/offload.py"), "--device", "cpu", *args]
     run_env = {**os.environ, **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=repo, env=run_env)
@@ -74,7 +74,7 @@ def test_benchmark_summary_holds_each_row_to_its_own_bound_and_skips_what_is_mis
     the bound of the gradients it moved (DeepSpeed's offload lands fp32 too)."""
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts/bench/offload.py"
+    path = Path(__file__).resolve().parents[2] / "scripts/bench/offload.py"
     spec = importlib.util.spec_from_file_location("offload_bench_under_test", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

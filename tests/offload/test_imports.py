@@ -75,6 +75,34 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+PARTS = [
+    "runtime.offload",
+    "runtime.offload.host_masters",
+    "runtime.offload.step",
+    "runtime.offload.machine",
+    "runtime.offload.plan",
+    "runtime.offload.io",
+    "runtime.offload.placement",
+    "runtime.offload.settings",
+]
+"""The package's parts in import order (its __init__ docstring): each imports only parts after it."""
+
+
+def _part(module: str) -> int:
+    return max(i for i, part in enumerate(PARTS) if module == part or module.startswith(part + "."))
+
+
+def test_each_offload_part_imports_only_the_parts_after_it() -> None:
+    graph = _graph(("runtime.offload",))
+    backwards = sorted(
+        (module, dep)
+        for module, deps in graph.items()
+        for dep in deps
+        if _part(dep) < _part(module) or (_part(dep) == _part(module) and PARTS[_part(module)] == dep)
+    )
+    assert not backwards, backwards
+
+
 def test_offload_imports_point_one_way_and_zero_never_imports_the_offload() -> None:
     graph = _graph(("runtime.offload", "runtime.zero"))
     offload = {m for m in graph if m.startswith("runtime.offload")}

@@ -119,6 +119,7 @@ class Engine(EngineAccessors, nn.Module):
             reduce_dtype=self.policy.reduce_dtype,
             device=self.device,
             pre_reduce_scale=self._pre_reduce_scale,
+            bucket_cap=zero_cfg.offload_optimizer.bucket_cap(self.comm.world_size),
         )
         self.zero: ZeroStage = build_zero_stage(model, specs, self.comm, setup)
         self.groups = self.zero.groups

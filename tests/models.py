@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -109,6 +109,7 @@ class RefResult:
     master: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 after training
     working: dict[str, torch.Tensor] = field(default_factory=dict)  # param_dtype after training
     initial: dict[str, torch.Tensor] = field(default_factory=dict)  # fp32 before training
+    model: nn.Module | None = None  # the fp32 master model after training
 
 
 def build_optimizer(kind: str, groups: list[dict[str, Any]], lr: float) -> torch.optim.Optimizer:
@@ -130,8 +131,10 @@ def reference_train(
     clip: float,
     loss_scale: float = 1.0,
     seed: int = 0,
+    model: Callable[[int], nn.Module] | None = None,
 ) -> RefResult:
-    master = make_model(seed)
+    """`model(seed)` (default `make_model`) trained as the engine must match (see the module docstring)."""
+    master = (make_model if model is None else model)(seed)
     result = RefResult(initial={n: p.detach().clone() for n, p in master.named_parameters()})
     working = copy.deepcopy(master).to(param_dtype)
     opt = build_optimizer(optimizer, param_groups(master), lr)
@@ -155,4 +158,5 @@ def reference_train(
                 pw.copy_(pm)
     result.master = {n: p.detach().clone() for n, p in master.named_parameters()}
     result.working = {n: p.detach().clone() for n, p in working.named_parameters()}
+    result.model = master
     return result

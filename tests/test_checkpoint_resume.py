@@ -25,7 +25,6 @@ skipped steps and the scaler's hysteresis state cross the checkpoint; bf16 cases
 
 from __future__ import annotations
 
-import importlib.util
 import pickle
 import random
 from dataclasses import dataclass
@@ -43,7 +42,6 @@ ROWS = 12  # global rows per micro-step
 STEPS = 6
 SPLIT = 3
 WORLDS = (1, 2, 3)
-HAS_STAGE3 = importlib.util.find_spec("runtime.zero.stage3") is not None
 
 
 class IndexDataset(torch.utils.data.Dataset):
@@ -136,17 +134,17 @@ CROSS = [
     (Case(2, 2, "fp32", offload=True, device_step=True), Case(1, 1, "fp32", offload=True)),
     (Case(1, 1, "fp32", offload=True), Case(2, 2, "fp32", offload=True, device_step=True)),
 ]
-if HAS_STAGE3:  # parameters sharded per gather unit: another grouping, the same checkpoint
-    SAVED += [Case(w, 3, d) for w in WORLDS for d in ("fp32", "bf16", "fp16")]
-    SAVED += [Case(2, 3, "bf16", offload=True)]
-    CROSS += [
-        (Case(2, 2, "fp32"), Case(3, 3, "fp32")),
-        (Case(3, 3, "fp32"), Case(2, 1, "fp32")),
-        (Case(2, 3, "fp32"), Case(1, 0, "fp32")),
-        (Case(2, 3, "bf16"), Case(3, 2, "bf16")),
-        (Case(2, 3, "fp16"), Case(3, 3, "fp16")),
-        (Case(2, 3, "bf16", offload=True), Case(3, 3, "bf16")),
-    ]
+# stage 3: parameters sharded per gather unit, another grouping, the same checkpoint
+SAVED += [Case(w, 3, d) for w in WORLDS for d in ("fp32", "bf16", "fp16")]
+SAVED += [Case(2, 3, "bf16", offload=True)]
+CROSS += [
+    (Case(2, 2, "fp32"), Case(3, 3, "fp32")),
+    (Case(3, 3, "fp32"), Case(2, 1, "fp32")),
+    (Case(2, 3, "fp32"), Case(1, 0, "fp32")),
+    (Case(2, 3, "bf16"), Case(3, 2, "bf16")),
+    (Case(2, 3, "fp16"), Case(3, 3, "fp16")),
+    (Case(2, 3, "bf16", offload=True), Case(3, 3, "bf16")),
+]
 
 
 def _build(case: Case):

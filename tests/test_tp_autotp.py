@@ -16,135 +16,23 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tests.pipe_world4 import part
+from tests.tp_models import (
+    DIM,
+    HEADS,
+    KV_HEADS,
+    GPT2Attention,
+    GPT2Block,
+    LlamaBlock,
+    TinyLM,
+    layers_3d,
+    lm_batch,
+    lm_loss,
+)
 
-DIM, HEADS, KV_HEADS, VOCAB, SEQ = 16, 4, 2, 13, 6
 STEPS = 8
-
-
-class Conv1D(nn.Module):
-    """Hugging Face's Conv1D layout: weight (in, out), y = x @ W + b, output size `nf`."""
-
-    def __init__(self, nf: int, nx: int) -> None:
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size_out = (*x.size()[:-1], self.nf)
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
-
-
-class GPT2Attention(nn.Module):
-    def __init__(self, heads: int = HEADS) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim, self.split_size = heads, DIM // heads, DIM
-        self.c_attn = Conv1D(3 * DIM, DIM)
-        self.c_proj = Conv1D(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = (
-            part.view(b, t, -1, self.head_dim).transpose(1, 2)
-            for part in self.c_attn(x).split(self.split_size, dim=2)
-        )
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class GPT2MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.c_fc = Conv1D(4 * DIM, DIM)
-        self.c_proj = Conv1D(DIM, 4 * DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))
-
-
-class GPT2Block(nn.Module):
-    def __init__(self, heads: int = HEADS) -> None:
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(DIM), GPT2Attention(heads)
-        self.ln_2, self.mlp = nn.LayerNorm(DIM), GPT2MLP()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class LlamaAttention(nn.Module):
-    """Grouped-query attention: HEADS query heads share KV_HEADS key/value heads."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head_dim = DIM // HEADS
-        self.num_heads, self.num_key_value_heads = HEADS, KV_HEADS
-        self.q_proj = nn.Linear(DIM, DIM, bias=False)
-        self.k_proj = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(DIM, KV_HEADS * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(DIM, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        repeat = self.num_heads // self.num_key_value_heads
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(DIM, 2 * DIM, bias=False)
-        self.up_proj = nn.Linear(DIM, 2 * DIM, bias=False)
-        self.down_proj = nn.Linear(2 * DIM, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.input_layernorm, self.self_attn = nn.LayerNorm(DIM), LlamaAttention()
-        self.post_attention_layernorm, self.mlp = nn.LayerNorm(DIM), LlamaMLP()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class TinyLM(nn.Module):
-    def __init__(self, block: type[nn.Module], layers: int = 2) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, DIM)
-        self.h = nn.ModuleList(block() for _ in range(layers))
-        self.ln_f = nn.LayerNorm(DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.wte(tokens)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
-
-
-def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(900 + 31 * step + dp_rank)
-    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _loss(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(tokens).reshape(-1, VOCAB), labels.reshape(-1))
 
 
 def _sharded_numel(model: nn.Module) -> int:
@@ -173,9 +61,9 @@ def _train_pair(block: type[nn.Module], mesh: object, dp_rank: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     losses, ref_losses = [], []
     for step in range(STEPS):
-        tokens, labels = _batch(step, dp_rank)
+        tokens, labels = lm_batch(step, dp_rank)
         for m, o, log in ((reference, opt_ref, ref_losses), (model, opt, losses)):
-            loss = _loss(m, tokens, labels)
+            loss = lm_loss(m, tokens, labels)
             loss.backward()
             o.step()
             o.zero_grad()
@@ -225,8 +113,8 @@ def _engine_run(kind: str, stage: int, clip: float, optimizer: str) -> dict:
     dp_rank = engine.grid.get_data_parallel_rank()
     losses, norms = [], []
     for step in range(STEPS):
-        tokens, labels = _batch(step, dp_rank)
-        loss = _loss(engine, tokens, labels)
+        tokens, labels = lm_batch(step, dp_rank)
+        loss = lm_loss(engine, tokens, labels)
         engine.backward(loss)
         engine.step()
         mean = loss.detach().clone()
@@ -247,29 +135,15 @@ def _engine_reference(kind: str, clip: float, optimizer: str) -> dict:
     )
     losses, norms = [], []
     for step in range(STEPS):
-        batches = [_batch(step, d) for d in range(2)]
+        batches = [lm_batch(step, d) for d in range(2)]
         tokens, labels = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        loss = _loss(model, tokens, labels)
+        loss = lm_loss(model, tokens, labels)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else 1e9)))
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
     return {"losses": losses, "norms": norms, "state": model.state_dict()}
-
-
-def _layers_3d() -> list:
-    from runtime.pipe import LayerSpec, TiedLayerSpec
-    from tests.pipe_cases import VOCAB as PIPE_VOCAB
-    from tests.pipe_cases import head_forward
-
-    return [
-        TiedLayerSpec("embed", nn.Embedding, PIPE_VOCAB, DIM),
-        LayerSpec(GPT2Block),
-        LayerSpec(LlamaBlock),
-        LayerSpec(nn.LayerNorm, DIM),
-        TiedLayerSpec("embed", nn.Embedding, PIPE_VOCAB, DIM, forward_fn=head_forward),
-    ]
 
 
 CLIP_3D = 0.3
@@ -283,7 +157,7 @@ def _pipeline_3d(rank: int) -> dict:
     from tests.pipe_cases import BASE_SEED, data_iterator, token_loss
 
     module = PipelineModule(
-        _layers_3d(),
+        layers_3d(),
         topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
         loss_fn=token_loss,
         seed_layers=True,
@@ -316,7 +190,7 @@ def _pipeline_3d(rank: int) -> dict:
 def _reference_3d() -> dict:
     from tests.pipe_cases import ReferenceModel, global_micro_batch, token_loss
 
-    model = ReferenceModel(_layers_3d())
+    model = ReferenceModel(layers_3d())
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     losses, norms = [], []
     for step in range(STEPS):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
-from tests.test_tp_autotp import GPT2Block, TinyLM, _batch, _loss
+from tests.tp_models import GPT2Block, TinyLM, lm_batch, lm_loss
 
 STEPS, SAVE_AT = 4, 2
 
@@ -35,8 +35,8 @@ def _train(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     def steps(eng: Any, start: int) -> list[float]:
         losses = []
         for step in range(start, STEPS):
-            tokens, labels = _batch(step, 0)
-            loss = _loss(eng, tokens, labels)
+            tokens, labels = lm_batch(step, 0)
+            loss = lm_loss(eng, tokens, labels)
             eng.backward(loss)
             eng.step()
             losses.append(float(loss))
@@ -72,7 +72,7 @@ def _train_3d(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     from runtime.parallel import PipeModelDataParallelTopology
     from runtime.pipe import PipelineEngine, PipelineModule
     from tests.pipe_cases import BASE_SEED, data_iterator, token_loss
-    from tests.test_tp_autotp import _layers_3d
+    from tests.tp_models import layers_3d
 
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
               "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
@@ -80,7 +80,7 @@ def _train_3d(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
 
     def engine() -> Any:
         topology = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1)
-        module = PipelineModule(_layers_3d(), topology=topology, loss_fn=token_loss, seed_layers=True,
+        module = PipelineModule(layers_3d(), topology=topology, loss_fn=token_loss, seed_layers=True,
                                 base_seed=BASE_SEED, partition_method="type:Block")  # fmt: skip
         return PipelineEngine(module, config)
 

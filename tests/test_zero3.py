@@ -4,8 +4,8 @@ One spawn per world size (1, 2, 3). Each trains `ZeroNet` (tied embedding/head, 
 embedding's weight used outside its module, uneven sizes; tests/zero3_models.py) under stage 3 for
 fp32/bf16/fp16 x accumulation 1/2 with prefetching on and a small live-parameter limit, and compares
 every micro-step's loss, the gradient norms and the fp32 master weights (engine.full_state_dict) with a
-single-process reference fed the same global batches (the same checks and tolerances as the stage 0-2
-parity test). The same spawn then checks, on the trained engine:
+single-process reference fed the same global batches (tests/parity.py's checks and tolerances, as for
+stages 0-2). The same spawn then checks, on the trained engine:
 
 - evaluation under torch.no_grad gives the reference model's outputs;
 - full_state_dict loads into a plain ZeroNet that gives the engine's loss;
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import io
-import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -32,22 +31,11 @@ import torch
 import torch.distributed as dist
 
 from tests.dist import run_distributed
-from tests.models import (
-    RefResult,
-    build_optimizer,
-    global_batch,
-    loss_fn,
-    param_groups,
-    train_engine,
-)
+from tests.models import RefResult, global_batch, loss_fn, param_groups, train_engine
+from tests.parity import CLIP, DTYPES, LR, ROWS, compare, precision_config, reference
 from tests.zero3_models import make_zero_net
 
 STEPS = 6
-ROWS = 12
-LR = {"AdamW": 3e-3, "SGD": 0.05}
-CLIP = 0.5
-FP16_SCALE_POWER = 8
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -77,10 +65,7 @@ class Case:
         }
         if self.optimizer == "SGD":
             cfg["optimizer"]["params"]["momentum"] = 0.9
-        if self.dtype == "bf16":
-            cfg["bf16"] = {"enabled": True}
-        if self.dtype == "fp16":
-            cfg["fp16"] = {"enabled": True, "auto_cast": True, "initial_scale_power": FP16_SCALE_POWER}
+        cfg.update(precision_config(self.dtype))
         return cfg
 
 
@@ -91,37 +76,6 @@ CASES = [
     Case("bf16", 2, CLIP),
     Case("fp16", 2, 0.0),
 ]
-
-
-def reference_train(case: Case) -> tuple[RefResult, torch.nn.Module]:
-    """tests/models.reference_train for ZeroNet: one process, the whole global batch, fp32 masters and a
-    working copy in the run's dtype."""
-    param_dtype = DTYPES[case.dtype]
-    loss_scale = 2.0**FP16_SCALE_POWER if case.dtype == "fp16" else 1.0
-    master = make_zero_net(0)
-    result = RefResult(initial={n: p.detach().clone() for n, p in master.named_parameters()})
-    working = copy.deepcopy(master).to(param_dtype)
-    opt = build_optimizer(case.optimizer, param_groups(master), LR[case.optimizer])
-    pairs = list(zip(master.parameters(), working.parameters(), strict=True))
-    for step in range(STEPS):
-        for micro in range(case.accumulation):
-            x, y = global_batch(step, micro, ROWS)
-            loss = loss_fn(working(x.to(param_dtype)), y)
-            (loss * loss_scale).backward()
-            result.losses.append(loss.item())
-        with torch.no_grad():
-            for pm, pw in pairs:
-                pm.grad = pw.grad.float() / (case.accumulation * loss_scale)
-                pw.grad = None
-        norm = torch.nn.utils.clip_grad_norm_(master.parameters(), case.clip if case.clip > 0 else math.inf)
-        result.norms.append(float(norm))
-        opt.step()
-        opt.zero_grad()
-        with torch.no_grad():
-            for pm, pw in pairs:
-                pw.copy_(pm)
-    result.master = {n: p.detach().clone() for n, p in master.named_parameters()}
-    return result, master
 
 
 def _train(case: Case, rank: int, world_size: int) -> tuple[Any, dict]:
@@ -145,34 +99,10 @@ def _train(case: Case, rank: int, world_size: int) -> tuple[Any, dict]:
 
 
 def _compare(case: Case, got: dict, ref: RefResult) -> list[str]:
-    problems = []
-    if got["skipped"]:
-        problems.append(f"{got['skipped']} steps skipped")
-    exact = case.dtype == "fp32"
-    loss_tol = 1e-5 if exact else 2e-2
-    for i, (a, b) in enumerate(zip(got["losses"], ref.losses, strict=True)):
-        if abs(a - b) > loss_tol * abs(b):
-            problems.append(f"loss[{i}] {a:.7f} vs reference {b:.7f}")
-            break
-    for i, (a, b) in enumerate(zip(got["norms"], ref.norms, strict=True)):
-        if a is not None and abs(a - b) > (1e-5 if exact else 3e-2) * b:
-            problems.append(f"grad norm[{i}] {a:.7f} vs reference {b:.7f}")
-            break
-    if case.clip > 0 and any(n is None for n in got["norms"]):
-        problems.append("no grad norm with clipping on")
+    """tests/parity.py's comparison, and the tied head: one weight under two names."""
+    problems = compare(case, got, ref)
     if set(got["master"]) != set(ref.master) | {"head.weight"}:
         problems.append(f"state dict keys {sorted(got['master'])}")
-    for name, want in ref.master.items():
-        have = got["master"][name]
-        if have.dtype != torch.float32 or have.shape != want.shape:
-            problems.append(f"master {name} is {have.dtype} {tuple(have.shape)}")
-        elif exact:
-            if not torch.allclose(have, want, rtol=1e-5, atol=1e-6):
-                problems.append(f"master {name}: max abs diff {float((have - want).abs().max()):.3e}")
-        else:
-            delta = (want - ref.initial[name]).norm()
-            if float((have - want).norm() / max(float(delta), 1e-12)) > 0.05:
-                problems.append(f"master {name}: update error too large")
     if not torch.equal(got["master"]["head.weight"], got["master"]["emb.weight"]):
         problems.append("tied head.weight differs from emb.weight")
     return problems
@@ -321,7 +251,8 @@ def _run(rank: int, world_size: int) -> dict[str, list[str]]:
     report = {}
     for case in CASES:
         engine, got = _train(case, rank, world_size)
-        ref, ref_model = reference_train(case)
+        ref = reference(case, steps=STEPS, model=make_zero_net)
+        ref_model = ref.model
         problems = _compare(case, got, ref) if rank == 0 else []
         if got["stage"] != 3:
             problems.append(f"engine.zero_stage is {got['stage']}")

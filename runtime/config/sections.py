@@ -43,7 +43,7 @@ class BF16Config:
     enabled: bool = False
     # Decide every step on the global gradient norm: a non-finite one skips the step on every rank
     # (DeepSpeed's key; DeepSpeed defaults to false and applies such steps, which turns every weight into
-    # NaN). False also lets the offloaded step start during backward (runtime.offload.streamed).
+    # NaN). False also lets the offloaded step start during backward (runtime.offload.step.streamed).
     check_grad_overflow: bool = True
     # Stop with NonfiniteGradientsError after this many consecutive skipped steps; 0 = never stop (ours:
     # DeepSpeed has no such key).

@@ -27,8 +27,8 @@ Offload (``offload_optimizer`` with device "cpu", runtime/offload): master weigh
 the buffer the gradient shard lands in (4 + 8 + w bytes per parameter of the shard, Adam) live in host
 memory of each rank; the GPU keeps the working weights and the ZeRO stage's gradient buffers. That is
 the least the engine needs: on a GPU, when the host has room for it, 16-bit gradients land as fp32
-instead (4 bytes, not w: runtime/offload/landing.py), for a faster host step, and by default the GPU
-runs the Adam step on the state streamed from the host (runtime/offload/device_step.py): 12 bytes per
+instead (4 bytes, not w: runtime/offload/plan.py), for a faster host step, and by default the GPU
+runs the Adam step on the state streamed from the host (runtime/offload/step/device_step.py): 12 bytes per
 parameter on the host, plus an fp32 landing buffer for the part of each span the CPU updates beside it
 (`offload_optimizer.host_share`), and 1-4 GiB of staging on the GPU, not counted here. Stage 3
 with ``offload_param`` also keeps the weight shard on the host (the ZeRO-Infinity design; an estimate until

@@ -1,31 +1,62 @@
-"""CPU offload: where the optimizer's master weights and state live, and moving data to and from there.
+"""CPU offload: where the optimizer's master weights and state live, as plan, then execute.
 
-- `placement.py`: the `MasterPlacement` the engine composes (`DeviceMasters`, or `HostMasters` for
-  `offload_optimizer: {device: cpu}`), and `build_master_placement`.
-- `host_masters.py`: optimizer offload: masters and state in host memory, the step on the CPU (chunked
-  copy-back) or on the GPU (`device_step.py`).
-- `split_update.py`: each span's head for the GPU, its tail for the CPU, and the tickets of both.
-- `host_step.py`: the CPU's update of landed spans (one-pass Adam, or any optimizer's generic path).
-- `device_step.py`: the Adam step on the GPU over state streamed from host memory.
-- `settings.py`: `OffloadSettings`, the `offload_optimizer` section (and its benchmark overrides).
-- `update_site.py`: where the step runs, and the CPU's share of it (`update`, `host_share`).
-- `landing.py`: gradients landing on the host bucket by bucket (during backward with one rank).
-- `streamed.py`: the streamed step (the update runs while backward does, when nothing waits on the norm).
-- `delayed.py`, `worker.py`: the opt-in delayed parameter update and its thread.
-- `host_adam.py`: the one-pass Adam/AdamW step on landed gradients (runtime.ops.adam_step underneath).
-- `copies.py`: device<->host copies on their own CUDA streams (plain copies on CPU-only machines).
-- `host_memory.py`: host buffers, pinned where a copy engine touches them.
-- `spans.py`: pure index math (which shard slices land, step and go back together).
+The front door. `build_master_placement` is the only place that builds a placement, and this module the
+only one that names `HostMasters`; engines import only from here (the factory, `GradMath` and the
+`MasterPlacement` protocol). For `offload_optimizer: {device: cpu}` it runs, once per engine:
+
+    settings = with_overrides(config's OffloadSettings)    # settings.py: the only environment read
+    facts    = read_facts(...)                             # machine.py: this rank and its machine
+    plan     = agree(plan_offload(settings, facts), ...)   # plan.py (pure), then the ranks' vote
+    HostMasters(..., plan=plan, settings=settings)         # host_masters.py: executes the plan
+
+Parts, and which way imports point (each only to parts listed after it, and to runtime.zero, which
+never imports back; tests/offload/test_imports.py checks it):
+
+- `__init__.py` (this): the factory and `enable_delayed_update`.
+- `host_masters.py`: `HostMasters`, the offloaded step's wiring and order.
+- `step/`: who updates a span (the CPU, the GPU over streamed state, or both; streamed during backward;
+  delayed on a worker thread).
+- `machine.py`: the facts the plan is made from, and the agreement across ranks.
+- `plan.py`: pure decisions (what lands, where Adam runs, the CPU's share, streaming, spans).
+- `io/`: moving bytes: spans, copies, gradient landing, the working-weight targets and their publishing.
+- `placement.py`: the `MasterPlacement` protocol, `GradMath`, `DeviceMasters`, gradient helpers.
+- `settings.py`: `OffloadSettings`, the typed `offload_optimizer` section and its benchmark overrides.
+
+Glossary:
+
+- *span*: this rank's piece of one ZeRO bucket; the unit that lands on the host, updates and goes back.
+- *chunk*: a slice of a span, the unit of one copy or one kernel call (copy of chunk i overlaps chunk i+1).
+- *landing*: gradients arriving in host buffers, span by span (in fp32 or their own dtype).
+- *head / tail*: with the device step sharing work, the part of a span the GPU updates / the CPU updates.
+- *ticket*: the CUDA event after a queued copy or kernel (None on a CPU-only machine: it already ran).
+- *publish*: make a span's updated weights visible to the model (all-gather its bucket, or re-gather a
+  stage-3 unit).
+- *streamed step*: the update running span by span while backward still produces gradients.
+- *delayed update* (DPU): step k's host update runs during step k+1's forward and backward.
 """
 
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.comm import Comm
+from runtime.offload.host_masters import HostMasters
+from runtime.offload.io.targets import working_target
+from runtime.offload.machine import agree, read_facts
 from runtime.offload.placement import (
     DeviceMasters,
     GradMath,
     MasterPlacement,
     attach_master_grads,
-    build_master_placement,
-    enable_delayed_update,
 )
+from runtime.offload.plan import plan_offload
+from runtime.offload.settings import OffloadSettings, with_overrides
+from runtime.zero.flat import FlatGroup
 
 __all__ = [
     "DeviceMasters",
@@ -35,3 +66,68 @@ __all__ = [
     "build_master_placement",
     "enable_delayed_update",
 ]
+
+_log = logging.getLogger("runtime.offload")
+
+
+def build_master_placement(
+    config: Any,
+    groups: Sequence[FlatGroup],
+    zero: Any,
+    comm: Comm,
+    device: torch.device,
+    *,
+    registration: dict[nn.Parameter, int],
+) -> MasterPlacement:
+    """The placement `config.zero_optimization.offload_optimizer` asks for. Call it after the ZeRO stage
+    is built and before the optimizer is (offload moves the master shards the optimizer will hold).
+
+    One branch per placement: a new one (a share of the partition kept on the device, say) is one more
+    function like `_host_masters` composed from the parts here, and one more branch."""
+    offload: OffloadSettings = config.zero_optimization.offload_optimizer
+    if offload.device == "none":
+        return DeviceMasters(groups, zero)
+    return _host_masters(offload, groups, zero, comm, device, registration=registration)
+
+
+def _host_masters(
+    offload: OffloadSettings,
+    groups: Sequence[FlatGroup],
+    zero: Any,
+    comm: Comm,
+    device: torch.device,
+    *,
+    registration: dict[nn.Parameter, int],
+) -> HostMasters:
+    """Every master shard and its optimizer state in host memory: settings, facts, plan, agreement, run."""
+    settings, overrides = with_overrides(offload)
+    if comm.rank == 0:
+        for note in overrides:
+            _log.warning("offload: %s", note)
+    target = working_target(zero, comm)
+    facts = read_facts(groups, zero, comm, device, registration=registration, target=target)
+    plan = agree(plan_offload(settings, facts), facts.grad_dtype, comm, device)
+    if comm.rank == 0:
+        for warning in plan.warnings:
+            _log.warning(warning)
+    return HostMasters(groups, zero, comm, device, plan=plan, settings=settings, target=target)
+
+
+def enable_delayed_update(engine: Any, *, after_steps: int = 40) -> None:
+    """Turn on the delayed parameter update of optimizer offload for `engine` (ZeRO-Offload's DPU).
+
+    After `after_steps` ordinary steps (ZeRO-Offload used about 40, so the fast-changing first steps are
+    exact), each step starts its host update in the background and the next step installs it: every
+    gradient is then computed on weights one update older than without DPU. A step then costs about
+    max(device forward + backward, host update) instead of their sum. Needs
+    `offload_optimizer: {device: cpu}` and an Adam/AdamW optimizer (others keep stepping in place).
+    Checkpoints and `engine.full_state_dict()` flush the update in flight first.
+    """
+    placement = getattr(engine, "masters", None)
+    delay = getattr(placement, "delay_updates", None)
+    if delay is None:
+        raise ValueError(
+            "the delayed parameter update needs optimizer offload: set "
+            'zero_optimization.offload_optimizer = {"device": "cpu"} in the config'
+        )
+    delay(after_steps)

@@ -1,57 +1,20 @@
-"""Optimizer offload (ZeRO-Offload): fp32 master shards and optimizer state in host memory.
+"""Optimizer offload (ZeRO-Offload) executed: fp32 master shards and optimizer state in host memory.
 
-Where the Adam step runs is update_site.py's choice. On a GPU, by default, the GPU runs it: each span's
-master and moments stream up through staging slots, the fused kernel reads the gradients where the ZeRO
-stage left them and writes the new working weights in place, and the state streams back (no landing
-buffers, 12 host bytes a parameter, all pinned). The spans, their order, the streamed step during
-backward and the publishing of updated buckets are the same as for the host step, which this docstring
-describes below and which runs everywhere else (a CPU-only machine, other optimizers, offload_param, the
-delayed update, `update: "host"`). The settings (settings.py) come from `offload_optimizer`.
+`HostMasters` runs an `OffloadPlan` (plan.py): it makes no choice and reads no setting beyond the sizes
+in `OffloadSettings`. It owns the wiring (host memory, copies, landing buffers, the split update, the
+publisher of updated spans) and the order of a step:
 
-The two can share one step (`host_share`, update_site.py): each span's head streams
-through the GPU while its tail lands on the host and the CPU updates it (split_update.py routes each
-part), so the step is bounded by the slower of the two halves instead of by either whole.
-
-Per step on the host, for this rank's shard of every param group:
-
-1. Gradients land on the host bucket by bucket (landing.py): with one rank while backward goes on, with
-   more ranks after the ZeRO stage has reduced them; one copy per bucket into a pinned landing buffer.
+1. Gradients land on the host span by span (io/landing.py): during backward when the plan streams, else
+   after the ZeRO stage has reduced them. With the device step only the CPU's tails land.
 2. The norm, the fp16 overflow check and the clipping factor come from the gradients still on the device
-   (a few kernels there instead of another pass over host memory); the host reads one number.
-3. The host updates span by span in landing order, chunk by chunk (host_step.py), each chunk's copy
-   back to the device overlapping the next chunk's update. With more ranks, each bucket's all-gather
-   starts when its pieces are back.
+   (`placement.scale_from_device_grads`); the host reads one number.
+3. Each span is updated in landing order, its head by the GPU and its tail by the CPU (step/), and
+   published (io/targets.py): with more ranks, each bucket's all-gather starts when its pieces are back.
 
-Streamed step (streamed.py): when gradients stream (one rank, stages 1 and 2) and the step's gradient
-factor does not depend on the gradients (no clipping, no fp16 overflow check), the engine's
-`prepare_step` before the boundary backward lets step 3 start during backward: the calling thread
-updates each span as soon as it has landed while autograd runs on a helper thread (`run_backward`),
-and `step` updates what is left. The step's hyperparameters are read when the boundary backward starts
-(after the previous step's scheduler update, as always). A boundary backward that fails after the first
-span was updated leaves the masters partly updated: the next boundary backward says so instead of
-updating twice.
-
-Host memory for the host step: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 2 = 14 bytes a parameter of
-the shard, or 16 with fp32 landing (below); only the landing buffer is pinned (and the master where it
-is what gets copied back: fp32 runs and fp32 landing). The device step pins master and moments, 12
-bytes a parameter, and has no landing buffer. The device keeps the working weights and the gradient
-buffers of the ZeRO stage, no fp32 state. With parameter
-offload (stage 3, `offload_param: {device: cpu}`) the working shard is host memory too (+2 bytes, pinned
-with CUDA): the Adam kernel writes the updated bf16 weights straight into it (fp32: one host copy from
-the master), and the device keeps only the gathered units and the gradient shards.
-
-Optimizers other than Adam/AdamW (or Adam with AMSGrad, ...) take host_step.py's generic path.
-
-Gradients in fp32 (landing.py decides; the default on a GPU when host memory allows): 16-bit gradients
-are converted on the device and cross PCIe as fp32 (4 bytes a parameter each way instead of 2); the
-host step is then torch's fused kernel alone, with no conversion passes, and the updated fp32 masters
-go back to be converted on the device. Host memory: 16 bytes a parameter instead of 14, the master
-pinned. Not with parameter offload.
-
-Delayed parameter update (delayed.py, opt-in): step k's host update runs while the device computes
-step k+1, which installs it first; every gradient is then computed on weights one update stale.
-
-On a CPU-only machine all of this runs the same way with synchronous copies (copies.py).
+When the step's gradient factor is known before backward, `prepare_step` lets step 3 start during the
+boundary backward (step/streamed.py); a boundary backward that fails after the first span was updated
+leaves the masters partly updated, and the next one says so instead of updating twice. The delayed
+parameter update (step/delayed.py, opt-in) runs step k's host update while the device computes step k+1.
 """
 
 from __future__ import annotations
@@ -63,23 +26,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.comm import Comm, Pending
-from runtime.offload import host_adam
-from runtime.offload.copies import CopyEngine, Ticket
-from runtime.offload.delayed import DelayedUpdate, check_after_steps
-from runtime.offload.device_step import DeviceStep
-from runtime.offload.host_memory import HostMemory
-from runtime.offload.host_step import HostStep
-from runtime.offload.landing import GradLanding, agree_on_landing, landing_choice
+from runtime.comm import Comm
+from runtime.host_memory import HostMemory
+from runtime.offload.io.copies import CopyEngine, Ticket
+from runtime.offload.io.landing import GradLanding
+from runtime.offload.io.spans import Span
+from runtime.offload.io.targets import Publisher, WorkingTarget
 from runtime.offload.placement import GradMath, scale_from_device_grads
+from runtime.offload.plan import OffloadPlan, UpdateChoice
 from runtime.offload.settings import OffloadSettings
-from runtime.offload.spans import Span, plan_spans
-from runtime.offload.split_update import HeadTail, SplitUpdate
-from runtime.offload.streamed import StreamedStep
-from runtime.offload.targets import WorkingTarget
-from runtime.offload.update_site import UpdateChoice, agree_on_update, update_choice
+from runtime.offload.step import host_adam
+from runtime.offload.step.delayed import DelayedUpdate, check_after_steps
+from runtime.offload.step.device_step import DeviceStep
+from runtime.offload.step.host_step import HostStep
+from runtime.offload.step.split_update import HeadTail, SplitUpdate
+from runtime.offload.step.streamed import StreamedStep
 from runtime.precision.mixed import GradResult
-from runtime.zero.buckets import bucket_order
 from runtime.zero.flat import FlatGroup
 
 _log = logging.getLogger("runtime.offload")
@@ -87,7 +49,8 @@ _log = logging.getLogger("runtime.offload")
 
 class HostMasters:
     """The offload placement, for every ZeRO stage: where the updated weights go is the stage's
-    `WorkingTarget` (targets.py); the spans come from the groups' flat layouts."""
+    `WorkingTarget` (io/targets.py); what lands, where each span is updated and whether gradients stream
+    is the `plan`'s."""
 
     def __init__(
         self,
@@ -96,7 +59,7 @@ class HostMasters:
         comm: Comm,
         device: torch.device,
         *,
-        registration: dict[nn.Parameter, int],
+        plan: OffloadPlan,
         settings: OffloadSettings,
         target: WorkingTarget,
     ) -> None:
@@ -105,34 +68,16 @@ class HostMasters:
         self.comm = comm
         self.device = device
         self.target = target
+        self.plan = plan
         self.chunk_elems = settings.transfer_chunk_elems
-        pin_memory = settings.pin_memory
-        self.memory = HostMemory(device, pin=pin_memory)
+        self.memory = HostMemory(device, pin=plan.pin)
         self.copies = CopyEngine(device)
         grad_dtype = zero.grad_pieces()[0][0].dtype  # also the working weights' dtype
         master_dtype = self.groups[0].master.dtype if self.groups else torch.float32
-        choice = landing_choice(
-            grad_dtype,
-            master_dtype,
-            setting=settings.grad_transfer,
-            on_gpu=self.copies.is_async,
-            weights_on_host=target.on_host,
-            shard_numel=sum(g.layout.shard_numel for g in self.groups),
-        )
-        choice = agree_on_landing(choice, grad_dtype, comm, device)
-        self._landing_note = choice.reason if grad_dtype != master_dtype else None  # a real choice
-        landed = choice.dtype
-        # where Adam runs (update_site.py); whether the optimizer allows the device is known at `bind`
-        update = update_choice(
-            settings,
-            device=device,
-            weights_on_host=target.on_host,
-            pinned=pin_memory,
-            shard_numel=sum(g.layout.shard_numel for g in self.groups),
-        )
-        self.update: UpdateChoice = agree_on_update(update, comm, device)
+        self._landing_note = plan.landing.reason if grad_dtype != master_dtype else None  # a real choice
+        landed = plan.landing.dtype
+        self.update: UpdateChoice = plan.update  # whether the optimizer allows the device: known at `bind`
         self._move_masters_to_host(landed, pin_all=self.update.on_device)
-        self._landed_dtype = landed
         self._host = HostStep(
             self.groups,
             self.copies,
@@ -141,10 +86,8 @@ class HostMasters:
             weights_on_host=target.on_host,
         )
         self._working_dtype = grad_dtype
-        order = bucket_order(self.groups, registration)
-        self.spans: list[Span] = plan_spans([g.layout for g in self.groups], order)
-        self._published: list[Pending] = []
-        self._last_upload: Ticket = None  # the last upload of a span the host updated
+        self.spans: list[Span] = list(plan.spans)
+        self.publisher = Publisher(self.groups, target, self.copies)
         # each span's head, which the GPU updates, and its tail, which the CPU updates
         device_step = None
         if self.update.on_device:
@@ -157,18 +100,6 @@ class HostMasters:
         self._steps = 0  # host updates started
         self._delayed: DelayedUpdate | None = None  # set by delay_updates
         self._streamed: StreamedStep | None = None  # the streamed step of the backward in progress
-        # Gradients can stream during backward only when nothing is left to reduce (one rank, and not the
-        # sharded stage 3, whose gradients arrive by reduce-scatter) and a copy does not block the autograd
-        # thread (pinned memory on CUDA; on CPU every copy is synchronous).
-        sharded = getattr(zero, "units", None) is not None
-        stream = comm.world_size == 1 and not sharded and (not self.copies.is_async or self.memory.pin)
-        if self.copies.is_async and not self.memory.pin and comm.rank == 0:
-            _log.warning(
-                "offload_optimizer.pin_memory is false: gradients and weights cross PCIe through pageable "
-                "memory, which is slower and does not overlap with backward; set pin_memory: true"
-            )
-        self._order = order
-        self._stream = stream
         self.grads = self._landing()
 
     def _landing(self) -> GradLanding:
@@ -176,11 +107,11 @@ class HostMasters:
             self.groups,
             self.zero,
             self.spans,
-            self._order,
+            self.plan.order,
             self.copies,
             self.memory,
-            self._landed_dtype,
-            stream=self._stream,
+            self.plan.landing.dtype,
+            stream=self.plan.stream,
             chunk_elems=self.chunk_elems,
             parts=self._split.tails,
         )
@@ -246,16 +177,16 @@ class HostMasters:
             return
         adam = self._host_adam(optimizer)
         self._split.begin(adam, factor, self.memory)
-        grad_scale = _grad_scale(factor)
+        grad_scale = host_adam.grad_scale(factor)
 
         self._written = [(None, None)] * len(self.spans)
 
         def update(index: int) -> None:
-            piece = self._working_piece(self.spans[index])
+            piece = self.publisher.piece(self.spans[index])
             ready = (self.grads.finals[index], self.grads.tickets[index])
             written = self._split.update(adam, grad_scale, self.grads, None, ready, index, piece)
             self._written[index] = written
-            self._note_upload(written)
+            self.publisher.note_upload(written)
 
         # the device step only queues work: the caller's cores need room for autograd's thread only
         # where the CPU updates part of the spans
@@ -300,7 +231,7 @@ class HostMasters:
                 # the device's parts: after everything queued since backward, the norm's kernels too
                 mark = self.copies.mark() if self._split.on_device else None
                 ready = [(mark, ticket) for ticket in self.grads.tickets]
-                self._run_adam(adam, coef, None, ready, self._working_piece, publish=True)
+                self._run_adam(adam, coef, None, ready, self.publisher.piece, publish=True)
             else:
                 self._generic_step(optimizer, coef, per_tensor=per_tensor)
             self._steps += 1
@@ -329,7 +260,7 @@ class HostMasters:
         self._streamed = None
         self.grads.on_landed = None
         for span, written in zip(self.spans, self._written, strict=True):
-            self._publish(span, written)
+            self.publisher.publish(span, written)
         self._steps += 1
         self._gradients_read()
         return result
@@ -364,22 +295,16 @@ class HostMasters:
         `ready` (per span: its landing, its gradients final on the device) is done, each span's uploads
         started as its chunks are done; returns the last upload's ticket. Runs on the worker thread
         under DPU, where the host updates every span."""
-        grad_scale = _grad_scale(coef)
+        grad_scale = host_adam.grad_scale(coef)
         last: Ticket = None
         for index, span in enumerate(self.spans):
             dst = dst_of(span)
             written = self._split.update(adam, grad_scale, self.grads, landing, ready[index], index, dst)
             last = written[1] or last
             if publish:
-                self._note_upload(written)
-                self._publish(span, written)
+                self.publisher.note_upload(written)
+                self.publisher.publish(span, written)
         return last
-
-    def _note_upload(self, written: HeadTail) -> None:
-        """Remember the last upload of the host's updates: the copies' upload stream runs in order, so
-        waiting for it covers every earlier one (the device's writes are covered by `device_wait`)."""
-        if written[1] is not None:
-            self._last_upload = written[1]
 
     # -- delayed parameter update ---------------------------------------------------------------------
     def delay_updates(self, after_steps: int) -> None:
@@ -418,8 +343,8 @@ class HostMasters:
             return
         self.copies.device_wait(self._delayed.wait())
         for span in self.spans:
-            self._working_piece(span).copy_(self._delayed.staged(span))
-            self._publish(span, (None, None))
+            self.publisher.piece(span).copy_(self._delayed.staged(span))
+            self.publisher.publish(span, (None, None))
 
     def flush(self) -> None:
         """Finish everything in flight: the masters, the optimizer state and the working weights agree."""
@@ -437,33 +362,14 @@ class HostMasters:
             landing=self.grads.buffers,
             tickets=self.grads.tickets,
             spans=self.spans,
-            dst_of=self._working_piece,
-            uploaded=self._uploaded,
+            dst_of=self.publisher.piece,
+            uploaded=self.publisher.uploaded,
         )
 
-    def _uploaded(self, span: Span, ticket: Ticket) -> None:
-        if ticket is not None:  # an empty span queues no copy: the last one still stands
-            self._last_upload = ticket
-        self._publish(span, (None, ticket))
-
-    def _working_piece(self, span: Span) -> torch.Tensor:
-        return self.target.piece(self.groups[span.group], span.bucket)
-
-    def _publish(self, span: Span, written: HeadTail) -> None:
-        """Publish the span's bucket (all-gather it, for stages 1 and 2) once its new weights, written
-        when both tickets are done, are in place (None: they are)."""
-        for ticket in written:
-            self.copies.device_wait(ticket)
-        pending = self.target.publish(self.groups[span.group], span.bucket)
-        if pending is not None:
-            self._published.append(pending)
-
     def write_back(self) -> None:
-        self.copies.device_wait(self._last_upload)
+        self.publisher.wait_uploads()
         self._split.device_wait()
-        published, self._published = self._published, []
-        for pending in published:
-            pending.wait()
+        self.publisher.wait_published()
 
     # -- bookkeeping ------------------------------------------------------------------------------------
     def host_bytes(self, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
@@ -491,8 +397,3 @@ class HostMasters:
         if self.copies.is_async:
             torch.cuda.synchronize(self.device)
         self.memory.close()
-
-
-def _grad_scale(factor: float) -> torch.Tensor | None:
-    """What the Adam kernel divides the landed gradients by to multiply them by `factor`."""
-    return None if factor == 1.0 else torch.tensor(1.0 / factor, dtype=torch.float32)

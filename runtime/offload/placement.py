@@ -11,9 +11,9 @@ The engine's step talks to a `MasterPlacement` and never asks where the state is
 
 `DeviceMasters` is the plain case (the masters sit next to the gradients: fp32 master gradients, then
 `finish_grads`, then `optimizer.step()`, then the ZeRO stage writes back and all-gathers).
-`HostMasters` (host_masters.py) is `offload_optimizer: {device: cpu}`. `build_master_placement` picks one
-from the config, and hands the offload its `OffloadSettings` (settings.py) with the benchmark overrides
-applied, once.
+`HostMasters` (host_masters.py) is `offload_optimizer: {device: cpu}`; the package's front door
+(`runtime.offload.build_master_placement`) picks one. This module imports nothing from runtime/offload,
+so every other part of it may import this one.
 
 `GradMath` carries what the engine knows about the step's gradient arithmetic (how many ranks and
 micro-steps the sums span, the loss scale, the clipping norm, and whether a norm is needed at all), so a
@@ -22,20 +22,14 @@ placement can apply it wherever its gradients are.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
-from runtime.comm import Comm
-from runtime.offload.settings import with_overrides
 from runtime.precision.mixed import GradResult, finish_grads, master_grads_from
 from runtime.zero.flat import FlatGroup
-
-_log = logging.getLogger("runtime.offload")
 
 
 @dataclass(frozen=True)
@@ -203,55 +197,3 @@ def scale_from_device_grads(
         return GradResult(norm, False), inv
     clip = float((math.max_norm / (norm + 1e-6)).clamp_(max=1.0))  # the host needs this number: one sync
     return GradResult(norm, False), clip * inv
-
-
-def build_master_placement(
-    config: Any,
-    groups: Sequence[FlatGroup],
-    zero: Any,
-    comm: Comm,
-    device: torch.device,
-    *,
-    registration: dict[nn.Parameter, int],
-) -> MasterPlacement:
-    """The placement `config.zero_optimization.offload_optimizer` asks for. Call it after the ZeRO stage
-    is built and before the optimizer is (offload moves the master shards the optimizer will hold)."""
-    offload = config.zero_optimization.offload_optimizer
-    if offload.device == "none":
-        return DeviceMasters(groups, zero)
-    from runtime.offload.host_masters import HostMasters
-    from runtime.offload.targets import working_target
-
-    settings, overrides = with_overrides(offload)
-    if comm.rank == 0:
-        for note in overrides:
-            _log.warning("offload: %s", note)
-    return HostMasters(
-        groups,
-        zero,
-        comm,
-        device,
-        registration=registration,
-        settings=settings,
-        target=working_target(zero, comm),
-    )
-
-
-def enable_delayed_update(engine: Any, *, after_steps: int = 40) -> None:
-    """Turn on the delayed parameter update of optimizer offload for `engine` (ZeRO-Offload's DPU).
-
-    After `after_steps` ordinary steps (ZeRO-Offload used about 40, so the fast-changing first steps are
-    exact), each step starts its host update in the background and the next step installs it: every
-    gradient is then computed on weights one update older than without DPU. A step then costs about
-    max(device forward + backward, host update) instead of their sum. Needs
-    `offload_optimizer: {device: cpu}` and an Adam/AdamW optimizer (others keep stepping in place).
-    Checkpoints and `engine.full_state_dict()` flush the update in flight first.
-    """
-    placement = getattr(engine, "masters", None)
-    delay = getattr(placement, "delay_updates", None)
-    if delay is None:
-        raise ValueError(
-            "the delayed parameter update needs optimizer offload: set "
-            'zero_optimization.offload_optimizer = {"device": "cpu"} in the config'
-        )
-    delay(after_steps)

@@ -1,26 +1,27 @@
 """How optimizer offload runs: `OffloadSettings`, the typed `zero_optimization.offload_optimizer` section.
 
-The config reader (runtime/config_zero.py) fills the keys and checks them; the engine's placement
-(placement.py) applies the benchmark overrides here once, logs each, and passes the settings down to
-every part of the offloaded step. This module is the only place in runtime/offload that reads the
-environment.
+The config reader (runtime.config) fills the keys and checks them; the offload's front door
+(`runtime.offload.build_master_placement`) applies the benchmark overrides here once, logs each, and
+plans the offloaded step from the result (plan.py). This module is the only place in runtime/offload
+that reads the environment; nothing below it reads a knob from anywhere but these settings.
 
 Keys (DeepSpeed's `device` and `pin_memory`, and ours, in the same style):
 
-- `update`: where the Adam step runs (update_site.py): "host", "device", or "auto" (the default: the GPU
+- `update`: where the Adam step runs (plan.py): "host", "device", or "auto" (the default: the GPU
   over state streamed from pinned host memory where it can run and the host and the GPU have room, else
   the CPU).
 - `host_share`: with the device step, the fraction of each span's elements the CPU updates at the same
-  time, from 0 to 1, or "auto" (the default: DEFAULT_HOST_SHARE in update_site.py, scaled by the ranks on
-  the host).
-- `grad_transfer`: the dtype 16-bit gradients cross PCIe in for the host step (landing.py): "fp32",
+  time, from 0 to 1, or "auto" (the default: `one_rank_host_share`, scaled by the ranks on the host:
+  plan.default_host_share).
+- `grad_transfer`: the dtype 16-bit gradients cross PCIe in for the host step (plan.py): "fp32",
   "native", or "auto" (the default: fp32 on a GPU where the host has room).
 
 "auto" is decided when the engine starts, from the machine; the settings hold it as None (and the
 resolved config as null), since it is a choice left open, not a value.
 
-The other fields are internal (no config keys, not in the resolved config): chunk and bucket sizes that
-tests shrink so a tiny model still spans several chunks, and a benchmark may set.
+The other fields are internal (no config keys, not in the resolved config): chunk and bucket sizes and
+the CPU's default share, which tests set so a tiny model still spans several chunks (never by
+overwriting a module constant), and a benchmark may set.
 
 Benchmark overrides: `DSLAUNCH_OFFLOAD_UPDATE`, `DSLAUNCH_OFFLOAD_HOST_SHARE` and
 `DSLAUNCH_OFFLOAD_GRAD_TRANSFER`, when set and not empty, replace their key (scripts/bench/offload.py's
@@ -42,20 +43,20 @@ INTERNAL = "internal"
 """Field metadata of the internal settings: runtime.config leaves them out of the resolved config."""
 
 TRANSFER_CHUNK_ELEMS = 1 << 23
-"""Elements per copy-back chunk of the host step: 16 MiB of bf16 (about 0.3 ms on PCIe 5, a few ms of host
-update), small enough that only the last chunk's copy is exposed, large enough that per-chunk overhead stays
-below 1%."""
+"""Elements per copy-back chunk of the host step: small enough that only the last chunk's copy is exposed,
+large enough that per-chunk overhead stays below 1% (16 MiB of bf16)."""
 DEVICE_CHUNK_ELEMS = 1 << 24
-"""Elements per staging slot of the device step: 16M, 256 MiB of fp32 master, moments and gradient; on the
-H200 16M-element chunks with 4 slots ran at 49.6 GB/s each way, 32M with 3 at 48.4 and 64M with 2 at
-47.0."""
+"""Elements per staging slot of the device step: 256 MiB of fp32 master, moments and gradient; the chunk
+and slot counts compared on the H200 are in BENCHMARKS.md."""
 ONE_RANK_BUCKET_NUMEL = 1 << 24
 """Bucket cap for optimizer offload with one rank, where gradients stream to the offloaded step during
-backward: its first bucket must be final before any update can start. With DeepSpeed's default
-reduce_bucket_size (5e8) GPT-2 XL is four buckets, and the first completes a quarter into backward; with
-16M-element buckets the H200's device step ran 0.457-0.484 s against 0.488-0.489 s (the CPU step: no
-change beyond noise). With more ranks reduce_bucket_size stays what the config says: it sizes the
-reductions."""
+backward: its first bucket must be final before any update can start, and with DeepSpeed's default
+reduce_bucket_size (5e8) a GPT-2 XL is four buckets, the first complete a quarter into backward (the
+step times with and without the cap are in BENCHMARKS.md). With more ranks reduce_bucket_size stays what
+the config says: it sizes the reductions. `OffloadSettings.bucket_cap` hands it to the ZeRO stage."""
+ONE_RANK_HOST_SHARE = 0.0
+"""The CPU's share of the device step under "auto" with one rank on the host (plan.default_host_share
+scales it for more): on the H200 the GPU alone beat every split tried (BENCHMARKS.md)."""
 
 
 def _internal(default: Any) -> Any:
@@ -74,8 +75,17 @@ class OffloadSettings:
     # internal: not config keys
     transfer_chunk_elems: int = _internal(TRANSFER_CHUNK_ELEMS)
     device_chunk_elems: int = _internal(DEVICE_CHUNK_ELEMS)
-    device_slots: int | None = _internal(None)  # None: as many as the device has room for (device_step.py)
+    device_slots: int | None = _internal(None)  # None: as many as the device has room for (plan.device_slots)
     one_rank_bucket_numel: int = _internal(ONE_RANK_BUCKET_NUMEL)
+    one_rank_host_share: float = _internal(ONE_RANK_HOST_SHARE)
+
+    def bucket_cap(self, world_size: int) -> int | None:
+        """The most elements a ZeRO bucket may hold for this offload (None: reduce_bucket_size decides).
+        With one rank nothing is reduced, and a bucket is only the unit in which gradients reach the
+        offloaded step: small ones let it start early in backward."""
+        if self.device == "none" or world_size != 1:
+            return None
+        return self.one_rank_bucket_numel
 
 
 OVERRIDES = {

@@ -94,6 +94,8 @@ class StageSetup:
     reduce_dtype: torch.dtype | None
     device: torch.device
     pre_reduce_scale: float = 1.0
+    bucket_cap: int | None = None  # at most this many elements a bucket, whatever reduce_bucket_size says
+    # (the optimizer offload's, with one rank: OffloadSettings.bucket_cap); None: no cap
 
 
 def build_zero_stage(
@@ -147,10 +149,8 @@ def _flatten_specs(
     sharded = shards_optimizer_state(setup.zero.stage) and comm.world_size > 1
     shard_world, shard_rank = (comm.world_size, comm.rank) if sharded else (1, 0)
     bucket_numel = setup.zero.reduce_bucket_size
-    offload = setup.zero.offload_optimizer
-    if comm.world_size == 1 and offload.device != "none":
-        # nothing to reduce: a bucket is only the unit in which gradients reach the offloaded step
-        bucket_numel = min(bucket_numel, offload.one_rank_bucket_numel)
+    if setup.bucket_cap is not None:
+        bucket_numel = min(bucket_numel, setup.bucket_cap)
     groups = []
     for index, spec in enumerate(specs):
         # reverse registration order: buckets then fill in the order backward produces gradients

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from runtime.comm import Comm, Pending
+from runtime.host_memory import HostMemory
 from runtime.zero import stage3_param
 from runtime.zero.common import InFlight
 from runtime.zero.flat import FlatGroup, flatten_group
@@ -261,8 +262,6 @@ def build_stage3(
     names, plans, segments = _plan(model, specs, comm, options)
     host = None
     if options.offload_param:
-        from runtime.offload.host_memory import HostMemory
-
         host = HostMemory(options.device, pin=options.pin_memory)
     stats = GatherStats()
     units: list[ShardedUnit] = []

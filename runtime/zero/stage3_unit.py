@@ -114,7 +114,7 @@ def build_segment(
 ) -> Segment:
     """Shard one segment: keep this rank's piece of `values` (full parameter values, any dtype) as the
     working shard and the master, and make an empty full-size working buffer with parameter views.
-    With `host` (a runtime.offload.host_memory.HostMemory: parameter offload) the master and the working
+    With `host` (a runtime.host_memory.HostMemory: parameter offload) the master and the working
     shard are built in host memory, the shard pinned where that helps; they never alias then."""
     world_size, rank = comm.world_size, comm.rank
     layout = plan_flat_layout(

@@ -1,11 +1,11 @@
 """Where the offloaded host step runs: on the calling thread, or on a second thread with an OpenMP pool of
 its own.
 
-Times our host Adam step (runtime.offload.host_adam.HostAdam, bf16 gradient in, bf16 weights out, in the
+Times our host Adam step (runtime.offload.step.host_adam.HostAdam, bf16 gradient in, bf16 weights out, in the
 engine's 8M-element chunks) on --params parameters, first on the calling thread (the baseline: its
 OpenMP pool is the process's only one), then on a fresh second thread, whose pool comes on top of the
-caller's. The gap is why the streamed step (runtime/offload/streamed.py) runs autograd on a helper
-thread and the update on the caller, and why the delayed update's worker (runtime/offload/worker.py)
+caller's. The gap is why the streamed step (runtime/offload/step/streamed.py) runs autograd on a helper
+thread and the update on the caller, and why the delayed update's worker (runtime/offload/step/worker.py)
 shrinks the caller's team first; the last rows measure that shrinking.
 
     python scripts/bench/host_threads.py                       # 400M parameters, all cores
@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from runtime.offload.host_adam import HostAdam
+from runtime.offload.io.spans import plan_chunks
 from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
-from runtime.offload.spans import plan_chunks
+from runtime.offload.step.host_adam import HostAdam
 from runtime.ops.adam import CPUAdam
 from scripts.bench.common import add_out_argument, emit, out_file
 

@@ -12,15 +12,15 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
     pcie         pinned copies of the bytes a step moves: 2 B/param down (gradients) and
                  2 B/param up (weights), each alone and both at once                        -> T_pcie
                  (and 4 B/param both ways at once, what fp32 landing moves: both_fp32_s)
-    devstep      the device step alone (runtime/offload/device_step.py, no model): the fp32 master
+    devstep      the device step alone (runtime/offload/step/device_step.py, no model): the fp32 master
                  and moments through the staging slots and back, updated from a device gradient;
                  with T_gpu, the device floor the device step's rows are also held to
     ours         runtime.initialize with offload_optimizer {device: cpu, pin_memory: true}; without
                  clipping the update runs during backward (the streamed step). On a GPU the GPU runs
-                 it over state streamed from host memory (runtime/offload/device_step.py; its row says
+                 it over state streamed from host memory (runtime/offload/step/device_step.py; its row says
                  grad_landing "device" and is held to a bound whose PCIe time is 12 B/param each way)
     ours-host    "ours" with DSLAUNCH_OFFLOAD_UPDATE=host: the CPU runs the Adam step on gradients that
-                 land as the engine chooses (fp32 when host memory allows: runtime/offload/landing.py)
+                 land as the engine chooses (fp32 when host memory allows: runtime/offload/io/landing.py)
     ours-shareNN "ours" with DSLAUNCH_OFFLOAD_HOST_SHARE=0.NN: the CPU updates NN% of the elements from
                  landed gradients while the GPU streams the rest (ours-share0: the GPU all of it)
     ours-clip    the same with gradient_clipping 1.0: the update waits for the norm, after backward

@@ -101,9 +101,9 @@ def work_gpu(spec: Spec, device: torch.device) -> dict[str, Any]:
 def _host_step_time(n: int, reps: int) -> float:
     """Median seconds of our host step over n parameters: bf16 gradients in, bf16 weights out, in the
     engine's chunks."""
-    from runtime.offload.host_adam import HostAdam
+    from runtime.offload.io.spans import plan_chunks
     from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
-    from runtime.offload.spans import plan_chunks
+    from runtime.offload.step.host_adam import HostAdam
     from runtime.ops.adam import CPUAdam
 
     master = torch.nn.Parameter(torch.empty(n).normal_(0, 0.02))
@@ -146,7 +146,7 @@ def work_adam(spec: Spec, device: torch.device) -> dict[str, Any]:
 
 
 def _host_memory(device: torch.device) -> Any:
-    from runtime.offload.host_memory import HostMemory
+    from runtime.host_memory import HostMemory
 
     return HostMemory(device, pin=True)
 
@@ -154,9 +154,9 @@ def _host_memory(device: torch.device) -> Any:
 def work_devstep(spec: Spec, device: torch.device) -> dict[str, Any]:
     """The device step alone: the model's fp32 master and moments streamed from pinned host memory through
     the staging slots, updated from a device gradient, and streamed back (the engine's code, no model)."""
-    from runtime.offload.device_step import DeviceStep
-    from runtime.offload.host_adam import HostAdam
-    from runtime.offload.spans import Span
+    from runtime.offload.io.spans import Span
+    from runtime.offload.step.device_step import DeviceStep
+    from runtime.offload.step.host_adam import HostAdam
     from runtime.ops.adam import CPUAdam
 
     n = model_config(spec).num_params()
@@ -191,7 +191,7 @@ class _Copies:
     """A step's worth of pinned copies in one dtype: n elements down (gradients) and n up (weights)."""
 
     def __init__(self, memory: Any, n: int, dtype: torch.dtype, device: torch.device) -> None:
-        from runtime.offload.copies import CopyEngine
+        from runtime.offload.io.copies import CopyEngine
 
         self.down_host = memory.empty(n, dtype, pinned=True)
         self.up_host = memory.empty(n, dtype, pinned=True).fill_(1)

@@ -1,11 +1,15 @@
-"""Host memory for offloaded optimizer state: CPU tensors, page-locked (pinned) where that helps.
+"""Host memory for offloaded model states: CPU tensors, page-locked (pinned) where that helps.
+
+A leaf module (it imports only torch) because two parts allocate from it: optimizer offload
+(runtime/offload: masters, Adam state, landing buffers) and ZeRO stage 3's parameter offload
+(runtime/zero/stage3.py: the working shards); neither imports the other.
 
 Only buffers that a copy engine reads or writes need pinning. With the CPU step that is the gradient
 landing buffer (device to host) and whatever the updated weights are copied back from (host to device):
 the landing buffer in bf16/fp16 runs with 16-bit landing, the fp32 master in fp32 runs and with fp32
-landing (landing.py); exp_avg and exp_avg_sq never cross PCIe there, so they stay pageable. When the GPU
-runs the step (device_step.py) the master and both moments stream both ways, and all 12 bytes a
-parameter are pinned.
+landing (runtime/offload/plan.py); exp_avg and exp_avg_sq never cross PCIe there, so they stay pageable.
+When the GPU runs the step (runtime/offload/step/device_step.py) the master and both moments stream both
+ways, and all 12 bytes a parameter are pinned.
 
 Pinning registers an ordinary CPU tensor with the CUDA driver (cudaHostRegister, as torch's own
 checkpoint stager does) instead of allocating through torch's pinned caching allocator, which rounds

@@ -3,7 +3,7 @@
 Per chunk of a span the master and both moments go up (12 bytes a parameter), the GPU's fused kernel
 updates them from the gradient that never left the device and writes the new working weights in place,
 and the three go back down (12 bytes). Whether this step runs, and which share of each span the CPU
-takes instead, is update_site.py's choice.
+takes instead, is the plan's choice (runtime/offload/plan.py).
 
 A `DeviceStep` owns the slots and three CUDA streams: `up` (host to slots), `math` (gradient into fp32,
 Adam, new working weights) and `down` (slots to host). Each chunk's upload waits until the slot's last
@@ -13,10 +13,13 @@ host never waits: it only queues, so the streamed step's calling thread keeps up
 host copies of the state are up to date once `host_ready` has waited for the last download; everything
 that reads them (a checkpoint, the host path, `state_dict`) goes through `HostMasters.flush` first.
 
+The slots: as many as the caller asks for, or (None) as many as 1/16 of the device's free memory holds,
+from 4 to 16 (plan.device_slots).
+
 Between steps: the forward waits only for the last chunk's math, not for the downloads, so a step's
 last downloads run during the next forward, as far as the slots reach (`device_slots`). Queuing the next
-step's first uploads there too made no difference on the H200 (BENCHMARKS.md run F), so uploads start
-when backward hands over each span.
+step's first uploads there too made no difference on the H200 (BENCHMARKS.md), so uploads start when
+backward hands over each span.
 
 On a CPU-only machine the "device" is host memory and every copy happens at once: the same chunks, slots
 and kernel calls run in order, which is what the tests on gloo check against plain PyTorch.
@@ -29,35 +32,14 @@ import math
 
 import torch
 
-from runtime.offload.copies import Ticket
-from runtime.offload.host_adam import HostAdam
-from runtime.offload.host_memory import HostMemory
+from runtime.host_memory import HostMemory
+from runtime.offload.io.copies import Ticket
+from runtime.offload.io.spans import CHUNK_ALIGN, Span, plan_chunks
+from runtime.offload.plan import DEVICE_SLOTS, device_slots
 from runtime.offload.settings import DEVICE_CHUNK_ELEMS
-from runtime.offload.spans import CHUNK_ALIGN, Span, plan_chunks
+from runtime.offload.step.host_adam import HostAdam
 from runtime.ops.adam_step import AdamHyperparams
 from runtime.zero.partition import align_up
-
-DEVICE_SLOTS = 4
-"""The fewest staging slots; a device with room gets more (`device_slots`), up to MAX_DEVICE_SLOTS."""
-MAX_DEVICE_SLOTS = 16
-"""With 16M-element chunks, 4 GiB of slots: the downloads still running when the next forward starts
-may cover 16 chunks, about 62 ms of PCIe on the H200, longer than GPT-2 XL's forward (52 ms). What run E
-measured; not compared with 4 slots back to back."""
-SLOTS_SHARE_OF_FREE = 16
-"""The slots take at most 1/16 of the memory the device has free when the engine is built."""
-
-
-def staging_bytes(chunk_elems: int | None = None, slots: int | None = None) -> int:
-    """Device bytes of a `DeviceStep`'s slots: master, both moments and the fp32 gradient per element."""
-    chunk = align_up(DEVICE_CHUNK_ELEMS if chunk_elems is None else chunk_elems, CHUNK_ALIGN)
-    return (DEVICE_SLOTS if slots is None else slots) * 4 * chunk * 4
-
-
-def device_slots(device_free: int, chunk_elems: int | None = None) -> int:
-    """How many staging slots to allocate on a device with `device_free` bytes free: as many as fit in
-    1/SLOTS_SHARE_OF_FREE of it, from DEVICE_SLOTS to MAX_DEVICE_SLOTS."""
-    fits = device_free // SLOTS_SHARE_OF_FREE // staging_bytes(chunk_elems, 1)
-    return max(DEVICE_SLOTS, min(MAX_DEVICE_SLOTS, fits))
 
 
 class DeviceStep:

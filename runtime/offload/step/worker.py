@@ -4,16 +4,18 @@ Under the delayed update, step k's host update runs while the calling thread com
 of step k+1, so it needs a thread of its own: one `HostWorker`, a single thread, so updates run in the
 order they were submitted and never two at once.
 
-Why it shrinks the caller's OpenMP team: every thread that starts parallel regions gets an OpenMP pool
-of its own, and once the pools together hold more threads than there are cores, libgomp stops spinning
-between regions, so each of the update's thousands of short regions first wakes its team from sleep. On
-the H200 host a 400M-parameter update took 0.188 s on a second thread against 0.142 s on the caller
-(16 threads each). So before the first update the caller's team is cut to 2 threads (a 2-thread region
-on the caller releases the rest of its pool) and the worker gets the other cores: the pools fit the
-machine again. The caller keeps 2 intra-op threads while the delayed update is on (`close` gives the
-old count back); a GPU training loop's own CPU work (kernel launches, small copies) does not need more.
-The streamed step (streamed.py) has no such cost: it runs autograd on a helper thread instead, and
-autograd on CUDA starts no parallel regions.
+[Note: one OpenMP pool per core] Every thread that starts parallel regions gets an OpenMP pool of its
+own, and once the pools together hold more threads than there are cores, libgomp stops spinning between
+regions, so each of a host update's thousands of short regions first wakes its team from sleep: the same
+update ran about a third slower on a second thread than on the caller (BENCHMARKS.md, the host-threads
+table). Whoever runs a host update next to another thread must keep the pools within the machine.
+
+Here: before the first update the caller's team is cut to 2 threads (a 2-thread region on the caller
+releases the rest of its pool) and the worker gets the other cores. The caller keeps 2 intra-op threads
+while the delayed update is on (`close` gives the old count back); a GPU training loop's own CPU work
+(kernel launches, small copies) does not need more. The streamed step (streamed.py) meets the note the
+other way round: it runs autograd on a helper thread instead, and autograd on CUDA starts no parallel
+regions.
 """
 
 from __future__ import annotations

@@ -11,15 +11,22 @@ device buffer the stage reads its weights from, and then *published*: made visib
   With parameter offload (`offload_param: {device: cpu}`) the shard lives in host memory (pinned with
   CUDA): `piece` returns it, the host step writes the new weights straight into it (`on_host`), and
   each gather uploads the shard before its all-gather (`Segment.gather_source`).
+
+`Publisher` is the way every updated span takes to the model: its writes (the device step's kernels, the
+host's uploads) are waited for on the compute stream, then its bucket is published; `wait_*` end all of
+it before the next forward (the placement's `write_back`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
 from runtime.comm import Comm, Pending
+from runtime.offload.io.copies import CopyEngine, Ticket
+from runtime.offload.io.spans import Span
 from runtime.zero.flat import FlatGroup
 
 
@@ -96,3 +103,50 @@ def working_target(zero: Any, comm: Comm) -> WorkingTarget:
     if getattr(zero, "units", None) is not None:  # the sharded stage 3 (several ranks, or offload_param)
         return ShardedWorking(zero, comm)
     return ReplicatedWorking(comm, gather=zero.stage in (1, 2) and comm.world_size > 1)
+
+
+class Publisher:
+    """Updated spans into the working weights: the pieces they are written to, and their publishing."""
+
+    def __init__(self, groups: Sequence[FlatGroup], target: WorkingTarget, copies: CopyEngine) -> None:
+        self.groups = groups
+        self.target = target
+        self.copies = copies
+        self._published: list[Pending] = []
+        self._last_upload: Ticket = None  # the last upload of a span the host updated
+
+    def piece(self, span: Span) -> torch.Tensor:
+        """Where `span`'s updated weights go (`WorkingTarget.piece`)."""
+        return self.target.piece(self.groups[span.group], span.bucket)
+
+    def note_upload(self, written: tuple[Ticket, Ticket]) -> None:
+        """Remember the last upload of the host's updates (`written`: a span's head and tail tickets): the
+        copies' upload stream runs in order, so waiting for it covers every earlier one (the device's
+        writes are covered by the device step's own wait)."""
+        if written[1] is not None:
+            self._last_upload = written[1]
+
+    def uploaded(self, span: Span, ticket: Ticket) -> None:
+        """The host queued `span`'s whole upload (`ticket`): note it and publish the span."""
+        if ticket is not None:  # an empty span queues no copy: the last one still stands
+            self._last_upload = ticket
+        self.publish(span, (None, ticket))
+
+    def publish(self, span: Span, written: tuple[Ticket, Ticket]) -> None:
+        """Publish the span's bucket (all-gather it, for stages 1 and 2) once its new weights, written
+        when both tickets are done, are in place (None: they are)."""
+        for ticket in written:
+            self.copies.device_wait(ticket)
+        pending = self.target.publish(self.groups[span.group], span.bucket)
+        if pending is not None:
+            self._published.append(pending)
+
+    def wait_uploads(self) -> None:
+        """The compute stream waits for the last upload (the host does not wait)."""
+        self.copies.device_wait(self._last_upload)
+
+    def wait_published(self) -> None:
+        """Wait for every publishing started (the all-gathers)."""
+        published, self._published = self._published, []
+        for pending in published:
+            pending.wait()

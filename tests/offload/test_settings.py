@@ -2,7 +2,7 @@
 like every config key, reads into `runtime.offload.settings.OffloadSettings`, and reaches the offloaded
 step; the DSLAUNCH_OFFLOAD_* variables override them for benchmarks only, and say so.
 
-On the CPU over gloo; the numerics of every setting are tests/test_offload.py's parity tests.
+On the CPU over gloo; the numerics of every setting are tests/offload/test_parity.py's.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from tests.dist import run_distributed
 from tests.models import loss_fn, rank_batch
-from tests.test_offload import _offload_engine
-from tests.test_zero_parity import ROWS
+from tests.offload.cases import offload_engine
+from tests.parity import ROWS
 
 
 def _offload_config(**keys) -> dict:
@@ -121,7 +121,7 @@ def _settings_reach_the_step(rank: int, world_size: int) -> dict:
         ("overridden", {"update": "device"}, {"DSLAUNCH_OFFLOAD_UPDATE": "host"}),
     ):
         os.environ.update(environ)
-        _, engine, _ = _offload_engine(2, bucket=300, offload=keys)
+        _, engine, _ = offload_engine(2, bucket=300, offload=keys)
         for variable in environ:
             del os.environ[variable]
         before = engine.full_state_dict()

@@ -25,10 +25,10 @@ from concurrent.futures import Future
 
 import torch
 
-from runtime.offload.copies import Ticket
-from runtime.offload.host_memory import HostMemory
-from runtime.offload.spans import Span
-from runtime.offload.worker import HostWorker
+from runtime.host_memory import HostMemory
+from runtime.offload.io.copies import Ticket
+from runtime.offload.io.spans import Span
+from runtime.offload.step.worker import HostWorker
 from runtime.zero.flat import FlatGroup
 
 # run(landing, tickets, dst_of) -> the last upload's ticket: the whole update of one step

@@ -1,10 +1,10 @@
 """Who updates each span of the offloaded step: the GPU its head, the CPU its tail.
 
-A span's Adam update can run in two places, and update_site.py chooses: the device step (device_step.py)
-streams the master and moments of the span's head through the GPU, the host step (host_step.py) updates
-its tail from gradients that landed on the host. With the host step alone every span is all tail; with the
-device step alone all head; with `offload_optimizer.host_share` each span is cut at a cache line
-(`spans.share_span`).
+A span's Adam update can run in two places, and the plan chooses (runtime/offload/plan.py): the device
+step (device_step.py) streams the master and moments of the span's head through the GPU, the host step
+(host_step.py) updates its tail from gradients that landed on the host. With the host step alone every
+span is all tail; with the device step alone all head; with `offload_optimizer.host_share` each span is
+cut at a cache line (`io/spans.share_span`).
 
 A `SplitUpdate` owns that split and the device step's life around a step: `begin` before the first span
 (the step counts and scale its kernels read), `update` per span (a (head, tail) pair of tickets: the
@@ -19,13 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.offload.copies import Ticket
-from runtime.offload.device_step import DeviceStep
-from runtime.offload.host_adam import HostAdam
-from runtime.offload.host_memory import HostMemory
-from runtime.offload.host_step import HostStep
-from runtime.offload.landing import GradLanding
-from runtime.offload.spans import Span, share_span
+from runtime.host_memory import HostMemory
+from runtime.offload.io.copies import Ticket
+from runtime.offload.io.landing import GradLanding
+from runtime.offload.io.spans import Span, share_span
+from runtime.offload.step.device_step import DeviceStep
+from runtime.offload.step.host_adam import HostAdam
+from runtime.offload.step.host_step import HostStep
 from runtime.zero.flat import FlatGroup
 
 HeadTail = tuple[Ticket, Ticket]

@@ -3,150 +3,36 @@
 A span (spans.py) is this rank's piece of one bucket. `GradLanding` owns the host buffers the spans land
 in, the copy of each span (its `Ticket`), and when it starts:
 
-- streaming (one rank, stages 1 and 2, copies that do not block autograd): a post-accumulate-grad hook
-  per parameter feeds a `BucketTracker`, and a bucket's copy starts, on its own CUDA stream, as soon as
-  backward has finished its last parameter, while backward goes on;
+- streaming (the plan's `stream`: one rank, stages 1 and 2, copies that do not block autograd): a
+  post-accumulate-grad hook per parameter feeds a `BucketTracker`, and a bucket's copy starts, on its own
+  CUDA stream, as soon as backward has finished its last parameter, while backward goes on;
 - otherwise (more ranks, or the sharded stage 3 whose gradients arrive by reduce-scatter) every span
   lands at the end of the boundary backward, after the ZeRO stage has reduced it.
 
 One copy per bucket, never one per parameter. The buffers are pinned where a copy engine reads them.
-When the GPU runs the step (device_step.py) nothing crosses: a span "lands" when its gradients are final,
-its `finals` ticket marks that point on the device, and there are no buffers. When the GPU and the CPU
-share the step (`parts`: the tail of each span that the CPU updates) only the tails cross, into buffers
-that hold just them.
+When the GPU runs the step (step/device_step.py) nothing crosses: a span "lands" when its gradients are
+final, its `finals` ticket marks that point on the device, and there are no buffers. When the GPU and
+the CPU share the step (`parts`: the tail of each span that the CPU updates) only the tails cross, into
+buffers that hold just them.
 
-What lands (`choose_landing`, set with `offload_optimizer.grad_transfer`: auto, fp32 or native): by default,
-on a GPU, 16-bit gradients of fp32 masters are converted to fp32 on the device, a transfer chunk at a
-time, and land as fp32 whenever host memory holds the 16 bytes a parameter that costs (fp32 master, two
-Adam moments, the fp32 landing buffer) on every rank (`agree_on_landing`); the host step is then
-torch's fused fp32 kernel alone. Otherwise, with `native`, and always with `offload_param` (whose
-kernel writes the new 16-bit weights on the host), they land in their own dtype (2 bytes a parameter)
-and the host step converts them in cache (14 bytes a parameter).
-On the H200 GPT-2 XL's whole offloaded step was 1.15-1.31x faster with fp32 landing in three runs
-(0.634 s against 0.758 s in the one BENCHMARKS.md tabulates), although it moves twice the bytes over
-PCIe: the host's memory bandwidth, which the copies and the update share, limits the step, and the
-fused kernel makes the fewest passes over host memory.
+The dtype they land in is the plan's (plan.py: fp32 or the gradients' own); a dtype other than the
+gradients' is converted on the device a transfer chunk at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from runtime.comm import Comm
-from runtime.distributed import local_world_size
-from runtime.memory import host_available_bytes
-from runtime.offload.copies import CopyEngine, Ticket
-from runtime.offload.host_memory import HostMemory
-from runtime.offload.spans import Span, packed_offsets, piece_containing, plan_chunks
+from runtime.host_memory import HostMemory
+from runtime.offload.io.copies import CopyEngine, Ticket
+from runtime.offload.io.spans import Span, packed_offsets, piece_containing, plan_chunks
 from runtime.zero.buckets import BucketTracker
 from runtime.zero.flat import FlatGroup
-
-KEY = "offload_optimizer.grad_transfer"  # how the reasons name the setting
-FP32_LANDING_HOST_BYTES = 16  # per parameter of the shard: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 4
-FP32_LANDING_HEADROOM = 4 << 30  # per rank, what the rest of the process keeps under "auto" (CUDA context,
-# pinned staging, checkpoint buffers), as the offload bench's own host guard assumes
-
-
-@dataclass(frozen=True)
-class LandingChoice:
-    """The dtype gradients land on the host in, and why (the engine logs it at startup)."""
-
-    dtype: torch.dtype
-    reason: str
-
-
-def choose_landing(
-    grad_dtype: torch.dtype,
-    master_dtype: torch.dtype,
-    *,
-    setting: str | None = None,
-    on_gpu: bool,
-    weights_on_host: bool,
-    shard_numel: int,
-    local_ranks: int,
-    host_available: int,
-) -> LandingChoice:
-    """Whether 16-bit gradients land as fp32 (see the module docstring). `setting` is the key's value
-    (None: auto); `host_available` the host's available bytes, shared by `local_ranks` ranks like this one."""
-    if setting not in (None, "fp32", "native"):
-        raise ValueError(f"{KEY} {setting!r}: expected 'fp32', 'native' or None (auto)")
-    if grad_dtype == master_dtype:
-        return LandingChoice(grad_dtype, f"gradients land as {_name(grad_dtype)}, the master's dtype")
-    if master_dtype != torch.float32:  # the fused fp32 kernel is what fp32 landing buys
-        return LandingChoice(grad_dtype, f"gradients land as {_name(grad_dtype)}: the master is not fp32")
-    native = _name(grad_dtype)
-    if weights_on_host:  # the kernel writes the new 16-bit weights straight into the offloaded shard
-        return LandingChoice(grad_dtype, f"gradients land as {native}: offload_param updates on the host")
-    if setting == "native":
-        return LandingChoice(grad_dtype, f'gradients land as {native} ({KEY}: "native")')
-    if setting == "fp32":
-        return LandingChoice(torch.float32, f'gradients land as fp32 ({KEY}: "fp32")')
-    if not on_gpu:
-        return LandingChoice(grad_dtype, f"gradients land as {native}: no PCIe to trade bytes on")
-    need = (shard_numel * FP32_LANDING_HOST_BYTES + FP32_LANDING_HEADROOM) * local_ranks
-    gib = 1 << 30
-    if host_available < need:
-        return LandingChoice(
-            grad_dtype,
-            f"gradients land as {native} (14 host bytes a parameter): fp32 landing, the faster host step, "
-            f"needs {need / gib:.1f} GiB for {local_ranks} rank(s) here and {host_available / gib:.1f} GiB "
-            "is available",
-        )
-    return LandingChoice(
-        torch.float32,
-        f"gradients land as fp32: 16 host bytes a parameter ({need / gib:.1f} GiB for {local_ranks} "
-        f"rank(s) here, of {host_available / gib:.1f} GiB available) buy the fused host step; "
-        f'{KEY}: "native" keeps 14',
-    )
-
-
-def landing_choice(
-    grad_dtype: torch.dtype,
-    master_dtype: torch.dtype,
-    *,
-    setting: str | None,
-    on_gpu: bool,
-    weights_on_host: bool,
-    shard_numel: int,
-) -> LandingChoice:
-    """`choose_landing` with the host memory left to this process (a container's limit included) and
-    the number of ranks on this host read here."""
-    return choose_landing(
-        grad_dtype,
-        master_dtype,
-        setting=setting,
-        on_gpu=on_gpu,
-        weights_on_host=weights_on_host,
-        shard_numel=shard_numel,
-        local_ranks=local_world_size(),
-        host_available=host_available_bytes(),
-    )
-
-
-def agree_on_landing(
-    choice: LandingChoice, grad_dtype: torch.dtype, comm: Comm, device: torch.device
-) -> LandingChoice:
-    """The landing every rank uses: fp32 only where all ranks chose it. Each rank chose from its own
-    reading of its host's memory, and ranks that read it later see what earlier ones allocated; one
-    rank landing bf16 would set the pace of all of them anyway."""
-    wide = comm.count(choice.dtype != grad_dtype, device)
-    if wide in (0, comm.world_size):
-        return choice
-    return LandingChoice(
-        grad_dtype,
-        f"gradients land as {_name(grad_dtype)}: {comm.world_size - wide} of {comm.world_size} ranks have "
-        "no room for fp32 landing on their host",
-    )
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class GradLanding:

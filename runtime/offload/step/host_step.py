@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from runtime.offload.copies import CopyEngine, Ticket
-from runtime.offload.host_adam import HostAdam
+from runtime.offload.io.copies import CopyEngine, Ticket
+from runtime.offload.io.spans import Span, plan_chunks
 from runtime.offload.placement import attach_master_grads
-from runtime.offload.spans import Span, plan_chunks
+from runtime.offload.step.host_adam import HostAdam
 from runtime.zero.flat import FlatGroup
 
 

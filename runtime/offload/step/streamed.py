@@ -7,17 +7,12 @@ one boundary backward: the spans that landed and wait for their update, and how 
 
 Threads: autograd runs on a helper thread and the thread that called `engine.backward` does the updates.
 When the GPU runs the step (device_step.py) the calling thread only queues its copies and kernels.
-It is this way round, not a worker thread for the updates, because of how OpenMP pools work: every
-thread that starts parallel regions gets a pool of its own, and once the pools together hold more
-threads than there are cores (the caller's pool already has one thread per core), libgomp stops spinning
-between regions, so each of the update's thousands of short regions first wakes its team from sleep.
-On the H200 host a 400M-parameter update took 0.188 s on a second thread against 0.142 s on the caller
-(16 threads each; 15 on the second thread did no better). Autograd on CUDA starts no parallel regions
-(its device thread only launches kernels), so the caller's pool stays the only one, and the update runs
-as it does after backward. On CUDA the caller's team gives up one thread while backward runs:
-autograd's device thread then has a core of its own, instead of sharing one with an update thread that
-every parallel region of the update would wait for (one thread fewer cost the update 2% on the H200
-host).
+It is this way round, not a worker thread for the updates, because of [Note: one OpenMP pool per core]
+(worker.py): autograd on CUDA starts no parallel regions (its device thread only launches kernels), so
+the caller's pool stays the only one, and the update runs as it does after backward. On CUDA the
+caller's team gives up one thread while backward runs: autograd's device thread then has a core of its
+own, instead of sharing one with an update thread that every parallel region of the update would wait
+for (one thread fewer cost the update a few percent on the H200 host).
 
 Order and safety: spans land in a fixed order (`runtime.zero.buckets.BucketTracker`) and are updated in
 that order. A span lands only after autograd has finished every parameter in it, so the backward kernels
@@ -34,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from runtime.offload.host_adam import HostAdam
+from runtime.offload.step.host_adam import HostAdam
 
 
 class StreamedStep:

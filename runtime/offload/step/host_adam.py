@@ -15,7 +15,7 @@ The engine drives the update chunk by chunk (`update`), so it can start copying 
 host computes chunk i+1. Optimizer step hooks do not run on this path (LR schedulers work: the
 hyperparameters are read from `param_groups` at every step).
 
-Anything else (AMSGrad, maximize, SGD, Lamb, ...) takes the generic path in `host_masters.py`.
+Anything else (AMSGrad, maximize, SGD, Lamb, ...) takes the generic path in `host_step.py`.
 """
 
 from __future__ import annotations
@@ -162,3 +162,8 @@ class HostAdam:
         for master in self.masters:
             total += sum(t.numel() * t.element_size() for t in self.optimizer.state[master].values())
         return total
+
+
+def grad_scale(factor: float) -> torch.Tensor | None:
+    """What the Adam kernel divides the landed gradients by to multiply them by `factor` (None: 1)."""
+    return None if factor == 1.0 else torch.tensor(1.0 / factor, dtype=torch.float32)

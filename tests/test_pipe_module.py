@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from runtime.pipe.config import check_schedule, read_pipeline_config
-from runtime.pipe.module import LayerSpec, count_trainable_params, layer_type_name
+from runtime.pipe.module import LayerSpec, TiedLayerSpec, count_trainable_params, layer_type_name
 from runtime.pipe.partition import (
     partition_balanced,
     partition_layers,
@@ -164,6 +164,15 @@ def _worker(rank: int, world_size: int) -> dict:
     out["chunk_layers"] = [list(chunk.layers) for chunk in module.chunks]
     out["chunk_names"] = sorted(n for n, _ in module.named_parameters())
     out["chunk_forward"] = _error(lambda: module(torch.zeros(4)))
+    # a tie first used on stage 1 (layer 1) and again on stage 0 (layer 2, its second chunk): the copies
+    # start as the first use's seed makes them, though stage 0 owns the tie (and broadcasts it)
+    tied = [LayerSpec(nn.Linear, 2, 2), TiedLayerSpec("t", nn.Linear, 2, 2)]
+    tied += [TiedLayerSpec("t", nn.Linear, 2, 2), LayerSpec(nn.Linear, 2, 2)]
+    module = PipelineModule(
+        tied, num_stages=2, loss_fn=mse, seed_layers=True, base_seed=BASE_SEED, chunks_per_stage=2
+    )
+    PipelineEngine(module, _config(2, 2))
+    out["tied_weight"] = module.tied_modules["t"].weight.detach().clone()
 
     # eval_batch against the reference forward
     module = PipelineModule(mlp_layers(), num_stages=2, loss_fn=mse, seed_layers=True, base_seed=BASE_SEED)
@@ -244,6 +253,13 @@ def test_each_stage_builds_only_its_chunks(results: list[dict]) -> None:
             "this PipelineModule holds 2 chunks per stage, which run as separate pipeline stages: train it "
             "with PipelineEngine, or call module.chunks[i]"
         )
+
+
+def test_tied_copies_start_from_the_first_use_seed(results: list[dict]) -> None:
+    torch.manual_seed(BASE_SEED + 1)
+    want = nn.Linear(2, 2).weight.detach()
+    for r in results:
+        torch.testing.assert_close(r["tied_weight"], want, rtol=0, atol=0)
 
 
 def test_eval_batch_matches_the_reference_forward(results: list[dict]) -> None:

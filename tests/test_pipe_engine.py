@@ -3,7 +3,7 @@
 The shared spawn of 4 ranks (tests/pipe_world4.py) runs every case: pp2 x dp2 and pp4 (1F1B), GPipe,
 a tiny GPT whose embedding and head share one weight across the first and last stage, ZeRO-1 with
 clipping by the global norm, bf16; and the same with two chunks per stage (interleaved 1F1B, looped
-BFS): pp2 (v=2) x dp2, pp4 (v=2), the GPT tied across chunks. Each
+BFS): pp2 (v=2) x dp2, pp4 (v=2), the GPT tied across chunks, pp2 x tp2 (v=2). Each
 case trains 8 global batches and returns, per rank, the losses train_batch returned, the gradient norms,
 and its stage's fp32 master weights; the test compares them with `tests.pipe_cases.reference_train`
 (fp32: 1e-5 relative). The in-flight recorder on the first stage shows how many micro-batches of
@@ -222,11 +222,42 @@ def _run_cases(rank: int, world_size: int, cases: list[Case], save_root: str) ->
         out["other_degree"] = "loaded"
     except Exception as error:
         out["other_degree"] = str(error)
+    out["three_d"] = _three_d_chunks()
     try:  # the interleaved pp2 (v=2) checkpoint with one chunk per stage
         _engine(Case(pp=2, kind="gpt", partition="type:Block")).load_checkpoint(os.path.join(save_root, "2"))
         out["other_chunks"] = "loaded"
     except Exception as error:
         out["other_chunks"] = str(error)
+    return out
+
+
+def _three_d_chunks() -> dict:
+    """pp2 x tp2 (AutoTP blocks, a tied embedding and head) with one and with two chunks per stage: the
+    same model, so the same losses and clipped norms; and each (stage, model rank) its own folder."""
+    from runtime.parallel import PipeModelDataParallelTopology
+    from runtime.pipe import PipelineEngine, PipelineModule
+    from tests.test_tp_autotp import _layers_3d
+
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+              "gradient_clipping": 0.05, "zero_optimization": {"stage": 1},
+              "tensor_parallel": {"autotp_size": 2}}  # fmt: skip
+    out: dict = {}
+    for chunks in (1, 2):
+        module = PipelineModule(
+            _layers_3d(),
+            topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+            loss_fn=token_loss,
+            seed_layers=True,
+            base_seed=BASE_SEED,
+            partition_method="uniform",
+            chunks_per_stage=chunks,
+        )
+        engine = PipelineEngine(module, config)
+        out[chunks] = [float(engine.train_batch(data_iterator("gpt", s, 2, 4, 0, 1))) for s in range(4)]
+        out[f"norm{chunks}"] = engine.get_global_grad_norm()
+        out[f"folder{chunks}"] = engine.checkpoint_folder()[0]
+        engine.destroy()
     return out
 
 
@@ -376,3 +407,12 @@ def test_resume_with_other_chunks_is_refused(results: list[dict]) -> None:
         error = r["other_chunks"]
         assert f"has no checkpoint for stage {stage} of 2 (pipe_stage_{stage:02d}_of_02)" in error
         assert "it holds ['pipe_stage_00_of_02_chunks_02', 'pipe_stage_01_of_02_chunks_02']" in error
+
+
+def test_pipeline_by_tensor_parallel_with_chunks_is_the_same_model(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        got = r["three_d"]
+        assert got[2] == pytest.approx(got[1], rel=1e-6), f"rank {rank}"
+        assert got["norm2"] == pytest.approx(got["norm1"], rel=1e-5), f"rank {rank}"
+        stage, model = divmod(rank, 2)  # pp2 x tp2 x dp1: the model axis is the fastest
+        assert got["folder2"] == f"pipe_stage_{stage:02d}_of_02_chunks_02_tp_{model:02d}_of_02"

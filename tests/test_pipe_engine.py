@@ -96,6 +96,7 @@ CASES = [
     Case(pp=2, chunks=2, kind="gpt", partition="type:Block", stage=1, clip=0.05, optimizer="Adam"),  # tied
     Case(pp=2, chunks=2, stage=1, clip=0.05, optimizer="Adam", dtype="bf16"),  # depth 8 is past bf16's 5%
     Case(pp=2, chunks=2, depth=8, schedule="looped_bfs"),
+    Case(pp=4, chunks=2, depth=8, clip=0.05, optimizer="Adam", dtype="fp16"),  # fp16 loss scaling, chunks
 ]
 INTERLEAVED_PP2 = CASES.index(Case(pp=2, chunks=2, depth=8))
 

@@ -60,6 +60,8 @@ class InFlightRecorder:
 
 
 def mlp_layers(depth: int = 4) -> list[Any]:
+    """Linear(IN, WIDTH), the in-flight recorder, tanh, (Linear(WIDTH, WIDTH), tanh) x (depth - 2),
+    Linear(WIDTH, OUT): 2 * depth items."""
     layers: list[Any] = [LayerSpec(nn.Linear, IN, WIDTH), InFlightRecorder(), torch.tanh]
     for _ in range(depth - 2):
         layers += [LayerSpec(nn.Linear, WIDTH, WIDTH), torch.tanh]
@@ -151,9 +153,14 @@ def make_optimizer(kind: str, params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
+def layers_of(kind: str, depth: int = 4) -> list[Any]:
+    return gpt_layers() if kind == "gpt" else mlp_layers(depth)
+
+
 def reference_train(
     kind: str,
     *,
+    depth: int = 4,
     steps: int,
     micro_batches: int,
     rows: int,
@@ -165,8 +172,7 @@ def reference_train(
 ) -> Reference:
     """Train the reference; with a 16-bit dtype the forward and backward run on a working copy in that
     dtype (gradients accumulate in it) and the optimizer steps fp32 master weights, as the engine does."""
-    layers = gpt_layers() if kind == "gpt" else mlp_layers()
-    master = ReferenceModel(layers)
+    master = ReferenceModel(layers_of(kind, depth))
     working = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
     pairs = list(zip(master.parameters(), working.parameters(), strict=True))
     loss_fn = token_loss if kind == "gpt" else mse

@@ -2,11 +2,13 @@
 
 The shared spawn of 4 ranks (tests/pipe_world4.py) runs every case: pp2 x dp2 and pp4 (1F1B), GPipe,
 a tiny GPT whose embedding and head share one weight across the first and last stage, ZeRO-1 with
-clipping by the global norm, bf16. Each
+clipping by the global norm, bf16; and the same with two chunks per stage (interleaved 1F1B, looped
+BFS): pp2 (v=2) x dp2, pp4 (v=2), the GPT tied across chunks, pp2 x tp2 (v=2). Each
 case trains 8 global batches and returns, per rank, the losses train_batch returned, the gradient norms,
 and its stage's fp32 master weights; the test compares them with `tests.pipe_cases.reference_train`
 (fp32: 1e-5 relative). The in-flight recorder on the first stage shows how many micro-batches of
-activations were alive at once: at most the number of stages under 1F1B, all of them under GPipe.
+activations were alive at once: at most the number of stages under 1F1B, all of them under GPipe, and
+under the interleaved schedules what torch's schedule order for the first chunk says.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ from tests.pipe_cases import (
     BASE_SEED,
     InFlightRecorder,
     data_iterator,
-    gpt_layers,
-    mlp_layers,
+    layers_of,
     mse,
     reference_train,
     token_loss,
@@ -42,13 +43,15 @@ class Case:
     pp: int
     kind: str = "mlp"
     micro_batches: int = 4
-    schedule: str = "1f1b"
+    schedule: str | None = None  # None: the engine's default (1F1B, or interleaved 1F1B with chunks)
     optimizer: str = "SGD"
     stage: int = 0
     clip: float = 0.0
     partition: str = "parameters"
     interval: int = 0
     dtype: str = "fp32"
+    chunks: int = 1  # chunks per stage (PipelineModule(chunks_per_stage=...))
+    depth: int = 4  # of the MLP (tests.pipe_cases.mlp_layers)
 
     @property
     def lr(self) -> float:
@@ -65,7 +68,8 @@ class Case:
             "gradient_clipping": self.clip,
             "optimizer": {"type": self.optimizer, "params": params},
             "zero_optimization": {"stage": self.stage, "reduce_bucket_size": 100},
-            "pipeline": {"schedule": self.schedule, "activation_checkpoint_interval": self.interval},
+            "pipeline": {"activation_checkpoint_interval": self.interval}
+            | ({"schedule": self.schedule} if self.schedule else {}),
             "bf16": {"enabled": self.dtype == "bf16"},
             "fp16": {
                 "enabled": self.dtype == "fp16",
@@ -85,22 +89,42 @@ CASES = [
     Case(pp=2, kind="gpt", stage=1, clip=0.05),  # ties counted once in the clipped norm
     Case(pp=2, stage=1, clip=0.05, optimizer="Adam", dtype="bf16"),  # bf16 working weights, ZeRO-1
     Case(pp=4, clip=0.05, optimizer="Adam", dtype="fp16"),  # fp16 with loss scaling
+    # two chunks per stage: interleaved 1F1B (the default then) and looped BFS
+    Case(pp=2, chunks=2, depth=8),  # pp2 (v=2) x dp2
+    Case(pp=4, chunks=2, depth=8, micro_batches=8, optimizer="Adam", interval=2),  # pp4 (v=2)
+    Case(pp=4, chunks=2, depth=8, micro_batches=6),  # 6 micro-batches: one round of 6 (torch's flex rule)
+    Case(pp=2, chunks=2, kind="gpt", partition="type:Block", stage=1, clip=0.05, optimizer="Adam"),  # tied
+    Case(pp=2, chunks=2, stage=1, clip=0.05, optimizer="Adam", dtype="bf16"),  # depth 8 is past bf16's 5%
+    Case(pp=2, chunks=2, depth=8, schedule="looped_bfs"),
+    Case(pp=4, chunks=2, depth=8, clip=0.05, optimizer="Adam", dtype="fp16"),  # fp16 loss scaling, chunks
 ]
+INTERLEAVED_PP2 = CASES.index(Case(pp=2, chunks=2, depth=8))
 
 
 def _engine(case: Case) -> Any:
     from runtime.pipe import PipelineEngine, PipelineModule
 
-    layers = gpt_layers() if case.kind == "gpt" else mlp_layers()
     module = PipelineModule(
-        layers,
+        layers_of(case.kind, case.depth),
         num_stages=case.pp,
         loss_fn=token_loss if case.kind == "gpt" else mse,
         seed_layers=True,
         base_seed=BASE_SEED,
         partition_method=case.partition,
+        chunks_per_stage=case.chunks,
     )
     return PipelineEngine(module, case.config())
+
+
+def _scheduled_peak(engine: Any) -> int:
+    """The most micro-batches alive at once in chunk 0 of stage 0 by torch's schedule order (forwards
+    minus full backwards of virtual stage 0 on pipeline rank 0)."""
+    alive = peak = 0
+    for action in engine._schedule.pipeline_order[0]:
+        if action is not None and action.stage_index == 0:
+            alive += {"F": 1, "B": -1}.get(action.computation_type.value, 0)
+            peak = max(peak, alive)
+    return peak
 
 
 def _batches(engine: Any, case: Case, step: int) -> Any:
@@ -121,7 +145,12 @@ def _train(case: Case, rank: int) -> dict:
     peak = InFlightRecorder.max_in_flight() if engine.is_first_stage() else None
     state = engine.full_state_dict()
     own = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    chunk_params = [sum(p.numel() for p in chunk.parameters()) for chunk in engine.module.chunks]
     out = {
+        "scheduled_peak": _scheduled_peak(engine) if case.chunks > 1 and engine.is_first_stage() else None,
+        "chunk_params": chunk_params,
+        "virtual_stages": engine.module.virtual_stages(),
+        "parts": engine.module.parts,
         "losses": losses,
         "norms": norms,
         "state": state,
@@ -134,7 +163,11 @@ def _train(case: Case, rank: int) -> dict:
     return out
 
 
-RESUME_CASES = [Case(pp=2, stage=1, optimizer="Adam", clip=0.05), Case(pp=4, kind="gpt", optimizer="Adam")]
+RESUME_CASES = [
+    Case(pp=2, stage=1, optimizer="Adam", clip=0.05),
+    Case(pp=4, kind="gpt", optimizer="Adam"),
+    Case(pp=2, chunks=2, kind="gpt", partition="type:Block", stage=1, optimizer="Adam"),  # interleaved
+]
 
 
 def _resume(case: Case, save_dir: str) -> dict:
@@ -156,9 +189,9 @@ def _resume(case: Case, save_dir: str) -> dict:
     second.save_checkpoint(save_dir, tag="final")
     torch.distributed.barrier()
     whole = get_fp32_state_dict_from_pipeline_checkpoint(save_dir)
-    other = dataclasses.replace(case, pp=2 if case.pp == 4 else 4)
+    other = dataclasses.replace(case, pp=2 if case.pp == 4 else 4, chunks=1)
     module = PipelineModule(
-        gpt_layers() if case.kind == "gpt" else mlp_layers(),
+        layers_of(case.kind, case.depth),
         num_stages=other.pp,
         loss_fn=token_loss if case.kind == "gpt" else mse,
         partition_method=case.partition,
@@ -190,12 +223,49 @@ def _run_cases(rank: int, world_size: int, cases: list[Case], save_root: str) ->
         out["other_degree"] = "loaded"
     except Exception as error:
         out["other_degree"] = str(error)
+    out["three_d"] = _three_d_chunks()
+    try:  # the interleaved pp2 (v=2) checkpoint with one chunk per stage
+        _engine(Case(pp=2, kind="gpt", partition="type:Block")).load_checkpoint(os.path.join(save_root, "2"))
+        out["other_chunks"] = "loaded"
+    except Exception as error:
+        out["other_chunks"] = str(error)
+    return out
+
+
+def _three_d_chunks() -> dict:
+    """pp2 x tp2 (AutoTP blocks, a tied embedding and head) with one and with two chunks per stage: the
+    same model, so the same losses and clipped norms; and each (stage, model rank) its own folder."""
+    from runtime.parallel import PipeModelDataParallelTopology
+    from runtime.pipe import PipelineEngine, PipelineModule
+    from tests.test_tp_autotp import _layers_3d
+
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+              "gradient_clipping": 0.05, "zero_optimization": {"stage": 1},
+              "tensor_parallel": {"autotp_size": 2}}  # fmt: skip
+    out: dict = {}
+    for chunks in (1, 2):
+        module = PipelineModule(
+            _layers_3d(),
+            topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+            loss_fn=token_loss,
+            seed_layers=True,
+            base_seed=BASE_SEED,
+            partition_method="uniform",
+            chunks_per_stage=chunks,
+        )
+        engine = PipelineEngine(module, config)
+        out[chunks] = [float(engine.train_batch(data_iterator("gpt", s, 2, 4, 0, 1))) for s in range(4)]
+        out[f"norm{chunks}"] = engine.get_global_grad_norm()
+        out[f"folder{chunks}"] = engine.checkpoint_folder()[0]
+        engine.destroy()
     return out
 
 
 def _problems(case: Case, per_rank: list[dict]) -> list[str]:
     ref = reference_train(
         case.kind,
+        depth=case.depth,
         steps=STEPS,
         micro_batches=case.micro_batches,
         rows=ROWS,
@@ -240,7 +310,12 @@ def _problems(case: Case, per_rank: list[dict]) -> list[str]:
             problems.append(f"stage {got['stage']} skipped {got['skipped']} steps")
     peak = per_rank[0]["peak"]
     if case.kind == "mlp":
-        bound = case.micro_batches if case.schedule == "gpipe" else min(case.pp, case.micro_batches)
+        if case.chunks > 1:
+            bound = per_rank[0]["scheduled_peak"]
+        elif case.schedule == "gpipe":
+            bound = case.micro_batches
+        else:
+            bound = min(case.pp, case.micro_batches)
         if peak != bound:
             problems.append(f"first stage held {peak} micro-batches of activations at once, expected {bound}")
     return problems
@@ -313,3 +388,32 @@ def test_resume_at_another_pipeline_degree_is_refused(results: list[dict]) -> No
     for stage, r in enumerate(results):
         assert f"has no checkpoint for stage {stage} of 4 (pipe_stage_{stage:02d}_of_04)" in r["other_degree"]
         assert "it holds ['pipe_stage_00_of_02', 'pipe_stage_01_of_02']" in r["other_degree"]
+
+
+def test_interleaved_stage_memory_is_its_chunks_share(results: list[dict]) -> None:
+    """pp2 (v=2) x dp2, depth-8 MLP cut into 4 parts by parameters: 384 | 544 | 544 | 340 parameters;
+    rank r holds parts r and r + 2, so stage 0 holds 384 + 544 and stage 1 544 + 340 (fp32), both within
+    10% of parameters / pp; and every rank's parameters are exactly its chunks' (nothing else built)."""
+    per_rank = [r["train"][INTERLEAVED_PP2] for r in results]
+    assert per_rank[0]["parts"] == [0, 5, 9, 13, 16]
+    assert [r["virtual_stages"] for r in per_rank] == [[0, 2], [0, 2], [1, 3], [1, 3]]
+    assert [r["chunk_params"] for r in per_rank] == [[384, 544], [384, 544], [544, 340], [544, 340]]
+    assert [r["own_param_bytes"] for r in per_rank] == [4 * 928, 4 * 928, 4 * 884, 4 * 884]
+    assert max(r["own_param_bytes"] for r in per_rank) <= 1.1 * 4 * (928 + 884) / 2
+
+
+def test_resume_with_other_chunks_is_refused(results: list[dict]) -> None:
+    for stage, r in enumerate(results):
+        stage //= 2  # pp2 x dp2
+        error = r["other_chunks"]
+        assert f"has no checkpoint for stage {stage} of 2 (pipe_stage_{stage:02d}_of_02)" in error
+        assert "it holds ['pipe_stage_00_of_02_chunks_02', 'pipe_stage_01_of_02_chunks_02']" in error
+
+
+def test_pipeline_by_tensor_parallel_with_chunks_is_the_same_model(results: list[dict]) -> None:
+    for rank, r in enumerate(results):
+        got = r["three_d"]
+        assert got[2] == pytest.approx(got[1], rel=1e-6), f"rank {rank}"
+        assert got["norm2"] == pytest.approx(got["norm1"], rel=1e-5), f"rank {rank}"
+        stage, model = divmod(rank, 2)  # pp2 x tp2 x dp1: the model axis is the fastest
+        assert got["folder2"] == f"pipe_stage_{stage:02d}_of_02_chunks_02_tp_{model:02d}_of_02"

@@ -1,11 +1,12 @@
 """A pipeline checkpoint as one plain state dict, and a stage's share of a plain state dict.
 
-`PipelineEngine.save_checkpoint` writes one ZeRO checkpoint per stage (`pipe_stage_SS_of_NN/`). Since
+`PipelineEngine.save_checkpoint` writes one ZeRO checkpoint per stage (`pipe_stage_SS_of_NN/`, with
+`_chunks_VV` when a stage holds several chunks: all of them are in the one checkpoint). Since
 parameter names carry global layer indices, the stages' consolidated state dicts (the existing
 `get_fp32_state_dict_from_checkpoint`, no process group needed) simply add up; a tied weight appears on
 several stages and must be equal there. `load_stage_state_dict` gives a `PipelineModule` built at any
-pipeline degree the entries its stage holds, so a run continues at another degree or world size (weights
-only; optimizer state restarts).
+pipeline degree (and chunks per stage) the entries its stage holds, so a run continues at another degree,
+chunking or world size (weights only; optimizer state restarts).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from runtime.checkpoint.consolidate import get_fp32_state_dict_from_checkpoint
 from runtime.pipe.module import PipelineModule
 
-_STAGE_DIR = re.compile(r"^pipe_stage_(\d+)_of_(\d+)$")
+_STAGE_DIR = re.compile(r"^pipe_stage_(\d+)_of_(\d+)(?:_chunks_(\d+))?$")
 
 
 def pipeline_stage_dirs(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
@@ -31,12 +32,14 @@ def pipeline_stage_dirs(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
         match = _STAGE_DIR.match(child.name)
         if match:
             found[int(match.group(1))] = child
-            degrees.add(int(match.group(2)))
+            degrees.add((int(match.group(2)), int(match.group(3) or 1)))  # (stages, chunks per stage)
     if not found:
         raise ValueError(f"{root} holds no pipeline stage directories (pipe_stage_SS_of_NN)")
     if len(degrees) > 1:
-        raise ValueError(f"{root} mixes checkpoints of pipelines with {sorted(degrees)} stages")
-    stages = degrees.pop()
+        raise ValueError(
+            f"{root} mixes checkpoints of pipelines with {sorted(degrees)} (stages, chunks per stage)"
+        )
+    stages = degrees.pop()[0]
     missing = sorted(set(range(stages)) - set(found))
     if missing:
         raise ValueError(f"{root}: the checkpoint of a {stages}-stage pipeline lacks stages {missing}")

@@ -2,7 +2,9 @@
 
 One `train_batch(data_iter)` is one global batch: `gradient_accumulation_steps` micro-batches go through
 the stages under a schedule from `torch.distributed.pipelining` (1F1B by default, so at most `stages`
-micro-batches of activations are alive on a stage; GPipe as an option), gradients accumulate in the
+micro-batches of activations are alive on a stage; GPipe as an option; with several chunks per stage,
+interleaved 1F1B by default, looped BFS as an option, each chunk its own `PipelineStage` with its
+virtual stage index), gradients accumulate in the
 engine's flat buffers, and then the data-parallel part is the ordinary ZeRO step of `runtime.Engine`
 (this class extends it) over the grid's data group: tied gradients summed over their stages -> reduction
 over data (ZeRO stage 0 or 1) -> the gradient norm over the whole grid (each tied weight counted once) ->
@@ -23,13 +25,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 
 from runtime.comm import Comm
 from runtime.config import load_config, read_config_file
 from runtime.engine import Engine
 from runtime.offload import GradMath
-from runtime.pipe.config import PipelineConfig, read_pipeline_config
+from runtime.pipe.config import MULTI_CHUNK_SCHEDULES, PipelineConfig, check_schedule, read_pipeline_config
 from runtime.pipe.module import PipelineModule
 from runtime.pipe.tied import (
     all_reduce_tied_grads,
@@ -38,7 +46,12 @@ from runtime.pipe.tied import (
     duplicate_grad_squares,
 )
 
-_SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+_SCHEDULES: dict[str, Any] = {
+    "1f1b": Schedule1F1B,
+    "gpipe": ScheduleGPipe,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+}
 _PARTS_KEY = "_pipeline_layer_boundaries"  # in each stage's client state: the partition it was saved with
 
 
@@ -80,6 +93,7 @@ def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineMo
             f"pipeline.stages is {pipe_cfg.stages} but the PipelineModule was built with "
             f"{module.num_stages} stages"
         )
+    check_schedule(pipe_cfg, module.num_stages, module.chunks_per_stage, cfg.gradient_accumulation_steps)
 
 
 class PipelineEngine(Engine):
@@ -140,15 +154,24 @@ class PipelineEngine(Engine):
         self._pipe_group = grid.get_pipe_parallel_group()
         self._last_stage_rank = grid.stage_to_global(self.num_stages - 1)
         self._duplicate_squares: torch.Tensor | None = None
-        self._stage = PipelineStage(
-            module, self.stage_id, self.num_stages, self.device, group=self._pipe_group
-        )
+        self.schedule_name = self_pipe.schedule_for(module.chunks_per_stage)  # checked above
+        # one torch stage per chunk, with its virtual stage index (r, r + p, ...) out of p * chunks
+        self._stages = [
+            PipelineStage(
+                chunk, chunk.virtual_stage, module.num_virtual_stages, self.device, group=self._pipe_group
+            )
+            for chunk in module.chunks
+        ]
         # scale_grads=False: the ZeRO step divides by micro-batches x data-parallel ranks once
-        self._schedule = _SCHEDULES[self_pipe.schedule](
-            self._stage, self.micro_batches, loss_fn=self._scaled_loss, scale_grads=False
-        )
+        self._schedule = self._make_schedule(loss_fn=self._scaled_loss)
         self._forward_only: Any = None
         self._losses: list[torch.Tensor] = []
+
+    def _make_schedule(self, loss_fn: Any) -> Any:
+        """The configured torch schedule over this rank's stages (a single-chunk schedule takes one)."""
+        schedule = _SCHEDULES[self.schedule_name]
+        stages: Any = self._stages if self.schedule_name in MULTI_CHUNK_SCHEDULES else self._stages[0]
+        return schedule(stages, self.micro_batches, loss_fn=loss_fn, scale_grads=False)
 
     # -- stages ----------------------------------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -311,7 +334,7 @@ class PipelineEngine(Engine):
                 outputs = self._schedule.eval(*inputs, target=targets)
             else:
                 if self._forward_only is None:
-                    self._forward_only = ScheduleGPipe(self._stage, self.micro_batches, loss_fn=None)
+                    self._forward_only = self._make_schedule(loss_fn=None)
                 outputs = self._forward_only.eval(*inputs)
         self.module.train()
         loss = None
@@ -332,10 +355,15 @@ class PipelineEngine(Engine):
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def checkpoint_folder(self) -> tuple[str, str, str]:
-        """Each stage (and, in 3D, each model rank of a stage) keeps its own ZeRO checkpoint; the name
-        carries the degrees, so a resume at another degree is caught."""
+        """Each stage (and, in 3D, each model rank of a stage) keeps its own ZeRO checkpoint, all its
+        chunks in one; the name carries the degrees and the chunks per stage, so a resume at another
+        degree or with other chunks is caught."""
         name = f"pipe_stage_{self.stage_id:02d}_of_{self.num_stages:02d}"
         what = f"stage {self.stage_id} of {self.num_stages}"
+        chunks = self.module.chunks_per_stage
+        if chunks > 1:
+            name += f"_chunks_{chunks:02d}"
+            what += f" with {chunks} chunks"
         grid = self.module.grid
         if grid.get_model_parallel_world_size() > 1:  # 3D: the model ranks of a stage hold different shards
             rank, size = grid.get_model_parallel_rank(), grid.get_model_parallel_world_size()

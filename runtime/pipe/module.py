@@ -8,8 +8,11 @@ spec's parameters by building it on the meta device (no memory, no real weights)
 registered under their global index ("3.weight"), so parameter names do not depend on the partition; a
 tied layer lives in `tied_modules.<key>` once per stage.
 
-The forward pass runs the local layers in order, handing each layer's output (a tensor or a tuple) to the
-next, with optional activation checkpointing of every `activation_checkpoint_interval` layers.
+A stage may hold several chunks (`chunks_per_stage=v`, for the interleaved schedules): the layers are cut
+into `num_stages * v` parts and stage r holds parts r, r + num_stages, ...; each chunk is a `StageChunk`
+that runs its own layers, and each becomes one torch `PipelineStage`. The forward pass of a chunk runs
+its layers in order, handing each layer's output (a tensor or a tuple) to the next, with optional
+activation checkpointing of every `activation_checkpoint_interval` layers of the chunk.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from runtime.parallel.grid import ParallelGrid
 from runtime.parallel.topology import PipeDataParallelTopology, ProcessTopology
-from runtime.pipe.partition import check_partition_method, partition_layers
+from runtime.pipe.partition import check_partition_method, partition_layers, virtual_stages
 
 
 class LayerSpec:
@@ -105,6 +108,54 @@ class _TiedCall(nn.Module):
         return module(inputs) if self.forward_fn is None else self.forward_fn(module, inputs)
 
 
+class StageChunk(nn.Module):
+    """One chunk of a stage: the layers of one part (virtual stage), run in order; what a torch
+    `PipelineStage` wraps. Its layers are registered here too (so `parameters()` is the chunk's), but the
+    chunk itself is not a submodule of its PipelineModule, whose names stay "3.weight"."""
+
+    def __init__(self, owner: PipelineModule, index: int, virtual_stage: int, layers: range) -> None:
+        super().__init__()
+        self._owner = [owner]  # a list, so the owner is not registered as a submodule (a cycle)
+        self.index = index  # this chunk's position on its stage (0 .. chunks_per_stage - 1)
+        self.virtual_stage = virtual_stage  # its stage index in the pipeline of num_stages * chunks parts
+        self.layers = layers  # global layer indices
+        self.funcs: list[Callable[..., Any]] = []
+        self.tied_modules = nn.ModuleDict()
+
+    def add_layer(self, index: int, func: Callable[..., Any]) -> None:
+        if isinstance(func, _TiedCall):
+            self.tied_modules[func.key] = self._owner[0].tied_modules[func.key]
+        elif isinstance(func, nn.Module):
+            self.add_module(str(index), func)
+        self.funcs.append(func)
+
+    def _run(self, start: int, stop: int, x: Any) -> Any:
+        for func in self.funcs[start:stop]:
+            x = func(x)
+        return x
+
+    def _checkpointable(self, start: int, stop: int) -> bool:
+        funcs = self.funcs[start:stop]
+        names = self._owner[0].checkpointable_layers
+        if names is None:
+            return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
+        return any(type(f).__name__ in names for f in funcs)
+
+    def forward(self, *inputs: Any) -> Any:
+        x: Any = inputs[0] if len(inputs) == 1 else inputs
+        interval = self._owner[0].activation_checkpoint_interval
+        n = len(self.funcs)
+        if interval == 0 or not torch.is_grad_enabled():
+            return self._run(0, n, x)
+        for start in range(0, n, interval):
+            stop = min(start + interval, n)
+            if self._checkpointable(start, stop):
+                x = checkpoint(self._run, start, stop, x, use_reentrant=False)
+            else:
+                x = self._run(start, stop, x)
+        return x
+
+
 class PipelineModule(nn.Module):
     """A sequence of layers split into pipeline stages; this rank holds only its stage's layers.
 
@@ -116,7 +167,12 @@ class PipelineModule(nn.Module):
         seed_layers: seed the RNG with `base_seed + layer index` before building each layer, so a layer's
             initial weights do not depend on the partition.
         partition_method: "parameters" (default), "uniform" or "type:REGEX".
-        activation_checkpoint_interval: checkpoint every this many layers (0: off).
+        activation_checkpoint_interval: checkpoint every this many layers of a chunk (0: off).
+        chunks_per_stage: chunks (virtual stages) per stage, for the interleaved schedules (our
+            extension; DeepSpeed has none). The layers are cut into num_stages * chunks_per_stage parts,
+            stage r holding parts r, r + num_stages, ... It is an argument here, not only a config key,
+            because the module builds its layers when it is constructed, before any engine reads the
+            config; the config's `pipeline.chunks_per_stage`, where given, must agree.
     """
 
     def __init__(
@@ -131,6 +187,7 @@ class PipelineModule(nn.Module):
         partition_method: str = "parameters",
         activation_checkpoint_interval: int = 0,
         checkpointable_layers: Sequence[str] | None = None,
+        chunks_per_stage: int = 1,
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
@@ -169,21 +226,30 @@ class PipelineModule(nn.Module):
         self.partition_method = partition_method
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
+        if chunks_per_stage < 1:
+            raise ValueError(f"chunks_per_stage must be at least 1, got {chunks_per_stage}")
+        self.chunks_per_stage = chunks_per_stage
+        self.num_virtual_stages = self.num_stages * chunks_per_stage
+        if chunks_per_stage > 1 and len(self._layer_specs) < self.num_virtual_stages:
+            raise ValueError(
+                f"the pipeline has {self.num_stages} stages x {chunks_per_stage} chunks = "
+                f"{self.num_virtual_stages} chunks but only {len(self._layer_specs)} layers; every chunk "
+                "needs at least one layer (use fewer stages or chunks_per_stage)"
+            )
 
         counts = None
         if partition_method == "parameters":
             counts = [count_trainable_params(layer) for layer in self._layer_specs]
+        # boundaries of all num_stages * chunks_per_stage parts; part s is virtual stage s
         self.parts = partition_layers(
             partition_method,
-            self.num_stages,
+            self.num_virtual_stages,
             param_counts=counts,
             type_names=[layer_type_name(layer) for layer in self._layer_specs],
         )
-        self._local_start = self.parts[self.stage_id]
-        self._local_stop = self.parts[self.stage_id + 1]
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.forward_funcs: list[Callable[..., Any]] = []
+        self.chunks: list[StageChunk] = []  # a plain list: the chunks are views, not submodules
         self._build()
 
     # -- construction ----------------------------------------------------------------------------------
@@ -194,38 +260,55 @@ class PipelineModule(nn.Module):
             torch.manual_seed(self.base_seed + index)
 
     def _build(self) -> None:
-        for index in range(self._local_start, self._local_stop):
-            layer = self._layer_specs[index]
+        # a tied module is seeded by its key's first layer in the whole model, so every stage holding
+        # the key builds the same initial weight (whichever of its layers comes first on that stage)
+        first_use: dict[str, int] = {}
+        for index, layer in enumerate(self._layer_specs):
             if isinstance(layer, TiedLayerSpec):
-                if layer.key not in self.tied_modules:
-                    if self.seed_layers:
-                        self._seed(index)
-                    self.tied_modules[layer.key] = layer.build()
-                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-                self.forward_funcs.append(_TiedCall(self, layer))
-            elif isinstance(layer, LayerSpec):
+                first_use.setdefault(layer.key, index)
+        for chunk_index, part in enumerate(self.virtual_stages()):
+            chunk = StageChunk(self, chunk_index, part, range(self.parts[part], self.parts[part + 1]))
+            for index in chunk.layers:
+                chunk.add_layer(index, self._build_layer(index, first_use))
+            self.chunks.append(chunk)
+
+    def _build_layer(self, index: int, first_use: dict[str, int]) -> Callable[..., Any]:
+        layer = self._layer_specs[index]
+        if isinstance(layer, TiedLayerSpec):
+            if layer.key not in self.tied_modules:
                 if self.seed_layers:
-                    self._seed(index)
-                module = layer.build()
-                self.add_module(str(index), module)
-                self.forward_funcs.append(module)
-            elif isinstance(layer, nn.Module):
-                self.add_module(str(index), layer)
-                self.forward_funcs.append(layer)
-            elif callable(layer):
-                self.forward_funcs.append(layer)
-            else:
-                raise TypeError(
-                    f"layer {index} is {type(layer).__name__}: not a LayerSpec, nn.Module or callable"
-                )
+                    self._seed(first_use[layer.key])
+                self.tied_modules[layer.key] = layer.build()
+                self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+            return _TiedCall(self, layer)
+        if isinstance(layer, LayerSpec):
+            if self.seed_layers:
+                self._seed(index)
+            module = layer.build()
+            self.add_module(str(index), module)
+            return module
+        if isinstance(layer, nn.Module):
+            self.add_module(str(index), layer)
+            return layer
+        if callable(layer):
+            return layer
+        raise TypeError(f"layer {index} is {type(layer).__name__}: not a LayerSpec, nn.Module or callable")
+
+    def virtual_stages(self, stage: int | None = None) -> list[int]:
+        """The parts (virtual stage indices) a stage holds, one per chunk; this rank's by default."""
+        return virtual_stages(
+            self.stage_id if stage is None else stage, self.num_stages, self.chunks_per_stage
+        )
 
     def tied_keys_by_stage(self) -> dict[str, list[int]]:
-        """For each tie key, the stages that hold a layer using it (every rank computes the same)."""
+        """For each tie key, the stages that hold a layer using it, in any of their chunks (every rank
+        computes the same)."""
         stages: dict[str, list[int]] = {}
         for stage in range(self.num_stages):
-            for layer in self._layer_specs[self.parts[stage] : self.parts[stage + 1]]:
-                if isinstance(layer, TiedLayerSpec) and stage not in stages.setdefault(layer.key, []):
-                    stages[layer.key].append(stage)
+            for part in self.virtual_stages(stage):
+                for layer in self._layer_specs[self.parts[part] : self.parts[part + 1]]:
+                    if isinstance(layer, TiedLayerSpec) and stage not in stages.setdefault(layer.key, []):
+                        stages[layer.key].append(stage)
         return stages
 
     def tied_parameters(self, key: str) -> list[nn.Parameter]:
@@ -233,30 +316,15 @@ class PipelineModule(nn.Module):
         return [getattr(module, attr) for attr in self.tied_weight_attrs[key]]
 
     # -- forward ---------------------------------------------------------------------------------------
-    def _run(self, start: int, stop: int, x: Any) -> Any:
-        for func in self.forward_funcs[start:stop]:
-            x = func(x)
-        return x
-
-    def _checkpointable(self, start: int, stop: int) -> bool:
-        funcs = self.forward_funcs[start:stop]
-        if self.checkpointable_layers is None:
-            return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in funcs)
-        return any(type(f).__name__ in self.checkpointable_layers for f in funcs)
-
     def forward(self, *inputs: Any) -> Any:
-        x: Any = inputs[0] if len(inputs) == 1 else inputs
-        interval = self.activation_checkpoint_interval
-        n = len(self.forward_funcs)
-        if interval == 0 or not torch.is_grad_enabled():
-            return self._run(0, n, x)
-        for start in range(0, n, interval):
-            stop = min(start + interval, n)
-            if self._checkpointable(start, stop):
-                x = checkpoint(self._run, start, stop, x, use_reentrant=False)
-            else:
-                x = self._run(start, stop, x)
-        return x
+        """This stage's layers on `inputs` (one chunk per stage only: several chunks are not one
+        function, the pipeline schedule runs each as its own stage)."""
+        if self.chunks_per_stage > 1:
+            raise RuntimeError(
+                f"this PipelineModule holds {self.chunks_per_stage} chunks per stage, which run as "
+                "separate pipeline stages: train it with PipelineEngine, or call module.chunks[i]"
+            )
+        return self.chunks[0](*inputs)
 
     # -- DeepSpeed's accessors -------------------------------------------------------------------------
     def topology(self) -> ProcessTopology:
@@ -268,9 +336,16 @@ class PipelineModule(nn.Module):
     def num_pipeline_stages(self) -> int:
         return self.num_stages
 
-    def local_layer_indices(self) -> range:
-        """Global indices of the layers this stage holds."""
-        return range(self._local_start, self._local_stop)
+    def local_layer_indices(self) -> list[int]:
+        """Global indices of the layers this stage holds, chunk by chunk."""
+        return [index for chunk in self.chunks for index in chunk.layers]
 
 
-__all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec", "count_trainable_params", "layer_type_name"]
+__all__ = [
+    "LayerSpec",
+    "PipelineModule",
+    "StageChunk",
+    "TiedLayerSpec",
+    "count_trainable_params",
+    "layer_type_name",
+]

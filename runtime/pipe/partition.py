@@ -7,6 +7,10 @@ stage owns at least one layer. Methods (the `partition_method` of `PipelineModul
 - "parameters": contiguous stages that minimise the largest trainable-parameter count of a stage;
 - "type:REGEX": the same over weight 1 for layers whose class name matches REGEX (case-insensitive),
   0 for the rest, so matched layers (e.g. "type:Block") are spread evenly.
+
+With several chunks per stage (interleaved schedules), the layers are cut the same way into
+`num_stages * chunks` parts (virtual stages) and stage r holds parts r, r + num_stages, r + 2 * num_stages,
+... (`virtual_stages`), the placement torch's interleaved schedules expect.
 """
 
 from __future__ import annotations
@@ -95,6 +99,12 @@ def type_weights(type_names: Sequence[str], pattern: str) -> list[int]:
     return weights
 
 
+def virtual_stages(stage: int, num_stages: int, chunks: int) -> list[int]:
+    """The parts (virtual stage indices) pipeline stage `stage` holds, in forward order: one per chunk,
+    `num_stages` apart, so a micro-batch visits every stage once per chunk."""
+    return [stage + chunk * num_stages for chunk in range(chunks)]
+
+
 def check_partition_method(method: str) -> None:
     """Raise a clear error for a method that is none of PARTITION_METHODS."""
     if method in ("parameters", "uniform") or method.lower().startswith("type:"):
@@ -131,4 +141,5 @@ __all__ = [
     "partition_layers",
     "partition_uniform",
     "type_weights",
+    "virtual_stages",
 ]

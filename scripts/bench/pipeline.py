@@ -1,4 +1,5 @@
-"""Pipeline bubble: the measured idle fraction of PipelineEngine's schedules against (p-1)/(m+p-1).
+"""Pipeline bubble: the measured idle fraction of PipelineEngine's schedules against (p-1)/(m+p-1), and
+of the interleaved schedules (v chunks per stage) against (p-1)/(v*m+p-1).
 
 Starts P CPU ranks (gloo), one pipeline of P stages (dp 1). Each stage is one layer of known cost: its
 forward sleeps `--forward_ms`, its backward `--backward_ms` (sleeps, not compute, so the 2 shared cores
@@ -8,11 +9,18 @@ of the whole train_batch (which includes the ZeRO step and the loss broadcast); 
 averaged over stages, median over `--steps` batches after one warm-up batch (the first batch also infers
 shapes). The ideal 1F1B and GPipe schedules with equal stages both idle for (p-1)/(m+p-1) of the step.
 
+Interleaved schedules ("interleaved_1f1b", "looped_bfs") run `--chunks` v chunks per stage, each one
+layer costing 1/v of the stage's forward and backward (the same work per rank as one chunk), so the
+bubble shrinks to (p-1)/(v*m+p-1). The JSON line also carries `schedule_order_idle`: the idle fraction
+of torch's own action order for these costs (`simulated_idle`: every rank runs its actions in order, an
+action starting once its input is there, communication free), which checks the formula against what
+torch actually schedules.
+
 Output: one JSON line per (schedule, micro-batches) with the measured and theoretical idle fractions and
 their ratio, stamped with the commit, date, machine and command (common.py); --out appends them to a
 file too.
 
-    python scripts/bench/pipeline.py --stages 4 --micro_batches 4,8,16 --schedules 1f1b,gpipe
+    python scripts/bench/pipeline.py --stages 4 --micro_batches 4,8,16 --schedules 1f1b,gpipe,interleaved_1f1b
 """
 
 from __future__ import annotations
@@ -40,6 +48,42 @@ from torch import nn  # noqa: E402
 from scripts.bench.common import add_out_argument, emit, out_file  # noqa: E402
 
 BUSY: list[float] = []  # seconds this rank's layer spent in forward and backward, per call
+MULTI_CHUNK = ("interleaved_1f1b", "looped_bfs")
+
+
+def simulated_idle(order: dict[int, list[Any]], chunks: int, forward_s: float, backward_s: float) -> float:
+    """The idle fraction of a torch schedule's action order (`pipeline_order`: rank -> actions, None for
+    a wait) when each chunk's forward costs forward_s / chunks and its backward backward_s / chunks:
+    every rank runs its actions in order, each starting when the rank is free and its input exists
+    (the previous virtual stage's forward, the next one's backward, or its own forward on the last)."""
+    actions = {rank: [a for a in acts if a is not None] for rank, acts in order.items()}
+    last = len(order) * chunks - 1
+    done: dict[tuple[str, int, int], float] = {}
+    clock = dict.fromkeys(actions, 0.0)
+    at = dict.fromkeys(actions, 0)
+    moved = True
+    while moved:
+        moved = False
+        for rank, acts in actions.items():
+            while at[rank] < len(acts):
+                action = acts[at[rank]]
+                kind = action.computation_type.value
+                stage, micro = action.stage_index, action.microbatch_index
+                if kind == "F":
+                    needs = None if stage == 0 else ("F", stage - 1, micro)
+                else:
+                    needs = ("F", stage, micro) if stage == last else ("B", stage + 1, micro)
+                if needs is not None and needs not in done:
+                    break
+                start = max(clock[rank], done[needs] if needs else 0.0)
+                clock[rank] = start + (forward_s if kind == "F" else backward_s) / chunks
+                done[(kind, stage, micro)] = clock[rank]
+                at[rank] += 1
+                moved = True
+    if any(at[rank] < len(acts) for rank, acts in actions.items()):
+        raise RuntimeError("the schedule's order deadlocks")
+    busy = sum(forward_s if a.computation_type.value == "F" else backward_s for a in actions[0]) / chunks
+    return 1.0 - busy / max(clock.values())
 
 
 class _Sleep(torch.autograd.Function):
@@ -107,8 +151,13 @@ def _build(kind: str, world: int, micro: int, schedule: str, args: argparse.Name
         return engine
     from runtime.pipe import LayerSpec, PipelineEngine, PipelineModule
 
+    chunks = args.chunks if schedule in MULTI_CHUNK else 1
     module = PipelineModule(
-        [LayerSpec(SleepLayer, *cost) for _ in range(world)], num_stages=world, loss_fn=_mse
+        [LayerSpec(SleepLayer, cost[0] / chunks, cost[1] / chunks) for _ in range(world * chunks)],
+        num_stages=world,
+        loss_fn=_mse,
+        partition_method="uniform",
+        chunks_per_stage=chunks,
     )
     return PipelineEngine(module, {**config, "pipeline": {"schedule": schedule}})
 
@@ -145,8 +194,16 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                     idles.append(float(idle) / world)
                     walls.append(wall)
                 if rank == 0:
-                    theory = (world - 1) / (micro + world - 1)
+                    chunks = args.chunks if schedule in MULTI_CHUNK and args.engine == "ours" else 1
+                    slots = chunks * micro + world - 1  # the ideal step in chunk-sized time slots
+                    theory = (world - 1) / slots
                     idle = statistics.median(idles)
+                    order = getattr(engine, "_schedule", None)
+                    simulated = None
+                    if chunks > 1 and order is not None:
+                        simulated = simulated_idle(
+                            order.pipeline_order, chunks, args.forward_ms, args.backward_ms
+                        )
                     results.put(
                         {
                             "bench": "pipeline_idle",
@@ -155,16 +212,18 @@ def _worker(rank: int, world: int, store: str, args: argparse.Namespace, results
                             if args.engine == "deepspeed"
                             else schedule,
                             "stages": world,
+                            "chunks": chunks,
                             "micro_batches": micro,
                             "forward_ms": args.forward_ms,
                             "backward_ms": args.backward_ms,
                             "step_s": round(statistics.median(walls), 4),
                             "ideal_step_s": round(
-                                (micro + world - 1) * (args.forward_ms + args.backward_ms) / 1e3, 4
+                                slots * (args.forward_ms + args.backward_ms) / chunks / 1e3, 4
                             ),
                             "idle_fraction": round(idle, 4),
                             "theory": round(theory, 4),
                             "ratio": round(idle / theory, 3),
+                            "schedule_order_idle": None if simulated is None else round(simulated, 4),
                         }
                     )
                 if hasattr(engine, "destroy"):
@@ -179,7 +238,10 @@ def main() -> None:
     )
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--micro_batches", default="4,8,16")
-    parser.add_argument("--schedules", default="1f1b,gpipe")
+    parser.add_argument("--schedules", default="1f1b,gpipe,interleaved_1f1b")
+    parser.add_argument(
+        "--chunks", type=int, default=2, help="chunks per stage for interleaved_1f1b and looped_bfs"
+    )
     parser.add_argument("--forward_ms", type=float, default=50.0)
     parser.add_argument("--backward_ms", type=float, default=100.0)
     parser.add_argument("--steps", type=int, default=3)

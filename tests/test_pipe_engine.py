@@ -237,7 +237,7 @@ def _three_d_chunks() -> dict:
     same model, so the same losses and clipped norms; and each (stage, model rank) its own folder."""
     from runtime.parallel import PipeModelDataParallelTopology
     from runtime.pipe import PipelineEngine, PipelineModule
-    from tests.test_tp_autotp import _layers_3d
+    from tests.tp_models import layers_3d
 
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
               "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
@@ -246,7 +246,7 @@ def _three_d_chunks() -> dict:
     out: dict = {}
     for chunks in (1, 2):
         module = PipelineModule(
-            _layers_3d(),
+            layers_3d(),
             topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
             loss_fn=token_loss,
             seed_layers=True,

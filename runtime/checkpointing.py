@@ -376,9 +376,7 @@ class _Recomputation:
     """The context torch enters around a recomputation: marks it as running (nested checkpoints then skip
     the input hooks) and times it when profiling. Reusable: retain_graph can recompute a region twice."""
 
-    def __init__(
-        self, timed: bool, device: torch.device | None, streams: dict[str, torch.Tensor]
-    ) -> None:
+    def __init__(self, timed: bool, device: torch.device | None, streams: dict[str, torch.Tensor]) -> None:
         self.timed = timed
         self.device = device
         self.start = 0.0

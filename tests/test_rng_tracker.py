@@ -95,9 +95,8 @@ def test_bad_use_is_refused_by_name() -> None:
     with pytest.raises(ValueError) as name_reuse:
         tracker.add("a", 8)
     assert str(name_reuse.value) == "RNG tracker: a stream named 'a' exists already (reset() forgets it)"
-    with pytest.raises(RuntimeError) as unknown:
-        with tracker.fork():
-            pass
+    with pytest.raises(RuntimeError) as unknown, tracker.fork():
+        pass
     assert str(unknown.value) == (
         "RNG tracker: no stream named 'model-parallel-rng'; seed it first with "
         "model_parallel_cuda_manual_seed(seed) (or get_cuda_rng_tracker().add(name, seed))"

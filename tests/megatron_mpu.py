@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.parallel.rng import get_cuda_rng_tracker
+
 DIM, HIDDEN = 8, 16
 
 
@@ -100,11 +102,13 @@ class WholeMLP(nn.Module):
 class ParallelMLP(nn.Module):
     """`WholeMLP` split Megatron's way over the model group: fc1 column-parallel (rows of its weight and
     its bias split), fc2 row-parallel (columns of its weight split, bias whole, added after the sum);
-    norm and head whole on every model rank."""
+    norm and head whole on every model rank. With `dropout`, Megatron's two kinds: on the split hidden
+    features inside the tracker's fork(), on the replicated output outside it."""
 
-    def __init__(self, whole: WholeMLP, group: Any, rank: int, size: int) -> None:
+    def __init__(self, whole: WholeMLP, group: Any, rank: int, size: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.group = group
+        self.dropout = dropout
         rows = slice(rank * HIDDEN // size, (rank + 1) * HIDDEN // size)
         self.norm = nn.LayerNorm(DIM)
         self.norm.load_state_dict(whole.norm.state_dict())
@@ -118,7 +122,12 @@ class ParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = _CopyToModel.apply(self.norm(x), self.group)
         h = F.gelu(F.linear(h, self.fc1_weight, self.fc1_bias))
+        if self.dropout:  # split features: each model rank draws its own mask, from its stream
+            with get_cuda_rng_tracker().fork():
+                h = F.dropout(h, self.dropout, self.training)
         h = _ReduceFromModel.apply(F.linear(h, self.fc2_weight), self.group) + self.fc2_bias
+        if self.dropout:  # replicated: the default stream, alike on the model ranks
+            h = F.dropout(h, self.dropout, self.training)
         return self.head(h)
 
 

@@ -5,7 +5,8 @@ One spawn of 4 gloo ranks (CPU) runs every case; each engine case is checked aga
 the whole model on the same global batches (fp32 losses within 1e-5 relative over 8 steps, the clipped
 norm, the final weights): ZeRO-1 with Adam (our ParallelGrid as the mpu), ZeRO-2 with SGD (an mpu that
 answers only Megatron's newer get_tensor_model_parallel_* names), ZeRO-0 with a client AdamW of two param
-groups. Also: a resume from a save repeats the uninterrupted run (one folder per model rank); the data
+groups. Also: a resume from a save repeats the uninterrupted run, dropout in both random streams included
+(one folder per model rank; the checkpoint carries the streams); the data
 loader splits samples over data-parallel ranks only; the model-parallel random streams differ over the
 tensor-parallel ranks inside fork() and agree outside; and bad input is refused with exact messages.
 """
@@ -55,11 +56,12 @@ def _client_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _engine(grid: Any, kind: str, stage: int, optimizer: str, clip: float) -> Any:
+def _engine(grid: Any, kind: str, stage: int, optimizer: str, clip: float, dropout: float = 0.0) -> Any:
     import runtime
 
     torch.manual_seed(0)
-    model = ParallelMLP(WholeMLP(), grid.get_model_parallel_group(), grid.get_model_parallel_rank(), 2)
+    group, rank = grid.get_model_parallel_group(), grid.get_model_parallel_rank()
+    model = ParallelMLP(WholeMLP(), group, rank, 2, dropout=dropout)
     client = torch.optim.AdamW(_client_groups(model), lr=0.02) if optimizer == "client" else None
     mpu = grid if kind == "grid" else GridMPU(grid)
     config = _config(stage, optimizer, clip)
@@ -98,8 +100,13 @@ def _case(grid: Any, case: tuple) -> dict[str, Any]:
 
 
 def _resume(grid: Any, save_dir: str) -> dict[str, Any]:
-    whole, _ = _train(_engine(grid, "grid", 1, "Adam", 0.3), 0, STEPS, save_dir)
-    engine = _engine(grid, "grid", 1, "Adam", 0.3)
+    """With dropout in both random streams: the checkpoint carries each rank's stream states."""
+    from runtime.checkpointing import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(11 + grid.get_data_parallel_rank(), mpu=grid)
+    whole, _ = _train(_engine(grid, "grid", 1, "Adam", 0.3, dropout=0.3), 0, STEPS, save_dir)
+    model_parallel_cuda_manual_seed(11 + grid.get_data_parallel_rank(), mpu=grid)  # a fresh job's start
+    engine = _engine(grid, "grid", 1, "Adam", 0.3, dropout=0.3)
     engine.load_checkpoint(save_dir)
     resumed, _ = _train(engine, SAVE_AT, STEPS)
     return {"whole": whole, "resumed": resumed, "folders": sorted(p.name for p in Path(save_dir).iterdir())}

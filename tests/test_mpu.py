@@ -6,7 +6,8 @@ the whole model on the same global batches (fp32 losses within 1e-5 relative ove
 norm, the final weights): ZeRO-1 with Adam (our ParallelGrid as the mpu), ZeRO-2 with SGD (an mpu that
 answers only Megatron's newer get_tensor_model_parallel_* names), ZeRO-0 with a client AdamW of two param
 groups. Also: a resume from a save repeats the uninterrupted run, dropout in both random streams included
-(one folder per model rank; the checkpoint carries the streams); the data
+(one folder per model rank; the checkpoint carries the streams); an inf gradient on one model rank skips
+the step on every rank; the data
 loader splits samples over data-parallel ranks only; the model-parallel random streams differ over the
 tensor-parallel ranks inside fork() and agree outside; and bad input is refused with exact messages.
 """
@@ -112,6 +113,28 @@ def _resume(grid: Any, save_dir: str) -> dict[str, Any]:
     return {"whole": whole, "resumed": resumed, "folders": sorted(p.name for p in Path(save_dir).iterdir())}
 
 
+def _nonfinite(grid: Any) -> dict[str, Any]:
+    """An inf in one model rank's gradient (tensor rank 1, data rank 0), at step 2 of 4: the verdict comes
+    from the norm summed over the model group, so every rank skips that step, not only the ranks whose
+    data group saw the inf."""
+    engine = _engine(grid, "grid", 1, "Adam", 0.0)
+    poisoned = {"step": -1}
+    if (grid.get_model_parallel_rank(), grid.get_data_parallel_rank()) == (1, 0):
+        engine.module.fc1_bias.register_hook(
+            lambda grad: grad + float("inf") if poisoned["step"] == 1 else grad
+        )
+    applied = []
+    for step in range(4):
+        poisoned["step"] = step
+        _train(engine, step, step + 1)
+        applied.append(engine.was_step_applied())
+    return {
+        "applied": applied,
+        "skipped": engine.skipped_steps,
+        "state": engine.full_state_dict(rank0_only=False),
+    }
+
+
 def _loader(grid: Any) -> list[torch.Tensor]:
     import runtime
 
@@ -200,6 +223,7 @@ def _worker(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"tp": grid.get_model_parallel_rank(), "dp": grid.get_data_parallel_rank()}
     out["cases"] = [_case(grid, case) for case in CASES]
     out["resume"] = _resume(grid, save_dir)
+    out["nonfinite"] = _nonfinite(grid)
     out["loader"] = _loader(grid)
     out["streams"] = _streams(grid)
     out["bad"] = _bad_input(grid)
@@ -262,6 +286,18 @@ def test_resume_repeats_the_uninterrupted_run(world4: list[dict[str, Any]]) -> N
         got = r["resume"]
         assert got["resumed"] == pytest.approx(got["whole"][SAVE_AT:], rel=1e-6, abs=0), f"rank {rank}"
         assert got["folders"] == ["mp_rank_00_of_02", "mp_rank_01_of_02"]
+
+
+def test_a_nonfinite_gradient_on_one_model_rank_skips_the_step_everywhere(
+    world4: list[dict[str, Any]],
+) -> None:
+    for rank, r in enumerate(world4):
+        assert r["nonfinite"]["applied"] == [True, False, True, True], f"rank {rank}"
+        assert r["nonfinite"]["skipped"] == 1
+    for tp in (0, 1):  # the data ranks of each model rank still hold the same weights
+        same = [r["nonfinite"]["state"] for r in world4 if r["tp"] == tp]
+        for key, value in same[0].items():
+            assert torch.equal(value, same[1][key]), (tp, key)
 
 
 def test_loader_splits_samples_over_data_parallel_ranks_only(world4: list[dict[str, Any]]) -> None:

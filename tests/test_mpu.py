@@ -5,10 +5,10 @@ One spawn of 4 gloo ranks (CPU) runs every case; each engine case is checked aga
 the whole model on the same global batches (fp32 losses within 1e-5 relative over 8 steps, the clipped
 norm, the final weights): ZeRO-1 with Adam (our ParallelGrid as the mpu), ZeRO-2 with SGD (an mpu that
 answers only Megatron's newer get_tensor_model_parallel_* names), ZeRO-0 with a client AdamW of two param
-groups. Also: a resume from a save repeats the uninterrupted run, dropout in both random streams included
-(one folder per model rank; the checkpoint carries the streams); an inf gradient on one model rank skips
-the step on every rank; the data
-loader splits samples over data-parallel ranks only; the model-parallel random streams differ over the
+groups, ZeRO-2 with the optimizer offloaded to the host. Also: a resume from a save repeats the
+uninterrupted run, dropout in both random streams included (one folder per model rank; the checkpoint
+carries the streams); an inf gradient on one model rank skips the step on every rank; the data loader
+splits samples over data-parallel ranks only; the model-parallel random streams differ over the
 tensor-parallel ranks inside fork() and agree outside; and bad input is refused with exact messages.
 """
 
@@ -31,6 +31,7 @@ CASES = [
     ("grid_zero1_adam", "grid", 1, "Adam", 0.3),
     ("megatron_names_zero2_sgd", "megatron", 2, "SGD", 0.3),
     ("client_adamw_zero0", "grid", 0, "client", 0.0),
+    ("offload_zero2_adam", "grid", 2, "Adam", 0.3),
 ]
 
 
@@ -57,7 +58,9 @@ def _client_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _engine(grid: Any, kind: str, stage: int, optimizer: str, clip: float, dropout: float = 0.0) -> Any:
+def _engine(
+    grid: Any, kind: str, stage: int, optimizer: str, clip: float, dropout: float = 0.0, offload: bool = False
+) -> Any:
     import runtime
 
     torch.manual_seed(0)
@@ -66,6 +69,8 @@ def _engine(grid: Any, kind: str, stage: int, optimizer: str, clip: float, dropo
     client = torch.optim.AdamW(_client_groups(model), lr=0.02) if optimizer == "client" else None
     mpu = grid if kind == "grid" else GridMPU(grid)
     config = _config(stage, optimizer, clip)
+    if offload:  # the master weights and Adam's state on the host
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     return runtime.initialize(model=model, config=config, mpu=mpu, optimizer=client)[0]
 
 
@@ -88,8 +93,8 @@ def _train(engine: Any, start: int, stop: int, save_dir: str | None = None) -> t
 
 
 def _case(grid: Any, case: tuple) -> dict[str, Any]:
-    _, kind, stage, optimizer, clip = case
-    engine = _engine(grid, kind, stage, optimizer, clip)
+    name, kind, stage, optimizer, clip = case
+    engine = _engine(grid, kind, stage, optimizer, clip, offload=name.startswith("offload"))
     losses, norms = _train(engine, 0, STEPS)
     return {
         "losses": losses,

@@ -12,8 +12,9 @@ the mpu's data group, with three differences from the plain engine:
   such parameters are kept in param groups of their own so their squares can be taken apart;
 - each model rank keeps its own checkpoint folder (``mp_rank_RR_of_NN``), as its shards differ.
 
+ZeRO stages 0-3 (stage 3 partitions the local shards over the data group and gathers them there).
 `TensorParallelEngine` (AutoTP) is this engine with our `ParallelGrid` as the mpu and the DTensor shards
-as the split parameters. ZeRO stages 0-2; stage 3 is refused.
+as the split parameters; it stops at stage 2.
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def _config_for(config: Any, groups: MpuGroups, model: nn.Module) -> Config:
 
 
 class MpuEngine(Engine):
-    """ZeRO stages 0-2 over an mpu's data group; the norm over its model group."""
+    """ZeRO stages 0-3 over an mpu's data group; the norm over its model group."""
+
+    max_zero_stage = 3  # the highest ZeRO stage this engine is tested with
+    parallelism = "model parallelism"  # what the refusal of a higher stage calls it
 
     def __init__(
         self,
@@ -117,10 +121,11 @@ class MpuEngine(Engine):
         groups = resolve_mpu(mpu)
         cfg = _config_for(config, groups, model)
         stage = cfg.zero_optimization.stage
-        if stage >= 3:
+        if stage > self.max_zero_stage:
+            stages = ", ".join(str(n) for n in range(self.max_zero_stage)) + f" or {self.max_zero_stage}"
             raise MpuError(
-                f"zero_optimization.stage {stage} with model parallelism ({groups.describe()}) is not "
-                "supported; use stage 0, 1 or 2",
+                f"zero_optimization.stage {stage} with {self.parallelism} ({groups.describe()}) is not "
+                f"supported; use stage {stages}",
                 hint="stage 2 shards gradients and optimizer state over the data-parallel ranks",
             )
         # read by _param_group_specs, which Engine.__init__ calls

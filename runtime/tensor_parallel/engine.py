@@ -108,6 +108,10 @@ class TensorParallelEngine(MpuEngine):
     """The ZeRO engine (stages 0-2) over the data group of a model sharded with AutoTP: `MpuEngine` with
     the grid as the mpu and the DTensor shards as the split parameters."""
 
+    # stage 3 would partition the parametrized shards again; not built or tested
+    max_zero_stage = 2
+    parallelism = "tensor parallelism (AutoTP)"
+
     def __init__(
         self,
         model: nn.Module,

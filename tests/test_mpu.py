@@ -237,6 +237,10 @@ def _worker(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     out["resume"] = _resume(grid, save_dir)
     out["nonfinite"] = _nonfinite(grid)
     out["loader"] = _loader(grid)
+    from runtime.ds_config import DeepSpeedConfig
+
+    ds_config = DeepSpeedConfig(_config(1, "Adam", 0.0, train_micro_batch_size_per_gpu=None), mpu=grid)
+    out["ds_config"] = (ds_config.world_size, ds_config.train_micro_batch_size_per_gpu)
     out["streams"] = _streams(grid)
     out["bad"] = _bad_input(grid)
     return out
@@ -310,6 +314,11 @@ def test_a_nonfinite_gradient_on_one_model_rank_skips_the_step_everywhere(
         same = [r["nonfinite"]["state"] for r in world4 if r["tp"] == tp]
         for key, value in same[0].items():
             assert torch.equal(value, same[1][key]), (tp, key)
+
+
+def test_deepspeed_config_counts_the_mpus_data_parallel_ranks(world4: list[dict[str, Any]]) -> None:
+    # train_batch_size 8 over 2 data-parallel ranks (not 4 ranks): micro batch 4
+    assert [r["ds_config"] for r in world4] == [(2, 4)] * 4
 
 
 def test_loader_splits_samples_over_data_parallel_ranks_only(world4: list[dict[str, Any]]) -> None:

@@ -413,9 +413,8 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` and recompute its activations in backward instead of keeping them.
 
     Same results as calling ``function`` directly, dropout included (the RNG state and the tracker's
-    streams are replayed). Call
-    modules through ``module.__call__`` (pass the module itself as ``function``) so that hooks such as
-    ZeRO-3's parameter gathering also run during the recomputation.
+    streams are replayed). Call modules through ``module.__call__`` (pass the module itself as
+    ``function``) so that hooks such as ZeRO-3's parameter gathering also run during the recomputation.
     """
     chosen = _state.settings
     device = _first_device(args)

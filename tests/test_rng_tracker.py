@@ -2,9 +2,9 @@
 names): `fork()` draws from a named stream and leaves the default one as it was; the seeding rule
 (default stream `seed`, model stream `seed + 2718 + model rank`); states saved and restored; exact errors;
 and activation checkpointing replaying the streams, so recomputed dropout inside `fork()` draws the
-forward's masks (gradients equal to a run without checkpointing). One process, CPU generator; the
-cross-rank behaviour (masks differ over tensor-parallel ranks, agree outside `fork()`) is checked at
-world 4 in tests/test_mpu.py.
+forward's masks (gradients equal to a run without checkpointing). One process, CPU generator (a `gpu`
+test checks that under CUDA the device generator carries the streams); the cross-rank behaviour (masks
+differ over tensor-parallel ranks, agree outside `fork()`) is checked at world 4 in tests/test_mpu.py.
 """
 
 from __future__ import annotations
@@ -178,3 +178,19 @@ def test_deepspeed_names_resolve_to_the_runtime() -> None:
         assert module.model_parallel_cuda_manual_seed is rng.model_parallel_cuda_manual_seed
         assert module.CudaRNGStatesTracker is rng.RNGStatesTracker
         assert module.configure is checkpointing.configure
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_streams_live_in_the_device_generator() -> None:
+    tracker = get_cuda_rng_tracker()
+    cpu_before = torch.get_rng_state()
+    torch.cuda.manual_seed(3)
+    tracker.add("split", 5)
+    with tracker.fork("split"):
+        inside = torch.rand(6, device="cuda")
+    outside = torch.rand(6, device="cuda")
+    torch.cuda.manual_seed(3)
+    assert torch.equal(outside, torch.rand(6, device="cuda"))  # the default stream did not move
+    stream = torch.Generator("cuda").manual_seed(5)
+    assert torch.equal(inside, torch.rand(6, device="cuda", generator=stream))
+    assert torch.equal(torch.get_rng_state(), cpu_before)  # the CPU generator is not the one used

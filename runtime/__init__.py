@@ -143,7 +143,10 @@ def initialize(
         config: a dict, a .json/.yaml path, or an already loaded ``runtime.config.Config``.
         collate_fn: passed to the DataLoader.
         dist_init_required: False to forbid creating the process group here (it must exist then).
-        config_params, distributed_port, mpu: DeepSpeed's keywords; see runtime.initialize_compat.
+        config_params, distributed_port: DeepSpeed's keywords; see runtime.initialize_compat.
+        mpu: a Megatron-style model-parallel unit (runtime.parallel.mpu): ZeRO partitions and reduces over
+            its data-parallel group, the gradient norm also sums over its model-parallel group, and
+            train_batch_size counts data-parallel ranks. A runtime.parallel.ParallelGrid is one.
 
     Returns:
         (engine, optimizer, dataloader or None, lr_scheduler or None). The optimizer is the torch optimizer
@@ -153,7 +156,7 @@ def initialize(
         raise ValueError("runtime.initialize needs model=<torch.nn.Module>")
     from runtime.initialize_compat import deepspeed_keywords
 
-    config = deepspeed_keywords(config, config_params, distributed_port, mpu)
+    config = deepspeed_keywords(config, config_params, distributed_port)
     source = _config_source(args, config)
     if not dist.is_initialized() and dist_init_required is False:
         raise RuntimeError(
@@ -162,6 +165,23 @@ def initialize(
     init_distributed()  # the group, or for one the script made, only the care its exit needs
     from runtime.config import Config, load_config
 
+    if mpu is not None:  # a Megatron-style model-parallel unit: ZeRO over its data group
+        from runtime.initialize_compat import mpu_engine
+
+        engine = mpu_engine(model, mpu)(
+            model, source, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
+        )
+        loader = None
+        if training_data is not None:
+            loader = build_dataloader(
+                training_data,
+                engine.config,
+                collate_fn=collate_fn,
+                replicas=engine.mpu_groups.data_size,
+                rank=engine.mpu_groups.data_rank,
+            )
+            engine.training_dataloader = loader
+        return engine, engine.optimizer, loader, engine.lr_scheduler
     parallel = _model_parallel_engine(model, source)
     if parallel is not None:  # pipeline or tensor parallel: the engine reads its own sections of the config
         engine = parallel(
@@ -213,16 +233,23 @@ def _model_parallel_engine(model: nn.Module, source: Any) -> type[Engine] | None
 
 
 def build_dataloader(
-    dataset: torch.utils.data.Dataset, config: Any, *, collate_fn: Callable[..., Any] | None = None
+    dataset: torch.utils.data.Dataset,
+    config: Any,
+    *,
+    collate_fn: Callable[..., Any] | None = None,
+    replicas: int | None = None,
+    rank: int | None = None,
 ) -> torch.utils.data.DataLoader:
     """A DataLoader over this rank's part of `dataset` (DistributedSampler, shuffled, seed 0) with the
-    micro batch size. Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new order."""
+    micro batch size. Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new order. `replicas` and
+    `rank`: the data-parallel ranks and this one's place (default: the world; model-parallel ranks of one
+    data rank read the same samples)."""
     from runtime.checkpoint.data_position import ResumableDataLoader, ResumableSampler
 
     sampler = ResumableSampler(
         dataset,
-        num_replicas=dist.get_world_size(),
-        rank=dist.get_rank(),
+        num_replicas=dist.get_world_size() if replicas is None else replicas,
+        rank=dist.get_rank() if rank is None else rank,
         drop_last=config.dataloader_drop_last,
     )
     return ResumableDataLoader(

@@ -28,6 +28,12 @@ called first):
 How it works: torch's checkpoint saves the region's inputs as ordinary saved tensors before it installs its
 own saved-tensor hooks for the region, so hooks installed around the call see exactly those inputs and
 nothing else (inside the region torch's hooks take precedence).
+
+Model parallelism: ``configure(mpu_)`` names the model-parallel unit (an engine built with
+``initialize(mpu=...)`` supplies its own when configure named none). The named random streams of
+``get_cuda_rng_tracker()`` (runtime.parallel.rng) are replayed like the default generator: a
+recomputation starts from the streams' states at the forward, so dropout inside ``fork()`` draws the
+forward's masks too, and the streams continue afterwards from where the whole forward left them.
 """
 
 from __future__ import annotations
@@ -47,16 +53,29 @@ from torch import nn
 from runtime.comm import Comm
 from runtime.config import ActivationCheckpointingConfig, Config, ConfigError
 from runtime.distributed import accelerator
+from runtime.parallel.mpu import model_parallel_names
+from runtime.parallel.rng import (
+    CudaRNGStatesTracker,
+    RNGStatesTracker,
+    get_cuda_rng_tracker,
+    model_parallel_cuda_manual_seed,
+)
 
 __all__ = [
     "CheckpointSettings",
     "CheckpointStats",
+    "CudaRNGStatesTracker",
+    "RNGStatesTracker",
     "checkpoint",
     "configure",
+    "configured_mpu",
+    "get_cuda_rng_tracker",
     "is_configured",
+    "model_parallel_cuda_manual_seed",
     "reset",
     "settings",
     "take_profile",
+    "use_engine_mpu",
 ]
 
 _log = logging.getLogger("runtime.checkpointing")
@@ -113,8 +132,9 @@ def configure(
 
     Args:
         mpu_: a model-parallel unit (Megatron style: ``get_model_parallel_group()``,
-            ``get_model_parallel_world_size()``, ``get_model_parallel_rank()``); needed only for
-            ``partition_activations``.
+            ``get_model_parallel_world_size()``, ``get_model_parallel_rank()``, or the
+            ``get_tensor_model_parallel_*`` names); used by ``partition_activations`` and by
+            ``model_parallel_cuda_manual_seed`` (its model-parallel rank).
         deepspeed_config: the config (a dict, a .json/.yaml path, a ``runtime.config.Config`` or its
             ``ActivationCheckpointingConfig``) whose ``activation_checkpointing`` section is the base.
         partition_activations, contiguous_checkpointing, num_checkpoints, checkpoint_in_cpu, synchronize,
@@ -150,6 +170,22 @@ def apply_engine_config(config: Config) -> None:
     """What ``runtime.initialize`` calls: the config's section, unless ``configure()`` already ran."""
     if not _state.configured:
         configure(deepspeed_config=config.activation_checkpointing)
+
+
+def use_engine_mpu(mpu: Any) -> None:
+    """What an engine built with ``initialize(mpu=...)`` calls: its mpu serves checkpointing and the
+    model-parallel seed unless ``configure(mpu_=...)`` already named one."""
+    if _state.mpu is not None or mpu is None:
+        return
+    _state.mpu = mpu
+    if _state.settings.partition_activations:
+        group = _partition_group(mpu)
+        _state.partition = Comm(group) if group is not None else None
+
+
+def configured_mpu() -> Any:
+    """The model-parallel unit checkpointing uses (None: pure data parallelism)."""
+    return _state.mpu
 
 
 def is_configured() -> bool:
@@ -219,13 +255,14 @@ def _partition_group(mpu: Any) -> Any:
     """The model-parallel group to split inputs over, or None when there is none to split over."""
     if mpu is None:
         return None
-    for name in ("get_model_parallel_group", "get_model_parallel_world_size", "get_model_parallel_rank"):
+    group_name, size_name, _ = names = model_parallel_names(mpu)
+    for name in names:
         if not callable(getattr(mpu, name, None)):
             raise TypeError(
                 f"configure(mpu_=...): the mpu object ({type(mpu).__name__}) has no {name}(); pass a "
                 "Megatron-style model-parallel unit, or None for pure data parallelism"
             )
-    return mpu.get_model_parallel_group() if mpu.get_model_parallel_world_size() > 1 else None
+    return getattr(mpu, group_name)() if getattr(mpu, size_name)() > 1 else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -339,17 +376,25 @@ class _Recomputation:
     """The context torch enters around a recomputation: marks it as running (nested checkpoints then skip
     the input hooks) and times it when profiling. Reusable: retain_graph can recompute a region twice."""
 
-    def __init__(self, timed: bool, device: torch.device | None) -> None:
+    def __init__(self, timed: bool, device: torch.device | None, streams: dict[str, torch.Tensor]) -> None:
         self.timed = timed
         self.device = device
         self.start = 0.0
+        self.streams = streams  # the tracker's states when the forward ran
+        self.after: list[dict[str, torch.Tensor]] = []  # the states to return to (a stack: reusable)
 
     def __enter__(self) -> None:
         _state.depth += 1
         self.start = time.perf_counter()
+        if self.streams:
+            tracker = get_cuda_rng_tracker()
+            self.after.append(tracker.get_states())
+            tracker.set_states(self.streams)
 
     def __exit__(self, *exc: object) -> None:
         _state.depth -= 1
+        if self.streams:
+            get_cuda_rng_tracker().set_states(self.after.pop())
         if self.timed:
             # torch stops a recomputation early (by raising) once it has what backward needs: time it too
             _sync(self.device)
@@ -367,16 +412,17 @@ def _first_device(args: tuple[Any, ...]) -> torch.device | None:
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` and recompute its activations in backward instead of keeping them.
 
-    Same results as calling ``function`` directly, dropout included (the RNG state is replayed). Call
-    modules through ``module.__call__`` (pass the module itself as ``function``) so that hooks such as
-    ZeRO-3's parameter gathering also run during the recomputation.
+    Same results as calling ``function`` directly, dropout included (the RNG state and the tracker's
+    streams are replayed). Call modules through ``module.__call__`` (pass the module itself as
+    ``function``) so that hooks such as ZeRO-3's parameter gathering also run during the recomputation.
     """
     chosen = _state.settings
     device = _first_device(args)
     outer = _state.depth == 0
+    streams = get_cuda_rng_tracker().get_states()  # the model-parallel streams, replayed like the RNG
 
     def contexts() -> tuple[Any, Any]:
-        return contextlib.nullcontext(), _Recomputation(chosen.profile and outer, device)
+        return contextlib.nullcontext(), _Recomputation(chosen.profile and outer, device, streams)
 
     sync = chosen.synchronize_checkpoint_boundary or chosen.profile
     if sync:

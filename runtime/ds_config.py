@@ -22,17 +22,23 @@ __all__ = ["DeepSpeedConfig"]
 
 
 class DeepSpeedConfig:
-    """A checked DeepSpeed config. ``config``: a .json/.yaml path or a mapping; ``mpu``: refused (no
-    model parallelism). The world size is the process group's, or WORLD_SIZE, or 1."""
+    """A checked DeepSpeed config. ``config``: a .json/.yaml path or a mapping. The world size (what the
+    batch arithmetic counts) is the data-parallel size of ``mpu`` when one is given (runtime.parallel.mpu),
+    else the process group's, or WORLD_SIZE, or 1."""
 
     def __init__(
         self, config: str | os.PathLike | Mapping[str, Any], mpu: Any = None, mesh_device: Any = None
     ):
-        if mpu is not None or mesh_device is not None:
-            unsupported("model parallelism (DeepSpeedConfig(mpu=...))", "use data parallelism with ZeRO")
+        if mesh_device is not None:
+            unsupported("DeepSpeedConfig(mesh_device=...)", "pass mpu=, or use initialize(mpu=...)")
         source = read_config_file(config) if isinstance(config, (str, os.PathLike)) else dict(config)
         self._param_dict = source
-        self.world_size = _world_size()
+        if mpu is not None:
+            from runtime.parallel.mpu import resolve_mpu
+
+            self.world_size = resolve_mpu(mpu).data_size
+        else:
+            self.world_size = _world_size()
         self.config: Config = load_config(source, world_size=self.world_size)
 
     def __repr__(self) -> str:

@@ -38,6 +38,7 @@ from runtime.precision.mixed import cast_floating, input_dtype_error, policy_fro
 from runtime.precision.nonfinite import StepGuard, guard_from_config
 from runtime.zero import StageSetup, ZeroStage, build_zero_stage, shards_optimizer_state
 from runtime.zero.optimizer import (
+    GroupSpec,
     OptimizerSource,
     build_shard_optimizer,
     collect_param_groups,
@@ -106,7 +107,7 @@ class Engine(EngineAccessors, nn.Module):
         self._scale_wrt_gas = True
         self.training_dataloader: Any = None  # set by runtime.initialize; its position is checkpointed
 
-        specs = collect_param_groups(model, optimizer, model_parameters)
+        specs = self._param_group_specs(model, optimizer, model_parameters)
         registration = {p: i for i, p in enumerate(model.parameters())}
         sharded = shards_optimizer_state(zero_cfg.stage) and self.comm.world_size > 1
         self._pre_reduce_scale = _pre_reduce_scale(config, self.comm.world_size)
@@ -143,6 +144,13 @@ class Engine(EngineAccessors, nn.Module):
         checkpointing.apply_engine_config(config)
 
     # -- construction helpers -------------------------------------------------------------------------
+    def _param_group_specs(
+        self, model: nn.Module, optimizer: OptimizerSource | None, model_parameters: Any
+    ) -> list[GroupSpec]:
+        """The user's param groups. Model-parallel engines override it: they map the user's parameters
+        onto the model's sharded ones, or split groups by how the parameters are shared."""
+        return collect_param_groups(model, optimizer, model_parameters)
+
     def _build_optimizer(self, source: OptimizerSource | None, sharded: bool) -> tuple[Any, bool]:
         if source is None and self.config.optimizer is None:
             return None, False

@@ -1,29 +1,30 @@
 """DeepSpeed's extra keywords of ``initialize``: ``config_params``, ``distributed_port``, ``mpu``.
 
 Accelerate calls ``deepspeed.initialize(model=..., config_params=<dict>)``; older scripts pass
-``distributed_port`` or a model-parallel unit ``mpu``. `deepspeed_keywords` maps them onto
-`runtime.initialize`'s own arguments, so that function keeps one meaning per argument.
+``distributed_port``, and Megatron-style scripts a model-parallel unit ``mpu``. `deepspeed_keywords` maps
+the first two onto `runtime.initialize`'s own arguments, so that function keeps one meaning per argument;
+`mpu_engine` says which engine trains with an mpu (runtime.parallel.mpu_engine.MpuEngine) and refuses
+what does not combine with one.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
-from runtime.unsupported import unsupported
+from torch import nn
 
-__all__ = ["deepspeed_keywords"]
+from runtime.parallel.mpu import MpuError
+
+__all__ = ["deepspeed_keywords", "mpu_engine"]
 
 
-def deepspeed_keywords(config: Any, config_params: Any, distributed_port: int, mpu: Any) -> Any:
+def deepspeed_keywords(config: Any, config_params: Any, distributed_port: int) -> Any:
     """The config to use, after checking DeepSpeed's keywords. ``config_params`` is DeepSpeed's older
     name of ``config`` (both at once is an error); ``distributed_port`` fills MASTER_PORT when no launcher
-    set it; ``mpu`` (model parallelism) is refused."""
-    if mpu is not None:
-        unsupported(
-            "model parallelism through initialize(mpu=...)",
-            "dslaunch trains with data parallelism and ZeRO; drop mpu (ZeRO stage 3 splits large models)",
-        )
+    set it."""
     if "MASTER_PORT" not in os.environ and distributed_port != 29500:
         os.environ["MASTER_PORT"] = str(distributed_port)
     if config_params is None:
@@ -31,3 +32,18 @@ def deepspeed_keywords(config: Any, config_params: Any, distributed_port: int, m
     if config is not None:
         raise ValueError("initialize got both config= and config_params=; they are the same thing, pass one")
     return config_params
+
+
+def mpu_engine(model: nn.Module, mpu: Any) -> Callable[..., Any]:
+    """The engine class for ``initialize(mpu=...)``, its mpu bound; a pipeline with an mpu is refused
+    (its topology is the pipeline's own mpu)."""
+    from runtime.parallel.mpu_engine import MpuEngine
+    from runtime.pipe.module import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise MpuError(
+            "initialize got a PipelineModule and mpu=...: a pipeline takes its groups from its topology",
+            hint="drop mpu, or build the PipelineModule with PipeModelDataParallelTopology(num_pp, num_mp, "
+            "num_dp)",
+        )
+    return functools.partial(MpuEngine, mpu=mpu)

@@ -332,11 +332,6 @@ def test_pipeline_and_tensor_parallel_configs_reach_their_engines_through_initia
         (lambda ds: ds.runtime.fp16.onebit.adam.OnebitAdam([]), "1-bit Adam", "Adam/AdamW"),
         (lambda ds: ds.DeepSpeedHybridEngine, "deepspeed.DeepSpeedHybridEngine", "Coming from DeepSpeed"),
         (lambda ds: ds.utils.groups._get_sequence_parallel_group(), "sequence-parallel", "data parallelism"),
-        (
-            lambda ds: ds.initialize(model=nn.Linear(2, 2), config={}, mpu=object()),
-            "model parallelism",
-            "ZeRO",
-        ),
     ],
 )
 def test_unsupported_features_raise_by_name(call: Any, feature: str, alternative: str) -> None:

@@ -6,8 +6,9 @@ Runs in the shared spawn of 4 gloo ranks (tests/pipe_world4.py), laid out tp2 x 
   (the reference) on the same data: losses to 1e-5 relative, the gathered Hugging Face-layout weights
   (so the fused q|k|v reordering is undone), per-rank parameter elements against the plan (sharded
   projections / 2), local head counts, and the errors for degrees that do not divide;
-- `TensorParallelEngine` (`"tensor_parallel": {"autotp_size": 2}`): ZeRO-0/1 over data, clipping by the
-  norm over the whole grid, against one process training on the global batch.
+- `TensorParallelEngine` (`"tensor_parallel": {"autotp_size": 2}`): ZeRO-0/1/2 over data, clipping by the
+  norm over the whole grid, and a client AdamW with two param groups built on the whole model before
+  sharding, against one process training on the global batch.
 """
 
 from __future__ import annotations
@@ -87,7 +88,22 @@ def _train_pair(block: type[nn.Module], mesh: object, dp_rank: int) -> dict:
 
 # GPT-2 trains with SGD: its key bias gets a zero gradient in exact arithmetic (softmax ignores a shift
 # shared by all keys), and Adam would turn the rounding noise in it into full-size steps
-ENGINE_CASES = [("gpt2", 0, 0.0, "SGD"), ("llama", 1, 0.3, "Adam"), ("gpt2", 1, 0.3, "SGD")]
+# "client": a torch AdamW over two param groups (weight decay on the matrices), passed as optimizer=
+ENGINE_CASES = [
+    ("gpt2", 0, 0.0, "SGD"),
+    ("llama", 1, 0.3, "Adam"),
+    ("gpt2", 1, 0.3, "SGD"),
+    ("gpt2", 2, 0.3, "SGD"),
+    ("llama", 2, 0.3, "Adam"),
+    ("llama", 1, 0.3, "client"),
+]
+
+
+def _client_groups(model: nn.Module) -> list[dict]:
+    """Weight decay on the matrices, none on norms, biases and the embedding (by name, before sharding)."""
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and "wte" not in n]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and "wte" not in n)]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
 def _engine_run(kind: str, stage: int, clip: float, optimizer: str) -> dict:
@@ -109,7 +125,11 @@ def _engine_run(kind: str, stage: int, clip: float, optimizer: str) -> dict:
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 200},
         "tensor_parallel": {"autotp_size": 2},
     }
-    engine = TensorParallelEngine(model, config)
+    client = None
+    if optimizer == "client":
+        del config["optimizer"]
+        client = torch.optim.AdamW(_client_groups(model), lr=lr)
+    engine = TensorParallelEngine(model, config, optimizer=client)
     dp_rank = engine.grid.get_data_parallel_rank()
     losses, norms = [], []
     for step in range(STEPS):
@@ -121,18 +141,20 @@ def _engine_run(kind: str, stage: int, clip: float, optimizer: str) -> dict:
         dist.all_reduce(mean, group=engine.grid.get_data_parallel_group())
         losses.append(float(mean) / 2)
         norms.append(engine.get_global_grad_norm())
-    return {"losses": losses, "norms": norms, "state": engine.hf_state_dict()}
+    decays = [group.get("weight_decay") for group in engine.optimizer.param_groups]
+    return {"losses": losses, "norms": norms, "state": engine.hf_state_dict(), "decays": decays}
 
 
 def _engine_reference(kind: str, clip: float, optimizer: str) -> dict:
     torch.manual_seed(0)
     model = TinyLM(GPT2Block if kind == "gpt2" else LlamaBlock)
     lr = 0.2 if optimizer == "SGD" else 0.02
-    opt = (
-        torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-        if optimizer == "SGD"
-        else torch.optim.Adam(model.parameters(), lr=lr)
-    )
+    if optimizer == "SGD":
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    elif optimizer == "client":
+        opt = torch.optim.AdamW(_client_groups(model), lr=lr)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
     losses, norms = [], []
     for step in range(STEPS):
         batches = [lm_batch(step, d) for d in range(2)]
@@ -274,6 +296,13 @@ def test_engine_tp2_dp2_matches_single_process(results: list[dict], index: int) 
             torch.testing.assert_close(
                 got["state"][key], want, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {key}"
             )
+
+
+def test_engine_rebuilds_a_client_optimizer_over_the_shards_with_its_groups(results: list[dict]) -> None:
+    """The client AdamW's two groups (built on the whole model) keep their weight decay on the shards:
+    the matrices' group splits into its sharded projections and the replicated lm_head."""
+    got = results[0]["engine"][ENGINE_CASES.index(("llama", 1, 0.3, "client"))]
+    assert got["decays"] == [0.1, 0.1, 0.0]
 
 
 def test_pipeline_with_tensor_parallel_matches_single_process(results: list[dict]) -> None:

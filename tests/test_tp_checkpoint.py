@@ -1,7 +1,7 @@
 """Tensor-parallel checkpoints: each model rank keeps its own shards (with pipelines, each stage and model
-rank), so a tp2 run and a pp2 x tp2 run resumed from a save repeat the uninterrupted run exactly (before,
-the model ranks wrote the same files and the resume diverged), and a resume at another degree is refused
-by name. 2 and 4 gloo ranks, CPU."""
+rank), so a tp2 run, a tp2 x dp2 run and a pp2 x tp2 run resumed from a save repeat the uninterrupted run
+exactly (before, the model ranks wrote the same files and the resume diverged), and a resume at another
+degree is refused by name. 2 and 4 gloo ranks (one spawn each), CPU."""
 
 from __future__ import annotations
 
@@ -99,10 +99,67 @@ def _train_3d(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
             "folders": sorted(p.name for p in Path(save_dir).iterdir())}  # fmt: skip
 
 
-def test_a_pipeline_by_tensor_parallel_resume_repeats_the_uninterrupted_run(tmp_path: Path) -> None:
-    results = run_distributed(_train_3d, 4, str(tmp_path / "ckpt"), timeout=240)
+DP_STEPS, DP_SAVE_AT = 8, 4
+
+
+def _train_tp_dp(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
+    """tp2 x dp2 with AutoTP on the GPT-2-style model, ZeRO-1 over data: 8 steps, saved after 4; a fresh
+    engine loads the save and runs the last 4."""
+    import runtime
+
+    config = _config(2) | {"train_batch_size": 8}
+
+    def engine() -> Any:
+        torch.manual_seed(0)
+        return runtime.initialize(model=TinyLM(GPT2Block), config=config)[0]
+
+    def steps(eng: Any, start: int) -> list[float]:
+        losses = []
+        for step in range(start, DP_STEPS):
+            tokens, labels = lm_batch(step, eng.grid.get_data_parallel_rank())
+            loss = lm_loss(eng, tokens, labels)
+            eng.backward(loss)
+            eng.step()
+            losses.append(float(loss))
+            if step + 1 == DP_SAVE_AT and start == 0:
+                eng.save_checkpoint(save_dir)
+        return losses
+
+    first = engine()
+    whole = steps(first, 0)
+    resumed_engine = engine()
+    resumed_engine.load_checkpoint(save_dir)
+    resumed = steps(resumed_engine, DP_SAVE_AT)
+    return {"whole": whole, "resumed": resumed, "whole_state": first.hf_state_dict(),
+            "resumed_state": resumed_engine.hf_state_dict(),
+            "folders": sorted(p.name for p in Path(save_dir).iterdir())}  # fmt: skip
+
+
+def _world4(rank: int, world_size: int, save_root: str) -> dict[str, Any]:
+    return {
+        "pp_tp": _train_3d(rank, world_size, f"{save_root}/pp_tp"),
+        "tp_dp": _train_tp_dp(rank, world_size, f"{save_root}/tp_dp"),
+    }
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(_world4, 4, str(tmp_path_factory.mktemp("ckpt4")), timeout=300)
+
+
+def test_a_pipeline_by_tensor_parallel_resume_repeats_the_uninterrupted_run(world4: list[dict]) -> None:
+    results = [r["pp_tp"] for r in world4]
     for r in results:
         assert r["resumed"] == pytest.approx(r["whole"][SAVE_AT:], rel=1e-6, abs=0), r
     assert results[0]["folders"] == [
         f"pipe_stage_{s:02d}_of_02_tp_{t:02d}_of_02" for s in range(2) for t in range(2)
     ]
+
+
+def test_a_tensor_by_data_parallel_resume_repeats_the_uninterrupted_run(world4: list[dict]) -> None:
+    for rank, r in enumerate(r["tp_dp"] for r in world4):
+        assert r["resumed"] == r["whole"][DP_SAVE_AT:], f"rank {rank}"  # exact
+        assert sorted(r["resumed_state"]) == sorted(r["whole_state"])
+        for key, value in r["whole_state"].items():
+            assert torch.equal(r["resumed_state"][key], value), f"rank {rank} {key}"
+        assert r["folders"] == ["tp_rank_00_of_02", "tp_rank_01_of_02"]

@@ -47,9 +47,14 @@ def check_loadable(value: Any, where: str) -> None:
 
 # -- RNG --------------------------------------------------------------------------------------------------
 def capture_rng(device: torch.device) -> dict[str, Any]:
+    from runtime.parallel.rng import get_cuda_rng_tracker
+
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    streams = get_cuda_rng_tracker().get_states()  # the model-parallel random streams, when seeded
+    if streams:
+        state["streams"] = streams
     try:
         import numpy as np
 
@@ -72,6 +77,10 @@ def restore_rng(state: Mapping[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+    if "streams" in state:
+        from runtime.parallel.rng import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(dict(state["streams"]))
     if "numpy" in state:
         try:
             import numpy as np

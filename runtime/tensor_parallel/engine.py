@@ -6,15 +6,18 @@ re-registered as its local shard (a plain Parameter) behind a parametrization th
 DTensor on every access (`DTensor.from_local`, differentiable): the forward still runs the DTensor plans,
 and the gradients land, local, in the engine's flat buffers, to be reduced over data as usual.
 
-The gradient norm counts every weight once: sharded parameters are summed over the model group, and the
-parameters every tensor-parallel rank holds whole (norms, embeddings, row-wise biases) are kept in their
-own param groups, whose squares are scaled by 1/tp before that sum.
+The engine is `runtime.parallel.mpu_engine.MpuEngine` with the grid as the model-parallel unit: ZeRO
+stages 0-2 over data, and the gradient norm counts every weight once (sharded parameters are summed over
+the model group; the parameters every tensor-parallel rank holds whole, such as norms, embeddings and
+row-wise biases, are kept in their own param groups, whose squares are scaled by 1/tp before that sum).
+A client optimizer built on the whole model, or `model_parameters` naming its parameters, is mapped onto
+the shards by parameter name.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import re
 from typing import Any
 
 import torch
@@ -23,11 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
-from runtime.comm import Comm
-from runtime.config import load_config, read_config_file
-from runtime.engine import Engine
-from runtime.offload import GradMath
+from runtime.config import read_config_file
 from runtime.parallel import ParallelGrid, topology_for
+from runtime.parallel.mpu_engine import MpuEngine, replicated_squares
 from runtime.tensor_parallel import read_tensor_parallel_config
 from runtime.tensor_parallel.autotp import tp_model_init
 
@@ -89,21 +90,6 @@ def split_param_groups(
     return groups, replicated
 
 
-def replicated_squares(engine: Engine, replicated_specs: set[int]) -> torch.Tensor | None:
-    """Sum of squares of this rank's reduced gradients of the parameters every model rank holds whole
-    (the param groups in `replicated_specs`), in the units of the engine's norm; None when there are
-    none. Call it where the norm is computed: the gradients are reduced by then."""
-    pieces = [
-        piece.float()
-        for group, group_pieces in zip(engine.groups, engine.zero.grad_pieces(), strict=True)
-        if group.spec_index in replicated_specs
-        for piece in group_pieces
-    ]
-    if not pieces:
-        return None
-    return torch.stack([torch.linalg.vector_norm(p) for p in pieces]).square().sum()
-
-
 def shard_for_tensor_parallel(
     model: nn.Module, tp_size: int, mesh: Any, model_parameters: Any
 ) -> tuple[list[dict[str, Any]], set[int]]:
@@ -118,8 +104,13 @@ def shard_for_tensor_parallel(
     return split_param_groups(model, model_parameters, sharded)
 
 
-class TensorParallelEngine(Engine):
-    """The ZeRO engine (stages 0 and 1) over the data group of a model sharded with AutoTP."""
+class TensorParallelEngine(MpuEngine):
+    """The ZeRO engine (stages 0-2) over the data group of a model sharded with AutoTP: `MpuEngine` with
+    the grid as the mpu and the DTensor shards as the split parameters."""
+
+    # stage 3 would partition the parametrized shards again; not built or tested
+    max_zero_stage = 2
+    parallelism = "tensor parallelism (AutoTP)"
 
     def __init__(
         self,
@@ -130,52 +121,30 @@ class TensorParallelEngine(Engine):
         model_parameters: Any = None,
         lr_scheduler: Any = None,
     ) -> None:
-        raw = dict(read_config_file(config)) if isinstance(config, (str, os.PathLike)) else dict(config)
-        tp_cfg = read_tensor_parallel_config(raw.pop("tensor_parallel", None))
-        tp = tp_cfg.autotp_size
+        raw = dict(read_config_file(config) if isinstance(config, (str, os.PathLike)) else config)
+        tp = read_tensor_parallel_config(raw.pop("tensor_parallel", None)).autotp_size
         grid = ParallelGrid(topology_for(dist.get_world_size(), tp=tp))
-        cfg = load_config(raw, world_size=grid.data_parallel_size, model=model)
-        if cfg.zero_optimization.stage >= 2:
-            raise ValueError(
-                f"zero_optimization.stage {cfg.zero_optimization.stage} with tensor parallelism "
-                f"(autotp_size {tp}) is not supported yet; use stage 0 or 1"
-            )
-        if optimizer is not None:
-            raise ValueError("TensorParallelEngine builds the optimizer from the config's optimizer section")
-        groups, self_replicated = shard_for_tensor_parallel(model, tp, grid.mesh["model"], model_parameters)
+        # the user's parameters (a client optimizer's groups, model_parameters) by name, before AutoTP
+        # replaces them with their shards
+        names = {param: name for name, param in model.named_parameters()}
+        from runtime.tensor_parallel.autotp import tp_plan
+
+        if tp_plan(model):
+            tp_model_init(model, tp, mesh=grid.mesh["model"])
+        sharded = localize_parameters(model)
+        now = {_plain_name(name): param for name, param in model.named_parameters()}
         super().__init__(
             model,
-            cfg,
-            model_parameters=groups,
+            raw,
+            mpu=grid,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
             lr_scheduler=lr_scheduler,
-            comm=Comm(
-                grid.get_data_parallel_group(),
-                emulate_reduce_scatter=not cfg.zero_optimization.reduce_scatter,
-            ),
+            sharded=sharded,
+            renamed={param: now[name] for param, name in names.items() if name in now},
         )
         self.grid = grid
         self.tp_size = tp
-        self._replicated_specs = self_replicated
-
-    def _grad_math(self) -> GradMath:
-        math = super()._grad_math()
-        if self.tp_size == 1:
-            return math
-        return dataclasses.replace(math, all_reduce_sum=self._grid_sum(math.all_reduce_sum))
-
-    def _grid_sum(self, dp_sum: Any) -> Any:
-        tp = self.tp_size
-
-        def reduce(squared: torch.Tensor) -> None:
-            # replicated parameters: every model rank holds the same gradient, so each adds 1/tp of it
-            squares = replicated_squares(self, self._replicated_specs)
-            if squares is not None:
-                squared.sub_(squares.to(squared.dtype) * (tp - 1) / tp)
-            if dp_sum is not None:
-                dp_sum(squared)
-            dist.all_reduce(squared, group=self.grid.get_model_parallel_group())
-
-        return reduce
 
     def checkpoint_folder(self) -> tuple[str, str, str]:
         """Each model rank keeps its own ZeRO checkpoint (its shards of the sharded projections, over its
@@ -190,6 +159,12 @@ class TensorParallelEngine(Engine):
 
         self.masters.flush()
         return full_state_dict(self.module)
+
+
+def _plain_name(name: str) -> str:
+    """A parametrized parameter's name as the module had it ("c_attn.weight", not
+    "c_attn.parametrizations.weight.original")."""
+    return re.sub(r"(^|\.)parametrizations\.([^.]+)\.original$", r"\1\2", name)
 
 
 def tensor_parallel_size(config: Any) -> int:

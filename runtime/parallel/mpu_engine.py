@@ -1,0 +1,206 @@
+"""`MpuEngine`: the ZeRO engine over the data group of a model-parallel unit (``initialize(mpu=...)``).
+
+The model arrives already split by the user's code (Megatron's column- and row-parallel layers, which do
+their own collectives over the model group); the engine only has to train it as data parallelism over
+the mpu's data group, with three differences from the plain engine:
+
+- ZeRO partitions and reduces over the data group (the engine's `Comm` is built on it), and the batch
+  arithmetic counts data-parallel ranks, not the world;
+- the gradient norm (clipping, the non-finite verdict) is summed over the model group as well, each
+  weight once: a parameter split over the model group (`is_model_parallel_parameter`) contributes its
+  shard's squares on every model rank, one whole on every model rank (unmarked) 1/model-size of them;
+  such parameters are kept in param groups of their own so their squares can be taken apart;
+- each model rank keeps its own checkpoint folder (``mp_rank_RR_of_NN``), as its shards differ.
+
+ZeRO stages 0-3 (stage 3 partitions the local shards over the data group and gathers them there).
+`TensorParallelEngine` (AutoTP) is this engine with our `ParallelGrid` as the mpu and the DTensor shards
+as the split parameters; it stops at stage 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime import checkpointing
+from runtime.comm import Comm
+from runtime.config import Config, load_config, read_config_file
+from runtime.engine import Engine
+from runtime.offload import GradMath
+from runtime.parallel.mpu import MpuError, MpuGroups, is_model_parallel_parameter, resolve_mpu
+from runtime.zero.optimizer import GroupSpec, OptimizerSource, collect_param_groups
+
+__all__ = ["MpuEngine", "replicated_squares", "split_specs"]
+
+
+def split_specs(specs: list[GroupSpec], sharded: set[nn.Parameter]) -> tuple[list[GroupSpec], set[int]]:
+    """Each param group split into its model-parallel (sharded) and its replicated parameters, with the
+    same options and user group; returns the groups and the indices of the replicated ones."""
+    out: list[GroupSpec] = []
+    replicated: set[int] = set()
+    for spec in specs:
+        for is_sharded in (True, False):
+            part = [p for p in spec.params if (p in sharded) == is_sharded]
+            if part:
+                if not is_sharded:
+                    replicated.add(len(out))
+                out.append(GroupSpec(part, dict(spec.options), spec.source))
+    return out, replicated
+
+
+def replicated_squares(engine: Engine, replicated_specs: set[int]) -> torch.Tensor | None:
+    """Sum of squares of this rank's reduced gradients of the parameters every model rank holds whole
+    (the param groups in `replicated_specs`), in the units of the engine's norm; None when there are
+    none. Call it where the norm is computed: the gradients are reduced by then."""
+    pieces = [
+        piece.float()
+        for group, group_pieces in zip(engine.groups, engine.zero.grad_pieces(), strict=True)
+        if group.spec_index in replicated_specs
+        for piece in group_pieces
+    ]
+    if not pieces:
+        return None
+    return torch.stack([torch.linalg.vector_norm(p) for p in pieces]).square().sum()
+
+
+def _config_for(config: Any, groups: MpuGroups, model: nn.Module) -> Config:
+    """The config resolved for the data-parallel ranks (train_batch_size counts them, not the world)."""
+    if isinstance(config, Config):
+        if config.world_size != groups.data_size:
+            raise MpuError(
+                f"the config was resolved for {config.world_size} data-parallel ranks, but the mpu has "
+                f"{groups.data_size} ({groups.describe()})"
+            )
+        return config
+    raw = dict(read_config_file(config) if isinstance(config, (str, os.PathLike)) else config)
+    section = raw.pop("tensor_parallel", None)
+    if isinstance(section, Mapping) and int(section.get("autotp_size", section.get("tp_size", 1)) or 1) > 1:
+        raise MpuError(
+            "initialize got both mpu=... and tensor_parallel.autotp_size > 1: the mpu's model already "
+            "is tensor parallel; pass one of them"
+        )
+    batch = raw.get("train_batch_size")
+    if isinstance(batch, int) and not isinstance(batch, bool) and batch % groups.data_size:
+        raise MpuError(
+            f"train_batch_size {batch} is not divisible by the data-parallel size {groups.data_size} "
+            f"({groups.describe()} = {groups.model_size * groups.data_size} ranks)",
+            hint="train_batch_size counts the samples of all data-parallel ranks together: make it a "
+            "multiple of the data-parallel size (model-parallel ranks share their samples)",
+        )
+    return load_config(raw, world_size=groups.data_size, model=model)
+
+
+class MpuEngine(Engine):
+    """ZeRO stages 0-3 over an mpu's data group; the norm over its model group."""
+
+    max_zero_stage = 3  # the highest ZeRO stage this engine is tested with
+    parallelism = "model parallelism"  # what the refusal of a higher stage calls it
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: Any,
+        *,
+        mpu: Any,
+        optimizer: OptimizerSource | None = None,
+        model_parameters: Any = None,
+        lr_scheduler: Any = None,
+        sharded: set[nn.Parameter] | None = None,
+        renamed: Mapping[torch.Tensor, nn.Parameter] | None = None,
+    ) -> None:
+        """`sharded`: the parameters split over the model group (default: the marked ones);
+        `renamed`: the parameters the user holds -> the model's own (after the engine's caller replaced
+        them, as AutoTP does), so a client optimizer's or `model_parameters`' groups still apply."""
+        groups = resolve_mpu(mpu)
+        cfg = _config_for(config, groups, model)
+        stage = cfg.zero_optimization.stage
+        if stage > self.max_zero_stage:
+            stages = ", ".join(str(n) for n in range(self.max_zero_stage)) + f" or {self.max_zero_stage}"
+            raise MpuError(
+                f"zero_optimization.stage {stage} with {self.parallelism} ({groups.describe()}) is not "
+                f"supported; use stage {stages}",
+                hint="stage 2 shards gradients and optimizer state over the data-parallel ranks",
+            )
+        # read by _param_group_specs, which Engine.__init__ calls
+        self._sharded = sharded if sharded is not None else _marked(model)
+        self._renamed = dict(renamed or {})
+        self._replicated_specs: set[int] = set()
+        super().__init__(
+            model,
+            cfg,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            comm=Comm(groups.data_group, emulate_reduce_scatter=not cfg.zero_optimization.reduce_scatter),
+        )
+        self.mpu = mpu
+        self.mpu_groups = groups
+        self.mp_size = groups.model_size
+        checkpointing.use_engine_mpu(mpu)
+
+    def _param_group_specs(
+        self, model: nn.Module, optimizer: OptimizerSource | None, model_parameters: Any
+    ) -> list[GroupSpec]:
+        if self._renamed and (isinstance(optimizer, torch.optim.Optimizer) or model_parameters is not None):
+            specs = collect_param_groups(model, None, self._renamed_groups(optimizer, model_parameters))
+        else:
+            specs = collect_param_groups(model, optimizer, model_parameters)
+        specs, self._replicated_specs = split_specs(specs, self._sharded)
+        return specs
+
+    def _renamed_groups(self, optimizer: Any, model_parameters: Any) -> list[dict[str, Any]]:
+        """The user's groups (one dict each, so group indices stay the user's) over the model's own
+        parameters."""
+        if isinstance(optimizer, torch.optim.Optimizer):
+            user = optimizer.param_groups
+        else:
+            items = list(model_parameters)
+            user = items if items and isinstance(items[0], dict) else [{"params": items}]
+        out = []
+        for group in user:
+            params = group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            out.append({**group, "params": [self._renamed.get(p, p) for p in params]})
+        return out
+
+    def _grad_math(self) -> GradMath:
+        math = super()._grad_math()
+        if self.mp_size == 1:
+            return math
+        return dataclasses.replace(math, all_reduce_sum=self._model_group_sum(math.all_reduce_sum))
+
+    def _model_group_sum(self, dp_sum: Any) -> Any:
+        size, group = self.mp_size, self.mpu_groups.model_group
+
+        def reduce(squared: torch.Tensor) -> None:
+            # replicated parameters: every model rank holds the same gradient, so each adds 1/size of it
+            squares = replicated_squares(self, self._replicated_specs)
+            if squares is not None:
+                squared.sub_(squares.to(squared.dtype) * (size - 1) / size)
+            if dp_sum is not None:
+                dp_sum(squared)
+            dist.all_reduce(squared, group=group)
+
+        return reduce
+
+    def checkpoint_folder(self) -> tuple[str, str, str] | None:
+        """Each model rank keeps its own ZeRO checkpoint; the name carries the size, so a resume at
+        another model-parallel size is caught by name."""
+        if self.mp_size == 1:
+            return None
+        rank = self.mpu_groups.model_rank
+        return (
+            f"mp_rank_{rank:02d}_of_{self.mp_size:02d}",
+            "mp_rank_",
+            f"model-parallel rank {rank} of {self.mp_size}",
+        )
+
+
+def _marked(model: nn.Module) -> set[nn.Parameter]:
+    return {p for p in model.parameters() if is_model_parallel_parameter(p)}

@@ -59,6 +59,7 @@ from runtime.parallel.rng import (
     RNGStatesTracker,
     get_cuda_rng_tracker,
     model_parallel_cuda_manual_seed,
+    set_default_mpu,
 )
 
 __all__ = [
@@ -158,6 +159,7 @@ def configure(
     _check(chosen)
     _state.settings = chosen
     _state.mpu = mpu_
+    set_default_mpu(mpu_)
     group = _partition_group(mpu_) if chosen.partition_activations else None
     _state.partition = Comm(group) if group is not None else None
     _state.arena = _Arena(chosen.number_checkpoints) if chosen.contiguous_memory_optimization else None
@@ -178,6 +180,7 @@ def use_engine_mpu(mpu: Any) -> None:
     if _state.mpu is not None or mpu is None:
         return
     _state.mpu = mpu
+    set_default_mpu(mpu)
     if _state.settings.partition_activations:
         group = _partition_group(mpu)
         _state.partition = Comm(group) if group is not None else None

@@ -109,6 +109,15 @@ class RNGStatesTracker:
 CudaRNGStatesTracker = RNGStatesTracker
 
 _TRACKER = RNGStatesTracker()
+_default_mpu: Any = None  # set_default_mpu's; None: no model parallelism
+
+
+def set_default_mpu(mpu: Any) -> None:
+    """The model-parallel unit `model_parallel_cuda_manual_seed` uses when called without one.
+    ``runtime.checkpointing`` sets it (``configure(mpu_)``, or the engine's mpu), so this module does
+    not need to import checkpointing back."""
+    global _default_mpu
+    _default_mpu = mpu
 
 
 def get_cuda_rng_tracker() -> RNGStatesTracker:
@@ -122,15 +131,14 @@ def model_parallel_cuda_manual_seed(seed: int, mpu: Any = None) -> None:
     ranks, inside it differs. Forgets every other stream of the tracker.
 
     The model-parallel rank comes from `mpu`, else from the mpu given to
-    ``runtime.checkpointing.configure(mpu_)``, else it is 0 (no model parallelism). Data-parallel ranks
-    draw alike when they pass the same seed; pass a seed that includes the data rank for different masks.
+    ``runtime.checkpointing.configure(mpu_)`` (`set_default_mpu`), else it is 0 (no model parallelism).
+    Data-parallel ranks draw alike when they pass the same seed; pass a seed that includes the data rank
+    for different masks.
     """
     from runtime.parallel.mpu import tensor_parallel_rank
 
     if mpu is None:
-        from runtime import checkpointing
-
-        mpu = checkpointing.configured_mpu()
+        mpu = _default_mpu
     model_rank = tensor_parallel_rank(mpu) if mpu is not None else 0
     _TRACKER.reset()
     default_generator().manual_seed(seed)

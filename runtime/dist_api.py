@@ -377,21 +377,35 @@ def log_summary(show_straggler: bool = False) -> None:
         )
 
 
-# -- deepspeed.utils.groups: one data-parallel group (the world); no expert/sequence/model groups ---------
+# -- deepspeed.utils.groups: the data- and model-parallel groups; no expert/sequence groups ---------------
+def _model_parallel() -> Any:
+    """The engine's model-parallel groups (``initialize(mpu=...)`` or AutoTP's grid, which hand their mpu
+    to runtime.checkpointing), or None with data parallelism alone: the world is then the data group."""
+    from runtime.checkpointing import configured_mpu
+    from runtime.parallel.mpu import resolve_mpu
+
+    mpu = configured_mpu()
+    return None if mpu is None else resolve_mpu(mpu)
+
+
 def _get_data_parallel_group() -> ProcessGroup:
-    return dist.group.WORLD
+    groups = _model_parallel()
+    return dist.group.WORLD if groups is None else groups.data_group
 
 
 def _get_data_parallel_world_size() -> int:
-    return get_world_size()
+    groups = _model_parallel()
+    return get_world_size() if groups is None else groups.data_size
 
 
 def _get_data_parallel_rank() -> int:
-    return get_rank()
+    groups = _model_parallel()
+    return get_rank() if groups is None else groups.data_rank
 
 
 def _get_model_parallel_world_size() -> int:
-    return 1
+    groups = _model_parallel()
+    return 1 if groups is None else groups.model_size
 
 
 def _no_group(kind: str, alternative: str) -> Any:

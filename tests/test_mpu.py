@@ -160,8 +160,12 @@ def _streams(grid: Any) -> dict[str, torch.Tensor]:
     outside = torch.rand(6)
     with checkpointing.get_cuda_rng_tracker().fork():
         inside = torch.rand(6)
+    from runtime import dist_api  # deepspeed.utils.groups
+
+    groups = [dist_api._get_data_parallel_world_size(), dist_api._get_data_parallel_rank(),
+              dist_api._get_model_parallel_world_size(), grid.get_data_parallel_rank()]  # fmt: skip
     checkpointing.configure()
-    return {"outside": outside, "inside": inside}
+    return {"outside": outside, "inside": inside, "groups": groups}
 
 
 class _SizeLies:
@@ -199,7 +203,7 @@ def _bad_input(grid: Any) -> dict[str, str]:
 
     import runtime
     from runtime.parallel import ParallelGrid, topology_for
-    from tests.test_tp_autotp import GPT2Block, TinyLM
+    from tests.tp_models import GPT2Block, TinyLM
 
     alone = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
     pipe_grid = ParallelGrid(topology_for(4, pp=2, tp=2))
@@ -342,6 +346,13 @@ def test_random_streams_differ_over_tensor_parallel_ranks_inside_fork_only(
         assert not torch.equal(streams[(0, dp)]["inside"], streams[(1, dp)]["inside"])
     for tp in (0, 1):  # the same seed on every data rank: the user's choice
         assert torch.equal(streams[(tp, 0)]["inside"], streams[(tp, 1)]["inside"])
+
+
+def test_deepspeed_utils_groups_answer_with_the_mpus_groups(world4: list[dict[str, Any]]) -> None:
+    # deepspeed.utils.groups: with an mpu, the data-parallel group is the mpu's, not the world
+    for out in world4:
+        data_size, data_rank, model_size, grid_data_rank = out["streams"]["groups"]
+        assert (data_size, model_size, data_rank) == (2, 2, grid_data_rank)
 
 
 def test_bad_input_is_refused_naming_the_numbers(world4: list[dict[str, Any]]) -> None:

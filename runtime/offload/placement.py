@@ -114,13 +114,14 @@ def attach_master_grads(
     per_tensor: bool,
 ) -> None:
     """Point the optimizer's parameters (one flat master per group, or one view per parameter) at the
-    master gradients, or detach them (`grads=None`)."""
+    master gradients, or detach them (`grads=None`). `groups` may be a subset of the stage's (partial
+    offload): a group's optimizer param group is the one at `group.index`."""
     for index, group in enumerate(groups):
         grad = None if grads is None else grads[index]
         if not per_tensor:
             group.master.grad = grad
             continue
-        views = optimizer.param_groups[index]["params"]
+        views = optimizer.param_groups[group.index]["params"]
         for view, slot in zip(views, group.layout.slots, strict=True):
             view.grad = None if grad is None else grad.narrow(0, slot.offset, slot.numel).view(view.shape)
 
@@ -220,12 +221,29 @@ def build_master_placement(
     if offload.device == "none":
         return DeviceMasters(groups, zero)
     from runtime.offload.host_masters import HostMasters
+    from runtime.offload.partial import PartialMasters, log_split
     from runtime.offload.targets import working_target
 
+    split = getattr(zero, "offload_split", None)  # offload_optimizer.ratio below 1 (runtime.offload.ratio)
+    if split is not None:
+        log_split(split, groups, comm)
+        if not split.host:
+            return DeviceMasters(groups, zero)
     settings, overrides = with_overrides(offload)
     if comm.rank == 0:
         for note in overrides:
             _log.warning("offload: %s", note)
+    if split is not None and split.partial:
+        return PartialMasters(
+            groups,
+            zero,
+            comm,
+            device,
+            registration=registration,
+            settings=settings,
+            target=working_target(zero, comm),
+            split=split,
+        )
     return HostMasters(
         groups,
         zero,

@@ -115,12 +115,15 @@ def build_zero_stage(
         options = stage3_options(setup)
         # One rank gains nothing from sharding, except when the shards are to live in host memory.
         if comm.world_size > 1 or setup.zero.offload_param.device != "none":
-            return build_stage3(model, specs, comm, options)
+            sharded = build_stage3(model, specs, comm, options)
+            sharded.offload_split = _whole_group_split(sharded.groups, setup, registration)
+            return sharded
         groups = resident_unit_groups(model, specs, comm, options)
+        split = _whole_group_split(groups, setup, registration)
     else:
         zero_init.materialize_params(model.parameters())  # built under zero.Init: make them whole again
         model.to(setup.device)
-        groups = _flatten_specs(model, specs, comm, setup, registration)
+        groups, split = _flatten_specs(model, specs, comm, setup, registration)
     strategy = _build_strategy(
         stage,
         groups,
@@ -132,7 +135,24 @@ def build_zero_stage(
     )
     # GatheredParameters(modifier_rank=...) on these always-whole parameters must still reach the masters
     strategy.resident = ResidentGroups(groups, comm)
+    strategy.offload_split = split  # partial optimizer offload: which groups' state goes to the host
     return strategy
+
+
+def _whole_group_split(
+    groups: Sequence[FlatGroup], setup: StageSetup, registration: dict[nn.Parameter, int]
+) -> Any:
+    """Stage 3's groups (one per gather unit and param group) for `offload_optimizer.ratio`: whole groups
+    go to the host, those whose gradients are ready first in backward (runtime.offload.ratio). None when
+    the ratio does not split anything (no offload, or all of it)."""
+    offload = setup.zero.offload_optimizer
+    if offload.device == "none" or offload.ratio == 1.0:
+        return None
+    from runtime.offload.ratio import plan_split
+
+    # backward finishes a group when its earliest-registered parameter is done (runtime.zero.buckets)
+    ready = [-min((registration.get(p, -1) for p in g.params), default=-1) for g in groups]
+    return plan_split([g.param_numel for g in groups], ready, offload.ratio)
 
 
 def _flatten_specs(
@@ -141,8 +161,11 @@ def _flatten_specs(
     comm: Comm,
     setup: StageSetup,
     registration: dict[nn.Parameter, int],
-) -> list[FlatGroup]:
-    """Stages 0-2: one flat group per param group, sharded for stages 1 and 2."""
+) -> tuple[list[FlatGroup], Any]:
+    """Stages 0-2: one flat group per param group, sharded for stages 1 and 2; with
+    `offload_optimizer.ratio` between 0 and 1, two per param group: the parameters whose gradients are
+    ready first (their optimizer state on the host) and the rest (on the device). Returns the groups and
+    the `OffloadSplit` (None without a ratio that splits)."""
     names = {p: n for n, p in model.named_parameters()}
     sharded = shards_optimizer_state(setup.zero.stage) and comm.world_size > 1
     shard_world, shard_rank = (comm.world_size, comm.rank) if sharded else (1, 0)
@@ -151,14 +174,23 @@ def _flatten_specs(
     if comm.world_size == 1 and offload.device != "none":
         # nothing to reduce: a bucket is only the unit in which gradients reach the offloaded step
         bucket_numel = min(bucket_numel, offload.one_rank_bucket_numel)
-    groups = []
+    ratio = offload.ratio if offload.device != "none" else 1.0
+    groups: list[FlatGroup] = []
+    host: list[int] = []
     for index, spec in enumerate(specs):
         # reverse registration order: buckets then fill in the order backward produces gradients
         params = sorted(spec.params, key=lambda p: -registration.get(p, -1))
-        groups.append(
-            flatten_group(
-                index,
-                params,
+        parts = [params]
+        if ratio != 1.0:
+            from runtime.offload.ratio import split_count
+
+            count = split_count([p.numel() for p in params], ratio)
+            host += [len(groups)] if count else []
+            parts = [part for part in (params[:count], params[count:]) if part]
+        for part in parts:
+            group = flatten_group(
+                len(groups),
+                part,
                 spec.options,
                 world_size=shard_world,
                 rank=shard_rank,
@@ -166,10 +198,23 @@ def _flatten_specs(
                 param_dtype=setup.param_dtype,
                 master_dtype=setup.master_dtype,
                 device=setup.device,
-                names=[names[p] for p in params],
+                names=[names[p] for p in part],
             )
-        )
-    return groups
+            group.spec_index = index
+            groups.append(group)
+    if ratio == 1.0:
+        return groups, None
+    from runtime.offload.ratio import OffloadSplit
+
+    device = tuple(i for i in range(len(groups)) if i not in host)
+    split = OffloadSplit(
+        ratio=ratio,
+        host=tuple(host),
+        device=device,
+        host_numel=sum(groups[i].param_numel for i in host),
+        device_numel=sum(groups[i].param_numel for i in device),
+    )
+    return groups, split
 
 
 def _build_strategy(

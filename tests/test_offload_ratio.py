@@ -1,0 +1,341 @@
+"""Partial optimizer offload (`offload_optimizer.ratio`): part of the optimizer on the host, the rest on the
+device, and the run equals plain PyTorch.
+
+- The split (runtime/offload/ratio.py): which parameters go to the host for given sizes and ratio.
+- Parity, world 2 in one spawn: ZeRO stages 2 and 3 with ratio 0.25 and 0.5, fp32, accumulation 1 and 2,
+  clipping on (AdamW: the host's one-pass Adam beside torch's AdamW on the device) and off (SGD with
+  momentum on both sides: any averaging error shows in the weights), plus bf16, against the plain PyTorch
+  reference of tests/test_zero_parity.py (fp32: losses and weights within 1e-5). Ratio 0 equals the run
+  without offload and ratio 1 the full offload, bit for bit.
+- A checkpoint saved with ratio 0.25 resumes with ratio 0.5 and continues the straight run.
+- Bad input: the config's errors, word for word.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist import run_distributed
+from tests.models import loss_fn, make_model, param_groups, rank_batch, train_engine, with_offload_settings
+from tests.test_offload import SMALL_CHUNKS, OffloadCase
+from tests.test_zero_parity import ROWS, STEPS, _compare
+
+# -- the split -------------------------------------------------------------------------------------------
+
+
+def test_split_count_takes_the_prefix_nearest_to_the_ratio() -> None:
+    from runtime.offload.ratio import split_count
+
+    sizes = [155, 744, 312]  # in the order their gradients are ready
+    assert split_count(sizes, 0.0) == 0
+    assert split_count(sizes, 1.0) == 3
+    assert split_count(sizes, 0.25) == 1  # 155 of 1211 (302.75 wanted): nearer than 0 or 899
+    assert split_count(sizes, 0.5) == 2  # 899 is 294 off 605.5, 155 is 450 off
+    assert split_count(sizes, 0.1) == 1  # 155 is 34 off 121.1, 0 is 121 off
+    assert split_count(sizes, 0.05) == 0  # 60.55 wanted: nothing is nearer than 155
+    assert split_count([10, 10, 10, 10], 0.5) == 2
+    assert split_count([10, 10], 0.25) == 0  # a tie (5 off either way) keeps the shorter prefix
+    assert split_count([0, 10, 0], 1.0) == 3  # 1.0 is all of them, empty ones too
+    assert split_count([], 0.5) == 0
+
+
+def test_split_refuses_a_ratio_outside_zero_to_one() -> None:
+    from runtime.offload.ratio import split_count
+
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError) as caught:
+            split_count([1, 2], bad)
+        assert str(caught.value) == (
+            "zero_optimization.offload_optimizer.ratio must be between 0 and 1 (the share of the optimizer "
+            f"on the host), got {bad}"
+        )
+
+
+def test_plan_split_sends_the_groups_ready_first_to_the_host() -> None:
+    from runtime.offload.ratio import plan_split
+
+    # stage 3: four groups in model order; backward finishes them last to first
+    numels, ready = [300, 40, 700, 160], [3, 2, 1, 0]
+    split = plan_split(numels, ready, 0.25)
+    assert (split.host, split.device) == ((3,), (0, 1, 2))  # 160 is nearest to 300 of 1200
+    assert (split.host_numel, split.device_numel) == (160, 1040)
+    assert split.achieved == pytest.approx(160 / 1200)
+    split = plan_split(numels, ready, 0.75)
+    assert (split.host, split.device) == ((1, 2, 3), (0,))  # 160 + 700 + 40 is the 900 wanted
+    split = plan_split(numels, ready, 0.7)
+    assert (split.host, split.device) == ((2, 3), (0, 1))  # 860 is 20 off 840, 900 is 60 off
+    assert split.partial
+    assert plan_split(numels, ready, 0.0).host == ()
+    assert plan_split(numels, ready, 1.0).device == ()
+    assert not plan_split(numels, ready, 1.0).partial
+    assert plan_split([5, 5], [0, 0], 0.5).host == (0,)  # equal readiness keeps the group order
+
+
+# -- parity on two ranks ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RatioCase(OffloadCase):
+    ratio: float | None = 1.0  # None: no offload at all (the run ratio 0 must equal)
+
+    def config(self) -> dict:
+        cfg = super().config()
+        if self.ratio is None:
+            del cfg["zero_optimization"]["offload_optimizer"]
+        else:
+            cfg["zero_optimization"]["offload_optimizer"]["ratio"] = self.ratio
+        return cfg
+
+
+# stage 3 with persistence 0: a gather unit per module, so the split has seven groups to choose from
+PARITY = [
+    RatioCase(stage, "fp32", acc, clip, ratio=ratio, persistence=0 if stage == 3 else None)
+    for stage in (2, 3)
+    for ratio in (0.25, 0.5)
+    for acc, clip in ((1, 0.5), (2, 0.0), (2, 0.5), (1, 0.0))
+] + [
+    RatioCase(2, "bf16", 2, 0.5, ratio=0.5),
+    RatioCase(3, "bf16", 1, 0.0, ratio=0.25),  # default persistence: one unit, two groups
+]
+HOST_PARAMS = {  # (stage, ratio) -> the parameters whose optimizer state is on the host (2: also stage 1)
+    # stages 1 and 2 split each param group: out.weight (155 of 1211 decayed elements; 0.5: + hidden.weight,
+    # 899), and the biases/norm weights whose gradients come first (36 of 122; 0.5: 67)
+    (2, 0.25): ["norm.bias", "out.bias", "out.weight"],
+    (2, 0.5): ["hidden.weight", "norm.bias", "norm.weight", "out.bias", "out.weight"],
+    # stage 3 takes whole groups (unit x param group) in the order backward finishes them: out.bias (5),
+    # out.weight (155), norm (62), hidden.bias (31): 253 of 1333, nearest to 333; 0.5 adds hidden.weight
+    (3, 0.25): ["hidden.bias", "norm.bias", "norm.weight", "out.bias", "out.weight"],
+    (3, 0.5): ["hidden.bias", "hidden.weight", "norm.bias", "norm.weight", "out.bias", "out.weight"],
+}
+SAME = [  # (ratio case, the run it must equal bit for bit, the placement the ratio case must get)
+    (RatioCase(2, "fp32", 2, 0.5, ratio=0.0), RatioCase(2, "fp32", 2, 0.5, ratio=None), "DeviceMasters"),
+    (RatioCase(3, "bf16", 1, 0.0, ratio=0.0), RatioCase(3, "bf16", 1, 0.0, ratio=None), "DeviceMasters"),
+    (RatioCase(2, "fp32", 1, 0.5, ratio=1.0), OffloadCase(2, "fp32", 1, 0.5), "HostMasters"),
+    (RatioCase(3, "fp32", 2, 0.0, ratio=1.0, persistence=0), OffloadCase(3, "fp32", 2, 0.0, persistence=0),
+     "HostMasters"),
+]
+
+
+def _engine(case: OffloadCase, world_size: int):
+    import runtime
+
+    model = make_model(0)
+    if getattr(case, "ratio", 1.0) is None:
+        config = case.config()
+    else:
+        config = with_offload_settings(case.config(), world_size=world_size, **SMALL_CHUNKS)
+    engine, _, _, _ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+    return engine
+
+
+def _host_params(engine) -> list[str]:
+    split = getattr(engine.masters, "split", None)
+    if split is None:
+        return []
+    return sorted(name for i in split.host for name in engine.groups[i].param_names)
+
+
+def _weights(engine, stage: int) -> tuple[dict, dict, set]:
+    """The fp32 masters (gathered) and the working weights, with their dtypes."""
+    master = engine.full_state_dict()
+    gathered = contextlib.nullcontext()
+    if stage == 3:
+        from runtime.zero import GatheredParameters
+
+        gathered = GatheredParameters(list(engine.module.parameters()))
+    with gathered:
+        working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        dtypes = {str(p.dtype) for p in engine.module.parameters()}
+    return master, working, dtypes
+
+
+def _train(case: OffloadCase, rank: int, world_size: int) -> dict:
+    engine = _engine(case, world_size)
+    placement, host = type(engine.masters).__name__, _host_params(engine)
+    streams = placement == "PartialMasters" and engine.masters.host.grads.stream
+    losses, norms = train_engine(
+        engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
+    )
+    master, working, dtypes = _weights(engine, case.stage)
+    steps = _adam_steps(engine)
+    if streams:  # one more boundary backward: did the host's share start updating during it?
+        x, y = rank_batch(STEPS, 0, ROWS, rank, world_size)
+        for micro in range(case.accumulation):
+            engine.backward(loss_fn(engine(x), y))
+            if micro < case.accumulation - 1:
+                engine.step()  # counts the micro-step
+        streams = engine.masters.host._streamed is not None
+        engine.step()
+    engine.destroy()
+    return {
+        "losses": losses,
+        "norms": norms,
+        "master": master,
+        "working": working,
+        "skipped": engine.skipped_steps,
+        "dtypes": dtypes,
+        "placement": placement,
+        "host": host,
+        "streams": streams,
+        "steps": steps,
+    }
+
+
+def _adam_steps(engine) -> set[float]:
+    """Every master's Adam step count (the host's and the device's masters alike)."""
+    return {float(state["step"]) for state in engine.optimizer.state.values() if "step" in state}
+
+
+def _run_parity(rank: int, world_size: int, cases: list[OffloadCase]) -> dict:
+    report: dict = {"parity": {}, "same": {}}
+    for case in cases:
+        got = _train(case, rank, world_size)
+        if rank == 0:
+            report["parity"][str(asdict(case))] = (case, _compare(case, got), got)
+    for case, other, placement in SAME if world_size == 2 else []:
+        got, want = _train(case, rank, world_size), _train(other, rank, world_size)
+        if rank == 0:
+            report["same"][str(asdict(case))] = (placement, got, want)
+    return report
+
+
+def _check_parity(report: dict) -> None:
+    failures = {key: problems for key, (_, problems, _) in report["parity"].items() if problems}
+    assert not failures, "\n".join(f"{key}: {problems}" for key, problems in failures.items())
+    for key, (case, _, got) in report["parity"].items():
+        assert got["placement"] == "PartialMasters", (key, got["placement"])
+        if case.stage < 3 or case.persistence == 0:
+            assert got["host"] == HOST_PARAMS[max(case.stage, 2), case.ratio], (key, got["host"])
+        else:  # one unit: its no-decay group (122 elements) is the only one ready first
+            assert got["host"] == ["hidden.bias", "inp.bias", "norm.bias", "norm.weight", "out.bias"]
+        if case.optimizer == "AdamW":  # every master stepped once per step, on either side
+            assert got["steps"] == {float(STEPS)}, (key, got["steps"])
+
+
+def test_partial_offload_matches_plain_pytorch_on_two_ranks() -> None:
+    report = run_distributed(_run_parity, 2, PARITY, timeout=240)[0]
+    assert len(report["parity"]) == len(PARITY) and len(report["same"]) == len(SAME)
+    _check_parity(report)
+    for key, (placement, got, want) in report["same"].items():
+        assert got["placement"] == placement, (key, got["placement"])
+        assert got["losses"] == want["losses"], key
+        assert got["norms"] == want["norms"], key
+        for name, tensor in want["master"].items():
+            assert torch.equal(got["master"][name], tensor), (key, name)
+            assert torch.equal(got["working"][name], want["working"][name]), (key, name)
+
+
+STREAMED = [  # one rank: the host's share updates during backward as its buckets land (no norm needed)
+    RatioCase(2, "fp32", 1, 0.0, ratio=0.5, adam_without_clip=True),
+    RatioCase(1, "fp32", 2, 0.0, ratio=0.25, adam_without_clip=True),
+    RatioCase(1, "fp32", 2, 0.5, ratio=0.5),  # clipping: after backward, one norm for both sides
+]
+
+
+def test_partial_offload_streams_the_host_share_with_one_rank() -> None:
+    report = run_distributed(_run_parity, 1, STREAMED, timeout=240)[0]
+    assert len(report["parity"]) == len(STREAMED)
+    _check_parity(report)
+    for key, (case, _, got) in report["parity"].items():
+        assert got["streams"] == (case.clip == 0), key
+
+
+# -- checkpoints across ratios ---------------------------------------------------------------------------
+
+RESUME = [  # (case saved from, ratio to load with: None is no offload)
+    (RatioCase(2, "fp32", 1, 0.5, ratio=0.25), 0.5),
+    (RatioCase(2, "fp32", 2, 0.5, ratio=0.25), None),
+    (RatioCase(2, "fp32", 1, 0.5, ratio=0.25), 0.25),  # the same ratio: bit for bit
+    (RatioCase(3, "fp32", 1, 0.5, ratio=0.25, persistence=0), 0.5),
+    (RatioCase(3, "fp32", 2, 0.5, ratio=0.5, persistence=0), 1.0),
+]
+RESUME_STEPS, SAVED_AT = 6, 3
+
+
+def _steps(engine, case: OffloadCase, first: int, last: int, rank: int, world_size: int) -> list[float]:
+    """Train steps first..last-1 on the global batches of tests/models.py; this rank's losses."""
+    losses = []
+    for step in range(first, last):
+        for micro in range(case.accumulation):
+            x, y = rank_batch(step, micro, ROWS, rank, world_size)
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+    return losses
+
+
+def _full_state(engine) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Every parameter's whole fp32 master and Adam moments, wherever they live (collective)."""
+    from runtime.param_access import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    return {
+        name: (
+            safe_get_full_fp32_param(param),
+            safe_get_full_optimizer_state(param, "exp_avg"),
+            safe_get_full_optimizer_state(param, "exp_avg_sq"),
+        )
+        for name, param in engine.module.named_parameters()
+    }
+
+
+def _run_resume(rank: int, world_size: int, root: str) -> list:
+    results = []
+    for index, (saved, ratio) in enumerate(RESUME):
+        loading = replace(saved, ratio=ratio)
+        engine = _engine(loading, world_size)
+        straight = _steps(engine, loading, 0, RESUME_STEPS, rank, world_size)
+        want, _, _ = _weights(engine, loading.stage)
+        engine.destroy()
+
+        engine = _engine(saved, world_size)
+        losses = _steps(engine, saved, 0, SAVED_AT, rank, world_size)
+        engine.save_checkpoint(f"{root}/case{index}")
+        state_saved = _full_state(engine)
+        engine.destroy()
+
+        engine = _engine(loading, world_size)
+        engine.load_checkpoint(f"{root}/case{index}")
+        placement = type(engine.masters).__name__
+        state_loaded = _full_state(engine)
+        same_state = state_saved.keys() == state_loaded.keys() and all(
+            torch.equal(a, b)
+            for key in state_saved
+            for a, b in zip(state_saved[key], state_loaded[key], strict=True)
+        )
+        losses += _steps(engine, loading, SAVED_AT, RESUME_STEPS, rank, world_size)
+        got, _, _ = _weights(engine, loading.stage)
+        steps = _adam_steps(engine)
+        engine.destroy()
+        if rank == 0:
+            results.append((saved, ratio, placement, same_state, straight, losses, want, got, steps))
+    return results
+
+
+def test_checkpoint_saved_with_one_ratio_resumes_with_another(tmp_path: Path) -> None:
+    """Saved with ratio 0.25 (or 0.5), loaded with 0.5, without offload, or with all of it on the host:
+    every parameter's master and Adam moments after the load are bit for bit those that were saved,
+    every master's Adam step count is the number of steps taken, and the resumed run continues the
+    straight run at the loading ratio: bit for bit at the same ratio, else within 1e-6 (a parameter
+    that changes sides is updated by the other side's Adam kernel, the host's one-pass kernel or
+    torch's, which round differently in the last bit)."""
+    results = run_distributed(_run_resume, 2, str(tmp_path), timeout=300)[0]
+    assert len(results) == len(RESUME)
+    placements = {0.25: "PartialMasters", 0.5: "PartialMasters", None: "DeviceMasters", 1.0: "HostMasters"}
+    for saved, ratio, placement, same_state, straight, losses, want, got, steps in results:
+        where = f"stage {saved.stage}, saved with ratio {saved.ratio}, loaded with {ratio}"
+        assert placement == placements[ratio], where
+        assert same_state, where
+        assert steps == {float(RESUME_STEPS)}, (where, steps)
+        if ratio == saved.ratio:
+            assert losses == straight, where
+            assert all(torch.equal(got[name], tensor) for name, tensor in want.items()), where
+            continue
+        assert losses == pytest.approx(straight, rel=1e-6, abs=0), where
+        for name, tensor in want.items():
+            assert torch.allclose(got[name], tensor, rtol=1e-6, atol=1e-7), (where, name)

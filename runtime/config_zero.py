@@ -116,9 +116,10 @@ def _read_offload_optimizer(r: SectionReader) -> OffloadSettings:
         grad_transfer=None if transfer == "auto" else transfer,
     )
     r.finish()
-    if cfg.device == "none" and ratio_given:
-        # the share of the optimizer on the host means nothing without a host side: refuse rather than
-        # run without offload when the user planned for one
+    if cfg.device == "none" and ratio_given and ratio != 1.0:
+        # a share of the optimizer on the host means nothing without a host side: refuse rather than run
+        # without offload when the user planned for one (1.0, the default, is what a resolved config
+        # without offload carries)
         raise ConfigError(
             r.key_path("ratio"),
             f'{ratio:g} needs offload_optimizer.device "cpu" (device is "none"): the ratio is the share of '

@@ -339,3 +339,67 @@ def test_checkpoint_saved_with_one_ratio_resumes_with_another(tmp_path: Path) ->
         assert losses == pytest.approx(straight, rel=1e-6, abs=0), where
         for name, tensor in want.items():
             assert torch.allclose(got[name], tensor, rtol=1e-6, atol=1e-7), (where, name)
+
+
+# -- the config ------------------------------------------------------------------------------------------
+
+
+def _ratio_config(stage: int, **offload) -> dict:
+    return {"train_batch_size": ROWS, "zero_optimization": {"stage": stage, "offload_optimizer": offload}}
+
+
+def test_ratio_is_read_for_every_offloading_stage() -> None:
+    from runtime.config import load_config
+
+    for stage in (1, 2, 3):
+        for ratio in (0, 0.3, 1):
+            cfg = load_config(_ratio_config(stage, device="cpu", ratio=ratio), world_size=1)
+            assert cfg.zero_optimization.offload_optimizer.ratio == ratio
+            assert cfg.to_dict()["zero_optimization"]["offload_optimizer"]["ratio"] == ratio
+    default = load_config(_ratio_config(2, device="cpu"), world_size=1)
+    assert default.zero_optimization.offload_optimizer.ratio == 1.0
+    # 1.0 is the default, which the resolved config of a run without offload carries too
+    plain = load_config(_ratio_config(2, device="none", ratio=1.0), world_size=1)
+    assert plain.zero_optimization.offload_optimizer.device == "none"
+
+
+@pytest.mark.parametrize(
+    ("offload", "message"),
+    [
+        ({"device": "cpu", "ratio": 1.5}, "expected a number in [0.0, 1.0], got 1.5"),
+        ({"device": "cpu", "ratio": -0.25}, "expected a number in [0.0, 1.0], got -0.25"),
+        ({"device": "cpu", "ratio": "half"}, "expected a number in [0.0, 1.0], got str 'half'"),
+        (
+            {"ratio": 0.5},
+            '0.5 needs offload_optimizer.device "cpu" (device is "none"): the ratio is the share of the '
+            'optimizer state offloaded to the host; set "device": "cpu", or remove "ratio"',
+        ),
+        (
+            {"device": "none", "ratio": 0.0},
+            '0 needs offload_optimizer.device "cpu" (device is "none"): the ratio is the share of the '
+            'optimizer state offloaded to the host; set "device": "cpu", or remove "ratio"',
+        ),
+        (
+            {"device": "cpu", "ratio": "auto"},
+            '"auto" cannot be resolved: choosing the share from the device\'s free memory is not '
+            "implemented yet; set a number from 0 (all of the optimizer on the device) to 1 (all on the "
+            "host)",
+        ),
+    ],
+)
+def test_a_bad_ratio_names_the_key_and_what_it_takes(offload: dict, message: str) -> None:
+    from runtime.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(_ratio_config(2, **offload), world_size=1)
+    assert str(caught.value) == f"zero_optimization.offload_optimizer.ratio: {message}"
+
+
+def test_ratio_belongs_to_offload_optimizer_only() -> None:
+    from runtime.config import ConfigError, load_config
+
+    zero = {"stage": 3, "offload_param": {"device": "cpu", "ratio": 0.5}}
+    config = {"train_batch_size": ROWS, "zero_optimization": zero}
+    with pytest.raises(ConfigError) as caught:
+        load_config(config, world_size=1)
+    assert str(caught.value).startswith("zero_optimization.offload_param.ratio: unknown key")

@@ -14,12 +14,14 @@ device, and the run equals plain PyTorch.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from runtime.offload import enable_delayed_update
 from tests.dist import run_distributed
 from tests.models import loss_fn, make_model, param_groups, rank_batch, train_engine, with_offload_settings
 from tests.test_offload import SMALL_CHUNKS, OffloadCase
@@ -163,6 +165,9 @@ def _train(case: OffloadCase, rank: int, world_size: int) -> dict:
     )
     master, working, dtypes = _weights(engine, case.stage)
     steps = _adam_steps(engine)
+    host_bytes = None
+    if placement == "PartialMasters":  # the memory report counts the host's masters and state only
+        host_bytes = (engine.memory_breakdown().host_bytes, _state_bytes(engine, engine.masters.split.host))
     if streams:  # one more boundary backward: did the host's share start updating during it?
         x, y = rank_batch(STEPS, 0, ROWS, rank, world_size)
         for micro in range(case.accumulation):
@@ -183,7 +188,18 @@ def _train(case: OffloadCase, rank: int, world_size: int) -> dict:
         "host": host,
         "streams": streams,
         "steps": steps,
+        "host_bytes": host_bytes,
     }
+
+
+def _state_bytes(engine, positions) -> int:
+    """Master and optimizer state bytes of the groups at `positions`."""
+    total = 0
+    for i in positions:
+        master = engine.groups[i].master
+        tensors = [master, *engine.optimizer.state[master].values()]
+        total += sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    return total
 
 
 def _adam_steps(engine) -> set[float]:
@@ -191,12 +207,33 @@ def _adam_steps(engine) -> set[float]:
     return {float(state["step"]) for state in engine.optimizer.state.values() if "step" in state}
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _run_parity(rank: int, world_size: int, cases: list[OffloadCase]) -> dict:
     report: dict = {"parity": {}, "same": {}}
+    logger = logging.getLogger("runtime.offload")
     for case in cases:
+        lines = _Lines()
+        logger.addHandler(lines)
+        logger.setLevel(logging.INFO)
         got = _train(case, rank, world_size)
+        logger.removeHandler(lines)
+        got["log"] = [line for line in lines.lines if "ratio" in line]
         if rank == 0:
             report["parity"][str(asdict(case))] = (case, _compare(case, got), got)
+    if world_size == 1:  # the delayed update with a ratio below 1: refused, saying why
+        engine = _engine(cases[0], world_size)
+        with pytest.raises(ValueError) as refused:
+            enable_delayed_update(engine)
+        engine.destroy()
+        report["delayed"] = str(refused.value)
     for case, other, placement in SAME if world_size == 2 else []:
         got, want = _train(case, rank, world_size), _train(other, rank, world_size)
         if rank == 0:
@@ -209,6 +246,8 @@ def _check_parity(report: dict) -> None:
     assert not failures, "\n".join(f"{key}: {problems}" for key, problems in failures.items())
     for key, (case, _, got) in report["parity"].items():
         assert got["placement"] == "PartialMasters", (key, got["placement"])
+        reported, held = got["host_bytes"]
+        assert reported == held > 0, (key, reported, held)
         if case.stage < 3 or case.persistence == 0:
             assert got["host"] == HOST_PARAMS[max(case.stage, 2), case.ratio], (key, got["host"])
         else:  # one unit: its no-decay group (122 elements) is the only one ready first
@@ -243,6 +282,74 @@ def test_partial_offload_streams_the_host_share_with_one_rank() -> None:
     _check_parity(report)
     for key, (case, _, got) in report["parity"].items():
         assert got["streams"] == (case.clip == 0), key
+    assert report["delayed"] == (
+        "the delayed parameter update needs all of the optimizer on the host, and "
+        "zero_optimization.offload_optimizer.ratio is 0.5: the host's share would be updated from gradients "
+        "one step stale while the device's share is current. Set the ratio to 1.0, or train without the "
+        "delayed update"
+    )
+    # the split, once, in numbers: stage 2 at 0.5 puts 899 of 1211 decayed and 67 of 122 other elements
+    # on the host (966 of 1333: 0.725)
+    _, _, first = next(iter(report["parity"].values()))
+    assert first["log"] == [
+        "offload: zero_optimization.offload_optimizer.ratio 0.5: 2 flat group(s) on the host, 2 on the "
+        "device; this rank's optimizer shard: 966 elements on the host (11.3 KiB of master and Adam "
+        "moments), 367 on the device (4.3 KiB); achieved share on the host 0.725 (whole parameters go to "
+        "one side)"
+    ]
+
+
+# -- one decision for both sides -------------------------------------------------------------------------
+
+POISONED = {"out.weight": "host", "inp.weight": "device"}  # where each one's state is at ratio 0.25
+BAD_STEP = 2  # 0-based
+
+
+def _poisoned_run(rank: int, world_size: int, name: str | None) -> dict:
+    """Five bf16 steps; at BAD_STEP the last rank's gradient of `name` is nan (None: the step is left
+    out, the reference)."""
+    case = RatioCase(2, "bf16", 1, 0.5, ratio=0.25)
+    engine = _engine(case, world_size)
+    params = dict(engine.module.named_parameters())
+    for step in range(5):
+        handle = None
+        if step == BAD_STEP and name is None:
+            continue
+        if step == BAD_STEP and rank == world_size - 1:
+            handle = params[name].register_hook(lambda grad: grad * float("nan"))
+        x, y = rank_batch(step, 0, ROWS, rank, world_size)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
+        if handle is not None:
+            handle.remove()
+    state = engine.optimizer.state_dict()["state"]
+    out = {
+        "master": engine.full_state_dict(rank0_only=False),
+        "state": {f"{i}.{key}": v.clone() for i, values in state.items() for key, v in values.items()},
+        "skipped": engine.skipped_steps,
+        "host": _host_params(engine),
+    }
+    engine.destroy()
+    return out
+
+
+def _run_poisoned(rank: int, world_size: int) -> dict:
+    reference = _poisoned_run(rank, world_size, None)
+    report = {}
+    for name in POISONED:
+        got = _poisoned_run(rank, world_size, name)
+        same = all(torch.equal(got[part][key], value) for part in ("master", "state")
+                   for key, value in reference[part].items())  # fmt: skip
+        report[name] = (got["skipped"], same, name in got["host"])
+    return report
+
+
+def test_a_nan_on_either_side_skips_the_step_on_both() -> None:
+    """A non-finite gradient in the host's share or in the device's: both sides skip the step (one norm
+    decides), on both ranks, and the run ends where the run without that step does, bit for bit."""
+    reports = run_distributed(_run_poisoned, 2, timeout=240)
+    for report in reports:
+        assert report == {name: (1, True, side == "host") for name, side in POISONED.items()}
 
 
 # -- checkpoints across ratios ---------------------------------------------------------------------------

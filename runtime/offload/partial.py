@@ -223,6 +223,10 @@ def log_split(split: OffloadSplit, groups: Sequence[FlatGroup], comm: Comm) -> N
     """Say once (rank 0) where the optimizer state went and how close the share came to the ratio."""
     if comm.rank != 0:
         return
-    host = sum(groups[i].layout.shard_numel for i in split.host)
-    device = sum(groups[i].layout.shard_numel for i in split.device)
+
+    def shard(group: FlatGroup) -> int:  # this rank's parameter elements, without the alignment padding
+        return sum(piece.numel for piece in group.layout.param_pieces(group.rank))
+
+    host = sum(shard(groups[i]) for i in split.host)
+    device = sum(shard(groups[i]) for i in split.device)
     _log.info("offload: %s", describe_split(split, host, device))

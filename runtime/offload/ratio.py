@@ -107,13 +107,19 @@ def describe_split(
 ) -> str:
     """One log line: this rank's shard elements and optimizer bytes on each side, and the ratio achieved.
     `state_bytes_per_element`: fp32 master and two Adam moments by default."""
-    mib = 1 << 20
-    host_mib = host_shard * state_bytes_per_element / mib
-    device_mib = device_shard * state_bytes_per_element / mib
+    host_bytes = _size(host_shard * state_bytes_per_element)
+    device_bytes = _size(device_shard * state_bytes_per_element)
     return (
         f"{RATIO_KEY} {split.ratio:g}: {len(split.host)} flat group(s) on the host, "
         f"{len(split.device)} on the device; this rank's optimizer shard: {host_shard:,} elements on "
-        f"the host ({host_mib:.1f} MiB of master and Adam moments), {device_shard:,} on the device "
-        f"({device_mib:.1f} MiB); achieved share on the host {split.achieved:.3f} (whole parameters go "
-        "to one side)"
+        f"the host ({host_bytes} of master and Adam moments), {device_shard:,} on the device "
+        f"({device_bytes}); achieved share on the host {split.achieved:.3f} (whole parameters go to one "
+        "side)"
     )
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

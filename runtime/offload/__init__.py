@@ -4,6 +4,8 @@
   `offload_optimizer: {device: cpu}`), and `build_master_placement`.
 - `host_masters.py`: optimizer offload: masters and state in host memory, the step on the CPU (chunked
   copy-back) or on the GPU (`device_step.py`).
+- `partial.py`, `ratio.py`: `offload_optimizer.ratio` below 1: whole groups on the host (`HostMasters`)
+  and on the device, one norm for both (`PartialMasters`); which parameters go where (pure).
 - `split_update.py`: each span's head for the GPU, its tail for the CPU, and the tickets of both.
 - `host_step.py`: the CPU's update of landed spans (one-pass Adam, or any optimizer's generic path).
 - `device_step.py`: the Adam step on the GPU over state streamed from host memory.

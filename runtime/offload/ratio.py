@@ -26,6 +26,7 @@ place the same groups.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,10 +43,11 @@ def check_ratio(ratio: float) -> float:
     return value
 
 
-def split_count(numels: Sequence[int], ratio: float) -> int:
+def split_count(numels: Sequence[int], ratio: float, *, at_least: bool = False) -> int:
     """How many leading items of `numels` (sizes in the order their gradients are ready) go to the host: the
-    prefix whose total is nearest to `ratio` of the whole, the shorter prefix on a tie. 0.0 gives none and
-    1.0 all of them, whatever the sizes."""
+    prefix whose total is nearest to `ratio` of the whole, the shorter prefix on a tie; with `at_least`,
+    the shortest prefix holding at least `ratio` of it (what a ratio chosen to fit the device needs). 0.0
+    gives none and 1.0 all of them, whatever the sizes."""
     ratio = check_ratio(ratio)
     if ratio == 0.0:
         return 0
@@ -55,10 +57,12 @@ def split_count(numels: Sequence[int], ratio: float) -> int:
     best, best_gap, running = 0, target, 0
     for count, numel in enumerate(numels, start=1):
         running += numel
+        if at_least and running >= target:
+            return count
         gap = abs(running - target)
         if gap < best_gap:
             best, best_gap = count, gap
-    return best
+    return len(numels) if at_least else best
 
 
 @dataclass(frozen=True)
@@ -123,3 +127,73 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"
+
+
+@dataclass(frozen=True)
+class RatioChoice:
+    """The share of the optimizer state to put on the host, and why (the engine logs the reason)."""
+
+    ratio: float
+    reason: str
+
+
+def choose_ratio(
+    *,
+    shard_numel: int,
+    device_bytes_per_element: int,
+    host_bytes_per_element: int,
+    device_free: int,
+    activation_bytes: int,
+    device_reserve: int,
+    host_available: int,
+    step: float = 0.01,
+) -> RatioChoice:
+    """`"ratio": "auto"`: the largest device share of the optimizer state that fits beside the rest.
+
+    Args:
+        shard_numel: this rank's optimizer shard, in elements (what either side can hold).
+        device_bytes_per_element: what an element of state costs on the device (fp32 master, unless it is
+            the working weights themselves, and the optimizer's moments: 12 for Adam with bf16 weights).
+        host_bytes_per_element: the same on the host, with the offload's landing buffers (14 or 16).
+        device_free: device bytes free once the working weights and gradient buffers exist.
+        activation_bytes: the activations' peak estimate for the configured micro-batch.
+        device_reserve: what to leave free besides (allocator fragmentation, temporaries, communication).
+        host_available: host bytes this rank may still allocate.
+        step: the ratio is a multiple of this, rounded towards the host, so the device share stays
+            inside its budget (the split then takes at least that share to the host: `at_least`).
+
+    Returns the ratio (0.0: all of the state fits on the device) and a reason naming the numbers; raises
+    ValueError, naming them and what would fit, when the device and the host together cannot hold it.
+    """
+    if min(shard_numel, device_bytes_per_element, host_bytes_per_element) <= 0:
+        raise ValueError("choose_ratio needs a positive shard size and positive bytes per element")
+    gib = 1 << 30
+    budget = max(0, device_free - activation_bytes - device_reserve)
+    on_device = min(shard_numel, budget // device_bytes_per_element)
+    ratio = 1.0 - on_device / shard_numel
+    ratio = min(1.0, math.ceil(round(ratio / step, 9)) * step)  # whole steps, towards the host
+    ratio = round(ratio, 6)
+    host_need = math.ceil(ratio * shard_numel) * host_bytes_per_element
+    device_use = (shard_numel - math.ceil(ratio * shard_numel)) * device_bytes_per_element
+    spare = f"{budget / gib:.1f} GiB of the device's {device_free / gib:.1f} GiB free after the activations "
+    spare += f"({activation_bytes / gib:.1f} GiB) and a reserve of {device_reserve / gib:.1f} GiB"
+    if host_need > host_available:
+        fits = budget // device_bytes_per_element + host_available // host_bytes_per_element
+        raise ValueError(
+            f"the optimizer state of this rank's {shard_numel:,} elements does not fit: the device can hold "
+            f"{on_device:,} of them ({spare}) and the host the rest only with {host_need / gib:.1f} GiB, of "
+            f"{host_available / gib:.1f} GiB available; both together hold about {fits:,} elements"
+        )
+    device_gib = device_use / gib
+    if ratio == 0.0:
+        return RatioChoice(0.0, f"ratio 0: all of the optimizer state ({device_gib:.1f} GiB) fits in {spare}")
+    if ratio == 1.0:
+        host = f"{host_need / gib:.1f} GiB of {host_available / gib:.1f} GiB available"
+        why = f"ratio 1: no optimizer state fits on the device ({spare}); the host holds all of it ({host})"
+        return RatioChoice(1.0, why)
+    return RatioChoice(
+        ratio,
+        f"ratio {ratio:g}: the device keeps {1 - ratio:.0%} of the optimizer state ({device_gib:.1f} GiB), "
+        f"what fits in {spare}; the host holds the rest ({host_need / gib:.1f} GiB of "
+        f"{host_available / gib:.1f} GiB available)",
+    )

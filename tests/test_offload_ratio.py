@@ -160,6 +160,12 @@ PARITY = [
 ] + [
     RatioCase(2, "bf16", 2, 0.5, ratio=0.5),
     RatioCase(3, "bf16", 1, 0.0, ratio=0.25),  # default persistence: one unit, two groups
+    RatioCase(1, "fp32", 2, 0.5, ratio=0.5),
+    RatioCase(2, "fp16", 2, 0.5, ratio=0.5),  # the loss scale on both sides, one overflow check
+    # the host's share through the device step (its Adam streams the state through the "device")
+    RatioCase(2, "bf16", 1, 0.5, ratio=0.5, device_step=True, host_share=0.5),
+    # parameter offload: the device side's updated masters go into working shards in host memory
+    RatioCase(3, "fp32", 2, 0.5, ratio=0.5, persistence=0, offload_param=True),
 ]
 HOST_PARAMS = {  # (stage, ratio) -> the parameters whose optimizer state is on the host (2: also stage 1)
     # stages 1 and 2 split each param group: out.weight (155 of 1211 decayed elements; 0.5: + hidden.weight,
@@ -224,7 +230,10 @@ def _train(case: OffloadCase, rank: int, world_size: int) -> dict:
     steps = _adam_steps(engine)
     host_bytes = None
     if placement == "PartialMasters":  # the memory report counts the host's masters and state only
-        host_bytes = (engine.memory_breakdown().host_bytes, _state_bytes(engine, engine.masters.split.host))
+        held = _state_bytes(engine, engine.masters.split.host)
+        if case.offload_param:  # and the working shards that live there
+            held += engine.zero.host_param_bytes()
+        host_bytes = (engine.memory_breakdown().host_bytes, held)
     if streams:  # one more boundary backward: did the host's share start updating during it?
         x, y = rank_batch(STEPS, 0, ROWS, rank, world_size)
         for micro in range(case.accumulation):

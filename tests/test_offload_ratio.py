@@ -141,9 +141,13 @@ def test_choose_ratio_says_what_would_fit_when_nothing_does() -> None:
 @dataclass(frozen=True)
 class RatioCase(OffloadCase):
     ratio: float | None = 1.0  # None: no offload at all (the run ratio 0 must equal)
+    warmup: bool = False  # a WarmupLR schedule (its per-param-group lists cross checkpoints)
 
     def config(self) -> dict:
         cfg = super().config()
+        if self.warmup:
+            params = {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 10}
+            cfg["scheduler"] = {"type": "WarmupLR", "params": params}
         if self.ratio is None:
             del cfg["zero_optimization"]["offload_optimizer"]
         else:
@@ -420,12 +424,12 @@ def test_a_nan_on_either_side_skips_the_step_on_both() -> None:
 
 # -- checkpoints across ratios ---------------------------------------------------------------------------
 
-RESUME = [  # (case saved from, ratio to load with: None is no offload)
-    (RatioCase(2, "fp32", 1, 0.5, ratio=0.25), 0.5),
-    (RatioCase(2, "fp32", 2, 0.5, ratio=0.25), None),
-    (RatioCase(2, "fp32", 1, 0.5, ratio=0.25), 0.25),  # the same ratio: bit for bit
-    (RatioCase(3, "fp32", 1, 0.5, ratio=0.25, persistence=0), 0.5),
-    (RatioCase(3, "fp32", 2, 0.5, ratio=0.5, persistence=0), 1.0),
+RESUME = [  # (case saved from, ratio to load with: None is no offload); the LR still warming up
+    (RatioCase(2, "fp32", 1, 0.5, ratio=0.25, warmup=True), 0.5),
+    (RatioCase(2, "fp32", 2, 0.5, ratio=0.25, warmup=True), None),
+    (RatioCase(2, "fp32", 1, 0.5, ratio=0.25, warmup=True), 0.25),  # the same ratio: bit for bit
+    (RatioCase(3, "fp32", 1, 0.5, ratio=0.25, persistence=0, warmup=True), 0.5),
+    (RatioCase(3, "fp32", 2, 0.5, ratio=0.5, persistence=0, warmup=True), 1.0),
 ]
 RESUME_STEPS, SAVED_AT = 6, 3
 
@@ -464,6 +468,7 @@ def _run_resume(rank: int, world_size: int, root: str) -> list:
         engine = _engine(loading, world_size)
         straight = _steps(engine, loading, 0, RESUME_STEPS, rank, world_size)
         want, _, _ = _weights(engine, loading.stage)
+        want_lrs = {group["lr"] for group in engine.optimizer.param_groups}
         engine.destroy()
 
         engine = _engine(saved, world_size)
@@ -484,9 +489,11 @@ def _run_resume(rank: int, world_size: int, root: str) -> list:
         losses += _steps(engine, loading, SAVED_AT, RESUME_STEPS, rank, world_size)
         got, _, _ = _weights(engine, loading.stage)
         steps = _adam_steps(engine)
+        lrs = {group["lr"] for group in engine.optimizer.param_groups}
         engine.destroy()
         if rank == 0:
-            results.append((saved, ratio, placement, same_state, straight, losses, want, got, steps))
+            counts = (steps, lrs, want_lrs)
+            results.append((saved, ratio, placement, same_state, straight, losses, want, got, counts))
     return results
 
 
@@ -500,11 +507,13 @@ def test_checkpoint_saved_with_one_ratio_resumes_with_another(tmp_path: Path) ->
     results = run_distributed(_run_resume, 2, str(tmp_path), timeout=300)[0]
     assert len(results) == len(RESUME)
     placements = {0.25: "PartialMasters", 0.5: "PartialMasters", None: "DeviceMasters", 1.0: "HostMasters"}
-    for saved, ratio, placement, same_state, straight, losses, want, got, steps in results:
+    for saved, ratio, placement, same_state, straight, losses, want, got, counts in results:
         where = f"stage {saved.stage}, saved with ratio {saved.ratio}, loaded with {ratio}"
         assert placement == placements[ratio], where
         assert same_state, where
+        steps, lrs, want_lrs = counts
         assert steps == {float(RESUME_STEPS)}, (where, steps)
+        assert lrs == want_lrs and len(lrs) == 1, (where, lrs, want_lrs)  # every group where the schedule is
         if ratio == saved.ratio:
             assert losses == straight, where
             assert all(torch.equal(got[name], tensor) for name, tensor in want.items()), where

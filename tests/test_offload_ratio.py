@@ -500,10 +500,12 @@ def _run_resume(rank: int, world_size: int, root: str) -> list:
 def test_checkpoint_saved_with_one_ratio_resumes_with_another(tmp_path: Path) -> None:
     """Saved with ratio 0.25 (or 0.5), loaded with 0.5, without offload, or with all of it on the host:
     every parameter's master and Adam moments after the load are bit for bit those that were saved,
-    every master's Adam step count is the number of steps taken, and the resumed run continues the
+    every master's Adam step count is the number of steps taken, the LR schedule goes on where it was
+    (its per-group lists regrouped: 2, 4 or 7 optimizer groups), and the resumed run continues the
     straight run at the loading ratio: bit for bit at the same ratio, else within 1e-6 (a parameter
     that changes sides is updated by the other side's Adam kernel, the host's one-pass kernel or
-    torch's, which round differently in the last bit)."""
+    torch's, and the norm's squares add up in another order: both round differently in the last
+    bit)."""
     results = run_distributed(_run_resume, 2, str(tmp_path), timeout=300)[0]
     assert len(results) == len(RESUME)
     placements = {0.25: "PartialMasters", 0.5: "PartialMasters", None: "DeviceMasters", 1.0: "HostMasters"}

@@ -11,9 +11,10 @@ The engine's step talks to a `MasterPlacement` and never asks where the state is
 
 `DeviceMasters` is the plain case (the masters sit next to the gradients: fp32 master gradients, then
 `finish_grads`, then `optimizer.step()`, then the ZeRO stage writes back and all-gathers).
-`HostMasters` (host_masters.py) is `offload_optimizer: {device: cpu}`. `build_master_placement` picks one
-from the config, and hands the offload its `OffloadSettings` (settings.py) with the benchmark overrides
-applied, once.
+`HostMasters` (host_masters.py) is `offload_optimizer: {device: cpu}`, and `PartialMasters` (partial.py)
+is that with a `ratio` below 1: some groups on each side, which the ZeRO stage chose when it grouped the
+parameters (`zero.offload_split`, ratio.py). `build_master_placement` picks one from the config, and
+hands the offload its `OffloadSettings` (settings.py) with the benchmark overrides applied, once.
 
 `GradMath` carries what the engine knows about the step's gradient arithmetic (how many ranks and
 micro-steps the sums span, the loss scale, the clipping norm, and whether a norm is needed at all), so a

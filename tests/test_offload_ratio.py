@@ -5,10 +5,14 @@ device, and the run equals plain PyTorch.
 - Parity, world 2 in one spawn: ZeRO stages 2 and 3 with ratio 0.25 and 0.5, fp32, accumulation 1 and 2,
   clipping on (AdamW: the host's one-pass Adam beside torch's AdamW on the device) and off (SGD with
   momentum on both sides: any averaging error shows in the weights), plus bf16, against the plain PyTorch
-  reference of tests/test_zero_parity.py (fp32: losses and weights within 1e-5). Ratio 0 equals the run
-  without offload and ratio 1 the full offload, bit for bit.
-- A checkpoint saved with ratio 0.25 resumes with ratio 0.5 and continues the straight run.
-- Bad input: the config's errors, word for word.
+  reference of tests/test_zero_parity.py (fp32: losses and weights within 1e-5); also stage 1, fp16,
+  the device step and parameter offload. Ratio 0 equals the run without offload and ratio 1 the full
+  offload, bit for bit, and so does ratio 0.5 without clipping. With one rank the host's share
+  updates during backward.
+- One norm decides for both sides: a nan on either side skips the step on both.
+- A checkpoint saved with ratio 0.25 resumes with ratio 0.5, without offload, or fully offloaded.
+- The pure choice behind a later `"ratio": "auto"` (`choose_ratio`).
+- Bad input: the config's errors and the delayed update's refusal, word for word.
 """
 
 from __future__ import annotations
@@ -187,6 +191,11 @@ SAME = [  # (ratio case, the run it must equal bit for bit, the placement the ra
     (RatioCase(2, "fp32", 1, 0.5, ratio=1.0), OffloadCase(2, "fp32", 1, 0.5), "HostMasters"),
     (RatioCase(3, "fp32", 2, 0.0, ratio=1.0, persistence=0), OffloadCase(3, "fp32", 2, 0.0, persistence=0),
      "HostMasters"),
+    # without a norm to add up, the split changes no arithmetic: ratio 0.5 is the run without offload
+    (RatioCase(2, "fp32", 2, 0.0, ratio=0.5, adam_without_clip=True),
+     RatioCase(2, "fp32", 2, 0.0, ratio=None, adam_without_clip=True), "PartialMasters"),
+    (RatioCase(3, "fp32", 1, 0.0, ratio=0.5, adam_without_clip=True, persistence=0),
+     RatioCase(3, "fp32", 1, 0.0, ratio=None, adam_without_clip=True, persistence=0), "PartialMasters"),
 ]
 
 

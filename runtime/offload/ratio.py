@@ -86,6 +86,19 @@ class OffloadSplit:
         """Both sides hold groups (else one plain placement does the job)."""
         return bool(self.host) and bool(self.device)
 
+    @classmethod
+    def of(cls, ratio: float, host: Sequence[int], numels: Sequence[int]) -> OffloadSplit:
+        """The split with the groups at positions `host` on the host, of groups sized `numels`."""
+        on_host = set(host)
+        device = tuple(i for i in range(len(numels)) if i not in on_host)
+        return cls(
+            ratio=float(ratio),
+            host=tuple(sorted(on_host)),
+            device=device,
+            host_numel=sum(numels[i] for i in on_host),
+            device_numel=sum(numels[i] for i in device),
+        )
+
 
 def plan_split(numels: Sequence[int], ready: Sequence[int], ratio: float) -> OffloadSplit:
     """Whole groups to the host: `numels[i]` is group i's parameter elements, `ready[i]` the rank of its
@@ -95,15 +108,7 @@ def plan_split(numels: Sequence[int], ready: Sequence[int], ratio: float) -> Off
         raise ValueError(f"{len(numels)} group sizes but {len(ready)} readiness keys")
     order = sorted(range(len(numels)), key=lambda i: (ready[i], i))
     count = split_count([numels[i] for i in order], ratio)
-    host = tuple(sorted(order[:count]))
-    device = tuple(i for i in range(len(numels)) if i not in set(host))
-    return OffloadSplit(
-        ratio=float(ratio),
-        host=host,
-        device=device,
-        host_numel=sum(numels[i] for i in host),
-        device_numel=sum(numels[i] for i in device),
-    )
+    return OffloadSplit.of(ratio, order[:count], numels)
 
 
 def describe_split(

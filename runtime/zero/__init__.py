@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from runtime.zero.partition import FlatLayout, plan_flat_layout
 from runtime.zero.replicated import GradientViewsReplaced, ReplicatedGradStage
 from runtime.zero.sharded import ShardedGradStage
 from runtime.zero.stage3_param import ParamNotGathered
+
+if TYPE_CHECKING:  # runtime.offload imports runtime.zero: the split is imported where it is made
+    from runtime.offload.ratio import OffloadSplit
 
 __all__ = [
     "FlatGroup",
@@ -141,7 +144,7 @@ def build_zero_stage(
 
 def _whole_group_split(
     groups: Sequence[FlatGroup], setup: StageSetup, registration: dict[nn.Parameter, int]
-) -> Any:
+) -> OffloadSplit | None:
     """Stage 3's groups (one per gather unit and param group) for `offload_optimizer.ratio`: whole groups
     go to the host, those whose gradients are ready first in backward (runtime.offload.ratio). None when
     the ratio does not split anything (no offload, or all of it)."""
@@ -161,7 +164,7 @@ def _flatten_specs(
     comm: Comm,
     setup: StageSetup,
     registration: dict[nn.Parameter, int],
-) -> tuple[list[FlatGroup], Any]:
+) -> tuple[list[FlatGroup], OffloadSplit | None]:
     """Stages 0-2: one flat group per param group, sharded for stages 1 and 2; with
     `offload_optimizer.ratio` between 0 and 1, two per param group: the parameters whose gradients are
     ready first (their optimizer state on the host) and the rest (on the device). Returns the groups and
@@ -206,15 +209,7 @@ def _flatten_specs(
         return groups, None
     from runtime.offload.ratio import OffloadSplit
 
-    device = tuple(i for i in range(len(groups)) if i not in host)
-    split = OffloadSplit(
-        ratio=ratio,
-        host=tuple(host),
-        device=device,
-        host_numel=sum(groups[i].param_numel for i in host),
-        device_numel=sum(groups[i].param_numel for i in device),
-    )
-    return groups, split
+    return groups, OffloadSplit.of(ratio, host, [g.param_numel for g in groups])
 
 
 def _build_strategy(

@@ -63,8 +63,10 @@ PARITY = [
     RatioCase(2, "fp16", 2, 0.5, ratio=0.5),  # the loss scale on both sides, one overflow check
     # the host's share through the device step (its Adam streams the state through the "device")
     RatioCase(2, "bf16", 1, 0.5, ratio=0.5, device_step=True, host_share=0.5),
-    # parameter offload: the device side's updated masters go into working shards in host memory
+    # parameter offload: the device side's updated masters go into working shards in host memory (at
+    # ratio 0 all of them, through the stage's own write-back)
     RatioCase(3, "fp32", 2, 0.5, ratio=0.5, persistence=0, offload_param=True),
+    RatioCase(3, "bf16", 1, 0.0, ratio=0.0, persistence=0, offload_param=True),
 ]
 HOST_PARAMS = {  # (stage, ratio) -> the parameters whose optimizer state is on the host (2: also stage 1)
     # stages 1 and 2 split each param group: out.weight (155 of 1211 decayed elements; 0.5: + hidden.weight,
@@ -217,6 +219,9 @@ def _check_parity(report: dict) -> None:
     failures = {key: problems for key, (_, problems, _) in report["parity"].items() if problems}
     assert not failures, "\n".join(f"{key}: {problems}" for key, problems in failures.items())
     for key, (case, _, got) in report["parity"].items():
+        if case.ratio == 0.0:  # nothing on the host: the plain placement
+            assert (got["placement"], got["host"], got["host_bytes"]) == ("DeviceMasters", [], None), key
+            continue
         assert got["placement"] == "PartialMasters", (key, got["placement"])
         reported, held = got["host_bytes"]
         assert reported == held > 0, (key, reported, held)
@@ -245,6 +250,7 @@ STREAMED = [  # one rank: the host's share updates during backward as its bucket
     RatioCase(2, "fp32", 1, 0.0, ratio=0.5, adam_without_clip=True),
     RatioCase(1, "fp32", 2, 0.0, ratio=0.25, adam_without_clip=True),
     RatioCase(1, "fp32", 2, 0.5, ratio=0.5),  # clipping: after backward, one norm for both sides
+    RatioCase(3, "fp32", 1, 0.0, ratio=0.5, adam_without_clip=True, persistence=0),  # a group per unit
 ]
 
 

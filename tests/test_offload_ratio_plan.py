@@ -71,9 +71,9 @@ def test_split_count_at_least_gives_the_host_no_less_than_the_ratio() -> None:
 
 
 GIB = 1 << 30
-AUTO = {  # a 10.7B-element shard, Adam with bf16 weights: 12 bytes an element on the device, 14 on the host
+AUTO = {  # a 10.7B-element shard, Adam with bf16 weights: 16 bytes an element on the device, 14 on the host
     "shard_numel": 10 * GIB,
-    "device_bytes_per_element": 12,
+    "device_bytes_per_element": 16,
     "host_bytes_per_element": 14,
     "activation_bytes": 20 * GIB,
     "device_reserve": 8 * GIB,
@@ -84,17 +84,17 @@ def test_choose_ratio_keeps_what_fits_on_the_device() -> None:
     from runtime.offload.ratio import RatioChoice, choose_ratio
 
     after = "free after the activations (20.0 GiB) and a reserve of 8.0 GiB"
-    # 100 GiB free: 72 GiB for the state, 6 Gi of the 10 Gi elements; the host takes 0.4
+    # 100 GiB free: 72 GiB for the state, 4.5 Gi of the 10 Gi elements; the host takes 0.55
     assert choose_ratio(device_free=100 * GIB, host_available=100 * GIB, **AUTO) == RatioChoice(
-        0.4,
-        "ratio 0.4: the device keeps 60% of the optimizer state (72.0 GiB), what fits in 72.0 GiB of the "
-        f"device's 100.0 GiB {after}; the host holds the rest (56.0 GiB of 100.0 GiB available)",
+        0.55,
+        "ratio 0.55: the device keeps 45% of the optimizer state (72.0 GiB), what fits in 72.0 GiB of the "
+        f"device's 100.0 GiB {after}; the host holds the rest (77.0 GiB of 100.0 GiB available)",
     )
-    # 62 GiB of room is 0.5781 of the state: rounded up to whole hundredths towards the host
-    assert choose_ratio(device_free=90 * GIB, host_available=200 * GIB, **AUTO).ratio == 0.49
+    # 62 GiB of room holds 0.3875 of the state: the host's 0.6125 rounds up to whole hundredths
+    assert choose_ratio(device_free=90 * GIB, host_available=200 * GIB, **AUTO).ratio == 0.62
     assert choose_ratio(device_free=200 * GIB, host_available=0, **AUTO) == RatioChoice(
         0.0,
-        "ratio 0: all of the optimizer state (120.0 GiB) fits in 172.0 GiB of the device's 200.0 GiB "
+        "ratio 0: all of the optimizer state (160.0 GiB) fits in 172.0 GiB of the device's 200.0 GiB "
         + after,
     )
     assert choose_ratio(device_free=20 * GIB, host_available=200 * GIB, **AUTO) == RatioChoice(
@@ -111,9 +111,9 @@ def test_choose_ratio_says_what_would_fit_when_nothing_does() -> None:
         choose_ratio(device_free=100 * GIB, host_available=40 * GIB, **AUTO)
     assert str(caught.value) == (
         "the optimizer state of this rank's 10,737,418,240 elements does not fit: the device can hold "
-        "6,442,450,944 of them (72.0 GiB of the device's 100.0 GiB free after the activations (20.0 GiB) and "
-        "a reserve of 8.0 GiB) and the host the rest only with 56.0 GiB, of 40.0 GiB available; both "
-        "together hold about 9,510,284,726 elements"
+        "4,831,838,208 of them (72.0 GiB of the device's 100.0 GiB free after the activations (20.0 GiB) and "
+        "a reserve of 8.0 GiB) and the host the rest only with 77.0 GiB, of 40.0 GiB available; both "
+        "together hold about 7,899,671,990 elements"
     )
 
 

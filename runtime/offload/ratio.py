@@ -157,8 +157,9 @@ def choose_ratio(
 
     Args:
         shard_numel: this rank's optimizer shard, in elements (what either side can hold).
-        device_bytes_per_element: what an element of state costs on the device (fp32 master, unless it is
-            the working weights themselves, and the optimizer's moments: 12 for Adam with bf16 weights).
+        device_bytes_per_element: what an element of state costs on the device at the step's peak: the
+            fp32 master (unless it is the working weights themselves), the optimizer's moments, and the
+            fp32 gradient copy the step makes from 16-bit gradients (16 for Adam with bf16 weights).
         host_bytes_per_element: the same on the host, with the offload's landing buffers (14 or 16).
         device_free: device bytes free once the working weights and gradient buffers exist.
         activation_bytes: the activations' peak estimate for the configured micro-batch.

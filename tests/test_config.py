@@ -275,12 +275,6 @@ BAD_CONFIGS = [
         id="unsupported-nvme",
     ),
     pytest.param(
-        {**MICRO, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
-        "zero_optimization.offload_optimizer.ratio",
-        ["partial optimizer offload (ZeRO-Offload++) is not supported yet", 'remove "ratio"'],
-        id="unsupported-offload-ratio",
-    ),
-    pytest.param(
         {**MICRO, "zero_optimization": {"stage": "2"}},
         "zero_optimization.stage",
         ["expected an integer in [0, 3], got str '2'"],

@@ -127,19 +127,39 @@ def _read_offload_optimizer(r: SectionReader) -> OffloadSettings:
     # "auto" (any spelling) or null: decided at startup, held as None
     update = r.get("update", Choice(UPDATE_CHOICES, nullable=True), None, auto=lambda: None)
     transfer = r.get("grad_transfer", Choice(GRAD_TRANSFER_CHOICES, nullable=True), None, auto=lambda: None)
+    # DeepSpeed's ZeRO-Offload++ share of the optimizer on the host (runtime/zero/offload_split.py)
+    ratio_given = r.has("ratio")
+    ratio = r.get("ratio", Float(0.0, 1.0), 1.0, auto=_ratio_auto)
     cfg = OffloadSettings(
         device=base.device,
         pin_memory=base.pin_memory,
+        ratio=ratio,
         update=None if update == "auto" else update,
         host_share=r.get("host_share", Float(0.0, 1.0, nullable=True), None, auto=lambda: None),
         grad_transfer=None if transfer == "auto" else transfer,
     )
     r.finish()
+    if cfg.device == "none" and ratio_given and ratio != 1.0:
+        # a share of the optimizer on the host means nothing without a host side: refuse rather than run
+        # without offload when the user planned for one (1.0, the default, is what a resolved config
+        # without offload carries)
+        raise ConfigError(
+            r.key_path("ratio"),
+            f'{ratio:g} needs offload_optimizer.device "cpu" (device is "none"): the ratio is the share of '
+            'the optimizer state offloaded to the host; set "device": "cpu", or remove "ratio"',
+        )
     if cfg.device == "none":
         for key in ("update", "host_share", "grad_transfer"):
             if getattr(cfg, key) is not None:
                 r.ctx.note(f'{r.key_path(key)}: {getattr(cfg, key)!r} has no effect (device is "none")')
     return cfg
+
+
+def _ratio_auto() -> float:
+    raise AutoRefused(
+        "choosing the share from the device's free memory is not implemented yet; set a number from 0 "
+        "(all of the optimizer on the device) to 1 (all on the host)"
+    )
 
 
 def _read_offload_param(r: SectionReader) -> OffloadConfig:
@@ -156,14 +176,6 @@ def _read_offload_device(r: SectionReader, buffer_count_default: int) -> Offload
             r.key_path("device"), '"nvme" is not supported yet (NVMe offload); use "cpu" or "none"'
         )
     cfg = OffloadConfig(device=device, pin_memory=r.get("pin_memory", Bool(), False))
-    # DeepSpeed's ZeRO-Offload++ keeps a share (1 - ratio) of the optimizer on the GPU; accepting the key
-    # and offloading everything would move far more to the host than the user planned for
-    if r.get("ratio", Float(0.0, 1.0, lo_open=True), 1.0) != 1.0:
-        raise ConfigError(
-            r.key_path("ratio"),
-            "partial optimizer offload (ZeRO-Offload++) is not supported yet: every shard's optimizer state "
-            'goes to the host; remove "ratio" or set it to 1.0',
-        )
     r.ignored("buffer_count", buffer_count_default, "NVMe/prefetch buffer count has no effect on CPU offload")
     r.ignored("fast_init", False, "no effect on CPU offload")
     r.ignored("nvme_path", None, "NVMe offload is not supported")

@@ -15,7 +15,7 @@ and answers two questions for a machine (GPU memory, host memory, GPUs per host)
 Bytes per element of this rank's shard for the state that ``ratio`` moves (fp32 master + optimizer
 state, e.g. 4 + 8 for Adam): on the GPU when kept there; on the host when offloaded, plus the gradient
 landing buffer when the CPU updates it (2 bytes for bf16 landing, none for the device step, which streams
-state through the GPU: runtime/offload/update_site.py).
+state through the GPU: runtime/offload/plan.py).
 
 Activations of one GPT block, per token of the micro-batch (Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models", 2022, with flash attention so no s x s score matrix is kept):

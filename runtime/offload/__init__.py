@@ -9,10 +9,16 @@ only one that names `HostMasters`; engines import only from here (the factory, `
     plan     = agree(plan_offload(settings, facts), ...)   # plan.py (pure), then the ranks' vote
     HostMasters(..., plan=plan, settings=settings)         # host_masters.py: executes the plan
 
+With `offload_optimizer.ratio` below 1 the ZeRO stage has already split its groups between the host and
+the device (runtime/zero/offload_split.py); the same steps build a `HostMasters` over the host's groups,
+and `PartialMasters` (partial.py) adds the device's groups and one norm for both.
+
 Parts, and which way imports point (each only to parts listed after it, and to runtime.zero, which
 never imports back; tests/offload/test_imports.py checks it):
 
 - `__init__.py` (this): the factory and `enable_delayed_update`.
+- `partial.py`: `PartialMasters`, a ratio below 1: the host's groups through `HostMasters`, the device's
+  updated in place, one gradient norm for both.
 - `host_masters.py`: `HostMasters`, the offloaded step's wiring and order.
 - `step/`: who updates a span (the CPU, the GPU over streamed state, or both; streamed during backward;
   delayed on a worker thread).
@@ -48,6 +54,7 @@ from runtime.comm import Comm
 from runtime.offload.host_masters import HostMasters
 from runtime.offload.io.targets import working_target
 from runtime.offload.machine import agree, read_facts
+from runtime.offload.partial import PartialMasters, host_view, log_split
 from runtime.offload.placement import (
     DeviceMasters,
     GradMath,
@@ -82,12 +89,22 @@ def build_master_placement(
     """The placement `config.zero_optimization.offload_optimizer` asks for. Call it after the ZeRO stage
     is built and before the optimizer is (offload moves the master shards the optimizer will hold).
 
-    One branch per placement: a new one (a share of the partition kept on the device, say) is one more
-    function like `_host_masters` composed from the parts here, and one more branch."""
+    One branch per placement: every master on the device, every master on the host, or (a ratio below 1,
+    `zero.offload_split`) the host's groups on the host and the rest on the device."""
     offload: OffloadSettings = config.zero_optimization.offload_optimizer
     if offload.device == "none":
         return DeviceMasters(groups, zero)
-    return _host_masters(offload, groups, zero, comm, device, registration=registration)
+    split = getattr(zero, "offload_split", None)  # None: the ratio is 1, everything goes to the host
+    if split is None:
+        return _host_masters(offload, groups, zero, comm, device, registration=registration)
+    log_split(split, groups, comm)
+    if not split.host:  # ratio 0 (or too small for one parameter): nothing to offload
+        return DeviceMasters(groups, zero)
+    if not split.device:  # the host took every group
+        return _host_masters(offload, groups, zero, comm, device, registration=registration)
+    view = host_view(zero, split)
+    host = _host_masters(offload, view.groups, view, comm, device, registration=registration)
+    return PartialMasters(groups, zero, split=split, host=host)
 
 
 def _host_masters(

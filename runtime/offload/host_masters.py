@@ -374,9 +374,11 @@ class HostMasters:
     # -- bookkeeping ------------------------------------------------------------------------------------
     def host_bytes(self, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
         state = 0
-        if optimizer is not None:
-            for values in optimizer.state.values():
-                state += sum(t.numel() * t.element_size() for t in values.values() if torch.is_tensor(t))
+        if optimizer is not None:  # this placement's groups only (partial offload keeps others on the device)
+            for group in self.groups:
+                for param in optimizer.param_groups[group.index]["params"]:
+                    values = optimizer.state.get(param, {}).values()
+                    state += sum(t.numel() * t.element_size() for t in values if torch.is_tensor(t))
         masters = sum(g.master.numel() * g.master.element_size() for g in self.groups)
         masters += self.target.host_bytes()  # offloaded working-weight shards (offload_param)
         buffers = self.grads.host_bytes()

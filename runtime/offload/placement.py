@@ -11,7 +11,8 @@ The engine's step talks to a `MasterPlacement` and never asks where the state is
 
 `DeviceMasters` is the plain case (the masters sit next to the gradients: fp32 master gradients, then
 `finish_grads`, then `optimizer.step()`, then the ZeRO stage writes back and all-gathers).
-`HostMasters` (host_masters.py) is `offload_optimizer: {device: cpu}`; the package's front door
+`HostMasters` (host_masters.py) is `offload_optimizer: {device: cpu}`, and `PartialMasters` (partial.py)
+that with a `ratio` below 1 (some groups on each side); the package's front door
 (`runtime.offload.build_master_placement`) picks one. This module imports nothing from runtime/offload,
 so every other part of it may import this one.
 
@@ -108,13 +109,14 @@ def attach_master_grads(
     per_tensor: bool,
 ) -> None:
     """Point the optimizer's parameters (one flat master per group, or one view per parameter) at the
-    master gradients, or detach them (`grads=None`)."""
+    master gradients, or detach them (`grads=None`). `groups` may be a subset of the stage's (partial
+    offload): a group's optimizer param group is the one at `group.index`."""
     for index, group in enumerate(groups):
         grad = None if grads is None else grads[index]
         if not per_tensor:
             group.master.grad = grad
             continue
-        views = optimizer.param_groups[index]["params"]
+        views = optimizer.param_groups[group.index]["params"]
         for view, slot in zip(views, group.layout.slots, strict=True):
             view.grad = None if grad is None else grad.narrow(0, slot.offset, slot.numel).view(view.shape)
 

@@ -5,7 +5,11 @@ The config reader (runtime.config) fills the keys and checks them; the offload's
 plans the offloaded step from the result (plan.py). This module is the only place in runtime/offload
 that reads the environment; nothing below it reads a knob from anywhere but these settings.
 
-Keys (DeepSpeed's `device` and `pin_memory`, and ours, in the same style):
+Keys (DeepSpeed's `device`, `pin_memory` and `ratio`, and ours, in the same style):
+
+- `ratio`: the share of the optimizer state (masters and moments) on the host, from 0 to 1 (DeepSpeed's
+  ZeRO-Offload++; 1.0, the default, offloads all of it); the rest stays on the device and is updated
+  there, while the host updates its share (ratio.py, partial.py).
 
 - `update`: where the Adam step runs (plan.py): "host", "device", or "auto" (the default: the GPU
   over state streamed from pinned host memory where it can run and the host and the GPU have room, else
@@ -69,6 +73,7 @@ class OffloadSettings:
 
     device: str = "none"  # "none" | "cpu"
     pin_memory: bool = False  # DeepSpeed 0.19.8 defaults to True
+    ratio: float = 1.0  # share of the optimizer state on the host (whole parameters; ratio.py)
     update: str | None = None  # "host" | "device"; None: auto
     host_share: float | None = None  # 0..1; None: auto
     grad_transfer: str | None = None  # "fp32" | "native"; None: auto

@@ -27,6 +27,7 @@ from runtime.comm import Comm
 from runtime.zero.flat import FlatGroup, flatten_group
 from runtime.zero.gathered import GatheredParameters
 from runtime.zero.init import Init
+from runtime.zero.offload_split import OffloadSplit, plan_split, split_count
 from runtime.zero.optimizer import GroupSpec
 from runtime.zero.partition import FlatLayout, plan_flat_layout
 from runtime.zero.replicated import GradientViewsReplaced, ReplicatedGradStage
@@ -117,12 +118,15 @@ def build_zero_stage(
         options = stage3_options(setup)
         # One rank gains nothing from sharding, except when the shards are to live in host memory.
         if comm.world_size > 1 or setup.zero.offload_param.enabled:
-            return build_stage3(model, specs, comm, options)
+            sharded = build_stage3(model, specs, comm, options)
+            sharded.offload_split = _whole_group_split(sharded.groups, setup, registration)
+            return sharded
         groups = resident_unit_groups(model, specs, comm, options)
+        split = _whole_group_split(groups, setup, registration)
     else:
         zero_init.materialize_params(model.parameters())  # built under zero.Init: make them whole again
         model.to(setup.device)
-        groups = _flatten_specs(model, specs, comm, setup, registration)
+        groups, split = _flatten_specs(model, specs, comm, setup, registration)
     strategy = _build_strategy(
         stage,
         groups,
@@ -134,7 +138,23 @@ def build_zero_stage(
     )
     # GatheredParameters(modifier_rank=...) on these always-whole parameters must still reach the masters
     strategy.resident = ResidentGroups(groups, comm)
+    strategy.offload_split = split  # partial optimizer offload: which groups' state goes to the host
     return strategy
+
+
+def _whole_group_split(
+    groups: Sequence[FlatGroup], setup: StageSetup, registration: dict[nn.Parameter, int]
+) -> OffloadSplit | None:
+    """Stage 3's groups (one per gather unit and param group) for `offload_optimizer.ratio`: whole groups
+    go to the host, those whose gradients are ready first in backward (runtime.zero.offload_split). None when
+    the ratio does not split anything (no offload, or all of it)."""
+    offload = setup.zero.offload_optimizer
+    if offload.device == "none" or offload.ratio == 1.0:
+        return None
+
+    # backward finishes a group when its earliest-registered parameter is done (runtime.zero.buckets)
+    ready = [-min((registration.get(p, -1) for p in g.params), default=-1) for g in groups]
+    return plan_split([g.param_numel for g in groups], ready, offload.ratio)
 
 
 def _flatten_specs(
@@ -143,22 +163,33 @@ def _flatten_specs(
     comm: Comm,
     setup: StageSetup,
     registration: dict[nn.Parameter, int],
-) -> list[FlatGroup]:
-    """Stages 0-2: one flat group per param group, sharded for stages 1 and 2."""
+) -> tuple[list[FlatGroup], OffloadSplit | None]:
+    """Stages 0-2: one flat group per param group, sharded for stages 1 and 2; with
+    `offload_optimizer.ratio` between 0 and 1, two per param group: the parameters whose gradients are
+    ready first (their optimizer state on the host) and the rest (on the device). Returns the groups and
+    the `OffloadSplit` (None without a ratio that splits)."""
     names = {p: n for n, p in model.named_parameters()}
     sharded = shards_optimizer_state(setup.zero.stage) and comm.world_size > 1
     shard_world, shard_rank = (comm.world_size, comm.rank) if sharded else (1, 0)
     bucket_numel = setup.zero.reduce_bucket_size
     if setup.bucket_cap is not None:
         bucket_numel = min(bucket_numel, setup.bucket_cap)
-    groups = []
+    offload = setup.zero.offload_optimizer
+    ratio = offload.ratio if offload.device != "none" else 1.0
+    groups: list[FlatGroup] = []
+    host: list[int] = []
     for index, spec in enumerate(specs):
         # reverse registration order: buckets then fill in the order backward produces gradients
         params = sorted(spec.params, key=lambda p: -registration.get(p, -1))
-        groups.append(
-            flatten_group(
-                index,
-                params,
+        parts = [params]
+        if ratio != 1.0:
+            count = split_count([p.numel() for p in params], ratio)
+            host += [len(groups)] if count else []
+            parts = [part for part in (params[:count], params[count:]) if part]
+        for part in parts:
+            group = flatten_group(
+                len(groups),
+                part,
                 spec.options,
                 world_size=shard_world,
                 rank=shard_rank,
@@ -166,10 +197,13 @@ def _flatten_specs(
                 param_dtype=setup.param_dtype,
                 master_dtype=setup.master_dtype,
                 device=setup.device,
-                names=[names[p] for p in params],
+                names=[names[p] for p in part],
             )
-        )
-    return groups
+            group.spec_index = index
+            groups.append(group)
+    if ratio == 1.0:
+        return groups, None
+    return groups, OffloadSplit.of(ratio, host, [g.param_numel for g in groups])
 
 
 def _build_strategy(

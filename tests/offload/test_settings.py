@@ -53,8 +53,8 @@ def test_offload_keys_read_into_the_settings_and_auto_is_left_to_the_engine() ->
     auto = load_config(_offload_config(update="auto", grad_transfer=None, host_share="auto"), world_size=1)
     assert auto.zero_optimization.offload_optimizer == OffloadSettings(device="cpu")
     resolved = cfg.to_dict()["zero_optimization"]["offload_optimizer"]
-    assert resolved == {"device": "cpu", "pin_memory": False, "update": "device", "host_share": 0.25,
-                        "grad_transfer": "fp32"}  # fmt: skip
+    assert resolved == {"device": "cpu", "pin_memory": False, "ratio": 1.0, "update": "device",
+                        "host_share": 0.25, "grad_transfer": "fp32"}  # fmt: skip
     assert load_config(cfg.to_dict(), world_size=1) == cfg
     with pytest.raises(ConfigError) as typo:
         load_config(_offload_config(updte="host"), world_size=1)

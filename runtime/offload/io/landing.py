@@ -76,6 +76,9 @@ class GradLanding:
         self.landed = [False] * len(self.spans)
         self.on_landed: Callable[[int], None] | None = None  # a streamed step's, while one runs
         self._span_at = {(s.group, s.bucket): i for i, s in enumerate(self.spans)}
+        # spans name groups by position in `groups`, which is not `group.index` when these are a subset
+        # (partial offload: the host's groups only)
+        self._position = {id(g): i for i, g in enumerate(self.groups)}
         self._sources: list[torch.Tensor] = []
         self._boundary = False
         self._hooks: list[RemovableHandle] = []
@@ -129,7 +132,7 @@ class GradLanding:
             self.tracker.mark(param)
 
     def _land_bucket(self, group: FlatGroup, bucket: int) -> None:
-        self._land(self._span_at[(group.index, bucket)])
+        self._land(self._span_at[(self._position[id(group)], bucket)])
 
     def source(self, index: int) -> torch.Tensor:
         """Span `index`'s gradients on the device (this boundary backward's)."""

@@ -75,9 +75,14 @@ class HostAdam:
         self._settings: list[tuple[int, AdamHyperparams]] = []
         self._scratch: torch.Tensor | None = None
         self.cache_chunk = default_chunk_elems()
-        for group, master in zip(optimizer.param_groups, self.masters, strict=True):
-            if group["params"][0] is not master:
+        # each master's param group, found by identity: with partial offload (ratio < 1) the optimizer
+        # also holds the device's masters, whose groups this path never touches
+        by_master = {id(g["params"][0]): g for g in optimizer.param_groups if len(g["params"]) == 1}
+        self.param_groups: list[dict[str, Any]] = []
+        for master in self.masters:
+            if id(master) not in by_master:
                 raise ValueError("HostAdam: the optimizer's param groups must be the host master shards")
+            self.param_groups.append(by_master[id(master)])
             # allocated now (and every page touched), so a host short of memory fails at setup
             self._state(master)
 
@@ -94,7 +99,7 @@ class HostAdam:
     def begin_step(self) -> None:
         """Advance every group's step count and read its hyperparameters (the scheduler's current lr)."""
         self._settings = []
-        for group, master in zip(self.optimizer.param_groups, self.masters, strict=True):
+        for group, master in zip(self.param_groups, self.masters, strict=True):
             hp = adam_hyperparams(self.optimizer, group)
             if hp is None:
                 raise ValueError("HostAdam: a param group changed to settings this path cannot run")

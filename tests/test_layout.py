@@ -25,14 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LINE_LIMIT = 500
 
-# runtime/offload/ is being rebuilt as "plan, then execute" on the `offplan` branch, which ends its circles
-# (offload <-> zero, placement <-> host_masters). Until that merges, the circle check leaves out every
-# module under runtime.offload; drop this exclusion after the merge. It also hides one circle that passes
-# through the offload's front door: runtime.config.zero imports runtime.offload.settings, which runs
-# runtime/offload/__init__.py -> placement -> runtime.zero -> runtime.zero.init, whose zero.Init reads a
-# config file through runtime.config. It ends when the config stops importing from runtime.offload (the
-# plain OffloadSettings dataclass living in runtime/config/) or zero.Init stops importing runtime.config.
-CIRCLE_EXCLUDED = ("runtime.offload",)
+# modules the circle check leaves out (none: every circle is gone)
+CIRCLE_EXCLUDED: tuple[str, ...] = ()
 
 
 def _modules(root: Path, package: str) -> dict[str, tuple[Path, bool]]:

@@ -4,7 +4,7 @@ Owns DeepSpeed's deprecated aliases (cpu_offload, ...), the keys we accept witho
 MiCS / NVMe features we refuse by name, and "auto" for the hidden-size-derived stage-3 values (resolved the
 way HF Trainer does: reduce_bucket_size = h*h, stage3_prefetch_bucket_size = 0.9*h*h,
 stage3_param_persistence_threshold = 10*h). `offload_optimizer` reads into the offload's own
-`OffloadSettings` (runtime/offload/settings.py, which says what its keys do); `offload_param` into
+`OffloadSettings` (runtime/config/offload.py, which says what its keys do); `offload_param` into
 `OffloadConfig`.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from runtime.config.checks import Bool, Choice, Float, Int
+from runtime.config.offload import GRAD_TRANSFER_CHOICES, UPDATE_CHOICES, OffloadSettings
 from runtime.config.reader import AutoRefused, ConfigError, SectionReader
-from runtime.offload.settings import GRAD_TRANSFER_CHOICES, UPDATE_CHOICES, OffloadSettings
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class ZeroConfig:
     contiguous_gradients: bool = True
     # use the reduce-scatter collective; False emulates it with all-reduce and a slice (runtime.comm)
     reduce_scatter: bool = True
-    # where master weights and optimizer state live and step (runtime/offload/settings.py has its keys)
+    # where master weights and optimizer state live and step (runtime/config/offload.py has its keys)
     offload_optimizer: OffloadSettings = field(default_factory=OffloadSettings)
     # stage 3 only: the working weight shards in host memory
     offload_param: OffloadConfig = field(default_factory=OffloadConfig)

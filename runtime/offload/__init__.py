@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm
+from runtime.config.offload import OffloadSettings
 from runtime.offload.host_masters import HostMasters
 from runtime.offload.io.targets import working_target
 from runtime.offload.machine import agree, read_facts
@@ -62,7 +63,7 @@ from runtime.offload.placement import (
     attach_master_grads,
 )
 from runtime.offload.plan import plan_offload
-from runtime.offload.settings import OffloadSettings, with_overrides
+from runtime.offload.settings import with_overrides
 from runtime.zero.flat import FlatGroup
 
 __all__ = [

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm
+from runtime.config.offload import OffloadSettings
 from runtime.host_memory import HostMemory
 from runtime.offload.io.copies import CopyEngine, Ticket
 from runtime.offload.io.landing import GradLanding
@@ -34,7 +35,6 @@ from runtime.offload.io.spans import Span
 from runtime.offload.io.targets import Publisher, WorkingTarget
 from runtime.offload.placement import GradMath, scale_from_device_grads
 from runtime.offload.plan import OffloadPlan, UpdateChoice
-from runtime.offload.settings import OffloadSettings
 from runtime.offload.step import host_adam
 from runtime.offload.step.delayed import DelayedUpdate, check_after_steps
 from runtime.offload.step.device_step import DeviceStep

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.config.offload import DEVICE_CHUNK_ELEMS, OffloadSettings
 from runtime.offload.io.spans import CHUNK_ALIGN, Span, plan_spans
-from runtime.offload.settings import DEVICE_CHUNK_ELEMS, OffloadSettings
 from runtime.zero.partition import FlatLayout, align_up
 
 LANDING_KEY = "offload_optimizer.grad_transfer"  # how the reasons name the settings

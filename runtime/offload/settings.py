@@ -1,31 +1,9 @@
-"""How optimizer offload runs: `OffloadSettings`, the typed `zero_optimization.offload_optimizer` section.
+"""The benchmark overrides of the `offload_optimizer` settings: the only environment read in runtime/offload.
 
-The config reader (runtime.config) fills the keys and checks them; the offload's front door
-(`runtime.offload.build_master_placement`) applies the benchmark overrides here once, logs each, and
-plans the offloaded step from the result (plan.py). This module is the only place in runtime/offload
-that reads the environment; nothing below it reads a knob from anywhere but these settings.
-
-Keys (DeepSpeed's `device`, `pin_memory` and `ratio`, and ours, in the same style):
-
-- `ratio`: the share of the optimizer state (masters and moments) on the host, from 0 to 1 (DeepSpeed's
-  ZeRO-Offload++; 1.0, the default, offloads all of it); the rest stays on the device and is updated
-  there, while the host updates its share (ratio.py, partial.py).
-
-- `update`: where the Adam step runs (plan.py): "host", "device", or "auto" (the default: the GPU
-  over state streamed from pinned host memory where it can run and the host and the GPU have room, else
-  the CPU).
-- `host_share`: with the device step, the fraction of each span's elements the CPU updates at the same
-  time, from 0 to 1, or "auto" (the default: `one_rank_host_share`, scaled by the ranks on the host:
-  plan.default_host_share).
-- `grad_transfer`: the dtype 16-bit gradients cross PCIe in for the host step (plan.py): "fp32",
-  "native", or "auto" (the default: fp32 on a GPU where the host has room).
-
-"auto" is decided when the engine starts, from the machine; the settings hold it as None (and the
-resolved config as null), since it is a choice left open, not a value.
-
-The other fields are internal (no config keys, not in the resolved config): chunk and bucket sizes and
-the CPU's default share, which tests set so a tiny model still spans several chunks (never by
-overwriting a module constant), and a benchmark may set.
+`OffloadSettings` itself, the typed section and what its keys do, is the config's
+(runtime/config/offload.py). The offload's front door (`runtime.offload.build_master_placement`) applies
+the overrides here once, logs each, and plans the offloaded step from the result (plan.py); nothing
+below it reads a knob from anywhere but those settings.
 
 Benchmark overrides: `DSLAUNCH_OFFLOAD_UPDATE`, `DSLAUNCH_OFFLOAD_HOST_SHARE` and
 `DSLAUNCH_OFFLOAD_GRAD_TRANSFER`, when set and not empty, replace their key (scripts/bench/offload.py's
@@ -37,61 +15,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-UPDATE_CHOICES = ("auto", "host", "device")  # "auto" is held as None
-GRAD_TRANSFER_CHOICES = ("auto", "fp32", "native")
-SECTION = "zero_optimization.offload_optimizer"
-INTERNAL = "internal"
-"""Field metadata of the internal settings: runtime.config leaves them out of the resolved config."""
-
-TRANSFER_CHUNK_ELEMS = 1 << 23
-"""Elements per copy-back chunk of the host step: small enough that only the last chunk's copy is exposed,
-large enough that per-chunk overhead stays below 1% (16 MiB of bf16)."""
-DEVICE_CHUNK_ELEMS = 1 << 24
-"""Elements per staging slot of the device step: 256 MiB of fp32 master, moments and gradient; the chunk
-and slot counts compared on the H200 are in BENCHMARKS.md."""
-ONE_RANK_BUCKET_NUMEL = 1 << 24
-"""Bucket cap for optimizer offload with one rank, where gradients stream to the offloaded step during
-backward: its first bucket must be final before any update can start, and with DeepSpeed's default
-reduce_bucket_size (5e8) a GPT-2 XL is four buckets, the first complete a quarter into backward (the
-step times with and without the cap are in BENCHMARKS.md). With more ranks reduce_bucket_size stays what
-the config says: it sizes the reductions. `OffloadSettings.bucket_cap` hands it to the ZeRO stage."""
-ONE_RANK_HOST_SHARE = 0.0
-"""The CPU's share of the device step under "auto" with one rank on the host (plan.default_host_share
-scales it for more): on the H200 the GPU alone beat every split tried (BENCHMARKS.md)."""
-
-
-def _internal(default: Any) -> Any:
-    return field(default=default, metadata={INTERNAL: True})
-
-
-@dataclass(frozen=True)
-class OffloadSettings:
-    """`zero_optimization.offload_optimizer` (see the module docstring)."""
-
-    device: str = "none"  # "none" | "cpu"
-    pin_memory: bool = False  # DeepSpeed 0.19.8 defaults to True
-    ratio: float = 1.0  # share of the optimizer state on the host (whole parameters; ratio.py)
-    update: str | None = None  # "host" | "device"; None: auto
-    host_share: float | None = None  # 0..1; None: auto
-    grad_transfer: str | None = None  # "fp32" | "native"; None: auto
-    # internal: not config keys
-    transfer_chunk_elems: int = _internal(TRANSFER_CHUNK_ELEMS)
-    device_chunk_elems: int = _internal(DEVICE_CHUNK_ELEMS)
-    device_slots: int | None = _internal(None)  # None: as many as the device has room for (plan.device_slots)
-    one_rank_bucket_numel: int = _internal(ONE_RANK_BUCKET_NUMEL)
-    one_rank_host_share: float = _internal(ONE_RANK_HOST_SHARE)
-
-    def bucket_cap(self, world_size: int) -> int | None:
-        """The most elements a ZeRO bucket may hold for this offload (None: reduce_bucket_size decides).
-        With one rank nothing is reduced, and a bucket is only the unit in which gradients reach the
-        offloaded step: small ones let it start early in backward."""
-        if self.device == "none" or world_size != 1:
-            return None
-        return self.one_rank_bucket_numel
-
+from runtime.config.offload import GRAD_TRANSFER_CHOICES, SECTION, UPDATE_CHOICES, OffloadSettings
 
 OVERRIDES = {
     "update": "DSLAUNCH_OFFLOAD_UPDATE",

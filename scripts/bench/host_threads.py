@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
+from runtime.config.offload import TRANSFER_CHUNK_ELEMS
 from runtime.offload.io.spans import plan_chunks
-from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
 from runtime.offload.step.host_adam import HostAdam
 from runtime.ops.adam import CPUAdam
 from scripts.bench.common import add_out_argument, emit, out_file

@@ -101,8 +101,8 @@ def work_gpu(spec: Spec, device: torch.device) -> dict[str, Any]:
 def _host_step_time(n: int, reps: int) -> float:
     """Median seconds of our host step over n parameters: bf16 gradients in, bf16 weights out, in the
     engine's chunks."""
+    from runtime.config.offload import TRANSFER_CHUNK_ELEMS
     from runtime.offload.io.spans import plan_chunks
-    from runtime.offload.settings import TRANSFER_CHUNK_ELEMS
     from runtime.offload.step.host_adam import HostAdam
     from runtime.ops.adam import CPUAdam
 

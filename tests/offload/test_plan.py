@@ -200,10 +200,10 @@ def _facts(layouts: tuple, machine) -> object:
 def test_the_cpus_share_comes_from_its_key_and_shrinks_with_ranks_per_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from runtime.config.offload import OffloadSettings
     from runtime.distributed import LOCAL_SIZE_VARIABLES
     from runtime.offload.machine import read_machine
     from runtime.offload.plan import plan_offload
-    from runtime.offload.settings import OffloadSettings
     from runtime.zero.partition import plan_flat_layout
 
     layouts = (plan_flat_layout([1 << 20], world_size=1, bucket_numel=1 << 18, align=64),)
@@ -228,8 +228,8 @@ def test_the_plan_streams_pins_and_warns_from_the_machine_it_runs_on() -> None:
     """Gradients stream during backward only with one rank, not the sharded stage 3, and copies that do
     not block autograd (pinned on a GPU, any copy on a CPU); pageable memory on a GPU is warned about; the
     spans come in the order the facts give."""
+    from runtime.config.offload import OffloadSettings
     from runtime.offload.plan import MachineFacts, plan_offload
-    from runtime.offload.settings import OffloadSettings
     from runtime.zero.partition import plan_flat_layout
 
     layouts = (plan_flat_layout([300, 500], world_size=1, bucket_numel=256, align=64),)

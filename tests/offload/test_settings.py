@@ -45,7 +45,7 @@ def test_offload_keys_read_into_the_settings_and_auto_is_left_to_the_engine() ->
     the resolved config holds no "auto"); the internal settings are no config keys and stay out of the
     resolved config, which loads back to the same settings; the keys belong to offload_optimizer only."""
     from runtime.config import ConfigError, load_config
-    from runtime.offload.settings import OffloadSettings
+    from runtime.config.offload import OffloadSettings
 
     cfg = load_config(_offload_config(update="DEVICE", grad_transfer="fp32", host_share=0.25), world_size=1)
     settings = cfg.zero_optimization.offload_optimizer
@@ -69,7 +69,8 @@ def test_offload_keys_read_into_the_settings_and_auto_is_left_to_the_engine() ->
 
 
 def test_benchmark_overrides_replace_their_keys_and_say_so() -> None:
-    from runtime.offload.settings import OffloadSettings, with_overrides
+    from runtime.config.offload import OffloadSettings
+    from runtime.offload.settings import with_overrides
 
     configured = OffloadSettings(device="cpu", update="device", host_share=0.5)
     environ = {

@@ -32,11 +32,11 @@ import math
 
 import torch
 
+from runtime.config.offload import DEVICE_CHUNK_ELEMS
 from runtime.host_memory import HostMemory
 from runtime.offload.io.copies import Ticket
 from runtime.offload.io.spans import CHUNK_ALIGN, Span, plan_chunks
 from runtime.offload.plan import DEVICE_SLOTS, device_slots
-from runtime.offload.settings import DEVICE_CHUNK_ELEMS
 from runtime.offload.step.host_adam import HostAdam
 from runtime.ops.adam_step import AdamHyperparams
 from runtime.zero.partition import align_up

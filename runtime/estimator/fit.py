@@ -13,7 +13,8 @@ and answers two questions for a machine (GPU memory, host memory, GPUs per host)
 - ``largest_gpt``: the largest of a list of sizes that fits, and what stops the next one.
 
 Bytes per element of this rank's shard for the state that ``ratio`` moves (fp32 master + optimizer
-state, e.g. 4 + 8 for Adam): on the GPU when kept there; on the host when offloaded, plus the gradient
+state, e.g. 4 + 8 for Adam): on the GPU when kept there, plus the fp32 copy of 16-bit gradients the
+device's step makes (16 for Adam in bf16); on the host when offloaded, plus the gradient
 landing buffer when the CPU updates it (2 bytes for bf16 landing, none for the device step, which streams
 state through the GPU: runtime/offload/plan.py).
 
@@ -149,6 +150,8 @@ def fit_gpt(
     params = config.num_params()
     shard = math.ceil(params / ranks) if stage >= 1 else params
     movable = shard * (MASTER_BYTES + OPTIMIZER_BYTES[work.optimizer])  # what ratio moves, per rank
+    # on the device the step also makes an fp32 copy of 16-bit gradients (runtime.precision.mixed)
+    device_movable = movable + (shard * MASTER_BYTES if w < MASTER_BYTES else 0)
     landing = shard * w if host_step else 0
     # the GPU without any of the movable state: weights, gradients, buckets, activations, fixed costs
     gpu_fixed = (
@@ -162,19 +165,20 @@ def fit_gpt(
     host_fixed = ranks * (HOST_PROCESS_BYTES + states.host_per_rank.params)
     host_init = ranks * states.host_init_per_rank  # the fp32 model built on the host first
     if not offload_optimizer:
-        gpu_need = gpu_fixed + movable
+        gpu_need = gpu_fixed + device_movable
         host_need = max(host_fixed, host_init + ranks * HOST_PROCESS_BYTES)
         return _verdict(params, None, None, gpu_need, host_need, machine)
     gpu_fixed += 0 if host_step else DEVICE_STEP_STAGING_BYTES
     per_host_share = ranks * (movable + landing)  # host bytes at ratio 1
-    # GPU: gpu_fixed + (1 - r) * movable <= gpu; host: host_fixed + r * per_host_share <= host
-    low = 1.0 - (machine.gpu_bytes - gpu_fixed) / movable if movable else 0.0
+    # GPU: gpu_fixed + (1 - r) * device_movable <= gpu; host: host_fixed + r * per_host_share <= host
+    low = 1.0 - (machine.gpu_bytes - gpu_fixed) / device_movable if device_movable else 0.0
     high = (machine.host_bytes - host_fixed) / per_host_share if per_host_share else 1.0
     low, high = max(low, 0.0), min(high, 1.0)
     window = (low, high) if low <= high else None
     # "auto": the GPU keeps as much of the state as fits beside everything else (its 5% slack included)
     chosen = min(low, 1.0) if ratio == "auto" else float(ratio)
-    gpu_need = gpu_fixed + math.ceil((1.0 - chosen) * movable)
+    # rounded towards fitting on the GPU side, so the window's low end fits there exactly
+    gpu_need = gpu_fixed + math.floor((1.0 - chosen) * device_movable)
     host_need = max(host_fixed + math.ceil(chosen * per_host_share), host_init + ranks * HOST_PROCESS_BYTES)
     return _verdict(params, chosen, window, gpu_need, host_need, machine)
 
@@ -196,7 +200,7 @@ def _verdict(
     if short:
         hint = ""
         if window is not None and ratio is not None and not window[0] <= ratio <= window[1]:
-            hint = f"; ratios from {window[0]:.2f} to {window[1]:.2f} fit"
+            hint = f"; ratios from {window[0]:.3f} to {window[1]:.3f} fit"
         elif ratio is not None and window is None:
             hint = "; no offload ratio fits both sides"
         reason = f"{params / 1e9:.2f}B parameters do not fit{at}: " + " and ".join(short) + hint

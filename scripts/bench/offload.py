@@ -309,11 +309,12 @@ HOST_BYTES_PER_PARAM = 14
 HOST_OVERHEAD_GIB = 4.0  # interpreter, torch, CUDA context
 
 
-def _host_shortfall(params: int) -> str | None:
-    """Why a model of `params` parameters cannot fit in the host memory available now, or None."""
+def _host_shortfall(params: int, ratio: float = 1.0) -> str | None:
+    """Why a model of `params` parameters cannot fit in the host memory available now, or None (`ratio`:
+    the host's share of the optimizer state)."""
     from runtime.memory import host_available_bytes
 
-    need = params * HOST_BYTES_PER_PARAM / 2**30 + HOST_OVERHEAD_GIB
+    need = params * HOST_BYTES_PER_PARAM * ratio / 2**30 + HOST_OVERHEAD_GIB
     available = host_available_bytes() / 2**30
     if need <= available:
         return None
@@ -336,7 +337,7 @@ def find_max(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     while 0 <= index < len(sizes) and index not in tried:
         size = sizes[index]
         trial = {**spec, **size, "warmup": 0, "steps": 3, "micro_batch": args.micro_batch or 1}
-        short = None if args.no_host_guard else _host_shortfall(params_of(size))
+        short = None if args.no_host_guard else _host_shortfall(params_of(size), args.ratio)
         if short is not None:  # do not wake the kernel's OOM killer: it may pick another process
             record = {"bench": "offload", "config": "trial", "skipped": short}
         else:
@@ -386,6 +387,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"comma-separated, from {', '.join(CONFIGS)}",
     )
     parser.add_argument("--find_max", action="store_true", help="largest GPT that trains with offload")
+    parser.add_argument(
+        "--ratio", type=float, default=1.0, help="offload_optimizer.ratio: the host's share of the state"
+    )
+    parser.add_argument(
+        "--activation_checkpointing", action="store_true", help="recompute every block in backward"
+    )
+    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument(
+        "--offload_param", action="store_true", help="stage 3: the weights in host memory too (ours)"
+    )
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES))
     parser.add_argument("--start_params", type=float, default=8e9, help="--find_max: first size to try")
     parser.add_argument(
@@ -451,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         "adam_steps": args.adam_steps,
         "dpu_after": args.dpu_after,
         "threads": args.threads,
+        "ratio": args.ratio,
+        "checkpointing": args.activation_checkpointing,
+        "accumulation": args.accumulation,
+        "offload_param": args.offload_param,
     }
     mode = "find_max" if args.find_max else "step"
     start = {"bench": "offload", "config": "start", "mode": mode, **environment(args.device)}

@@ -59,11 +59,13 @@ def engine_config(spec: Spec, offload: bool) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": spec["stage"], "overlap_comm": True, "contiguous_gradients": True}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if spec.get("ratio", 1.0) != 1.0:  # partial offload: the device keeps the rest of the state
+            zero["offload_optimizer"]["ratio"] = spec["ratio"]
     if offload and spec.get("offload_param"):
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": spec["micro_batch"],
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": spec.get("accumulation", 1),
         "gradient_clipping": spec["clip"],  # DeepSpeed 0.19.8 would default to 1.0
         "steps_per_print": 1_000_000,
         "bf16": {"enabled": True, **({"check_grad_overflow": False} if spec.get("unchecked") else {})},
@@ -283,23 +285,30 @@ def _engine_steps(spec: Spec, device: torch.device, make: Callable[[GPT], Any]) 
         torch.cuda.reset_peak_memory_stats(device)
     setup_start = time.perf_counter()
     model = _fresh_model(config, device)
+    if spec.get("checkpointing"):
+        from runtime.checkpointing import checkpoint
+
+        model.checkpoint_fn = checkpoint
     engine = make(model)
     synchronize(device)
     setup_s = time.perf_counter() - setup_start
     x, y = _batch(config, spec, device)
     losses: list[torch.Tensor] = []
+    accumulation = spec.get("accumulation", 1)
 
-    def step() -> None:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+    def step() -> None:  # one optimizer step: `accumulation` micro-batches (the same batch), then the update
+        for _ in range(accumulation):
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
         losses.append(loss.detach())
 
     median, times = median_time(step, device, spec["warmup"], spec["steps"])
     steady = steady_time(step, device, spec["steps"])
-    tokens = spec["micro_batch"] * spec["seq_len"]
+    tokens = spec["micro_batch"] * spec["seq_len"] * accumulation
     result: dict[str, Any] = {
         "params": config.num_params(),
+        "tflops": round(config.flops_per_token(spec["seq_len"]) * tokens / steady / 1e12, 1),
         "setup_s": round(setup_s, 1),
         "step_s": round(steady, 4),
         "step_synced_s": round(median, 4),
@@ -357,8 +366,10 @@ def work_ours(
     result["device_state_gib"] = round(breakdown.device_model_state_bytes / 2**30, 2)
     result["host_state_gib"] = round(host_bytes / 2**30, 2)
     result["host_bytes_per_param"] = round(host_bytes / result["params"], 2)
-    if offload:
-        masters = engine.masters
+    if offload and hasattr(engine.masters, "split"):  # partial offload: the host side is a HostMasters
+        result["ratio_achieved"] = round(engine.masters.split.achieved, 3)
+    if offload and spec.get("ratio", 1.0) > 0.0:
+        masters = getattr(engine.masters, "host", engine.masters)
         result["pinned_gib"] = round(masters.memory.pinned_bytes / 2**30, 2)
         on_device = masters.update_on_device
         result["update"] = "device" if on_device else "host"

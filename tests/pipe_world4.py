@@ -51,9 +51,10 @@ def _run() -> list[dict[str, Any]]:
 
 
 def part(name: str) -> list[Any]:
-    """The per-rank results of one part; raises its first rank's failure."""
+    """The per-rank results of one part; raises every failed rank's failure together (the first rank's is
+    often only "connection closed by peer", the consequence of another rank's real error)."""
     results = [r[name] for r in _run()]
-    for value in results:
-        if isinstance(value, PartFailed):
-            raise value
+    failures = [value for value in results if isinstance(value, PartFailed)]
+    if failures:
+        raise PartFailed("\n\n".join(str(failure) for failure in failures))
     return results

@@ -145,8 +145,8 @@ class PartialMasters:
 
         def reduce_both(squared: torch.Tensor) -> None:
             host_squared = squared_norm(host_pieces)
-            if host_squared is not None:
-                squared.add_(host_squared)
+            if host_squared is not None:  # host-side gradient shards may live in host memory
+                squared.add_(host_squared.to(squared.device))
             if math.all_reduce_sum is not None:
                 math.all_reduce_sum(squared)
             self._total = squared.clone()

@@ -71,6 +71,13 @@ def test_a_bench_line_carries_the_commit_date_machine_and_command(tmp_path: Path
         assert stamp["dirty"] is bool(changed.strip())
 
 
+def test_the_variable_names_the_commit_even_where_a_git_directory_exists() -> None:
+    # the GPU machine's copy of the tree carries a .git of its own, at an older commit: the variable, set
+    # by whoever sent the tree, is what the results came from
+    stamp = common.commit_info({"DSLAUNCH_BENCH_COMMIT": "0123abc-dirty"}, start=ROOT)
+    assert stamp == {"commit": "0123abc", "dirty": True, "commit_from": "DSLAUNCH_BENCH_COMMIT"}
+
+
 def test_a_copy_of_the_tree_without_git_takes_the_commit_from_the_variable(tmp_path: Path) -> None:
     """The GPU machine runs on a copy of the working tree without .git: the commit comes from
     DSLAUNCH_BENCH_COMMIT (`git describe --dirty` style), or is "unknown"; git is never asked."""

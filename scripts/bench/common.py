@@ -4,11 +4,12 @@ environment record, result file names, the closing table, and the isolation and 
 Provenance. `emit` adds `"provenance": {...}` to every JSON line: the commit and whether the tree
 differed from it (`dirty`), the UTC date, the machine (host name, CPU, cores, memory, GPU name and
 count), the torch version, and the command line (with the variables that change what a bench measures).
-It is computed once per process. The commit comes from git where the tree has a `.git` (a checkout or a
-worktree). A copy of the tree without one (the GPU machine runs on a copy of the working tree) takes it
-from `DSLAUNCH_BENCH_COMMIT`, set to what `git describe --always --dirty --abbrev=40` prints where the
-tree came from (a `-dirty` suffix sets the flag); without either the commit is "unknown" and `dirty`
-null. `dirty` leaves scripts/bench/results/ out, so a run that appends there does not mark the next one.
+It is computed once per process. The commit comes from `DSLAUNCH_BENCH_COMMIT` where it is set (to what
+`git describe --always --dirty --abbrev=40` prints where the tree came from; a `-dirty` suffix sets the
+flag): the GPU machine runs on a copy of the working tree whose own `.git`, when it has one, may be
+stale. Otherwise it comes from git where the tree has a `.git` (a checkout or a worktree); without either
+the commit is "unknown" and `dirty` null. `dirty` leaves scripts/bench/results/ out, so a run that
+appends there does not mark the next one.
 
 Result files are named `results/<yyyymmdd>_<hw>_<theme>.jsonl` (`result_path`): hw is the GPU's short
 name ("h200", "h200x8" for eight) or "cpu" without one. A bare `--out` picks that name.
@@ -87,13 +88,13 @@ def commit_from_env(environ: Mapping[str, str]) -> tuple[str, bool] | None:
 
 
 def commit_info(environ: Mapping[str, str] | None = None, start: Path | None = None) -> dict[str, Any]:
-    """{"commit", "dirty", "commit_from"}: from git where the tree has a .git, else from the variable."""
+    """{"commit", "dirty", "commit_from"}: from the variable where it is set (it names the tree a copy was
+    made from: the GPU machine's copy carries a .git of its own that may lag behind), else from git."""
     environ = os.environ if environ is None else environ
-    root = repo_root(start)
-    found = None if root is None else git_commit(root)
-    source = "git"
+    found, source = commit_from_env(environ), COMMIT_ENV
     if found is None:
-        found, source = commit_from_env(environ), COMMIT_ENV
+        root = repo_root(start)
+        found, source = (None if root is None else git_commit(root)), "git"
     if found is None:
         return {"commit": "unknown", "dirty": None, "commit_from": None}
     return {"commit": found[0], "dirty": found[1], "commit_from": source}

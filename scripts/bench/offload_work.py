@@ -373,9 +373,10 @@ def work_ours(
         result["pinned_gib"] = round(masters.memory.pinned_bytes / 2**30, 2)
         on_device = masters.update_on_device
         result["update"] = "device" if on_device else "host"
-        # the device step lands no gradients: its own bound (offload.py) counts the state it streams
-        landed = str(masters.grads.buffers[0].dtype).removeprefix("torch.")
-        result["grad_landing"] = "device" if on_device else landed
+        # the device step lands no gradients (no landing buffers): its own bound (offload.py) counts the
+        # state it streams
+        landed = "device" if on_device else str(masters.grads.buffers[0].dtype).removeprefix("torch.")
+        result["grad_landing"] = landed
         if on_device:
             result["host_share"] = masters.update.host_share
     if phases:

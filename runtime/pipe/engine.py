@@ -155,23 +155,36 @@ class PipelineEngine(Engine):
         self._last_stage_rank = grid.stage_to_global(self.num_stages - 1)
         self._duplicate_squares: torch.Tensor | None = None
         self.schedule_name = self_pipe.schedule_for(module.chunks_per_stage)  # checked above
-        # one torch stage per chunk, with its virtual stage index (r, r + p, ...) out of p * chunks
-        self._stages = [
-            PipelineStage(
-                chunk, chunk.virtual_stage, module.num_virtual_stages, self.device, group=self._pipe_group
-            )
-            for chunk in module.chunks
-        ]
         # scale_grads=False: the ZeRO step divides by micro-batches x data-parallel ranks once
-        self._schedule = self._make_schedule(loss_fn=self._scaled_loss)
-        self._forward_only: Any = None
+        self._schedule = self._make_schedule(self._torch_stages(), loss_fn=self._scaled_loss)
+        # Evaluation runs its own torch stages over the same chunks (built on first use): a stage infers
+        # its receive buffers on its first run, and buffers inferred under no_grad would then serve
+        # training too (torch 2.11's interleaved runtime sent None input gradients after an eval_batch).
+        self._eval: dict[bool, Any] = {}  # compute_loss -> schedule
+        self._eval_stages: list[PipelineStage] | None = None
         self._losses: list[torch.Tensor] = []
 
-    def _make_schedule(self, loss_fn: Any) -> Any:
-        """The configured torch schedule over this rank's stages (a single-chunk schedule takes one)."""
+    def _torch_stages(self) -> list[PipelineStage]:
+        """One torch stage per chunk, with its virtual stage index (r, r + p, ...) out of p * chunks."""
+        total = self.module.num_virtual_stages
+        return [
+            PipelineStage(chunk, chunk.virtual_stage, total, self.device, group=self._pipe_group)
+            for chunk in self.module.chunks
+        ]
+
+    def _make_schedule(self, stages: list[PipelineStage], loss_fn: Any) -> Any:
+        """The configured torch schedule over `stages` (a single-chunk schedule takes the one)."""
         schedule = _SCHEDULES[self.schedule_name]
-        stages: Any = self._stages if self.schedule_name in MULTI_CHUNK_SCHEDULES else self._stages[0]
-        return schedule(stages, self.micro_batches, loss_fn=loss_fn, scale_grads=False)
+        chosen: Any = stages if self.schedule_name in MULTI_CHUNK_SCHEDULES else stages[0]
+        return schedule(chosen, self.micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+    def _eval_schedule(self, compute_loss: bool) -> Any:
+        if compute_loss not in self._eval:
+            if self._eval_stages is None:
+                self._eval_stages = self._torch_stages()
+            loss_fn = self._scaled_loss if compute_loss else None
+            self._eval[compute_loss] = self._make_schedule(self._eval_stages, loss_fn=loss_fn)
+        return self._eval[compute_loss]
 
     # -- stages ----------------------------------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -330,12 +343,8 @@ class PipelineEngine(Engine):
         inputs, targets = self._read_micro_batches(data_iter)
         self._losses = []
         with torch.no_grad():
-            if compute_loss:
-                outputs = self._schedule.eval(*inputs, target=targets)
-            else:
-                if self._forward_only is None:
-                    self._forward_only = self._make_schedule(loss_fn=None)
-                outputs = self._forward_only.eval(*inputs)
+            schedule = self._eval_schedule(compute_loss)
+            outputs = schedule.eval(*inputs, target=targets) if compute_loss else schedule.eval(*inputs)
         self.module.train()
         loss = None
         if compute_loss:

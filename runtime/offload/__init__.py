@@ -105,7 +105,7 @@ def build_master_placement(
         return _host_masters(offload, groups, zero, comm, device, registration=registration)
     view = host_view(zero, split)
     host = _host_masters(offload, view.groups, view, comm, device, registration=registration)
-    return PartialMasters(groups, zero, split=split, host=host)
+    return PartialMasters(groups, zero, device, split=split, host=host)
 
 
 def _host_masters(

@@ -41,6 +41,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch import nn
 
 from runtime.comm import Comm, Pending
 from runtime.offload.placement import GradMath, attach_master_grads
@@ -80,7 +81,9 @@ def squared_norm(pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor | Non
 class PartialMasters:
     """The device's groups updated by the device's optimizer step, the host's by `HostMasters`."""
 
-    def __init__(self, groups: Sequence[FlatGroup], zero: Any, *, split: OffloadSplit, host: Any) -> None:
+    def __init__(
+        self, groups: Sequence[FlatGroup], zero: Any, device: torch.device, *, split: OffloadSplit, host: Any
+    ) -> None:
         """`host`: the front door's `HostMasters` over `host_view(zero, split)` (runtime.offload), the
         placement of the host's groups; this one adds the device's groups and the shared norm."""
         if not split.partial:
@@ -92,6 +95,10 @@ class PartialMasters:
         self.host: Any = host  # HostMasters (the front door alone names it)
         self.target = host.target  # the stage's working weights: the device side publishes there too
         self.device_groups = [self.groups[i] for i in split.device]
+        for group in self.device_groups:
+            if group.master.device != device:  # stage 3's parameter offload built it beside its host shard
+                group.master = nn.Parameter(group.master.detach().to(device), requires_grad=True)
+                group.master_is_alias = False  # write_back copies it into the (host) working shard
         self._device_stage = StageView(zero, split.device)
         self._host_stage = StageView(zero, split.host)
         self._total: torch.Tensor | None = None  # this step's squared norm over both sides and all ranks

@@ -92,6 +92,7 @@ from scripts.bench.common import (  # noqa: E402
     run_isolated,
 )
 from scripts.bench.offload_work import (  # noqa: E402
+    LR,
     model_config,
     work_adam,
     work_deepspeed,
@@ -394,6 +395,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--activation_checkpointing", action="store_true", help="recompute every block in backward"
     )
     parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=float, default=LR, help="AdamW's learning rate (ours and DeepSpeed)")
     parser.add_argument(
         "--offload_param", action="store_true", help="stage 3: the weights in host memory too (ours)"
     )
@@ -463,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         "dpu_after": args.dpu_after,
         "threads": args.threads,
         "ratio": args.ratio,
+        "lr": args.lr,
         "checkpointing": args.activation_checkpointing,
         "accumulation": args.accumulation,
         "offload_param": args.offload_param,

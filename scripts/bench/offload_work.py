@@ -72,7 +72,12 @@ def engine_config(spec: Spec, offload: bool) -> dict[str, Any]:
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": LR, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": WEIGHT_DECAY},
+            "params": {
+                "lr": spec.get("lr", LR),
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "weight_decay": WEIGHT_DECAY,
+            },
         },
     }
 

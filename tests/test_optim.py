@@ -94,6 +94,30 @@ def test_fused_only_when_every_tensor_can_take_it():
     assert adam_implementation([torch.zeros(2), torch.zeros(2, device="meta")]) == {}
 
 
+@pytest.mark.gpu
+def test_fused_adamw_steps_masters_on_the_gpu_and_the_host_in_one_optimizer():
+    """CUDA: partial optimizer offload keeps some masters on the GPU and the rest on the host in one
+    optimizer; fused AdamW steps both (each device's own kernel) like one optimizer per device, and a
+    master without a gradient (the host's, which the host side updates itself) is left alone."""
+    torch.manual_seed(0)
+    start = [torch.randn(1000), torch.randn(300)]
+    grads = [torch.randn(1000), torch.randn(300)]
+    mixed = [torch.nn.Parameter(start[0].cuda()), torch.nn.Parameter(start[1].clone())]
+    assert adam_implementation(mixed) == {"fused": True}
+    opt = torch.optim.AdamW(mixed, lr=1e-2, weight_decay=0.1, **adam_implementation(mixed))
+    alone = [torch.nn.Parameter(start[0].cuda()), torch.nn.Parameter(start[1].clone())]
+    refs = [torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1, fused=True) for p in alone]
+    for step in range(3):
+        for params in (mixed, alone):
+            params[0].grad = grads[0].cuda() * (step + 1)
+            params[1].grad = grads[1] * (step + 1) if step < 2 else None  # the last step skips the host's
+        opt.step()
+        for ref in refs[: 2 if step < 2 else 1]:
+            ref.step()
+    for got, want in zip(mixed, alone, strict=True):
+        torch.testing.assert_close(got.detach().cpu(), want.detach().cpu())
+
+
 def test_optimizer_config_made_in_code_is_checked_with_the_key_path():
     with pytest.raises(ConfigError, match=r"^optimizer\.params\.lr: expected a number >= 0\.0, got -1\.0"):
         build_optimizer(OptimizerConfig("AdamW", {"lr": -1.0}), _params())

@@ -77,6 +77,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 PARTS = [
     "runtime.offload",
+    "runtime.offload.partial",
     "runtime.offload.host_masters",
     "runtime.offload.step",
     "runtime.offload.machine",

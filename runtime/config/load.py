@@ -254,7 +254,7 @@ def _check_optimizer_with_zero(
 
 def _plain(value: Any) -> Any:
     if is_dataclass(value) and not isinstance(value, type):
-        # internal fields (tuning that tests set, runtime/offload/settings.py) are not config keys
+        # internal fields (tuning that tests set, runtime/config/offload.py) are not config keys
         keys = [f.name for f in fields(value) if not f.metadata.get("internal")]
         return {name: _plain(getattr(value, name)) for name in keys}
     if isinstance(value, Mapping):

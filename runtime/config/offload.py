@@ -1,9 +1,8 @@
 """`OffloadSettings`: the typed `zero_optimization.offload_optimizer` section, read by `runtime.config.zero`.
 
 It lives with the config (not in runtime/offload) so the config imports nothing from the code that runs
-it; the offload's front door (`runtime.offload.build_master_placement`) applies the benchmark overrides
-(runtime/offload/settings.py) once, logs each, and plans the offloaded step from the result
-(runtime/offload/plan.py).
+it; the offload's front door (`runtime.offload.build_master_placement`) logs the benchmark overrides
+applied here (below) and plans the offloaded step from the settings (runtime/offload/plan.py).
 
 Keys (DeepSpeed's `device`, `pin_memory` and `ratio`, and ours, in the same style):
 
@@ -25,11 +24,21 @@ resolved config as null), since it is a choice left open, not a value.
 The other fields are internal (no config keys, not in the resolved config): chunk and bucket sizes and
 the CPU's default share, which tests set so a tiny model still spans several chunks (never by
 overwriting a module constant), and a benchmark may set.
+
+Benchmark overrides: `DSLAUNCH_OFFLOAD_UPDATE`, `DSLAUNCH_OFFLOAD_HOST_SHARE` and
+`DSLAUNCH_OFFLOAD_GRAD_TRANSFER`, when set and not empty, replace their key as the config is read
+(`with_overrides`; scripts/bench/offload.py's rows use them, and the launcher forwards them to remote
+hosts): the environment is read once, here, and nowhere in runtime/offload. The settings keep one line per
+override (`overrides`), which the offload's front door logs on rank 0 and the resolved config's notes
+carry.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 UPDATE_CHOICES = ("auto", "host", "device")  # "auto" is held as None
@@ -75,6 +84,7 @@ class OffloadSettings:
     device_slots: int | None = _internal(None)  # None: as many as the device has room for (plan.device_slots)
     one_rank_bucket_numel: int = _internal(ONE_RANK_BUCKET_NUMEL)
     one_rank_host_share: float = _internal(ONE_RANK_HOST_SHARE)
+    overrides: tuple[str, ...] = _internal(())  # the benchmark overrides applied (below), one line each
 
     def bucket_cap(self, world_size: int) -> int | None:
         """The most elements a ZeRO bucket may hold for this offload (None: reduce_bucket_size decides).
@@ -83,3 +93,59 @@ class OffloadSettings:
         if self.device == "none" or world_size != 1:
             return None
         return self.one_rank_bucket_numel
+
+
+OVERRIDES = {
+    "update": "DSLAUNCH_OFFLOAD_UPDATE",
+    "host_share": "DSLAUNCH_OFFLOAD_HOST_SHARE",
+    "grad_transfer": "DSLAUNCH_OFFLOAD_GRAD_TRANSFER",
+}
+"""The benchmark override of each key."""
+
+
+def parse_override(key: str, text: str) -> str | float | None:
+    """The value of `key` that the override variable's `text` asks for (None: auto); ValueError names the
+    variable and what it takes."""
+    name = OVERRIDES[key]
+    if text.lower() == "auto":
+        return None
+    if key == "host_share":
+        try:
+            share = float(text)
+        except ValueError:
+            share = math.nan
+        if not 0.0 <= share <= 1.0:  # also false for nan
+            raise ValueError(
+                f"{name}={text!r}: expected the fraction of the Adam step the CPU takes while the GPU runs "
+                f"the rest, from 0 to 1, or auto (it overrides {SECTION}.host_share)"
+            )
+        return share
+    choices = UPDATE_CHOICES if key == "update" else GRAD_TRANSFER_CHOICES
+    value = text.lower()
+    if value not in choices:
+        raise ValueError(
+            f"{name}={text!r}: expected one of {', '.join(choices)} (it overrides {SECTION}.{key})"
+        )
+    return value
+
+
+def with_overrides(
+    settings: OffloadSettings, environ: Mapping[str, str] | None = None
+) -> tuple[OffloadSettings, list[str]]:
+    """`settings` with every override variable that is set (and not empty) in place of its key, and one
+    line per override for the log. `environ`: the process's environment when None."""
+    environ = os.environ if environ is None else environ
+    changes: dict[str, Any] = {}
+    notes = []
+    for key, name in OVERRIDES.items():
+        text = environ.get(name, "").strip()
+        if not text:
+            continue
+        changes[key] = parse_override(key, text)
+        configured = getattr(settings, key)
+        notes.append(
+            f"{name}={text} overrides {SECTION}.{key} (the config says "
+            f"{'auto' if configured is None else repr(configured)}); the variable is a benchmark "
+            "override: set the key in the config instead"
+        )
+    return replace(settings, **changes), notes

@@ -11,13 +11,13 @@ stage3_param_persistence_threshold = 10*h). `offload_optimizer` reads into the o
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from runtime.config.checks import Bool, Choice, Float, Int
-from runtime.config.offload import GRAD_TRANSFER_CHOICES, UPDATE_CHOICES, OffloadSettings
+from runtime.config.offload import GRAD_TRANSFER_CHOICES, UPDATE_CHOICES, OffloadSettings, with_overrides
 from runtime.config.reader import AutoRefused, ConfigError, SectionReader
 
 
@@ -139,6 +139,11 @@ def _read_offload_optimizer(r: SectionReader) -> OffloadSettings:
         grad_transfer=None if transfer == "auto" else transfer,
     )
     r.finish()
+    cfg, overrides = with_overrides(cfg)  # the DSLAUNCH_OFFLOAD_* benchmark variables, read once here
+    if overrides:
+        cfg = replace(cfg, overrides=tuple(overrides))
+        for note in overrides:
+            r.ctx.note(note)
     if cfg.device == "none" and ratio_given and ratio != 1.0:
         # a share of the optimizer on the host means nothing without a host side: refuse rather than run
         # without offload when the user planned for one (1.0, the default, is what a resolved config

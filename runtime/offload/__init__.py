@@ -4,7 +4,7 @@ The front door. `build_master_placement` is the only place that builds a placeme
 only one that names `HostMasters`; engines import only from here (the factory, `GradMath` and the
 `MasterPlacement` protocol). For `offload_optimizer: {device: cpu}` it runs, once per engine:
 
-    settings = with_overrides(config's OffloadSettings)    # settings.py: the only environment read
+    settings = config's OffloadSettings                    # runtime/config/offload.py: read once
     facts    = read_facts(...)                             # machine.py: this rank and its machine
     plan     = agree(plan_offload(settings, facts), ...)   # plan.py (pure), then the ranks' vote
     HostMasters(..., plan=plan, settings=settings)         # host_masters.py: executes the plan
@@ -26,7 +26,10 @@ never imports back; tests/offload/test_imports.py checks it):
 - `plan.py`: pure decisions (what lands, where Adam runs, the CPU's share, streaming, spans).
 - `io/`: moving bytes: spans, copies, gradient landing, the working-weight targets and their publishing.
 - `placement.py`: the `MasterPlacement` protocol, `GradMath`, `DeviceMasters`, gradient helpers.
-- `settings.py`: `OffloadSettings`, the typed `offload_optimizer` section and its benchmark overrides.
+
+The settings are the config's (`runtime.config.OffloadSettings`, runtime/config/offload.py): the typed
+`offload_optimizer` section with the benchmark overrides applied where the config was read, so nothing
+here reads the environment.
 
 Glossary:
 
@@ -63,7 +66,6 @@ from runtime.offload.placement import (
     attach_master_grads,
 )
 from runtime.offload.plan import plan_offload
-from runtime.offload.settings import with_overrides
 from runtime.zero.flat import FlatGroup
 
 __all__ = [
@@ -118,9 +120,9 @@ def _host_masters(
     registration: dict[nn.Parameter, int],
 ) -> HostMasters:
     """Every master shard and its optimizer state in host memory: settings, facts, plan, agreement, run."""
-    settings, overrides = with_overrides(offload)
+    settings = offload  # benchmark overrides already applied where the config was read
     if comm.rank == 0:
-        for note in overrides:
+        for note in settings.overrides:
             _log.warning("offload: %s", note)
     target = working_target(zero, comm)
     facts = read_facts(groups, zero, comm, device, registration=registration, target=target)

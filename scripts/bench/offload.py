@@ -154,7 +154,7 @@ WORKERS = {
     "deepspeed": work_deepspeed,
     "trial": lambda spec, device: work_ours(spec, device, phases=False),  # --find_max: does it train?
 }
-# Benchmark overrides (runtime/offload/settings.py), set in the configuration's process only; they beat a
+# Benchmark overrides (runtime/config/offload.py), set in the configuration's process only; they beat a
 # value the caller's environment holds, so a row means the same whatever the run inherits
 OVERRIDES: dict[str, dict[str, str]] = {
     "ours-host": {"DSLAUNCH_OFFLOAD_UPDATE": "host"},

@@ -84,7 +84,6 @@ PARTS = [
     "runtime.offload.plan",
     "runtime.offload.io",
     "runtime.offload.placement",
-    "runtime.offload.settings",
 ]
 """The package's parts in import order (its __init__ docstring): each imports only parts after it."""
 
@@ -112,11 +111,10 @@ def test_offload_imports_point_one_way_and_zero_never_imports_the_offload() -> N
     builders = sorted(m for m, deps in graph.items() if "runtime.offload.host_masters" in deps)
     assert builders == ["runtime.offload"], builders
     # the protocol and the plan's inputs sit at the bottom: they import nothing else from the offload
-    for leaf in ("runtime.offload.placement", "runtime.offload.settings"):
+    for leaf in ("runtime.offload.placement",):
         assert not {d for d in graph[leaf] if d.startswith("runtime.offload")}, (leaf, graph[leaf])
     assert {d for d in graph["runtime.offload.plan"] if d.startswith("runtime.offload")} <= {
         "runtime.offload.io.spans",
-        "runtime.offload.settings",
     }, graph["runtime.offload.plan"]
     reaching_in = sorted(m for m, deps in graph.items() if m.startswith("runtime.zero") and deps & offload)
     assert not reaching_in, reaching_in
@@ -133,7 +131,8 @@ def _reads_environment(path: Path) -> bool:
     return False
 
 
-def test_only_the_offload_settings_read_the_environment() -> None:
+def test_nothing_in_the_offload_reads_the_environment() -> None:
+    # the benchmark variables become settings where the config is read (runtime/config/offload.py)
     files = sorted((RUNTIME / "offload").rglob("*.py"))
     readers = [str(path.relative_to(RUNTIME.parent)) for path in files if _reads_environment(path)]
-    assert readers == ["runtime/offload/settings.py"], readers
+    assert readers == [], readers

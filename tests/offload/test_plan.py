@@ -86,8 +86,8 @@ def test_the_device_step_stages_more_chunks_where_the_device_has_room() -> None:
 
 
 def test_the_cpus_share_of_the_device_step_is_a_checked_fraction() -> None:
+    from runtime.config.offload import parse_override
     from runtime.offload.plan import SHARE_KEY, default_host_share, plan_update
-    from runtime.offload.settings import parse_override
 
     # the benchmark override's reading (the config key's is checked with the other keys, below)
     assert parse_override("host_share", "0.35") == 0.35 and parse_override("host_share", "1") == 1.0

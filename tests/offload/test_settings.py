@@ -1,5 +1,5 @@
 """The `zero_optimization.offload_optimizer` keys (`update`, `host_share`, `grad_transfer`): each is checked
-like every config key, reads into `runtime.offload.settings.OffloadSettings`, and reaches the offloaded
+like every config key, reads into `OffloadSettings` (runtime/config/offload.py), and reaches the offloaded
 step; the DSLAUNCH_OFFLOAD_* variables override them for benchmarks only, and say so.
 
 On the CPU over gloo; the numerics of every setting are tests/offload/test_parity.py's.
@@ -69,8 +69,7 @@ def test_offload_keys_read_into_the_settings_and_auto_is_left_to_the_engine() ->
 
 
 def test_benchmark_overrides_replace_their_keys_and_say_so() -> None:
-    from runtime.config.offload import OffloadSettings
-    from runtime.offload.settings import with_overrides
+    from runtime.config.offload import OffloadSettings, with_overrides
 
     configured = OffloadSettings(device="cpu", update="device", host_share=0.5)
     environ = {
@@ -95,6 +94,23 @@ def test_benchmark_overrides_replace_their_keys_and_say_so() -> None:
     ):
         with pytest.raises(ValueError, match=f"{name}='{bad}': {allowed}"):
             with_overrides(configured, {name: bad})
+
+
+def test_the_overrides_are_read_once_with_the_config_and_noted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the environment is read where the config is (runtime/config/offload.py), never in runtime/offload:
+    # the settings carry the override and its line, which the run log's config notes show too
+    from runtime.config import load_config
+
+    monkeypatch.setenv("DSLAUNCH_OFFLOAD_UPDATE", "host")
+    cfg = load_config(_offload_config(update="device"), world_size=1)
+    settings = cfg.zero_optimization.offload_optimizer
+    line = (
+        "DSLAUNCH_OFFLOAD_UPDATE=host overrides zero_optimization.offload_optimizer.update (the config says "
+        "'device'); the variable is a benchmark override: set the key in the config instead"
+    )
+    assert (settings.update, settings.overrides) == ("host", (line,))
+    assert line in cfg.notes
+    assert "overrides" not in cfg.to_dict()["zero_optimization"]["offload_optimizer"]  # not a config key
 
 
 def _settings_reach_the_step(rank: int, world_size: int) -> dict:

@@ -56,8 +56,11 @@ def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     assert dpu["loss_last"] < dpu["loss_first"], dpu
     # the shared step (forced onto the CPU's "device"): 12 B of state, fp32 landing for the CPU's 40%
     env = {**env, "DSLAUNCH_OFFLOAD_UPDATE": "device"}
-    shared = _bench("--model", "tiny", *small, "--configs", "ours-share40", env=env)[1]
+    shared, alone = _bench("--model", "tiny", *small, "--configs", "ours-share40,ours", env=env)[1:3]
     assert shared["config"] == "ours-share40" and "error" not in shared, shared
+    # the device step alone lands no gradients at all: its row must not look for a landing buffer
+    assert alone["config"] == "ours" and "error" not in alone, alone
+    assert alone["grad_landing"] == "device" and alone["host_share"] == 0.0, alone
     assert shared["grad_landing"] == "device" and shared["host_share"] == 0.4
     assert 12.0 < shared["host_bytes_per_param"] < 14.5, shared  # 13.6 up to the spans' granularity
     assert shared["loss_last"] < shared["loss_first"], shared

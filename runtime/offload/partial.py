@@ -2,11 +2,11 @@
 host, the others' on the device, both updated in the same step.
 
 `PartialMasters` is the `MasterPlacement` the engine gets then. It composes the two plain placements'
-machinery over disjoint sets of whole flat groups (ratio.py decides which): `HostMasters` over the host's
-groups (landing, the host or device-streamed Adam step, copy-back, publishing, all unchanged), and the
-device's own update over the rest (fp32 master gradients, `finish_grads`, `optimizer.step()`), which is
-what `DeviceMasters` does for all groups. Each side sees the ZeRO stage through `StageView`, which hands
-it only its groups' gradient pieces.
+machinery over disjoint sets of whole flat groups (runtime/zero/offload_split.py decides which):
+`HostMasters` over the host's groups (landing, the host or device-streamed Adam step, copy-back,
+publishing, all unchanged), and `DeviceMasters`' step over the rest (fp32 master gradients,
+`finish_grads`, `optimizer.step()`). Each side sees the ZeRO stage through `StageView`, which hands it
+only its groups' gradient pieces.
 
 One optimizer: the engine builds one over every group's master (its param groups align with the
 stage's groups, `group.index`). The device side attaches `.grad` to its masters only, so torch's step
@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm, Pending
-from runtime.offload.placement import GradMath, attach_master_grads
-from runtime.precision.mixed import GradResult, finish_grads, master_grads_from
+from runtime.offload.placement import DeviceMasters, GradMath
+from runtime.precision.mixed import GradResult
 from runtime.zero.flat import FlatGroup
 from runtime.zero.offload_split import RATIO_KEY, OffloadSplit, describe_split
 
@@ -99,7 +99,7 @@ class PartialMasters:
             if group.master.device != device:  # stage 3's parameter offload built it beside its host shard
                 group.master = nn.Parameter(group.master.detach().to(device), requires_grad=True)
                 group.master_is_alias = False  # write_back copies it into the (host) working shard
-        self._device_stage = StageView(zero, split.device)
+        self._device = DeviceMasters(self.device_groups, StageView(zero, split.device))
         self._host_stage = StageView(zero, split.host)
         self._total: torch.Tensor | None = None  # this step's squared norm over both sides and all ranks
 
@@ -158,21 +158,10 @@ class PartialMasters:
                 math.all_reduce_sum(squared)
             self._total = squared.clone()
 
-        masters = [group.master for group in self.device_groups]
-        grads = master_grads_from(self._device_stage.grad_pieces(), masters)
-        result = finish_grads(
-            grads,
-            divisor=math.divisor,
-            loss_scale=math.loss_scale,
-            max_norm=math.max_norm,
-            check_overflow=math.check_overflow,
-            want_norm=math.want_norm,
-            all_reduce_sum=reduce_both,
-        )
-        if not result.overflow:
-            attach_master_grads(optimizer, self.device_groups, grads, per_tensor=per_tensor)
-            optimizer.step()  # the host's masters have no grad: torch skips them
-            attach_master_grads(optimizer, self.device_groups, None, per_tensor=per_tensor)
+        # the device side is DeviceMasters over its groups: the host's masters get no grad, so torch's step
+        # skips them
+        device_math = replace(math, all_reduce_sum=reduce_both)
+        result = self._device.step(optimizer, device_math, per_tensor=per_tensor)
         host_result = self.host.step(optimizer, self._host_math(math), per_tensor=per_tensor)
         if host_result.overflow != result.overflow:  # one norm decides both: a mismatch is a bug here
             raise AssertionError(

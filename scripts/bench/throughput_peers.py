@@ -100,6 +100,11 @@ def setup_ours(work: Workload, batch: Batch, stage: int | None, compiled: bool =
     )
     if compiled:
         engine.compile(backend=work.compile_backend)
+    return engine_step(engine, batch)
+
+
+def engine_step(engine: Any, batch: Batch) -> StepFn:
+    """One training step of a DeepSpeed-style engine (ours or DeepSpeed's) on `batch`."""
     x, y = batch
 
     def step() -> torch.Tensor:
@@ -145,15 +150,7 @@ def setup_deepspeed(work: Workload, batch: Batch, stage: int | None) -> StepFn:
         config["optimizer"]["params"]["torch_adam"] = True
     model = fresh_model(work)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    x, y = batch
-
-    def step() -> torch.Tensor:
-        _, loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.detach()
-
-    return step
+    return engine_step(engine, batch)
 
 
 SETUPS: dict[str, Callable[[Workload, Batch, int | None], StepFn]] = {

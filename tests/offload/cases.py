@@ -4,7 +4,9 @@ the shrunken internal settings, and `offload_engine`, a small bf16 AdamW engine 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 from tests.models import make_model, param_groups
 from tests.parity import ROWS, Case
@@ -12,6 +14,22 @@ from tests.parity import ROWS, Case
 CHUNK = 128  # elements per copy-back chunk in these tests (buckets are 700)
 SMALL_CHUNKS = {"transfer_chunk_elems": CHUNK, "device_chunk_elems": CHUNK, "device_slots": 2}
 """Internal offload settings: several chunks a span, and the device step's slots reused."""
+
+
+def read_weights(engine: Any, stage: int) -> tuple[dict, dict, set]:
+    """(the fp32 masters gathered whole, the working weights, their dtypes); under stage 3 the working
+    weights are read inside GatheredParameters, as units below the persistence threshold are not gathered
+    outside a forward."""
+    master = engine.full_state_dict()
+    gathered: Any = contextlib.nullcontext()
+    if stage == 3:
+        from runtime.zero import GatheredParameters
+
+        gathered = GatheredParameters(list(engine.module.parameters()))
+    with gathered:
+        working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        dtypes = {str(p.dtype) for p in engine.module.parameters()}
+    return master, working, dtypes
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,6 @@ same order, synchronously (runtime/offload/io/copies.py), so these tests exercis
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,7 +31,7 @@ from tests.models import (
     train_engine,
     with_offload_settings,
 )
-from tests.offload.cases import CHUNK, SMALL_CHUNKS, OffloadCase
+from tests.offload.cases import CHUNK, SMALL_CHUNKS, OffloadCase, read_weights
 from tests.parity import DTYPES, ROWS, STEPS, Case, assert_grid_matches
 
 # per stage, every dtype meets accumulation 1 and 2 and clipping on and off (pairwise, not the full product)
@@ -117,15 +115,7 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
     losses, norms = train_engine(
         engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
     )
-    master = engine.full_state_dict()
-    gathered = contextlib.nullcontext()
-    if case.stage == 3:
-        from runtime.zero import GatheredParameters
-
-        gathered = GatheredParameters(list(engine.module.parameters()))
-    with gathered:
-        working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        dtypes = {str(p.dtype) for p in engine.module.parameters()}
+    master, working, dtypes = read_weights(engine, case.stage)
     out = {
         "losses": losses,
         "norms": norms,

@@ -17,7 +17,6 @@ The split, the config and the choice of a ratio: tests/offload/test_ratio_plan.p
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 
 from tests.dist import run_distributed
 from tests.models import loss_fn, make_model, param_groups, rank_batch, train_engine, with_offload_settings
-from tests.offload.cases import SMALL_CHUNKS, OffloadCase
+from tests.offload.cases import SMALL_CHUNKS, OffloadCase, read_weights
 from tests.parity import ROWS, STEPS, compare, reference
 
 # -- parity on two ranks ---------------------------------------------------------------------------------
@@ -111,20 +110,6 @@ def _host_params(engine) -> list[str]:
     return sorted(name for i in split.host for name in engine.groups[i].param_names)
 
 
-def _weights(engine, stage: int) -> tuple[dict, dict, set]:
-    """The fp32 masters (gathered) and the working weights, with their dtypes."""
-    master = engine.full_state_dict()
-    gathered = contextlib.nullcontext()
-    if stage == 3:
-        from runtime.zero import GatheredParameters
-
-        gathered = GatheredParameters(list(engine.module.parameters()))
-    with gathered:
-        working = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-        dtypes = {str(p.dtype) for p in engine.module.parameters()}
-    return master, working, dtypes
-
-
 def _train(case: OffloadCase, rank: int, world_size: int) -> dict:
     engine = _engine(case, world_size)
     placement, host = type(engine.masters).__name__, _host_params(engine)
@@ -132,7 +117,7 @@ def _train(case: OffloadCase, rank: int, world_size: int) -> dict:
     losses, norms = train_engine(
         engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
     )
-    master, working, dtypes = _weights(engine, case.stage)
+    master, working, dtypes = read_weights(engine, case.stage)
     steps = _adam_steps(engine)
     host_bytes = None
     if placement == "PartialMasters":  # the memory report counts the host's masters and state only
@@ -375,7 +360,7 @@ def _run_resume(rank: int, world_size: int, root: str) -> list:
         loading = replace(saved, ratio=ratio)
         engine = _engine(loading, world_size)
         straight = _steps(engine, loading, 0, RESUME_STEPS, rank, world_size)
-        want, _, _ = _weights(engine, loading.stage)
+        want, _, _ = read_weights(engine, loading.stage)
         want_lrs = {group["lr"] for group in engine.optimizer.param_groups}
         engine.destroy()
 
@@ -395,7 +380,7 @@ def _run_resume(rank: int, world_size: int, root: str) -> list:
             for a, b in zip(state_saved[key], state_loaded[key], strict=True)
         )
         losses += _steps(engine, loading, SAVED_AT, RESUME_STEPS, rank, world_size)
-        got, _, _ = _weights(engine, loading.stage)
+        got, _, _ = read_weights(engine, loading.stage)
         steps = _adam_steps(engine)
         lrs = {group["lr"] for group in engine.optimizer.param_groups}
         engine.destroy()

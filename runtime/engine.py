@@ -33,6 +33,7 @@ from runtime.engine_compat import EngineAccessors
 from runtime.engine_log import StepLog, Timers
 from runtime.monitor import TrainingMonitor
 from runtime.offload import GradMath, MasterPlacement, build_master_placement
+from runtime.offload.auto_ratio import with_auto_ratio
 from runtime.precision.loss_scaler import LossScaler
 from runtime.precision.mixed import cast_floating, input_dtype_error, policy_from_config
 from runtime.precision.nonfinite import StepGuard, guard_from_config
@@ -108,6 +109,9 @@ class Engine(EngineAccessors, nn.Module):
         self.training_dataloader: Any = None  # set by runtime.initialize; its position is checkpointed
 
         specs = self._param_group_specs(model, optimizer, model_parameters)
+        # "ratio": "auto" becomes a number before the stage splits its groups by it
+        config = self.config = with_auto_ratio(config, model, self.comm, self.device, self.policy.param_dtype)
+        zero_cfg = config.zero_optimization
         registration = {p: i for i, p in enumerate(model.parameters())}
         sharded = shards_optimizer_state(zero_cfg.stage) and self.comm.world_size > 1
         self._pre_reduce_scale = _pre_reduce_scale(config, self.comm.world_size)

@@ -9,6 +9,8 @@ Keys (DeepSpeed's `device`, `pin_memory` and `ratio`, and ours, in the same styl
 - `ratio`: the share of the optimizer state (masters and moments) on the host, from 0 to 1 (DeepSpeed's
   ZeRO-Offload++; 1.0, the default, offloads all of it); the rest stays on the device and is updated
   there, while the host updates its share (runtime/zero/offload_split.py, runtime/offload/partial.py).
+  "auto": the engine keeps on the device the largest share that fits beside the weights, gradients and
+  activations, and logs the split and why (runtime/offload/auto_ratio.py).
 - `update`: where the Adam step runs (runtime/offload/plan.py): "host", "device", or "auto" (the default:
   the GPU over state streamed from pinned host memory where it can run and the host and the GPU have
   room, else the CPU).
@@ -74,7 +76,7 @@ class OffloadSettings:
 
     device: str = "none"  # "none" | "cpu"
     pin_memory: bool = False  # DeepSpeed 0.19.8 defaults to True
-    ratio: float = 1.0  # share of the optimizer state on the host (whole parameters; zero/offload_split.py)
+    ratio: float | None = 1.0  # host's share of the optimizer state (zero/offload_split.py); None: auto
     update: str | None = None  # "host" | "device"; None: auto
     host_share: float | None = None  # 0..1; None: auto
     grad_transfer: str | None = None  # "fp32" | "native"; None: auto

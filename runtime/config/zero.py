@@ -18,7 +18,7 @@ import torch
 
 from runtime.config.checks import Bool, Choice, Float, Int
 from runtime.config.offload import GRAD_TRANSFER_CHOICES, UPDATE_CHOICES, OffloadSettings, with_overrides
-from runtime.config.reader import AutoRefused, ConfigError, SectionReader
+from runtime.config.reader import AUTO, AutoRefused, ConfigError, SectionReader
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,9 @@ def _read_offload_optimizer(r: SectionReader) -> OffloadSettings:
     transfer = r.get("grad_transfer", Choice(GRAD_TRANSFER_CHOICES, nullable=True), None, auto=lambda: None)
     # DeepSpeed's ZeRO-Offload++ share of the optimizer on the host (runtime/zero/offload_split.py)
     ratio_given = r.has("ratio")
-    ratio = r.get("ratio", Float(0.0, 1.0), 1.0, auto=_ratio_auto)
+    # "auto" is held as None (the engine chooses: runtime/offload/auto_ratio.py); absent means 1.0
+    chosen_later = ratio_given and r.data["ratio"] == AUTO
+    ratio = r.get("ratio", Float(0.0, 1.0), None if chosen_later else 1.0, auto=lambda: None)
     cfg = OffloadSettings(
         device=base.device,
         pin_memory=base.pin_memory,
@@ -145,12 +147,13 @@ def _read_offload_optimizer(r: SectionReader) -> OffloadSettings:
         for note in overrides:
             r.ctx.note(note)
     if cfg.device == "none" and ratio_given and ratio != 1.0:
+        asked = "auto" if ratio is None else f"{ratio:g}"
         # a share of the optimizer on the host means nothing without a host side: refuse rather than run
         # without offload when the user planned for one (1.0, the default, is what a resolved config
         # without offload carries)
         raise ConfigError(
             r.key_path("ratio"),
-            f'{ratio:g} needs offload_optimizer.device "cpu" (device is "none"): the ratio is the share of '
+            f'{asked} needs offload_optimizer.device "cpu" (device is "none"): the ratio is the share of '
             'the optimizer state offloaded to the host; set "device": "cpu", or remove "ratio"',
         )
     if cfg.device == "none":
@@ -158,13 +161,6 @@ def _read_offload_optimizer(r: SectionReader) -> OffloadSettings:
             if getattr(cfg, key) is not None:
                 r.ctx.note(f'{r.key_path(key)}: {getattr(cfg, key)!r} has no effect (device is "none")')
     return cfg
-
-
-def _ratio_auto() -> float:
-    raise AutoRefused(
-        "choosing the share from the device's free memory is not implemented yet; set a number from 0 "
-        "(all of the optimizer on the device) to 1 (all on the host)"
-    )
 
 
 def _read_offload_param(r: SectionReader) -> OffloadConfig:

@@ -1,5 +1,5 @@
 """`offload_optimizer.ratio` before any training: which parameters go to the host for given sizes and ratio
-(runtime/zero/offload_split.py), the pure choice behind a later `"ratio": "auto"` (`choose_ratio`), and the
+(runtime/zero/offload_split.py), the pure choice behind `"ratio": "auto"` (`choose_ratio`), and the
 config's reading of the key, with its errors word for word. The runs are tests/offload/test_ratio.py's.
 """
 
@@ -132,6 +132,10 @@ def test_ratio_is_read_for_every_offloading_stage() -> None:
             cfg = load_config(_ratio_config(stage, device="cpu", ratio=ratio), world_size=1)
             assert cfg.zero_optimization.offload_optimizer.ratio == ratio
             assert cfg.to_dict()["zero_optimization"]["offload_optimizer"]["ratio"] == ratio
+    # "auto" is held as None until the engine chooses (runtime/offload/auto_ratio.py)
+    auto = load_config(_ratio_config(3, device="cpu", ratio="auto"), world_size=1)
+    assert auto.zero_optimization.offload_optimizer.ratio is None
+    assert auto.to_dict()["zero_optimization"]["offload_optimizer"]["ratio"] is None
     default = load_config(_ratio_config(2, device="cpu"), world_size=1)
     assert default.zero_optimization.offload_optimizer.ratio == 1.0
     # 1.0 is the default, which the resolved config of a run without offload carries too
@@ -156,10 +160,9 @@ def test_ratio_is_read_for_every_offloading_stage() -> None:
             'optimizer state offloaded to the host; set "device": "cpu", or remove "ratio"',
         ),
         (
-            {"device": "cpu", "ratio": "auto"},
-            '"auto" cannot be resolved: choosing the share from the device\'s free memory is not '
-            "implemented yet; set a number from 0 (all of the optimizer on the device) to 1 (all on the "
-            "host)",
+            {"ratio": "auto"},
+            'auto needs offload_optimizer.device "cpu" (device is "none"): the ratio is the share of the '
+            'optimizer state offloaded to the host; set "device": "cpu", or remove "ratio"',
         ),
     ],
 )

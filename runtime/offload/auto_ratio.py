@@ -1,0 +1,284 @@
+"""`"ratio": "auto"`: the host's share of the optimizer state, chosen when the engine starts.
+
+The engine resolves it before the ZeRO stage groups the parameters (the split is structural: whole
+parameters go to one side, runtime/zero/offload_split.py), so it cannot measure a step first. It reads
+the facts once (`read_auto_facts`: the model's sizes, the device's memory, the host's) and the choice is
+a pure function of them (`auto_ratio`): the device keeps the largest share of the state that fits beside
+
+- the working weights, the gradient buffers and the stage's transient buffers (what
+  runtime/estimator/model_states.py counts for this stage and offload, the same numbers `ds_estimate`
+  uses), and the device step's staging;
+- the activations of one micro-batch: estimated from the model's shape where it says it (a GPT of
+  runtime.models, or a Hugging Face config: width, depth, vocabulary, positions) with the formula of
+  runtime/estimator/fit.py, and otherwise a fixed share of the device (`UNKNOWN_ACTIVATION_SHARE`);
+- a reserve for the allocator's fragmentation and temporaries (`ALLOCATOR_SLACK` of the device).
+
+The host takes the rest, and if the host cannot hold it either, the engine stops before the first step
+with both sides' numbers and the number of elements they could hold together (`choose_ratio`).
+
+Why the device first: it updates its share at memory bandwidth, while the host's share costs a CPU step
+and the copies; and the host is what runs out first for the largest models. Every rank reads its own
+machine; the ranks then take the largest host share any of them needs (`agree_on_ratio`), because the split
+must be the same on all of them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from runtime.comm import Comm
+from runtime.config.reader import ConfigError
+from runtime.zero.offload_split import RATIO_KEY, RatioChoice, choose_ratio
+
+_log = logging.getLogger("runtime.offload")
+GIB = 1 << 30
+ALLOCATOR_SLACK = 0.05  # share of the device the caching allocator loses to fragmentation and temporaries
+DEVICE_STEP_STAGING_BYTES = 1 * GIB  # the streamed device step's slots (runtime/offload/step/device_step.py)
+UNKNOWN_ACTIVATION_SHARE = 0.25  # of the device, for activations, when the model does not say its shape
+LONGEST_ASSUMED_SEQUENCE = 8192  # a model may allow 128k positions; its batches rarely fill them
+HOST_RESERVE_BYTES = 2 * GIB  # left to the process itself, its data loader and the page cache
+STATE_BYTES = 12  # fp32 master + Adam's two moments, per element of the shard
+LANDING_BYTES = 2  # the 16-bit gradient landing buffer of a host update, per element
+
+
+@dataclass(frozen=True)
+class ActivationGuess:
+    """Peak activation bytes of one micro-batch, and where the number comes from (for the log)."""
+
+    nbytes: int
+    source: str
+
+
+@dataclass(frozen=True)
+class AutoFacts:
+    """What `auto_ratio` decides from, read once when the engine starts."""
+
+    shard_numel: int  # this rank's optimizer shard, in elements
+    fixed_device_bytes: int  # weights, gradients and transient buffers the stage keeps on the device
+    device_capacity: int  # the device's memory less what other processes (and our CUDA context) hold
+    host_available: int
+    activations: ActivationGuess
+    working_bytes: int  # bytes of a working-weight element: a 16-bit one makes the device step copy fp32
+
+
+def device_bytes_per_element(facts: AutoFacts) -> int:
+    """Device bytes an element of the device's share costs: its state, and the fp32 copy the device's step
+    makes of a 16-bit gradient (runtime.precision.mixed)."""
+    return STATE_BYTES + (4 if facts.working_bytes < 4 else 0)
+
+
+def auto_ratio(facts: AutoFacts) -> RatioChoice:
+    """The host's share of the optimizer state for `facts` (see the module docstring); ValueError when the
+    device and the host together cannot hold it."""
+    slack = int(ALLOCATOR_SLACK * facts.device_capacity) + DEVICE_STEP_STAGING_BYTES
+    choice = choose_ratio(
+        shard_numel=facts.shard_numel,
+        device_bytes_per_element=device_bytes_per_element(facts),
+        host_bytes_per_element=STATE_BYTES + LANDING_BYTES,
+        device_free=max(0, facts.device_capacity - facts.fixed_device_bytes),
+        activation_bytes=facts.activations.nbytes,
+        device_reserve=slack,
+        host_available=max(0, facts.host_available - HOST_RESERVE_BYTES),
+    )
+    fixed = facts.fixed_device_bytes / GIB
+    why = (
+        f"{choice.reason}; the device's {facts.device_capacity / GIB:.1f} GiB also hold {fixed:.1f} GiB of "
+        f"weights and gradient buffers; activations: {facts.activations.source}"
+    )
+    return RatioChoice(choice.ratio, why)
+
+
+def ratio_shortfall(facts: AutoFacts, ratio: float) -> str | None:
+    """Why a set `ratio` cannot train (None: it may): the state alone, without activations, overfills the
+    device or the host. Only certain failures are refused; the activations are a guess."""
+    host_numel = math.ceil(ratio * facts.shard_numel)
+    device_numel = facts.shard_numel - host_numel
+    device_need = facts.fixed_device_bytes + device_numel * device_bytes_per_element(facts)
+    host_need = host_numel * (STATE_BYTES + LANDING_BYTES)
+    short = []
+    if device_need > facts.device_capacity:
+        short.append(
+            f"the device needs {device_need / GIB:.1f} GiB for weights, gradients and its {1 - ratio:.0%} "
+            f"of the optimizer state, before activations, and has {facts.device_capacity / GIB:.1f} GiB"
+        )
+    if host_need > facts.host_available:
+        short.append(
+            f"the host needs {host_need / GIB:.1f} GiB for its {ratio:.0%} of the optimizer state and has "
+            f"{facts.host_available / GIB:.1f} GiB available"
+        )
+    if not short:
+        return None
+    try:
+        would = f'"auto" would choose {auto_ratio(facts).ratio:g}'
+    except ValueError as exc:
+        would = f"no ratio fits: {exc}"
+    shard = f"{ratio:g} cannot train this model's {facts.shard_numel:,}-element shard"
+    return f"{shard}: {'; '.join(short)}; {would}"
+
+
+def model_shape(model: nn.Module) -> dict[str, int] | None:
+    """Width, depth, vocabulary and positions of a transformer that says them in its `config` (a GPT of
+    runtime.models or a Hugging Face model), else None."""
+    config = getattr(model, "config", None)
+
+    def first(*names: str) -> int | None:
+        for name in names:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    shape = {
+        "width": first("n_embd", "hidden_size", "d_model"),
+        "layers": first("n_layer", "num_hidden_layers", "num_layers"),
+        "vocab": first("vocab_size"),
+        "positions": first("max_seq_len", "n_positions", "max_position_embeddings"),
+    }
+    return None if any(v is None for v in shape.values()) else shape  # type: ignore[return-value]
+
+
+def checkpointed(model: nn.Module) -> bool:
+    """Whether the model recomputes its blocks in backward (runtime.models' `checkpoint_fn`, or Hugging
+    Face's gradient checkpointing)."""
+    return getattr(model, "checkpoint_fn", None) is not None or bool(
+        getattr(model, "is_gradient_checkpointing", False)
+    )
+
+
+def guess_activations(
+    model: nn.Module, micro_batch: int, working_bytes: int, capacity: int
+) -> ActivationGuess:
+    """Peak activations of one micro-batch (runtime/estimator/fit.py's formula) from the model's shape."""
+    from runtime.estimator.fit import Workload, activation_bytes
+    from runtime.models.gpt import GPTConfig
+
+    shape = model_shape(model)
+    if shape is None:
+        nbytes = int(UNKNOWN_ACTIVATION_SHARE * capacity)
+        return ActivationGuess(
+            nbytes,
+            f"{nbytes / GIB:.1f} GiB ({UNKNOWN_ACTIVATION_SHARE:.0%} of the device: the model does not say "
+            f"its width, depth and vocabulary in .config; set {RATIO_KEY} to a number to choose yourself)",
+        )
+    seq = min(shape["positions"], LONGEST_ASSUMED_SEQUENCE)
+    heads = 1  # the formula does not depend on the heads; GPTConfig wants a divisor of the width
+    config = GPTConfig(
+        n_layer=shape["layers"],
+        n_head=heads,
+        n_embd=shape["width"],
+        vocab_size=shape["vocab"],
+        max_seq_len=seq,
+    )
+    recompute = checkpointed(model)
+    dtype = {2: "bf16", 4: "fp32"}.get(working_bytes, "bf16")
+    work = Workload(seq_len=seq, micro_batch=micro_batch, activation_checkpointing=recompute, dtype=dtype)
+    nbytes = activation_bytes(config, work)
+    where = "checkpointed blocks" if recompute else "every block's activations kept"
+    return ActivationGuess(
+        nbytes,
+        f"{nbytes / GIB:.1f} GiB for micro batch {micro_batch} x {seq} tokens of a {shape['layers']}-layer "
+        f"model of width {shape['width']} ({where}; sequence = the model's positions"
+        f"{f', at most {LONGEST_ASSUMED_SEQUENCE}' if shape['positions'] > seq else ''})",
+    )
+
+
+def read_auto_facts(
+    model: nn.Module, config: Any, comm: Comm, device: torch.device, working_dtype: torch.dtype
+) -> AutoFacts:
+    """This rank's facts for `auto_ratio`: the model's sizes and the memory the machine reports now."""
+    from runtime.estimator.model_states import estimate, model_sizes
+    from runtime.memory import host_available_bytes
+
+    zero = config.zero_optimization
+    sizes = model_sizes(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the optimizer's elements
+    working_bytes = torch.empty((), dtype=working_dtype).element_size()
+    dtype = {2: "bf16", 4: "fp32"}.get(working_bytes, "bf16")
+    states = estimate(
+        sizes,
+        stage=zero.stage,
+        num_gpus_per_node=comm.world_size,
+        offload_optimizer=True,
+        offload_param=zero.offload_param.enabled,
+        dtype=dtype,
+        reduce_bucket_size=zero.reduce_bucket_size,
+    )
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        # memory held by others (and our own context) is not ours to plan with; our allocator's is
+        capacity = free + torch.cuda.memory_reserved(device)
+        capacity = min(capacity, total)
+    else:  # a CPU "device" shares the host's memory: the host is the only budget
+        capacity = 0
+    shard = math.ceil(trainable / comm.world_size) if zero.stage >= 1 else trainable
+    micro = config.train_micro_batch_size_per_gpu or 1
+    return AutoFacts(
+        shard_numel=shard,
+        fixed_device_bytes=states.gpu.params + states.gpu.grads + states.gpu_transient,
+        device_capacity=capacity,
+        host_available=host_available_bytes(),
+        activations=guess_activations(model, micro, working_bytes, capacity),
+        working_bytes=working_bytes,
+    )
+
+
+def agree_on_ratio(choice: RatioChoice, comm: Comm, device: torch.device) -> RatioChoice:
+    """The ratio every rank takes: the largest host share any rank needs (the split must be the same on all
+    of them, and a rank whose device has less room decides for all)."""
+    if comm.world_size == 1:
+        return choice
+    import torch.distributed as dist
+
+    value = torch.tensor([choice.ratio], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=comm.group)
+    agreed = float(value.item())
+    if agreed == choice.ratio:
+        return choice
+    return RatioChoice(agreed, f"ratio {agreed:g}: another rank's device has less room ({choice.reason})")
+
+
+def resolve_auto_ratio(
+    model: nn.Module, config: Any, comm: Comm, device: torch.device, working_dtype: torch.dtype
+) -> RatioChoice:
+    """`"ratio": "auto"` for this engine: the choice every rank takes, with the reason to log."""
+    if device.type != "cuda":
+        return RatioChoice(
+            1.0,
+            "ratio 1: the training device is the CPU, whose memory is the host's: nothing is gained by "
+            "keeping a share of the optimizer state apart",
+        )
+    choice = auto_ratio(read_auto_facts(model, config, comm, device, working_dtype))
+    return agree_on_ratio(choice, comm, device)
+
+
+def with_auto_ratio(
+    config: Any, model: nn.Module, comm: Comm, device: torch.device, working_dtype: torch.dtype
+) -> Any:
+    """`config` with `"ratio": "auto"` replaced by the ratio chosen for this machine (logged once, with why);
+    any other config as it is. A model that cannot fit raises ValueError naming both sides' numbers."""
+    zero = config.zero_optimization
+    offload = zero.offload_optimizer
+    if offload.device == "none":
+        return config
+    if offload.ratio is not None:
+        # a set share below 1 keeps state on the device: refuse one that cannot fit before allocating it
+        if device.type == "cuda" and offload.ratio < 1.0:
+            facts = read_auto_facts(model, config, comm, device, working_dtype)
+            short = ratio_shortfall(facts, offload.ratio)
+            if short is not None:
+                raise ConfigError(RATIO_KEY, short)
+        return config
+    try:
+        choice = resolve_auto_ratio(model, config, comm, device, working_dtype)
+    except ValueError as exc:
+        raise ConfigError(RATIO_KEY, f'"auto": {exc}') from None
+    if comm.rank == 0:
+        _log.info("offload: %s auto: %s", RATIO_KEY, choice.reason)
+    offload = replace(offload, ratio=choice.ratio)
+    return replace(config, zero_optimization=replace(zero, offload_optimizer=offload))

@@ -71,6 +71,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +81,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from runtime.distributed import accelerator  # noqa: E402
+from runtime.estimator.fit import Machine, Workload, fit_gpt  # noqa: E402
 from runtime.models import MODEL_SIZES, GPTConfig  # noqa: E402
 from scripts.bench.common import (  # noqa: E402
     Column,
@@ -93,6 +95,7 @@ from scripts.bench.common import (  # noqa: E402
 )
 from scripts.bench.offload_work import (  # noqa: E402
     LR,
+    deepspeed_ratio,
     model_config,
     work_adam,
     work_deepspeed,
@@ -138,6 +141,13 @@ MARK = '{"bench": "offload"'
 
 
 # -- the configurations (each in its own process) ---------------------------------------------------------
+def work_trial(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """--find_max: does this size train, with the engine --engine names?"""
+    if spec.get("engine") == "deepspeed":
+        return work_deepspeed(spec, device)
+    return work_ours(spec, device, phases=False)
+
+
 WORKERS = {
     "gpu": work_gpu,
     "adam": work_adam,
@@ -152,7 +162,7 @@ WORKERS = {
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
     "ours-device": lambda spec, device: work_ours(spec, device, offload=False),
     "deepspeed": work_deepspeed,
-    "trial": lambda spec, device: work_ours(spec, device, phases=False),  # --find_max: does it train?
+    "trial": work_trial,
 }
 # Benchmark overrides (runtime/config/offload.py), set in the configuration's process only; they beat a
 # value the caller's environment holds, so a row means the same whatever the run inherits
@@ -210,15 +220,21 @@ def run_worker(name: str, spec: dict[str, Any], timeout: float) -> dict[str, Any
     return record
 
 
-def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def summarize(rows: dict[str, dict[str, Any]], accumulation: int = 1) -> dict[str, Any]:
     """The lower bound from the parts measured in this run, and every engine against it.
 
     An engine whose gradients landed as fp32 runs a different host step and moves twice the bytes, so it
     is held to that bound: torch's fused fp32 kernel and the fp32 copies. Rows that do not say how their
     gradients landed (ours-device) are held to the bf16 bound. Without every part of a bound
-    (a configuration not run, or failed) that bound and its ratios are left out."""
+    (a configuration not run, or failed) that bound and its ratios are left out.
+
+    The parts are one micro-batch's: an engine row of A micro-batches a step (its `accumulation`, else
+    `accumulation` here) is held to (A-1)·T_gpu plus each bound, since only the last micro-batch can
+    overlap the offloaded update. The summary's own bounds are at the A of the "ours" row (else of the
+    first engine row); an engine row at another A carries `<name>_accumulation` beside its ratios."""
     adam, pcie = rows.get("adam", {}), rows.get("pcie", {})
-    parts = {"gpu": rows.get("gpu", {}).get("step_s"), "adam": adam.get("step_s"), "pcie": pcie.get("both_s")}
+    t_gpu = rows.get("gpu", {}).get("step_s")
+    parts = {"gpu": t_gpu, "adam": adam.get("step_s"), "pcie": pcie.get("both_s")}
     parts32 = {**parts, "adam": adam.get("torch_fused_fp32_grads_s"), "pcie": pcie.get("both_fp32_s")}
     # the device step: the issue's CPU Adam time is still torch's fused step (the best the host does), and
     # its PCIe time is what it moves, 12 bytes a parameter each way (three times the fp32 copies)
@@ -226,13 +242,22 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     parts_device = {**parts32, "pcie": None if both32 is None else 3 * both32}
     # the host's real floor for fp32 landing: its step with the copies sharing host memory bandwidth
     shared = adam.get("torch_fused_fp32_with_copies_s")
-    host_floor = None if shared is None or parts["gpu"] is None else max(parts["gpu"], shared)
+    host_floor = None if shared is None or t_gpu is None else max(t_gpu, shared)
     # the device step's: its update alone, every byte up and down included, or the GPU's compute
     alone = rows.get("devstep", {}).get("step_s")
-    device_floor = None if alone is None or parts["gpu"] is None else max(parts["gpu"], alone)
+    device_floor = None if alone is None or t_gpu is None else max(t_gpu, alone)
+    names = engines(rows)
+    steps_of = {n: rows.get(n, {}).get("accumulation", accumulation) for n in names}
+    present = [n for n in names if n in rows]
+    run_a = steps_of["ours"] if "ours" in rows else (steps_of[present[0]] if present else accumulation)
+
+    def at(a: int, floor: float) -> float:  # a step of `a` micro-batches: the first a-1 run alone
+        return floor + (a - 1) * t_gpu  # t_gpu is known wherever a floor is
+
     summary: dict[str, Any] = {
         "bench": "offload",
         "config": "summary",
+        "accumulation": run_a,
         **{f"t_{k}_s": v for k, v in parts.items()},
     }
     bounds = {}
@@ -242,29 +267,32 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             bounds[label] = (bound, sum(values.values()))
             summary.update(
                 {
-                    f"bound{label}_s": round(bound, 4),
-                    f"serial{label}_s": round(sum(values.values()), 4),
+                    f"bound{label}_s": round(at(run_a, bound), 4),
+                    f"serial{label}_s": round(at(run_a, sum(values.values())), 4),
                     f"bound{label}_by": max(values, key=values.get),
                 }
             )
     if host_floor is not None:
-        summary["host_floor_fp32_s"] = round(host_floor, 4)
+        summary["host_floor_fp32_s"] = round(at(run_a, host_floor), 4)
     if device_floor is not None:
-        summary["device_floor_s"] = round(device_floor, 4)
-    for name in engines(rows):
+        summary["device_floor_s"] = round(at(run_a, device_floor), 4)
+    for name in names:
         step = rows.get(name, {}).get("step_s")
         landing = rows.get(name, {}).get("grad_landing")
         label = {"float32": "_fp32", "device": "_device"}.get(landing, "")
+        a = steps_of[name]
+        if step is not None and a != run_a:
+            summary[f"{name}_accumulation"] = a
         if step is not None and label in bounds:
             bound, serial = bounds[label]
-            summary[f"{name}_over_bound"] = round(step / bound, 3)
-            summary[f"{name}_over_serial"] = round(step / serial, 3)
+            summary[f"{name}_over_bound"] = round(step / at(a, bound), 3)
+            summary[f"{name}_over_serial"] = round(step / at(a, serial), 3)
             if label == "_fp32" and host_floor is not None:
-                summary[f"{name}_over_host_floor"] = round(step / host_floor, 3)
+                summary[f"{name}_over_host_floor"] = round(step / at(a, host_floor), 3)
         if step is not None and label == "_device" and device_floor is not None:
-            summary[f"{name}_over_device_floor"] = round(step / device_floor, 3)
+            summary[f"{name}_over_device_floor"] = round(step / at(a, device_floor), 3)
     ours = rows.get("ours", {}).get("step_s")
-    for name in engines(rows)[1:]:
+    for name in names[1:]:
         other = rows.get(name, {}).get("step_s")
         if ours is not None and other is not None:
             summary[f"{name}_over_ours"] = round(other / ours, 3)
@@ -285,7 +313,7 @@ def step_mode(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         record.update(model=args.model, params=model_config(spec).num_params())
         emit(record, args.out)
         rows[name] = record
-    summary = summarize(rows)
+    summary = summarize(rows, args.accumulation)
     emit(summary, args.out)
     print_table(list(rows.values()), TABLE)
     print(json.dumps(summary, indent=1), file=sys.stderr)
@@ -304,49 +332,150 @@ def parse_sizes(text: str) -> list[dict[str, int]]:
     return sizes
 
 
-# fp32 master, exp_avg, exp_avg_sq + the bf16 landing buffer: the least the engine needs (it lands fp32,
-# 16 bytes, only where that fits)
-HOST_BYTES_PER_PARAM = 14
-HOST_OVERHEAD_GIB = 4.0  # interpreter, torch, CUDA context
+# -- --find_max -------------------------------------------------------------------------------------------
+# DeepSpeed's ZeRO-1/2 offload keeps an fp32 gradient partition on the host (4 bytes) where our host step
+# lands 16-bit gradients (2 bytes, which the estimate counts): its walk adds the difference
+DEEPSPEED_EXTRA_HOST_BYTES_PER_PARAM = 4 - 2
 
 
-def _host_shortfall(params: int, ratio: float = 1.0) -> str | None:
-    """Why a model of `params` parameters cannot fit in the host memory available now, or None (`ratio`:
-    the host's share of the optimizer state)."""
-    from runtime.memory import host_available_bytes
+def parse_ratio(text: str) -> float | str:
+    """--ratio: a number from 0 to 1, or "auto" (passed to the config as the string)."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, or auto, got {text!r}")
+    return value
 
-    need = params * HOST_BYTES_PER_PARAM * ratio / 2**30 + HOST_OVERHEAD_GIB
-    available = host_available_bytes() / 2**30
-    if need <= available:
+
+def device_memory_bytes() -> int:
+    """The GPU's total memory, asked in a child process: a CUDA context in this one would hold GPU memory
+    through every trial."""
+    code = "import json, torch; print(json.dumps(torch.cuda.mem_get_info(0)))"
+    done = run_isolated([sys.executable, "-c", code], 180)
+    try:
+        return int(json.loads(done.stdout.strip().splitlines()[-1])[1])
+    except (IndexError, ValueError, TypeError):
+        raise RuntimeError(f"cannot read the GPU's memory: {done.stderr.strip()[-500:]}") from None
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """runtime.estimator.fit's verdict for each size of a walk: this machine, measured once before the first
+    trial (each trial runs in a process that is gone before the next), and the walk's options."""
+
+    machine: Machine
+    work: Workload
+    stage: int
+    offload_param: bool
+    ratio: float | str
+    extra_host_per_param: int = 0  # bytes a parameter the engine keeps beyond what fit_gpt counts
+
+    @classmethod
+    def for_walk(cls, args: argparse.Namespace) -> Estimator:
+        from runtime.memory import host_available_bytes
+
+        host = host_available_bytes()
+        # on the CPU the "device" is host memory too: the host side is the one that can run out
+        gpu = device_memory_bytes() if args.device == "cuda" else host
+        deepspeed = args.engine == "deepspeed"
+        return cls(
+            machine=Machine(gpu_bytes=gpu, host_bytes=host),
+            work=Workload(
+                seq_len=args.seq_len,
+                micro_batch=args.micro_batch or 1,
+                activation_checkpointing=args.activation_checkpointing,
+            ),
+            stage=args.stage,
+            offload_param=args.offload_param,
+            ratio=1.0 if deepspeed else args.ratio,  # deepspeed_ratio(): its walk runs at 1
+            extra_host_per_param=DEEPSPEED_EXTRA_HOST_BYTES_PER_PARAM if deepspeed else 0,
+        )
+
+    def fit(self, config: GPTConfig) -> dict[str, Any]:
+        """Does `config` fit: {fits, host_fits, ratio, gpu_need_gib, host_need_gib, reason}."""
+        fit = fit_gpt(
+            config,
+            self.machine,
+            self.work,
+            stage=self.stage,
+            offload_optimizer=True,
+            offload_param=self.offload_param,
+            ratio=self.ratio,
+            # the CPU step with 16-bit landing: the engine's choice wherever host memory is tight (the
+            # device step pins 12 bytes a parameter only where 16 are free: runtime/offload/plan.py), so
+            # the one that decides where the host runs out
+            host_step=True,
+        )
+        host_need = fit.host_need + self.extra_host_per_param * fit.params
+        host_fits = host_need <= self.machine.host_bytes
+        reason = fit.reason
+        if self.extra_host_per_param:
+            reason += f"; +{self.extra_host_per_param} B/param of fp32 gradients on the host (DeepSpeed)"
+        return {
+            "fits": fit.gpu_need <= self.machine.gpu_bytes and host_fits,
+            "host_fits": host_fits,
+            "ratio": None if fit.ratio is None else round(fit.ratio, 4),
+            "gpu_need_gib": round(fit.gpu_need / 2**30, 1),
+            "host_need_gib": round(host_need / 2**30, 1),
+            "reason": reason,
+        }
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "gpu_gib": round(self.machine.gpu_bytes / 2**30, 1),
+            "host_available_gib": round(self.machine.host_bytes / 2**30, 1),
+        }
+
+
+def _host_shortfall(estimate: dict[str, Any], host_bytes: int) -> str | None:
+    """Why the estimate says a size cannot fit in the host memory available, or None when it fits."""
+    if estimate["host_fits"]:
         return None
-    return f"needs about {need:.1f} GiB of host memory, {available:.1f} GiB available (--no_host_guard tries)"
+    return (
+        f"needs about {estimate['host_need_gib']:.1f} GiB of host memory, {host_bytes / 2**30:.1f} GiB "
+        "available (runtime.estimator.fit; --no_host_guard tries)"
+    )
 
 
 def find_max(args: argparse.Namespace, spec: dict[str, Any]) -> int:
-    sizes = sorted(
-        args.sizes,
-        key=lambda s: GPTConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"]).num_params(),
+    def config_of(size: dict[str, int]) -> GPTConfig:
+        return model_config({**spec, **size})
+
+    sizes = sorted(args.sizes, key=lambda s: config_of(s).num_params())
+    estimator = Estimator.for_walk(args)
+    # what the engine is asked for, and for DeepSpeed what it runs with instead and why
+    asked: dict[str, Any] = {"engine": args.engine, "ratio": args.ratio}
+    if args.engine == "deepspeed":
+        asked["ratio"], note = deepspeed_ratio(spec)
+        asked.update({"ratio_note": note} if note else {})
+    index = next(
+        (i for i, s in enumerate(sizes) if config_of(s).num_params() >= args.start_params), len(sizes) - 1
     )
-
-    def params_of(size: dict[str, int]) -> int:
-        return model_config({**spec, **size}).num_params()
-
-    index = next((i for i, s in enumerate(sizes) if params_of(s) >= args.start_params), len(sizes) - 1)
     tried: dict[int, bool] = {}
     best: dict[str, Any] | None = None
     direction = 0
+    skipped_engine = None  # DeepSpeed not importable: no size can say anything
     while 0 <= index < len(sizes) and index not in tried:
         size = sizes[index]
+        estimate = estimator.fit(config_of(size))
         trial = {**spec, **size, "warmup": 0, "steps": 3, "micro_batch": args.micro_batch or 1}
-        short = None if args.no_host_guard else _host_shortfall(params_of(size), args.ratio)
+        short = None if args.no_host_guard else _host_shortfall(estimate, estimator.machine.host_bytes)
         if short is not None:  # do not wake the kernel's OOM killer: it may pick another process
             record = {"bench": "offload", "config": "trial", "skipped": short}
         else:
             record = run_worker("trial", trial, args.timeout)
-        record.update(size, params=params_of(size))
+            if args.engine != "ours" and str(record.get("skipped", "")).startswith("not importable"):
+                skipped_engine = record["skipped"]
+        record.update(size, params=config_of(size).num_params(), **asked, estimate=estimate)
         record["trained"] = "error" not in record and "skipped" not in record
         emit(record, args.out)
         tried[index] = record["trained"]
+        if skipped_engine is not None:
+            break
         if record["trained"] and (best is None or record["params"] > best["params"]):
             best = record
         step = 1 if record["trained"] else -1
@@ -354,18 +483,36 @@ def find_max(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             break  # crossed the edge: the largest size that trains is known
         direction = step
         index += step
+    fitting = [config_of(s) for s in sizes if estimator.fit(config_of(s))["fits"]]
+    estimated = max(fitting, key=lambda c: c.num_params(), default=None)
+    measured = None if best is None else best["params"]
     summary = {
         "bench": "offload",
         "config": "find_max_summary",
-        "largest_trained_params": None if best is None else best["params"],
+        **asked,
+        "largest_trained_params": measured,
         "largest_trained": None if best is None else {k: best[k] for k in ("n_embd", "n_head", "n_layer")},
         "host_bytes_per_param": None if best is None else best.get("host_bytes_per_param"),
         "step_s": None if best is None else best.get("step_s"),
+        "mfu": None if best is None else best.get("mfu"),
         "tried": len(tried),
+        # the estimator's answer over the same sizes and options, and how far it is from the walk's
+        "estimated_largest_params": None if estimated is None else estimated.num_params(),
+        "estimated_largest": None
+        if estimated is None
+        else {"n_embd": estimated.n_embd, "n_head": estimated.n_head, "n_layer": estimated.n_layer},
+        "estimate_error": None
+        if estimated is None or not measured
+        else round(estimated.num_params() / measured - 1, 4),
+        "estimate_machine": estimator.summary(),
     }
+    if skipped_engine is not None:
+        summary["skipped"] = skipped_engine
     emit(summary, args.out)
     print(json.dumps(summary, indent=1), file=sys.stderr)
-    return 0 if best is not None else 1
+    # DeepSpeed absent is not a failure of ours (as in the step mode): only a walk that ran and found
+    # nothing is
+    return 0 if best is not None or skipped_engine is not None else 1
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -389,7 +536,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--find_max", action="store_true", help="largest GPT that trains with offload")
     parser.add_argument(
-        "--ratio", type=float, default=1.0, help="offload_optimizer.ratio: the host's share of the state"
+        "--ratio",
+        type=parse_ratio,
+        default=1.0,
+        help='offload_optimizer.ratio: the host\'s share of the optimizer state, 0-1, or "auto" (the engine '
+        "picks it from the device's memory)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("ours", "deepspeed"),
+        default="ours",
+        help="--find_max: whose engine the trials run (DeepSpeed: at ratio 1 unless ZeRO-3 with a number)",
     )
     parser.add_argument(
         "--activation_checkpointing", action="store_true", help="recompute every block in backward"
@@ -431,8 +588,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices = ", ".join((*CONFIGS, f"{SHARE_CONFIG}0..{SHARE_CONFIG}100"))
         parser.error(f"unknown --configs {unknown or args.configs!r}; choose from {choices}")
     args.configs = names
+    if args.engine != "ours" and not args.find_max:
+        parser.error("--engine is for --find_max; the step mode runs DeepSpeed as --configs deepspeed")
+    if args.offload_param and args.stage != 3:
+        parser.error("--offload_param needs --stage 3 (ZeRO-3 partitions the weights it offloads)")
     args.out = out_file(args.out, "offload-find-max" if args.find_max else "offload")
-    for name in ("seq_len", "steps", "adam_steps"):
+    for name in ("seq_len", "steps", "adam_steps", "accumulation"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive")
     if args.warmup < 0 or (args.micro_batch is not None and args.micro_batch <= 0):
@@ -445,12 +606,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         return worker_main(args.worker, json.loads(args.spec))
     if args.summarize is not None:
-        rows = {}
+        rows, accumulation = {}, 1
         for line in args.summarize.read_text().splitlines():
             if line.startswith(MARK):
                 record = json.loads(line)
                 rows[record.get("config")] = record
-        emit(summarize(rows), None)
+                if record.get("config") == "start":  # rows written before they said their own
+                    accumulation = record.get("args", {}).get("accumulation", 1)
+        emit(summarize(rows, accumulation), None)
         return 0
     spec = {
         "device": args.device,
@@ -469,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpointing": args.activation_checkpointing,
         "accumulation": args.accumulation,
         "offload_param": args.offload_param,
+        "engine": args.engine,
     }
     mode = "find_max" if args.find_max else "step"
     start = {"bench": "offload", "config": "start", "mode": mode, **environment(args.device)}

@@ -31,7 +31,8 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
                  the host step is ours (the adam row), 14 host bytes a parameter instead of 16
     ours-z3-param  ZeRO-3 with offload_param {device: cpu} too: weight shards in host memory
     ours-device  the same engine without offload (for the offload/no-offload ratio)
-    deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable
+    deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable (our compat/
+                 package of DeepSpeed's names does not count); a ratio only at ZeRO-3 (deepspeed_ratio)
 
 The summary line gives the lower bound max(T_gpu, T_adam, T_pcie) measured in this run, the serial sum
 T_gpu + T_adam + T_pcie, and each engine's step time over both. An engine whose gradients landed as fp32
@@ -39,6 +40,11 @@ T_gpu + T_adam + T_pcie, and each engine's step time over both. An engine whose 
 (the adam row's torch_fused_fp32_grads_s) and T_pcie the fp32 copies (the pcie row's both_fp32_s), and
 also to host_floor_fp32_s, max(T_gpu, that step with the copies running beside it): the copies and the
 step share the host's memory bandwidth, which the max() of the bound assumes away.
+With --accumulation A a step is A micro-batches and the parts are one micro-batch's: only the last can
+overlap the offloaded update, so each engine row (it records its `accumulation`) is held to
+(A-1)·T_gpu plus each bound and floor, and the summary's bounds and floors are at the run's A (its
+`accumulation`). Every engine row also gives tokens_per_s and mfu: the model's FLOPs a second over the
+device's dense bf16 peak (common.peak_bf16_flops; null on a CPU).
 Timing: --warmup steps, then --steps steps back to back between two device synchronizations: step_s is
 their mean, a training loop's steady state (the gpu row and every engine alike), where copies still
 running after one step overlap the next one's forward. Then the same number of steps each between
@@ -46,18 +52,18 @@ synchronizations (step_synced_s, their median, and step_synced_min_s): those dra
 each step. The measurements of parts (adam, pcie, devstep) are medians of synchronized runs. "ours"
 also reports a phase split from extra steps with a synchronization after forward, backward and step.
 
---find_max: GPT sizes from --sizes (n_embd:n_head:n_layer), micro batch 1, seq 1024, ZeRO-2 with
-optimizer offload, 3 steps each. It starts at the first size with at least --start_params parameters and
-goes up while the runs succeed, or down until one does; one JSON line per try and a summary with the
-largest size that trained (the goal on one H200 with a 128 GiB host is >= 8B). A size whose estimated
-host memory (14 B/param + 4 GiB) exceeds what is available is reported as skipped instead of tried, so
-the kernel's OOM killer never has to choose a victim (--no_host_guard tries anyway).
+--find_max (offload_max.py): the largest of --sizes (n_embd:n_head:n_layer) that trains 3 steps with
+optimizer offload at --ratio (a number, or "auto": the engine picks the host's share), with --stage,
+--offload_param, --accumulation, --activation_checkpointing and --engine (ours, or deepspeed); every try
+carries what runtime.estimator.fit predicts for it, a size it puts beyond the host's memory is skipped,
+not tried, and the summary compares the estimator's largest size with the largest that trained.
 
 Output: JSON lines on stdout, each starting with {"bench": "offload" and stamped with the commit, date,
 machine and command (common.py); a table on stderr. --out FILE appends them to FILE too, a bare --out to
 results/<yyyymmdd>_<hw>_offload.jsonl (offload-find-max with --find_max). A run split over several
 commands (--configs ... --out FILE each) is summarized with --summarize FILE. Exit code 1 when a
-configuration of ours failed. The measurements are in offload_work.py. CPU smoke check (tiny model, the
+configuration of ours failed, or when --find_max trained no size (an engine that is not importable is
+skipped, not failed). The measurements are in offload_work.py. CPU smoke check (tiny model, the
 same code paths, copies synchronous):
 
     python scripts/bench/offload.py --device cpu --model tiny --micro_batch 2 --seq_len 64 --steps 2
@@ -71,7 +77,6 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +86,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from runtime.distributed import accelerator  # noqa: E402
-from runtime.estimator.fit import Machine, Workload, fit_gpt  # noqa: E402
-from runtime.models import MODEL_SIZES, GPTConfig  # noqa: E402
+from runtime.models import MODEL_SIZES  # noqa: E402
 from scripts.bench.common import (  # noqa: E402
     Column,
     add_out_argument,
@@ -93,9 +97,9 @@ from scripts.bench.common import (  # noqa: E402
     print_table,
     run_isolated,
 )
+from scripts.bench.offload_max import find_max  # noqa: E402
 from scripts.bench.offload_work import (  # noqa: E402
     LR,
-    deepspeed_ratio,
     model_config,
     work_adam,
     work_deepspeed,
@@ -332,12 +336,6 @@ def parse_sizes(text: str) -> list[dict[str, int]]:
     return sizes
 
 
-# -- --find_max -------------------------------------------------------------------------------------------
-# DeepSpeed's ZeRO-1/2 offload keeps an fp32 gradient partition on the host (4 bytes) where our host step
-# lands 16-bit gradients (2 bytes, which the estimate counts): its walk adds the difference
-DEEPSPEED_EXTRA_HOST_BYTES_PER_PARAM = 4 - 2
-
-
 def parse_ratio(text: str) -> float | str:
     """--ratio: a number from 0 to 1, or "auto" (passed to the config as the string)."""
     if text == "auto":
@@ -349,170 +347,6 @@ def parse_ratio(text: str) -> float | str:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, or auto, got {text!r}")
     return value
-
-
-def device_memory_bytes() -> int:
-    """The GPU's total memory, asked in a child process: a CUDA context in this one would hold GPU memory
-    through every trial."""
-    code = "import json, torch; print(json.dumps(torch.cuda.mem_get_info(0)))"
-    done = run_isolated([sys.executable, "-c", code], 180)
-    try:
-        return int(json.loads(done.stdout.strip().splitlines()[-1])[1])
-    except (IndexError, ValueError, TypeError):
-        raise RuntimeError(f"cannot read the GPU's memory: {done.stderr.strip()[-500:]}") from None
-
-
-@dataclass(frozen=True)
-class Estimator:
-    """runtime.estimator.fit's verdict for each size of a walk: this machine, measured once before the first
-    trial (each trial runs in a process that is gone before the next), and the walk's options."""
-
-    machine: Machine
-    work: Workload
-    stage: int
-    offload_param: bool
-    ratio: float | str
-    extra_host_per_param: int = 0  # bytes a parameter the engine keeps beyond what fit_gpt counts
-
-    @classmethod
-    def for_walk(cls, args: argparse.Namespace) -> Estimator:
-        from runtime.memory import host_available_bytes
-
-        host = host_available_bytes()
-        # on the CPU the "device" is host memory too: the host side is the one that can run out
-        gpu = device_memory_bytes() if args.device == "cuda" else host
-        deepspeed = args.engine == "deepspeed"
-        return cls(
-            machine=Machine(gpu_bytes=gpu, host_bytes=host),
-            work=Workload(
-                seq_len=args.seq_len,
-                micro_batch=args.micro_batch or 1,
-                activation_checkpointing=args.activation_checkpointing,
-            ),
-            stage=args.stage,
-            offload_param=args.offload_param,
-            ratio=1.0 if deepspeed else args.ratio,  # deepspeed_ratio(): its walk runs at 1
-            extra_host_per_param=DEEPSPEED_EXTRA_HOST_BYTES_PER_PARAM if deepspeed else 0,
-        )
-
-    def fit(self, config: GPTConfig) -> dict[str, Any]:
-        """Does `config` fit: {fits, host_fits, ratio, gpu_need_gib, host_need_gib, reason}."""
-        fit = fit_gpt(
-            config,
-            self.machine,
-            self.work,
-            stage=self.stage,
-            offload_optimizer=True,
-            offload_param=self.offload_param,
-            ratio=self.ratio,
-            # the CPU step with 16-bit landing: the engine's choice wherever host memory is tight (the
-            # device step pins 12 bytes a parameter only where 16 are free: runtime/offload/plan.py), so
-            # the one that decides where the host runs out
-            host_step=True,
-        )
-        host_need = fit.host_need + self.extra_host_per_param * fit.params
-        host_fits = host_need <= self.machine.host_bytes
-        reason = fit.reason
-        if self.extra_host_per_param:
-            reason += f"; +{self.extra_host_per_param} B/param of fp32 gradients on the host (DeepSpeed)"
-        return {
-            "fits": fit.gpu_need <= self.machine.gpu_bytes and host_fits,
-            "host_fits": host_fits,
-            "ratio": None if fit.ratio is None else round(fit.ratio, 4),
-            "gpu_need_gib": round(fit.gpu_need / 2**30, 1),
-            "host_need_gib": round(host_need / 2**30, 1),
-            "reason": reason,
-        }
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "gpu_gib": round(self.machine.gpu_bytes / 2**30, 1),
-            "host_available_gib": round(self.machine.host_bytes / 2**30, 1),
-        }
-
-
-def _host_shortfall(estimate: dict[str, Any], host_bytes: int) -> str | None:
-    """Why the estimate says a size cannot fit in the host memory available, or None when it fits."""
-    if estimate["host_fits"]:
-        return None
-    return (
-        f"needs about {estimate['host_need_gib']:.1f} GiB of host memory, {host_bytes / 2**30:.1f} GiB "
-        "available (runtime.estimator.fit; --no_host_guard tries)"
-    )
-
-
-def find_max(args: argparse.Namespace, spec: dict[str, Any]) -> int:
-    def config_of(size: dict[str, int]) -> GPTConfig:
-        return model_config({**spec, **size})
-
-    sizes = sorted(args.sizes, key=lambda s: config_of(s).num_params())
-    estimator = Estimator.for_walk(args)
-    # what the engine is asked for, and for DeepSpeed what it runs with instead and why
-    asked: dict[str, Any] = {"engine": args.engine, "ratio": args.ratio}
-    if args.engine == "deepspeed":
-        asked["ratio"], note = deepspeed_ratio(spec)
-        asked.update({"ratio_note": note} if note else {})
-    index = next(
-        (i for i, s in enumerate(sizes) if config_of(s).num_params() >= args.start_params), len(sizes) - 1
-    )
-    tried: dict[int, bool] = {}
-    best: dict[str, Any] | None = None
-    direction = 0
-    skipped_engine = None  # DeepSpeed not importable: no size can say anything
-    while 0 <= index < len(sizes) and index not in tried:
-        size = sizes[index]
-        estimate = estimator.fit(config_of(size))
-        trial = {**spec, **size, "warmup": 0, "steps": 3, "micro_batch": args.micro_batch or 1}
-        short = None if args.no_host_guard else _host_shortfall(estimate, estimator.machine.host_bytes)
-        if short is not None:  # do not wake the kernel's OOM killer: it may pick another process
-            record = {"bench": "offload", "config": "trial", "skipped": short}
-        else:
-            record = run_worker("trial", trial, args.timeout)
-            if args.engine != "ours" and str(record.get("skipped", "")).startswith("not importable"):
-                skipped_engine = record["skipped"]
-        record.update(size, params=config_of(size).num_params(), **asked, estimate=estimate)
-        record["trained"] = "error" not in record and "skipped" not in record
-        emit(record, args.out)
-        tried[index] = record["trained"]
-        if skipped_engine is not None:
-            break
-        if record["trained"] and (best is None or record["params"] > best["params"]):
-            best = record
-        step = 1 if record["trained"] else -1
-        if direction and step != direction:
-            break  # crossed the edge: the largest size that trains is known
-        direction = step
-        index += step
-    fitting = [config_of(s) for s in sizes if estimator.fit(config_of(s))["fits"]]
-    estimated = max(fitting, key=lambda c: c.num_params(), default=None)
-    measured = None if best is None else best["params"]
-    summary = {
-        "bench": "offload",
-        "config": "find_max_summary",
-        **asked,
-        "largest_trained_params": measured,
-        "largest_trained": None if best is None else {k: best[k] for k in ("n_embd", "n_head", "n_layer")},
-        "host_bytes_per_param": None if best is None else best.get("host_bytes_per_param"),
-        "step_s": None if best is None else best.get("step_s"),
-        "mfu": None if best is None else best.get("mfu"),
-        "tried": len(tried),
-        # the estimator's answer over the same sizes and options, and how far it is from the walk's
-        "estimated_largest_params": None if estimated is None else estimated.num_params(),
-        "estimated_largest": None
-        if estimated is None
-        else {"n_embd": estimated.n_embd, "n_head": estimated.n_head, "n_layer": estimated.n_layer},
-        "estimate_error": None
-        if estimated is None or not measured
-        else round(estimated.num_params() / measured - 1, 4),
-        "estimate_machine": estimator.summary(),
-    }
-    if skipped_engine is not None:
-        summary["skipped"] = skipped_engine
-    emit(summary, args.out)
-    print(json.dumps(summary, indent=1), file=sys.stderr)
-    # DeepSpeed absent is not a failure of ours (as in the step mode): only a walk that ran and found
-    # nothing is
-    return 0 if best is not None or skipped_engine is not None else 1
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -640,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     emit(start, args.out)
     if args.find_max:
         spec.pop("size")
-        return find_max(args, spec)
+        return find_max(args, spec, run_worker)
     return step_mode(args, spec)
 
 

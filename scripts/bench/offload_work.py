@@ -6,6 +6,10 @@ method is in its docstring.
 The parts drive runtime.offload's own pieces without a model (HostAdam, DeviceStep, CopyEngine,
 HostMemory, plan_chunks, Span, TRANSFER_CHUNK_ELEMS): every import of runtime.offload's insides in the
 benchmarks is in this module's functions, or in host_threads.py.
+
+DeepSpeed (work_deepspeed) is the real one or none: our compat/ package answers `import deepspeed` in a
+checkout where it is installed, and is refused here as not importable. Its JIT-built CPU Adam is cached
+in TORCH_EXTENSIONS_DIR, /tmp/dslaunch_torch_extensions unless the caller sets one.
 """
 
 from __future__ import annotations

@@ -307,6 +307,7 @@ TABLE = (
     Column("config", "config", width=14),
     Column("step s", lambda r: r.get("step_s", r.get("both_s")), ".4f", 9),
     Column("tokens/s", "tokens_per_s", ",.0f", 10),
+    Column("MFU", "mfu", ".1%", 6),
 )
 
 

@@ -34,6 +34,17 @@ from scripts.bench.common import emit, run_isolated
 from scripts.bench.offload_work import deepspeed_ratio, model_config
 
 RunWorker = Callable[[str, dict[str, Any], float], dict[str, Any]]
+BEST_KEYS = (
+    "ratio_achieved",
+    "host_bytes_per_param",
+    "host_rss_gib",
+    "peak_gpu_gib",
+    "step_s",
+    "tokens_per_s",
+    "mfu",
+    "loss_first",
+    "loss_last",
+)
 
 # DeepSpeed's ZeRO-1/2 offload keeps an fp32 gradient partition on the host (4 bytes) where our host step
 # lands 16-bit gradients (2 bytes, which the estimate counts): its walk adds the difference
@@ -182,11 +193,13 @@ def find_max(args: argparse.Namespace, spec: dict[str, Any], run_worker: RunWork
         "bench": "offload",
         "config": "find_max_summary",
         **asked,
+        "stage": args.stage,
+        "offload_param": args.offload_param,
+        "accumulation": args.accumulation,
         "largest_trained_params": measured,
         "largest_trained": None if best is None else {k: best[k] for k in ("n_embd", "n_head", "n_layer")},
-        "host_bytes_per_param": None if best is None else best.get("host_bytes_per_param"),
-        "step_s": None if best is None else best.get("step_s"),
-        "mfu": None if best is None else best.get("mfu"),
+        # the largest's memory on both sides, speed and loss, as its trial line gives them
+        **{key: None if best is None else best.get(key) for key in BEST_KEYS},
         "tried": len(tried),
         # the estimator's answer over the same sizes and options, and how far it is from the walk's
         "estimated_largest_params": None if estimated is None else estimated.num_params(),

@@ -385,6 +385,8 @@ def work_ours(
     result, engine = run["result"], run["engine"]
     breakdown = engine.memory_breakdown()
     host_bytes = breakdown.host_bytes + breakdown.host_buffer_bytes
+    zero = engine.config.zero_optimization  # what the engine ran, read back from its resolved config
+    result["stage"], result["offload_param"] = engine.zero_stage, zero.offload_param.device != "none"
     result["device_state_gib"] = round(breakdown.device_model_state_bytes / 2**30, 2)
     result["host_state_gib"] = round(host_bytes / 2**30, 2)
     result["host_bytes_per_param"] = round(host_bytes / result["params"], 2)

@@ -180,16 +180,16 @@ def test_mfu_is_against_the_devices_dense_bf16_peak() -> None:
 
 def test_find_max_skips_what_the_estimator_rules_out_and_reports_the_estimates_error() -> None:
     """Every trial says what runtime.estimator.fit predicted; a size it puts beyond the host's memory is
-    skipped, not tried; the summary compares the estimator's largest size with the walk's."""
-    small = ["--micro_batch", "2", "--seq_len", "32"]
+    skipped, not tried; the summary compares the estimator's largest size with the walk's. The walk runs
+    ZeRO-3 with the weights offloaded too, at a partial optimizer offload."""
+    small = ["--micro_batch", "2", "--seq_len", "32", "--stage", "3", "--offload_param", "--ratio", "0.5"]
     huge = "12288:96:200"  # 362B parameters: several TiB of host memory at any ratio
-    records = _bench(
-        "--find_max", "--sizes", f"64:4:1,{huge}", "--start_params", "0", "--ratio", "0.5", *small
-    )
+    records = _bench("--find_max", "--sizes", f"64:4:1,{huge}", "--start_params", "0", *small)
     trials = [r for r in records if r["config"] == "trial"]
     assert [(r["n_layer"], r["trained"]) for r in trials] == [(1, True), (200, False)], trials
     first, second = trials
-    assert first["ratio"] == 0.5 and first["loss_last"] < first["loss_first"], first
+    assert (first["stage"], first["offload_param"], first["ratio"]) == (3, True, 0.5), first
+    assert first["loss_last"] < first["loss_first"], first
     assert first["estimate"]["fits"] and first["estimate"]["ratio"] == 0.5, first["estimate"]
     assert first["accumulation"] == 1 and first["mfu"] is None  # no bf16 peak for a CPU
     assert "wall_s" not in second and second["skipped"].startswith("needs about "), second  # never started

@@ -1,5 +1,6 @@
 """What every benchmark in scripts/bench shares: the provenance stamped on each result line, the run's
-environment record, result file names, the closing table, and the isolation and timing of measurements.
+environment record, result file names, the closing table, the isolation and timing of measurements, and
+the devices' bf16 peaks that model FLOPs utilisation (MFU) is measured against.
 
 Provenance. `emit` adds `"provenance": {...}` to every JSON line: the commit and whether the tree
 differed from it (`dirty`), the UTC date, the machine (host name, CPU, cores, memory, GPU name and
@@ -359,6 +360,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- model FLOPs utilisation ----------------------------------------------------------------------------
+# Dense (not 2:4-sparse) bf16 tensor-core peaks from the vendor's datasheets, by a piece of the name torch
+# reports for the device; the first piece found wins, so the more specific names come first.
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H200 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+)
+
+
+def peak_bf16_flops(device_name: str | None) -> float | None:
+    """The device's dense bf16 peak in FLOP/s, or None for a device the table does not know (a CPU)."""
+    if not device_name:
+        return None
+    return next((peak for piece, peak in PEAK_BF16_FLOPS if piece.lower() in device_name.lower()), None)
+
+
+def mfu(flops_per_s: float, device_name: str | None) -> float | None:
+    """Model FLOPs utilisation: the model's FLOPs a second over the device's bf16 peak (None: unknown)."""
+    peak = peak_bf16_flops(device_name)
+    return None if peak is None else round(flops_per_s / peak, 4)
 
 
 # -- timing on a torch device ---------------------------------------------------------------------------

@@ -31,7 +31,8 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
                  the host step is ours (the adam row), 14 host bytes a parameter instead of 16
     ours-z3-param  ZeRO-3 with offload_param {device: cpu} too: weight shards in host memory
     ours-device  the same engine without offload (for the offload/no-offload ratio)
-    deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable
+    deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable (our compat/
+                 package of DeepSpeed's names does not count); a ratio only at ZeRO-3 (deepspeed_ratio)
 
 The summary line gives the lower bound max(T_gpu, T_adam, T_pcie) measured in this run, the serial sum
 T_gpu + T_adam + T_pcie, and each engine's step time over both. An engine whose gradients landed as fp32
@@ -39,6 +40,11 @@ T_gpu + T_adam + T_pcie, and each engine's step time over both. An engine whose 
 (the adam row's torch_fused_fp32_grads_s) and T_pcie the fp32 copies (the pcie row's both_fp32_s), and
 also to host_floor_fp32_s, max(T_gpu, that step with the copies running beside it): the copies and the
 step share the host's memory bandwidth, which the max() of the bound assumes away.
+With --accumulation A a step is A micro-batches and the parts are one micro-batch's: only the last can
+overlap the offloaded update, so each engine row (it records its `accumulation`) is held to
+(A-1)·T_gpu plus each bound and floor, and the summary's bounds and floors are at the run's A (its
+`accumulation`). Every engine row also gives tokens_per_s and mfu: the model's FLOPs a second over the
+device's dense bf16 peak (common.peak_bf16_flops; null on a CPU).
 Timing: --warmup steps, then --steps steps back to back between two device synchronizations: step_s is
 their mean, a training loop's steady state (the gpu row and every engine alike), where copies still
 running after one step overlap the next one's forward. Then the same number of steps each between
@@ -46,18 +52,18 @@ synchronizations (step_synced_s, their median, and step_synced_min_s): those dra
 each step. The measurements of parts (adam, pcie, devstep) are medians of synchronized runs. "ours"
 also reports a phase split from extra steps with a synchronization after forward, backward and step.
 
---find_max: GPT sizes from --sizes (n_embd:n_head:n_layer), micro batch 1, seq 1024, ZeRO-2 with
-optimizer offload, 3 steps each. It starts at the first size with at least --start_params parameters and
-goes up while the runs succeed, or down until one does; one JSON line per try and a summary with the
-largest size that trained (the goal on one H200 with a 128 GiB host is >= 8B). A size whose estimated
-host memory (14 B/param + 4 GiB) exceeds what is available is reported as skipped instead of tried, so
-the kernel's OOM killer never has to choose a victim (--no_host_guard tries anyway).
+--find_max (offload_max.py): the largest of --sizes (n_embd:n_head:n_layer) that trains 3 steps with
+optimizer offload at --ratio (a number, or "auto": the engine picks the host's share), with --stage,
+--offload_param, --accumulation, --activation_checkpointing and --engine (ours, or deepspeed); every try
+carries what runtime.estimator.fit predicts for it, a size it puts beyond the host's memory is skipped,
+not tried, and the summary compares the estimator's largest size with the largest that trained.
 
 Output: JSON lines on stdout, each starting with {"bench": "offload" and stamped with the commit, date,
 machine and command (common.py); a table on stderr. --out FILE appends them to FILE too, a bare --out to
 results/<yyyymmdd>_<hw>_offload.jsonl (offload-find-max with --find_max). A run split over several
 commands (--configs ... --out FILE each) is summarized with --summarize FILE. Exit code 1 when a
-configuration of ours failed. The measurements are in offload_work.py. CPU smoke check (tiny model, the
+configuration of ours failed, or when --find_max trained no size (an engine that is not importable is
+skipped, not failed). The measurements are in offload_work.py. CPU smoke check (tiny model, the
 same code paths, copies synchronous):
 
     python scripts/bench/offload.py --device cpu --model tiny --micro_batch 2 --seq_len 64 --steps 2
@@ -80,7 +86,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from runtime.distributed import accelerator  # noqa: E402
-from runtime.models import MODEL_SIZES, GPTConfig  # noqa: E402
+from runtime.models import MODEL_SIZES  # noqa: E402
 from scripts.bench.common import (  # noqa: E402
     Column,
     add_out_argument,
@@ -91,6 +97,7 @@ from scripts.bench.common import (  # noqa: E402
     print_table,
     run_isolated,
 )
+from scripts.bench.offload_max import find_max  # noqa: E402
 from scripts.bench.offload_work import (  # noqa: E402
     LR,
     model_config,
@@ -138,6 +145,13 @@ MARK = '{"bench": "offload"'
 
 
 # -- the configurations (each in its own process) ---------------------------------------------------------
+def work_trial(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """--find_max: does this size train, with the engine --engine names?"""
+    if spec.get("engine") == "deepspeed":
+        return work_deepspeed(spec, device)
+    return work_ours(spec, device, phases=False)
+
+
 WORKERS = {
     "gpu": work_gpu,
     "adam": work_adam,
@@ -152,7 +166,7 @@ WORKERS = {
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
     "ours-device": lambda spec, device: work_ours(spec, device, offload=False),
     "deepspeed": work_deepspeed,
-    "trial": lambda spec, device: work_ours(spec, device, phases=False),  # --find_max: does it train?
+    "trial": work_trial,
 }
 # Benchmark overrides (runtime/config/offload.py), set in the configuration's process only; they beat a
 # value the caller's environment holds, so a row means the same whatever the run inherits
@@ -210,15 +224,21 @@ def run_worker(name: str, spec: dict[str, Any], timeout: float) -> dict[str, Any
     return record
 
 
-def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def summarize(rows: dict[str, dict[str, Any]], accumulation: int = 1) -> dict[str, Any]:
     """The lower bound from the parts measured in this run, and every engine against it.
 
     An engine whose gradients landed as fp32 runs a different host step and moves twice the bytes, so it
     is held to that bound: torch's fused fp32 kernel and the fp32 copies. Rows that do not say how their
     gradients landed (ours-device) are held to the bf16 bound. Without every part of a bound
-    (a configuration not run, or failed) that bound and its ratios are left out."""
+    (a configuration not run, or failed) that bound and its ratios are left out.
+
+    The parts are one micro-batch's: an engine row of A micro-batches a step (its `accumulation`, else
+    `accumulation` here) is held to (A-1)·T_gpu plus each bound, since only the last micro-batch can
+    overlap the offloaded update. The summary's own bounds are at the A of the "ours" row (else of the
+    first engine row); an engine row at another A carries `<name>_accumulation` beside its ratios."""
     adam, pcie = rows.get("adam", {}), rows.get("pcie", {})
-    parts = {"gpu": rows.get("gpu", {}).get("step_s"), "adam": adam.get("step_s"), "pcie": pcie.get("both_s")}
+    t_gpu = rows.get("gpu", {}).get("step_s")
+    parts = {"gpu": t_gpu, "adam": adam.get("step_s"), "pcie": pcie.get("both_s")}
     parts32 = {**parts, "adam": adam.get("torch_fused_fp32_grads_s"), "pcie": pcie.get("both_fp32_s")}
     # the device step: the issue's CPU Adam time is still torch's fused step (the best the host does), and
     # its PCIe time is what it moves, 12 bytes a parameter each way (three times the fp32 copies)
@@ -226,13 +246,22 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
     parts_device = {**parts32, "pcie": None if both32 is None else 3 * both32}
     # the host's real floor for fp32 landing: its step with the copies sharing host memory bandwidth
     shared = adam.get("torch_fused_fp32_with_copies_s")
-    host_floor = None if shared is None or parts["gpu"] is None else max(parts["gpu"], shared)
+    host_floor = None if shared is None or t_gpu is None else max(t_gpu, shared)
     # the device step's: its update alone, every byte up and down included, or the GPU's compute
     alone = rows.get("devstep", {}).get("step_s")
-    device_floor = None if alone is None or parts["gpu"] is None else max(parts["gpu"], alone)
+    device_floor = None if alone is None or t_gpu is None else max(t_gpu, alone)
+    names = engines(rows)
+    steps_of = {n: rows.get(n, {}).get("accumulation", accumulation) for n in names}
+    present = [n for n in names if n in rows]
+    run_a = steps_of["ours"] if "ours" in rows else (steps_of[present[0]] if present else accumulation)
+
+    def at(a: int, floor: float) -> float:  # a step of `a` micro-batches: the first a-1 run alone
+        return floor + (a - 1) * t_gpu  # t_gpu is known wherever a floor is
+
     summary: dict[str, Any] = {
         "bench": "offload",
         "config": "summary",
+        "accumulation": run_a,
         **{f"t_{k}_s": v for k, v in parts.items()},
     }
     bounds = {}
@@ -242,29 +271,32 @@ def summarize(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
             bounds[label] = (bound, sum(values.values()))
             summary.update(
                 {
-                    f"bound{label}_s": round(bound, 4),
-                    f"serial{label}_s": round(sum(values.values()), 4),
+                    f"bound{label}_s": round(at(run_a, bound), 4),
+                    f"serial{label}_s": round(at(run_a, sum(values.values())), 4),
                     f"bound{label}_by": max(values, key=values.get),
                 }
             )
     if host_floor is not None:
-        summary["host_floor_fp32_s"] = round(host_floor, 4)
+        summary["host_floor_fp32_s"] = round(at(run_a, host_floor), 4)
     if device_floor is not None:
-        summary["device_floor_s"] = round(device_floor, 4)
-    for name in engines(rows):
+        summary["device_floor_s"] = round(at(run_a, device_floor), 4)
+    for name in names:
         step = rows.get(name, {}).get("step_s")
         landing = rows.get(name, {}).get("grad_landing")
         label = {"float32": "_fp32", "device": "_device"}.get(landing, "")
+        a = steps_of[name]
+        if step is not None and a != run_a:
+            summary[f"{name}_accumulation"] = a
         if step is not None and label in bounds:
             bound, serial = bounds[label]
-            summary[f"{name}_over_bound"] = round(step / bound, 3)
-            summary[f"{name}_over_serial"] = round(step / serial, 3)
+            summary[f"{name}_over_bound"] = round(step / at(a, bound), 3)
+            summary[f"{name}_over_serial"] = round(step / at(a, serial), 3)
             if label == "_fp32" and host_floor is not None:
-                summary[f"{name}_over_host_floor"] = round(step / host_floor, 3)
+                summary[f"{name}_over_host_floor"] = round(step / at(a, host_floor), 3)
         if step is not None and label == "_device" and device_floor is not None:
-            summary[f"{name}_over_device_floor"] = round(step / device_floor, 3)
+            summary[f"{name}_over_device_floor"] = round(step / at(a, device_floor), 3)
     ours = rows.get("ours", {}).get("step_s")
-    for name in engines(rows)[1:]:
+    for name in names[1:]:
         other = rows.get(name, {}).get("step_s")
         if ours is not None and other is not None:
             summary[f"{name}_over_ours"] = round(other / ours, 3)
@@ -275,6 +307,7 @@ TABLE = (
     Column("config", "config", width=14),
     Column("step s", lambda r: r.get("step_s", r.get("both_s")), ".4f", 9),
     Column("tokens/s", "tokens_per_s", ",.0f", 10),
+    Column("MFU", "mfu", ".1%", 6),
 )
 
 
@@ -285,7 +318,7 @@ def step_mode(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         record.update(model=args.model, params=model_config(spec).num_params())
         emit(record, args.out)
         rows[name] = record
-    summary = summarize(rows)
+    summary = summarize(rows, args.accumulation)
     emit(summary, args.out)
     print_table(list(rows.values()), TABLE)
     print(json.dumps(summary, indent=1), file=sys.stderr)
@@ -304,68 +337,17 @@ def parse_sizes(text: str) -> list[dict[str, int]]:
     return sizes
 
 
-# fp32 master, exp_avg, exp_avg_sq + the bf16 landing buffer: the least the engine needs (it lands fp32,
-# 16 bytes, only where that fits)
-HOST_BYTES_PER_PARAM = 14
-HOST_OVERHEAD_GIB = 4.0  # interpreter, torch, CUDA context
-
-
-def _host_shortfall(params: int, ratio: float = 1.0) -> str | None:
-    """Why a model of `params` parameters cannot fit in the host memory available now, or None (`ratio`:
-    the host's share of the optimizer state)."""
-    from runtime.memory import host_available_bytes
-
-    need = params * HOST_BYTES_PER_PARAM * ratio / 2**30 + HOST_OVERHEAD_GIB
-    available = host_available_bytes() / 2**30
-    if need <= available:
-        return None
-    return f"needs about {need:.1f} GiB of host memory, {available:.1f} GiB available (--no_host_guard tries)"
-
-
-def find_max(args: argparse.Namespace, spec: dict[str, Any]) -> int:
-    sizes = sorted(
-        args.sizes,
-        key=lambda s: GPTConfig(n_layer=s["n_layer"], n_head=s["n_head"], n_embd=s["n_embd"]).num_params(),
-    )
-
-    def params_of(size: dict[str, int]) -> int:
-        return model_config({**spec, **size}).num_params()
-
-    index = next((i for i, s in enumerate(sizes) if params_of(s) >= args.start_params), len(sizes) - 1)
-    tried: dict[int, bool] = {}
-    best: dict[str, Any] | None = None
-    direction = 0
-    while 0 <= index < len(sizes) and index not in tried:
-        size = sizes[index]
-        trial = {**spec, **size, "warmup": 0, "steps": 3, "micro_batch": args.micro_batch or 1}
-        short = None if args.no_host_guard else _host_shortfall(params_of(size), args.ratio)
-        if short is not None:  # do not wake the kernel's OOM killer: it may pick another process
-            record = {"bench": "offload", "config": "trial", "skipped": short}
-        else:
-            record = run_worker("trial", trial, args.timeout)
-        record.update(size, params=params_of(size))
-        record["trained"] = "error" not in record and "skipped" not in record
-        emit(record, args.out)
-        tried[index] = record["trained"]
-        if record["trained"] and (best is None or record["params"] > best["params"]):
-            best = record
-        step = 1 if record["trained"] else -1
-        if direction and step != direction:
-            break  # crossed the edge: the largest size that trains is known
-        direction = step
-        index += step
-    summary = {
-        "bench": "offload",
-        "config": "find_max_summary",
-        "largest_trained_params": None if best is None else best["params"],
-        "largest_trained": None if best is None else {k: best[k] for k in ("n_embd", "n_head", "n_layer")},
-        "host_bytes_per_param": None if best is None else best.get("host_bytes_per_param"),
-        "step_s": None if best is None else best.get("step_s"),
-        "tried": len(tried),
-    }
-    emit(summary, args.out)
-    print(json.dumps(summary, indent=1), file=sys.stderr)
-    return 0 if best is not None else 1
+def parse_ratio(text: str) -> float | str:
+    """--ratio: a number from 0 to 1, or "auto" (passed to the config as the string)."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, or auto, got {text!r}")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -389,7 +371,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--find_max", action="store_true", help="largest GPT that trains with offload")
     parser.add_argument(
-        "--ratio", type=float, default=1.0, help="offload_optimizer.ratio: the host's share of the state"
+        "--ratio",
+        type=parse_ratio,
+        default=1.0,
+        help='offload_optimizer.ratio: the host\'s share of the optimizer state, 0-1, or "auto" (the engine '
+        "picks it from the device's memory)",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("ours", "deepspeed"),
+        default="ours",
+        help="--find_max: whose engine the trials run (DeepSpeed: at ratio 1 unless ZeRO-3 with a number)",
     )
     parser.add_argument(
         "--activation_checkpointing", action="store_true", help="recompute every block in backward"
@@ -431,8 +423,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices = ", ".join((*CONFIGS, f"{SHARE_CONFIG}0..{SHARE_CONFIG}100"))
         parser.error(f"unknown --configs {unknown or args.configs!r}; choose from {choices}")
     args.configs = names
+    if args.engine != "ours" and not args.find_max:
+        parser.error("--engine is for --find_max; the step mode runs DeepSpeed as --configs deepspeed")
+    if args.offload_param and args.stage != 3:
+        parser.error("--offload_param needs --stage 3 (ZeRO-3 partitions the weights it offloads)")
     args.out = out_file(args.out, "offload-find-max" if args.find_max else "offload")
-    for name in ("seq_len", "steps", "adam_steps"):
+    for name in ("seq_len", "steps", "adam_steps", "accumulation"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive")
     if args.warmup < 0 or (args.micro_batch is not None and args.micro_batch <= 0):
@@ -445,12 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker is not None:
         return worker_main(args.worker, json.loads(args.spec))
     if args.summarize is not None:
-        rows = {}
+        rows, accumulation = {}, 1
         for line in args.summarize.read_text().splitlines():
             if line.startswith(MARK):
                 record = json.loads(line)
                 rows[record.get("config")] = record
-        emit(summarize(rows), None)
+                if record.get("config") == "start":  # rows written before they said their own
+                    accumulation = record.get("args", {}).get("accumulation", 1)
+        emit(summarize(rows, accumulation), None)
         return 0
     spec = {
         "device": args.device,
@@ -469,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpointing": args.activation_checkpointing,
         "accumulation": args.accumulation,
         "offload_param": args.offload_param,
+        "engine": args.engine,
     }
     mode = "find_max" if args.find_max else "step"
     start = {"bench": "offload", "config": "start", "mode": mode, **environment(args.device)}
@@ -476,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     emit(start, args.out)
     if args.find_max:
         spec.pop("size")
-        return find_max(args, spec)
+        return find_max(args, spec, run_worker)
     return step_mode(args, spec)
 
 

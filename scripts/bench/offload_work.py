@@ -6,21 +6,28 @@ method is in its docstring.
 The parts drive runtime.offload's own pieces without a model (HostAdam, DeviceStep, CopyEngine,
 HostMemory, plan_chunks, Span, TRANSFER_CHUNK_ELEMS): every import of runtime.offload's insides in the
 benchmarks is in this module's functions, or in host_threads.py.
+
+DeepSpeed (work_deepspeed) is the real one or none: our compat/ package answers `import deepspeed` in a
+checkout where it is installed, and is refused here as not importable. Its JIT-built CPU Adam is cached
+in TORCH_EXTENSIONS_DIR, /tmp/dslaunch_torch_extensions unless the caller sets one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from runtime.models import GPT, GPTConfig
-from scripts.bench.common import median_time, steady_time, synchronize
+from scripts.bench.common import median_time, mfu, steady_time, synchronize
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 Spec = dict[str, Any]
@@ -55,7 +62,8 @@ def _batch(config: GPTConfig, spec: Spec, device: torch.device) -> tuple[torch.T
 
 
 def engine_config(spec: Spec, offload: bool) -> dict[str, Any]:
-    """The DeepSpeed-style config shared by our engine and DeepSpeed."""
+    """The DeepSpeed-style config shared by our engine and DeepSpeed. `spec["ratio"]` (a number, or the
+    string "auto": the engine picks the share) goes through as offload_optimizer.ratio."""
     zero: dict[str, Any] = {"stage": spec["stage"], "overlap_comm": True, "contiguous_gradients": True}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -97,11 +105,12 @@ def work_gpu(spec: Spec, device: torch.device) -> dict[str, Any]:
 
     median, _ = median_time(step, device, spec["warmup"], spec["steps"])
     steady = steady_time(step, device, spec["steps"])
-    tokens = spec["micro_batch"] * spec["seq_len"]
+    flops = config.flops_per_token(spec["seq_len"]) * spec["micro_batch"] * spec["seq_len"] / steady
     return {
         "step_s": round(steady, 5),
         "step_synced_s": round(median, 5),
-        "tflops": round(config.flops_per_token(spec["seq_len"]) * tokens / steady / 1e12, 1),
+        "tflops": round(flops / 1e12, 1),
+        "mfu": mfu(flops, device_name(device)),
     }
 
 
@@ -273,6 +282,11 @@ def work_pcie(spec: Spec, device: torch.device) -> dict[str, Any]:
 
 
 # -- the engines ------------------------------------------------------------------------------------------
+def device_name(device: torch.device) -> str | None:
+    """The name the device's peak is looked up by (common.peak_bf16_flops); None on the CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
 def _host_rss_gib() -> float | None:
     try:
         import psutil
@@ -311,9 +325,12 @@ def _engine_steps(spec: Spec, device: torch.device, make: Callable[[GPT], Any]) 
     median, times = median_time(step, device, spec["warmup"], spec["steps"])
     steady = steady_time(step, device, spec["steps"])
     tokens = spec["micro_batch"] * spec["seq_len"] * accumulation
+    flops = config.flops_per_token(spec["seq_len"]) * tokens / steady
     result: dict[str, Any] = {
         "params": config.num_params(),
-        "tflops": round(config.flops_per_token(spec["seq_len"]) * tokens / steady / 1e12, 1),
+        "accumulation": accumulation,  # micro-batches a step: offload.py's floor depends on it
+        "tflops": round(flops / 1e12, 1),
+        "mfu": mfu(flops, device_name(device)),
         "setup_s": round(setup_s, 1),
         "step_s": round(steady, 4),
         "step_synced_s": round(median, 4),
@@ -368,13 +385,17 @@ def work_ours(
     result, engine = run["result"], run["engine"]
     breakdown = engine.memory_breakdown()
     host_bytes = breakdown.host_bytes + breakdown.host_buffer_bytes
+    zero = engine.config.zero_optimization  # what the engine ran, read back from its resolved config
+    result["stage"], result["offload_param"] = engine.zero_stage, zero.offload_param.device != "none"
     result["device_state_gib"] = round(breakdown.device_model_state_bytes / 2**30, 2)
     result["host_state_gib"] = round(host_bytes / 2**30, 2)
     result["host_bytes_per_param"] = round(host_bytes / result["params"], 2)
-    if offload and hasattr(engine.masters, "split"):  # partial offload: the host side is a HostMasters
-        result["ratio_achieved"] = round(engine.masters.split.achieved, 3)
-    if offload and spec.get("ratio", 1.0) > 0.0:
-        masters = getattr(engine.masters, "host", engine.masters)
+    masters = _host_masters(engine) if offload else None
+    if offload:  # the host's share of the optimizer state that the engine chose ("auto") or was given
+        split = getattr(engine.masters, "split", None)  # partial offload: the host side is a HostMasters
+        whole = 0.0 if masters is None else 1.0
+        result["ratio_achieved"] = whole if split is None else round(split.achieved, 3)
+    if masters is not None:
         result["pinned_gib"] = round(masters.memory.pinned_bytes / 2**30, 2)
         on_device = masters.update_on_device
         result["update"] = "device" if on_device else "host"
@@ -390,13 +411,53 @@ def work_ours(
     return result
 
 
+def _host_masters(engine: Any) -> Any:
+    """The engine's host side (a HostMasters, alone or in a PartialMasters), or None: at ratio 0 the
+    device holds the whole optimizer state."""
+    from runtime.offload.host_masters import HostMasters
+
+    masters = getattr(engine.masters, "host", engine.masters)
+    return masters if isinstance(masters, HostMasters) else None
+
+
+# DeepSpeed compiles its CPU Adam on first use; its cache goes here unless the caller names one. Not under
+# the repository: the GPU machine's copy of the git-ignored .whl/ is replaced at each call that carries it,
+# while /tmp lasts as long as the machine
+TORCH_EXTENSIONS_DIR = Path(tempfile.gettempdir()) / "dslaunch_torch_extensions"
+
+
+def deepspeed_ratio(spec: Spec) -> tuple[float, str | None]:
+    """The offload_optimizer.ratio DeepSpeed runs with for `spec`, and why it is not the one asked for
+    (None when it is): DeepSpeed has no "auto" and takes a ratio only with ZeRO-3."""
+    ratio, stage = spec.get("ratio", 1.0), spec["stage"]
+    if ratio == 1.0:
+        return 1.0, None
+    if ratio == "auto":
+        return 1.0, 'DeepSpeed has no "auto" ratio: it runs with the whole optimizer state on the host (1)'
+    if stage != 3:
+        return 1.0, (
+            f"DeepSpeed takes offload_optimizer.ratio only with ZeRO-3: ratio {ratio:g} runs as 1 (the whole "
+            f"optimizer state on the host) at stage {stage}"
+        )
+    return float(ratio), None
+
+
 def work_deepspeed(spec: Spec, device: torch.device) -> dict[str, Any]:
-    """DeepSpeed with the same config (DeepSpeedCPUAdam), where it imports."""
+    """DeepSpeed with the same config (DeepSpeedCPUAdam), where it imports; ImportError where it does not
+    (the caller reports the configuration as skipped)."""
     import logging
 
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(TORCH_EXTENSIONS_DIR))
+    ratio, note = deepspeed_ratio(spec)
+    spec = {**spec, "ratio": ratio}
     with contextlib.redirect_stdout(sys.stderr):
         import deepspeed
 
+        if hasattr(deepspeed, "dslaunch_version"):  # our own names (compat/) would measure our engine
+            raise ImportError(
+                f"the deepspeed package importable here is dslaunch's compatibility package "
+                f"({Path(deepspeed.__file__).parent}), not DeepSpeed"
+            )
         deepspeed.utils.logger.setLevel(logging.WARNING)
 
         def make(model: GPT) -> Any:
@@ -406,8 +467,12 @@ def work_deepspeed(spec: Spec, device: torch.device) -> dict[str, Any]:
             return engine
 
         run = _engine_steps(spec, device, make)
-    run["result"]["deepspeed"] = deepspeed.__version__
+    result = run["result"]
+    result["deepspeed"] = deepspeed.__version__
+    result["ratio"] = ratio
+    if note is not None:
+        result["ratio_note"] = note
     # its ZeRO-1/2 offload converts each gradient to fp32 on the GPU and copies it into an fp32 host
     # buffer, so it is held to the same bound as our fp32 landing
-    run["result"]["grad_landing"] = "float32"
-    return run["result"]
+    result["grad_landing"] = "float32"
+    return result

@@ -72,15 +72,22 @@ def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     assert found[-1]["host_bytes_per_param"] == pytest.approx(14.0, abs=0.1)
 
 
-def test_benchmark_summary_holds_each_row_to_its_own_bound_and_skips_what_is_missing() -> None:
-    """A bound is only reported when every part of it was measured, and each engine row is compared with
-    the bound of the gradients it moved (DeepSpeed's offload lands fp32 too)."""
+def _load_bench():
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "scripts/bench/offload.py"
     spec = importlib.util.spec_from_file_location("offload_bench_under_test", path)
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up there
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_benchmark_summary_holds_each_row_to_its_own_bound_and_skips_what_is_missing() -> None:
+    """A bound is only reported when every part of it was measured, and each engine row is compared with
+    the bound of the gradients it moved (DeepSpeed's offload lands fp32 too)."""
+    bench = _load_bench()
 
     parts = {
         "gpu": {"step_s": 0.2},
@@ -93,6 +100,7 @@ def test_benchmark_summary_holds_each_row_to_its_own_bound_and_skips_what_is_mis
         "deepspeed": {"step_s": 1.0, "grad_landing": "float32"},
     }
     full = bench.summarize({**parts, **engines})
+    assert full["accumulation"] == 1  # rows without the key: one micro-batch a step, the bounds as measured
     assert (full["bound_s"], full["bound_fp32_s"], full["host_floor_fp32_s"]) == (0.5, 0.4, 0.45)
     assert full["ours_over_bound"] == 1.5 and full["ours_over_host_floor"] == pytest.approx(1.333, abs=1e-3)
     assert full["ours-bf16grads_over_bound"] == 1.5 and "ours-bf16grads_over_host_floor" not in full
@@ -116,3 +124,130 @@ def test_benchmark_summary_holds_each_row_to_its_own_bound_and_skips_what_is_mis
     floored = bench.summarize({**parts, "devstep": {"step_s": 0.4}, "ours": {
         "step_s": 0.5, "grad_landing": "device"}})  # fmt: skip
     assert floored["device_floor_s"] == 0.4 and floored["ours_over_device_floor"] == pytest.approx(1.25)
+
+
+def test_with_accumulation_each_engine_is_held_to_the_floor_of_its_own_step() -> None:
+    """A step of A micro-batches: only the last can overlap the offloaded update, so every floor (the
+    bounds, the host floor, the device floor) grows by (A-1)·T_gpu, at each engine row's own A."""
+    bench = _load_bench()
+    parts = {
+        "gpu": {"step_s": 0.2},
+        "adam": {"step_s": 0.5, "torch_fused_fp32_grads_s": 0.4, "torch_fused_fp32_with_copies_s": 0.45},
+        "pcie": {"both_s": 0.06, "both_fp32_s": 0.12},
+        "devstep": {"step_s": 0.38},
+    }
+    rows = {
+        **parts,
+        "ours": {"step_s": 2.0, "grad_landing": "float32", "accumulation": 4},
+        "ours-bf16grads": {"step_s": 1.5, "grad_landing": "bfloat16", "accumulation": 4},
+        "ours-share0": {"step_s": 1.1, "grad_landing": "device", "accumulation": 4},
+        "deepspeed": {"step_s": 0.8, "grad_landing": "float32", "accumulation": 1},
+    }
+    summary = bench.summarize(rows)
+    assert summary["accumulation"] == 4 and summary["t_gpu_s"] == 0.2  # T_gpu stays one micro-batch's
+    three = 3 * 0.2
+    assert summary["bound_s"] == pytest.approx(0.5 + three) and summary["bound_by"] == "adam"
+    assert summary["serial_s"] == pytest.approx(0.2 + 0.5 + 0.06 + three)
+    assert summary["bound_fp32_s"] == pytest.approx(0.4 + three)
+    assert summary["host_floor_fp32_s"] == pytest.approx(0.45 + three)
+    assert summary["bound_device_s"] == pytest.approx(0.4 + three)  # max(0.2, 0.4, 3 x 0.12)
+    assert summary["device_floor_s"] == pytest.approx(0.38 + three)
+    assert summary["ours_over_bound"] == pytest.approx(2.0 / 1.0, abs=1e-3)
+    assert summary["ours_over_host_floor"] == pytest.approx(2.0 / 1.05, abs=1e-3)
+    assert summary["ours-bf16grads_over_bound"] == pytest.approx(1.5 / 1.1, abs=1e-3)
+    assert summary["ours-share0_over_device_floor"] == pytest.approx(1.1 / 0.98, abs=1e-3)
+    # a row of one micro-batch a step in the same summary is held to the floor of one: the bounds alone
+    assert summary["deepspeed_accumulation"] == 1 and "ours_accumulation" not in summary
+    assert summary["deepspeed_over_bound"] == pytest.approx(0.8 / 0.4, abs=1e-3)
+    assert summary["deepspeed_over_host_floor"] == pytest.approx(0.8 / 0.45, abs=1e-3)
+    # rows written before they recorded their A take the run's (from --accumulation or the start line)
+    bare = {name: {k: v for k, v in row.items() if k != "accumulation"} for name, row in rows.items()}
+    again = bench.summarize(bare, accumulation=4)
+    assert again["accumulation"] == 4 and again["ours_over_bound"] == summary["ours_over_bound"]
+    assert again["deepspeed_over_bound"] == pytest.approx(0.8 / 1.0, abs=1e-3)
+    # A=1 leaves every number as the bounds alone
+    one = bench.summarize(bare)
+    assert (one["bound_s"], one["device_floor_s"], one["ours_over_bound"]) == (0.5, 0.38, 5.0)
+
+
+def test_mfu_is_against_the_devices_dense_bf16_peak() -> None:
+    from scripts.bench.common import mfu, peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H200") == 989e12 and peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert mfu(303e12, "NVIDIA H200") == pytest.approx(0.3064, abs=1e-4)  # 13.48B, accumulation 32
+    assert mfu(1e12, None) is None and mfu(1e12, "AMD EPYC") is None  # the CPU: no peak, no MFU
+
+
+def test_find_max_skips_what_the_estimator_rules_out_and_reports_the_estimates_error() -> None:
+    """Every trial says what runtime.estimator.fit predicted; a size it puts beyond the host's memory is
+    skipped, not tried; the summary compares the estimator's largest size with the walk's. The walk runs
+    ZeRO-3 with the weights offloaded too, at a partial optimizer offload."""
+    small = ["--micro_batch", "2", "--seq_len", "32", "--stage", "3", "--offload_param", "--ratio", "0.5"]
+    huge = "12288:96:200"  # 362B parameters: several TiB of host memory at any ratio
+    records = _bench("--find_max", "--sizes", f"64:4:1,{huge}", "--start_params", "0", *small)
+    trials = [r for r in records if r["config"] == "trial"]
+    assert [(r["n_layer"], r["trained"]) for r in trials] == [(1, True), (200, False)], trials
+    first, second = trials
+    assert (first["stage"], first["offload_param"], first["ratio"]) == (3, True, 0.5), first
+    assert first["loss_last"] < first["loss_first"], first
+    assert first["estimate"]["fits"] and first["estimate"]["ratio"] == 0.5, first["estimate"]
+    assert first["accumulation"] == 1 and first["mfu"] is None  # no bf16 peak for a CPU
+    assert "wall_s" not in second and second["skipped"].startswith("needs about "), second  # never started
+    assert "runtime.estimator.fit" in second["skipped"]
+    assert not second["estimate"]["fits"] and not second["estimate"]["host_fits"]
+    assert second["estimate"]["host_need_gib"] > records[0]["host_available_gib"]
+    summary = records[-1]
+    assert summary["config"] == "find_max_summary" and summary["ratio"] == 0.5
+    assert summary["largest_trained_params"] == summary["estimated_largest_params"] == first["params"]
+    assert summary["estimated_largest"] == {"n_embd": 64, "n_head": 4, "n_layer": 1}
+    assert summary["estimate_error"] == 0.0
+
+
+def test_find_max_with_deepspeed_absent_reports_it_skipped() -> None:
+    """Without DeepSpeed (here `import deepspeed` finds at most our compat package, which is not it) the
+    walk stops at its first trial, says why, and does not fail the run (exit 0, as the step mode's
+    deepspeed row); DeepSpeed has no "auto" ratio, so the record says what it would run with."""
+    import subprocess
+    import sys
+
+    probe = "import deepspeed, sys; sys.exit(1 if hasattr(deepspeed, 'dslaunch_version') else 0)"
+    if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0:
+        pytest.skip("DeepSpeed itself is installed here")
+    bench = _load_bench()
+    assert bench.parse_args(["--device", "cpu", "--find_max", "--ratio", "auto"]).ratio == "auto"
+    records = _bench(
+        "--find_max",
+        "--engine",
+        "deepspeed",
+        "--ratio",
+        "auto",
+        "--sizes",
+        "64:4:1,64:4:2",
+        "--start_params",
+        "0",
+    )
+    trials = [r for r in records if r["config"] == "trial"]
+    assert len(trials) == 1 and trials[0]["skipped"].startswith("not importable: "), trials
+    assert not trials[0]["trained"] and trials[0]["engine"] == "deepspeed"
+    assert trials[0]["ratio"] == 1.0 and 'no "auto" ratio' in trials[0]["ratio_note"]
+    summary = records[-1]
+    assert summary["largest_trained_params"] is None and summary["skipped"] == trials[0]["skipped"]
+    assert summary["tried"] == 1
+
+
+def test_ratio_and_engine_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    bench = _load_bench()
+    for argv, message in (
+        (["--ratio", "1.5"], "expected a number from 0 to 1, or auto, got '1.5'"),
+        (["--engine", "deepspeed"], "--engine is for --find_max"),
+        (["--find_max", "--offload_param"], "--offload_param needs --stage 3"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            bench.parse_args(["--device", "cpu", *argv])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    # DeepSpeed runs a numeric ratio at ZeRO-3 only, and says so otherwise
+    from scripts.bench.offload_work import deepspeed_ratio
+
+    assert deepspeed_ratio({"ratio": 0.5, "stage": 3}) == (0.5, None)
+    ratio, note = deepspeed_ratio({"ratio": 0.5, "stage": 2})
+    assert ratio == 1.0 and note.startswith("DeepSpeed takes offload_optimizer.ratio only with ZeRO-3")

@@ -78,12 +78,15 @@ def test_ds_estimate_names_the_largest_size_and_the_next_one() -> None:
 
 
 def test_ds_estimate_says_why_a_size_does_not_fit() -> None:
-    proc = _cli("--gpt", "5120:40:48", "--gpu_memory", "139", "--host_memory", "123", "--ratio", "0.5")
+    proc = _cli("--gpt", "5120:40:40", "--gpu_memory", "139", "--host_memory", "123", "--ratio", "0.5")
     assert proc.returncode == 1
     assert proc.stdout.strip() == (
-        "15.37B parameters do not fit at offload ratio 0.50: the GPU needs 181.8 GiB of 139.0 GiB; "
-        "ratios from 0.687 to 0.693 fit"
+        "12.85B parameters do not fit at offload ratio 0.50: the GPU needs 176.5 GiB of 139.0 GiB; "
+        "ratios from 0.657 to 0.829 fit"
     )
+    proc = _cli("--gpt", "5120:40:48", "--gpu_memory", "139", "--host_memory", "123", "--ratio", "0.5")
+    assert proc.returncode == 1
+    assert proc.stdout.strip().endswith("no offload ratio fits both sides")
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,11 @@ and answers two questions for a machine (GPU memory, host memory, GPUs per host)
 
 Bytes per element of this rank's shard for the state that ``ratio`` moves (fp32 master + optimizer
 state, e.g. 4 + 8 for Adam): on the GPU when kept there, plus the fp32 copy of 16-bit gradients the
-device's step makes (16 for Adam in bf16); on the host when offloaded, plus the gradient
-landing buffer when the CPU updates it (2 bytes for bf16 landing, none for the device step, which streams
-state through the GPU: runtime/offload/plan.py).
+device's step makes (16 for Adam in bf16); with offload, room for that copy's single allocation again
+(FRAGMENTATION_BYTES: measured on the H200, runtime/offload/auto_ratio.py), the copy and its room only at
+the step, where the activations are gone (the peak takes the larger); on the host when offloaded, plus
+the gradient landing buffer when the CPU updates it (2 bytes for bf16 landing, none for the device step,
+which streams state through the GPU: runtime/offload/plan.py).
 
 Activations of one GPT block, per token of the micro-batch (Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models", 2022, with flash attention so no s x s score matrix is kept):
@@ -52,6 +54,8 @@ DEVICE_STEP_STAGING_BYTES = 1 * GIB  # the device step's staging slots (runtime/
 HOST_PROCESS_BYTES = 4 * GIB  # one training process's own resident memory (torch, CUDA libraries)
 ACTIVATION_BYTES_PER_TOKEN_PER_EMBD = 34  # one GPT block in 16-bit, flash attention (see above)
 LOGIT_BYTES_PER_TOKEN_PER_VOCAB = 2 + 4 + 4
+# with offload, per element of the device's share: room for its fp32 gradient copy again (see auto_ratio.py)
+FRAGMENTATION_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -169,16 +173,32 @@ def fit_gpt(
         host_need = max(host_fixed, host_init + ranks * HOST_PROCESS_BYTES)
         return _verdict(params, None, None, gpu_need, host_need, machine)
     gpu_fixed += 0 if host_step else DEVICE_STEP_STAGING_BYTES
+    # The device's share costs its state all the time, and at the step, once backward has freed the
+    # activations, the fp32 gradient copy and room for that copy's single allocation again
+    # (FRAGMENTATION_BYTES; runtime/offload/auto_ratio.py): the activations and the step's buffers take
+    # turns, so the peak has the larger of the two.
+    activations = activation_bytes(config, work)
+    base = gpu_fixed - activations
+    state = movable  # the share's state at ratio 0
+    at_step = device_movable - movable + (shard * FRAGMENTATION_BYTES if w < MASTER_BYTES else 0)
+
+    def gpu_need_at(r: float) -> int:
+        kept = 1.0 - r
+        return base + math.floor(kept * state) + max(activations, math.floor(kept * at_step))
+
     per_host_share = ranks * (movable + landing)  # host bytes at ratio 1
-    # GPU: gpu_fixed + (1 - r) * device_movable <= gpu; host: host_fixed + r * per_host_share <= host
-    low = 1.0 - (machine.gpu_bytes - gpu_fixed) / device_movable if device_movable else 0.0
+    # GPU: gpu_need_at(r) <= gpu, both terms of its max; host: host_fixed + r * per_host_share <= host
+    room = machine.gpu_bytes - base
+    lows = [1.0 - (room - activations) / state if state else 0.0]
+    if state + at_step:
+        lows.append(1.0 - room / (state + at_step))
+    low = max(lows)
     high = (machine.host_bytes - host_fixed) / per_host_share if per_host_share else 1.0
     low, high = max(low, 0.0), min(high, 1.0)
     window = (low, high) if low <= high else None
     # "auto": the GPU keeps as much of the state as fits beside everything else (its 5% slack included)
     chosen = min(low, 1.0) if ratio == "auto" else float(ratio)
-    # rounded towards fitting on the GPU side, so the window's low end fits there exactly
-    gpu_need = gpu_fixed + math.floor((1.0 - chosen) * device_movable)
+    gpu_need = gpu_need_at(chosen)
     host_need = max(host_fixed + math.ceil(chosen * per_host_share), host_init + ranks * HOST_PROCESS_BYTES)
     return _verdict(params, chosen, window, gpu_need, host_need, machine)
 

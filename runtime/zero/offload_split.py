@@ -155,6 +155,7 @@ def choose_ratio(
     activation_bytes: int,
     device_reserve: int,
     host_available: int,
+    step_bytes_per_element: int = 0,
     step: float = 0.01,
 ) -> RatioChoice:
     """`"ratio": "auto"`: the largest device share of the optimizer state that fits beside the rest.
@@ -169,6 +170,9 @@ def choose_ratio(
         activation_bytes: the activations' peak estimate for the configured micro-batch.
         device_reserve: what to leave free besides (allocator fragmentation, temporaries, communication).
         host_available: host bytes this rank may still allocate.
+        step_bytes_per_element: device bytes an element of the device's share costs only during the
+            optimizer step, after backward has freed the activations (the fp32 gradient copy, and room
+            for its single allocation): they take the activations' place, not a place beside them.
         step: the ratio is a multiple of this, rounded towards the host, so the device share stays
             inside its budget (the split then takes at least that share to the host: `at_least`).
 
@@ -180,6 +184,9 @@ def choose_ratio(
     gib = 1 << 30
     budget = max(0, device_free - activation_bytes - device_reserve)
     on_device = min(shard_numel, budget // device_bytes_per_element)
+    if step_bytes_per_element:  # the step's peak: the state and the step's buffers, without activations
+        at_step = max(0, device_free - device_reserve) // (device_bytes_per_element + step_bytes_per_element)
+        on_device = min(on_device, at_step)
     ratio = 1.0 - on_device / shard_numel
     ratio = min(1.0, math.ceil(round(ratio / step, 9)) * step)  # whole steps, towards the host
     ratio = round(ratio, 6)
@@ -187,8 +194,16 @@ def choose_ratio(
     device_use = (shard_numel - math.ceil(ratio * shard_numel)) * device_bytes_per_element
     spare = f"{budget / gib:.1f} GiB of the device's {device_free / gib:.1f} GiB free after the activations "
     spare += f"({activation_bytes / gib:.1f} GiB) and a reserve of {device_reserve / gib:.1f} GiB"
+    if step_bytes_per_element:
+        step_gib = (shard_numel - math.ceil(ratio * shard_numel)) * step_bytes_per_element / gib
+        spare = (
+            f"the device's {device_free / gib:.1f} GiB free, less a reserve of "
+            f"{device_reserve / gib:.1f} GiB, "
+            f"beside the activations ({activation_bytes / gib:.1f} GiB) in forward and backward and the "
+            f"step's buffers ({step_gib:.1f} GiB) after them"
+        )
     if host_need > host_available:
-        fits = budget // device_bytes_per_element + host_available // host_bytes_per_element
+        fits = on_device + host_available // host_bytes_per_element
         raise ValueError(
             f"the optimizer state of this rank's {shard_numel:,} elements does not fit: the device can hold "
             f"{on_device:,} of them ({spare}) and the host the rest only with {host_need / gib:.1f} GiB, of "

@@ -46,19 +46,21 @@ def test_auto_keeps_on_the_device_what_fits_beside_weights_gradients_and_activat
     from runtime.offload.auto_ratio import auto_ratio
 
     choice = auto_ratio(_facts())
-    # 139.5 GiB less 50.2 GiB of weights and gradients, 7.5 GiB of activations and 8.0 GiB of reserve
-    # leave 73.9 GiB: at 16 bytes an element (state + the fp32 gradient copy) 36% of the state
-    assert choice.ratio == 0.64
+    # 139.5 GiB less 50.2 GiB of weights and gradients and 8.0 GiB of reserve leave 81.3 GiB: the state
+    # (12 bytes an element) with the activations (7.5 GiB) in forward and backward, and with the step's
+    # fp32 gradient copy and room for its allocation (8 bytes) after them: 32% of the state stays
+    assert choice.ratio == 0.68
     assert choice.reason == (
-        "ratio 0.64: the device keeps 36% of the optimizer state (72.3 GiB), what fits in 73.9 GiB of the "
-        "device's 89.3 GiB free after the activations (7.5 GiB) and a reserve of 8.0 GiB; the host holds the "
-        "rest (112.5 GiB of 122.8 GiB available); the device's 139.5 GiB also hold 50.2 GiB of weights and "
-        "gradient buffers; activations: 7.5 GiB for micro batch 1 x 1024 tokens of a 42-layer model of width "
-        "5120 (every block's activations kept; sequence = the model's positions)"
+        "ratio 0.68: the device keeps 32% of the optimizer state (48.2 GiB), what fits in the device's 89.3 "
+        "GiB free, less a reserve of 8.0 GiB, beside the activations (7.5 GiB) in forward and backward and "
+        "the step's buffers (32.1 GiB) after them; the host holds the rest (119.5 GiB of 122.8 GiB "
+        "available); the device's 139.5 GiB also hold 50.2 GiB of weights and gradient buffers; "
+        "activations: 7.5 GiB for micro batch 1 x 1024 tokens of a 42-layer model of width 5120 (every "
+        "block's activations kept; sequence = the model's positions)"
     )
     # a smaller model fits on the device whole; a device with no room leaves it all to the host
     small = auto_ratio(_facts(shard_numel=1_000_000_000, fixed_device_bytes=4_000_000_000))
-    assert small.ratio == 0.0 and small.reason.startswith("ratio 0: all of the optimizer state (14.9 GiB)")
+    assert small.ratio == 0.0 and small.reason.startswith("ratio 0: all of the optimizer state (11.2 GiB)")
     none = auto_ratio(_facts(device_capacity=60 * GIB, shard_numel=5_000_000_000))
     assert none.ratio == 1.0 and none.reason.startswith("ratio 1: no optimizer state fits on the device")
 
@@ -70,9 +72,9 @@ def test_auto_refuses_a_model_neither_side_can_hold_with_the_numbers() -> None:
         auto_ratio(_facts(shard_numel=20_000_000_000))
     assert str(caught.value) == (
         "the optimizer state of this rank's 20,000,000,000 elements does not fit: the device can hold "
-        "4,956,956,057 of them (73.9 GiB of the device's 89.3 GiB free after the activations (7.5 GiB) and a "
-        "reserve of 8.0 GiB) and the host the rest only with 198.2 GiB, of 122.8 GiB available; both "
-        "together hold about 14,375,205,770 elements"
+        "4,365,662,126 of them (the device's 89.3 GiB free, less a reserve of 8.0 GiB, beside the activations "
+        "(7.5 GiB) in forward and backward and the step's buffers (31.3 GiB) after them) and the host the "
+        "rest only with 206.0 GiB, of 122.8 GiB available; both together hold about 13,783,911,839 elements"
     )
 
 
@@ -83,11 +85,11 @@ def test_a_set_ratio_that_cannot_fit_is_refused_with_both_sides_and_what_auto_wo
     assert ratio_shortfall(_facts(), 0.3) == (
         "0.3 cannot train this model's 13,477,662,720-element shard: the device needs 190.8 GiB for weights, "
         "gradients and its 70% of the optimizer state, before activations, and has 139.5 GiB; "
-        '"auto" would choose 0.64'
+        '"auto" would choose 0.68'
     )
     assert ratio_shortfall(_facts(), 0.95) == (
         "0.95 cannot train this model's 13,477,662,720-element shard: the host needs 166.9 GiB for its 95% "
-        'of the optimizer state and has 124.8 GiB available; "auto" would choose 0.64'
+        'of the optimizer state and has 124.8 GiB available; "auto" would choose 0.68'
     )
 
 

@@ -72,9 +72,10 @@ def test_auto_refuses_a_model_neither_side_can_hold_with_the_numbers() -> None:
         auto_ratio(_facts(shard_numel=20_000_000_000))
     assert str(caught.value) == (
         "the optimizer state of this rank's 20,000,000,000 elements does not fit: the device can hold "
-        "4,365,662,126 of them (the device's 89.3 GiB free, less a reserve of 8.0 GiB, beside the activations "
-        "(7.5 GiB) in forward and backward and the step's buffers (31.3 GiB) after them) and the host the "
-        "rest only with 206.0 GiB, of 122.8 GiB available; both together hold about 13,783,911,839 elements"
+        "4,365,662,126 of them (the device's 89.3 GiB free, less a reserve of 8.0 GiB, beside the "
+        "activations (7.5 GiB) in forward and backward and the step's buffers (31.3 GiB) after them) and "
+        "the host the rest only with 206.0 GiB, of 122.8 GiB available; both together hold about "
+        "13,783,911,839 elements"
     )
 
 

@@ -40,7 +40,8 @@ T_gpu + T_adam + T_pcie, and each engine's step time over both. An engine whose 
 (the adam row's torch_fused_fp32_grads_s) and T_pcie the fp32 copies (the pcie row's both_fp32_s), and
 also to host_floor_fp32_s, max(T_gpu, that step with the copies running beside it): the copies and the
 step share the host's memory bandwidth, which the max() of the bound assumes away.
-With --accumulation A a step is A micro-batches and the parts are one micro-batch's: only the last can
+With --accumulation A a step is A micro-batches and the parts are one micro-batch's (T_gpu the mean of
+a plain loop that accumulates A micro-batches into its gradients, as a trainer's does): only the last can
 overlap the offloaded update, so each engine row (it records its `accumulation`) is held to
 (A-1)·T_gpu plus each bound and floor, and the summary's bounds and floors are at the run's A (its
 `accumulation`). Every engine row also gives tokens_per_s and mfu: the model's FLOPs a second over the

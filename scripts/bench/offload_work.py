@@ -92,21 +92,28 @@ def engine_config(spec: Spec, offload: bool) -> dict[str, Any]:
 
 # -- the parts of the bound -------------------------------------------------------------------------------
 def work_gpu(spec: Spec, device: torch.device) -> dict[str, Any]:
-    """Forward and backward alone, bf16 weights, no optimizer: T_gpu."""
+    """Forward and backward alone, bf16 weights, no optimizer: T_gpu, a micro-batch's time. With
+    accumulation A > 1 the loop accumulates A micro-batches into the gradients before it drops them, as
+    any accumulating loop must (autograd adds into .grad after the first), and T_gpu is the mean of the
+    window: the floor's (A-1) x T_gpu then holds what plain PyTorch pays for those micro-batches."""
     config = model_config(spec)
     model = _fresh_model(config, device).to(torch.bfloat16)
     x, y = _batch(config, spec, device)
+    accumulation = spec.get("accumulation", 1)
 
     def step() -> None:
-        _, loss = model(x, y)
-        loss.backward()
+        for _ in range(accumulation):
+            _, loss = model(x, y)
+            loss.backward()
         for p in model.parameters():
             p.grad = None
 
     median, _ = median_time(step, device, spec["warmup"], spec["steps"])
     steady = steady_time(step, device, spec["steps"])
+    median, steady = median / accumulation, steady / accumulation
     flops = config.flops_per_token(spec["seq_len"]) * spec["micro_batch"] * spec["seq_len"] / steady
     return {
+        "accumulation": accumulation,
         "step_s": round(steady, 5),
         "step_synced_s": round(median, 5),
         "tflops": round(flops / 1e12, 1),

@@ -255,12 +255,22 @@ def environment(device: str | None = None, *, deepspeed: bool = False) -> dict[s
         env["host_available_gib"] = round(host_available_bytes() / 2**30, 1)  # a container's limit too
     if deepspeed:
         try:
-            import deepspeed as ds
-
-            env["deepspeed"] = ds.__version__
-        except Exception:  # absent or broken: the deepspeed runs will say why
+            env["deepspeed"] = real_deepspeed().__version__
+        except Exception:  # absent, broken or ours: the deepspeed runs will say why
             env["deepspeed"] = None
     return env
+
+
+def real_deepspeed() -> Any:
+    """The `deepspeed` module, if it is DeepSpeed: ImportError where it is absent, or where the package that
+    answers `import deepspeed` is dslaunch's compatibility package (compat/), whose rows would measure our
+    own engine under DeepSpeed's name."""
+    import deepspeed
+
+    if hasattr(deepspeed, "dslaunch_version"):
+        where = Path(deepspeed.__file__).parent
+        raise ImportError(f"the deepspeed importable here is dslaunch's compatibility package ({where})")
+    return deepspeed
 
 
 @dataclass(frozen=True)

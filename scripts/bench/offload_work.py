@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from runtime.models import GPT, GPTConfig
-from scripts.bench.common import median_time, mfu, steady_time, synchronize
+from scripts.bench.common import median_time, mfu, real_deepspeed, steady_time, synchronize
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 Spec = dict[str, Any]
@@ -458,13 +458,7 @@ def work_deepspeed(spec: Spec, device: torch.device) -> dict[str, Any]:
     ratio, note = deepspeed_ratio(spec)
     spec = {**spec, "ratio": ratio}
     with contextlib.redirect_stdout(sys.stderr):
-        import deepspeed
-
-        if hasattr(deepspeed, "dslaunch_version"):  # our own names (compat/) would measure our engine
-            raise ImportError(
-                f"the deepspeed package importable here is dslaunch's compatibility package "
-                f"({Path(deepspeed.__file__).parent}), not DeepSpeed"
-            )
+        deepspeed = real_deepspeed()  # never our compat package under its name
         deepspeed.utils.logger.setLevel(logging.WARNING)
 
         def make(model: GPT) -> Any:

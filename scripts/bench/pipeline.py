@@ -45,7 +45,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
-from scripts.bench.common import add_out_argument, emit, out_file  # noqa: E402
+from scripts.bench.common import add_out_argument, emit, out_file, real_deepspeed  # noqa: E402
 
 BUSY: list[float] = []  # seconds this rank's layer spent in forward and backward, per call
 MULTI_CHUNK = ("interleaved_1f1b", "looped_bfs")
@@ -133,7 +133,7 @@ def _build(kind: str, world: int, micro: int, schedule: str, args: argparse.Name
     }
     cost = (args.forward_ms / 1e3, args.backward_ms / 1e3)
     if kind == "deepspeed":
-        import deepspeed
+        deepspeed = real_deepspeed()  # never our compat package under its name
         from deepspeed.pipe import LayerSpec as DSLayerSpec
         from deepspeed.pipe import PipelineModule as DSPipelineModule
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from runtime.models import GPT, GPTConfig
+from scripts.bench.common import real_deepspeed
 
 PEERS = ("torch", "ours", "fsdp2", "deepspeed")
 COMPILED_PEERS = ("torch-compiled", "ours-compiled")  # measured only when asked for
@@ -142,8 +143,7 @@ def setup_fsdp2(work: Workload, batch: Batch, stage: int | None) -> StepFn:
 def setup_deepspeed(work: Workload, batch: Batch, stage: int | None) -> StepFn:
     import logging
 
-    import deepspeed
-
+    deepspeed = real_deepspeed()  # never our compat package under its name
     deepspeed.utils.logger.setLevel(logging.WARNING)  # keep stdout for our JSON lines
     config = engine_config(work, stage or 0)
     if work.ds_torch_adam:  # torch.optim.AdamW inside DeepSpeed: no FusedAdam JIT build

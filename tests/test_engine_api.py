@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import logging
 from typing import Any
 
 import pytest
@@ -19,6 +18,7 @@ from torch import nn
 import runtime
 from runtime.distributed import DistEnvError, first_slurm_host, resolve_dist_env
 from tests.dist import run_distributed
+from tests.logs import captured_log
 from tests.models import loss_fn, make_model, param_groups, rank_batch
 
 # -- environment discovery (pure) ---------------------------------------------------------------------
@@ -336,18 +336,12 @@ def _checks(rank: int, world_size: int) -> dict:
     out["volume"] = volume
 
     # logging every steps_per_print steps on rank 0, with the wall-clock breakdown
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("runtime")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    model = make_model(0)
-    engine, _, _, _ = runtime.initialize(
-        model=model, config=_config(steps_per_print=2, wall_clock_breakdown=True, gradient_clipping=1.0)
-    )
-    out["logged_losses"] = _train(engine, rank, world_size, steps=4)
-    logger.removeHandler(handler)
+    with captured_log("runtime") as records:
+        model = make_model(0)
+        engine, _, _, _ = runtime.initialize(
+            model=model, config=_config(steps_per_print=2, wall_clock_breakdown=True, gradient_clipping=1.0)
+        )
+        out["logged_losses"] = _train(engine, rank, world_size, steps=4)
     out["log"] = records
     out["norm_with_clipping"] = engine.get_global_grad_norm()
     engine.destroy()

@@ -25,6 +25,7 @@ from runtime.memory import format_memory, memory_stats, see_memory_usage
 from runtime.models import GPT, GPTConfig
 from runtime.monitor import MonitorUnavailable, ProgressBar, format_duration
 from tests.dist import run_distributed
+from tests.logs import captured_log
 
 GPT_CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, max_seq_len=16, dropout=0.0)
 SEQ = 16
@@ -59,35 +60,28 @@ def _config(out: str, **extra: Any) -> dict:
 
 
 def _train(rank: int, world_size: int, out: str) -> dict:
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("runtime")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-
-    torch.manual_seed(0)
-    model = GPT(GPT_CONFIG)
-    engine, _, _, _ = runtime.initialize(model=model, config=_config(out))
-    gen = torch.Generator().manual_seed(rank)
-    got: dict[str, list] = {"losses": [], "lr": [], "norm": [], "scale": [], "samples": []}
-    for _ in range(STEPS):
-        step_losses = []
-        for _ in range(ACCUMULATION):
-            idx = torch.randint(0, GPT_CONFIG.vocab_size, (MICRO, SEQ), generator=gen)
-            _, loss = engine(idx, idx)
-            engine.backward(loss)
-            engine.step()
-            step_losses.append(loss.item())
-        got["losses"].append(step_losses)
-        got["lr"].append(engine.get_lr()[0])
-        got["norm"].append(engine.get_global_grad_norm())
-        got["scale"].append(engine.loss_scale)
-        got["samples"].append(engine.global_samples)
-    got["flops_per_sample"] = engine.monitor.flops_per_sample
-    got["rows_before_destroy"] = _rows(Path(out) / "run" / "Train_Samples_train_loss.csv")
-    engine.destroy()
-    logger.removeHandler(handler)
+    with captured_log("runtime") as records:
+        torch.manual_seed(0)
+        model = GPT(GPT_CONFIG)
+        engine, _, _, _ = runtime.initialize(model=model, config=_config(out))
+        gen = torch.Generator().manual_seed(rank)
+        got: dict[str, list] = {"losses": [], "lr": [], "norm": [], "scale": [], "samples": []}
+        for _ in range(STEPS):
+            step_losses = []
+            for _ in range(ACCUMULATION):
+                idx = torch.randint(0, GPT_CONFIG.vocab_size, (MICRO, SEQ), generator=gen)
+                _, loss = engine(idx, idx)
+                engine.backward(loss)
+                engine.step()
+                step_losses.append(loss.item())
+            got["losses"].append(step_losses)
+            got["lr"].append(engine.get_lr()[0])
+            got["norm"].append(engine.get_global_grad_norm())
+            got["scale"].append(engine.loss_scale)
+            got["samples"].append(engine.global_samples)
+        got["flops_per_sample"] = engine.monitor.flops_per_sample
+        got["rows_before_destroy"] = _rows(Path(out) / "run" / "Train_Samples_train_loss.csv")
+        engine.destroy()
     got["log"] = records
 
     # an enabled monitor without its package fails initialize on every rank, not only on the writer

@@ -26,7 +26,8 @@ def gpt_family() -> list:
     return [GPTConfig(n_embd=e, n_head=e // 128, n_layer=n) for e in WIDTHS for n in range(4, 129, 2)]
 
 
-def _ratio(text: str) -> float | str:
+def parse_ratio(text: str) -> float | str:
+    """An `offload_optimizer.ratio` flag: a number from 0 to 1, or "auto" (kept as the string)."""
     if text == "auto":
         return text
     try:
@@ -54,7 +55,7 @@ def fit_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpu_memory", type=_gib, help="each GPU's memory in GiB (e.g. 139 for an H200)")
     group.add_argument("--host_memory", type=_gib, help="host memory the job may use, in GiB")
     group.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage (default 2)")
-    group.add_argument("--ratio", type=_ratio, default="auto", help="offload_optimizer.ratio: 0-1 or auto")
+    group.add_argument("--ratio", type=parse_ratio, default="auto", help="offload ratio: 0-1 or auto")
     group.add_argument("--no_offload", action="store_true", help="no optimizer offload at all")
     group.add_argument("--offload_param", action="store_true", help="stage 3: weights on the host too")
     group.add_argument("--host_step", action="store_true", help="the CPU updates the host share")

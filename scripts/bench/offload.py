@@ -87,6 +87,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from runtime.distributed import accelerator  # noqa: E402
+from runtime.estimator.fit_cli import parse_ratio  # noqa: E402
 from runtime.models import MODEL_SIZES  # noqa: E402
 from scripts.bench.common import (  # noqa: E402
     Column,
@@ -336,19 +337,6 @@ def parse_sizes(text: str) -> list[dict[str, int]]:
             raise argparse.ArgumentTypeError(f"size {part!r} is not n_embd:n_head:n_layer") from None
         sizes.append({"n_embd": d, "n_head": h, "n_layer": layers})
     return sizes
-
-
-def parse_ratio(text: str) -> float | str:
-    """--ratio: a number from 0 to 1, or "auto" (passed to the config as the string)."""
-    if text == "auto":
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, or auto, got {text!r}")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -8,13 +8,13 @@ on the host) and, in the `gpu` test, on a GPU with room for all of it.
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.dist import run_distributed
+from tests.logs import captured_log
 
 GIB = 1 << 30
 N13B = 13_477_662_720  # GPT 5120 x 42 layers
@@ -127,34 +127,28 @@ def _auto_engine(rank: int, world_size: int, ratio: str | float) -> dict:
     import runtime
     from tests.models import loss_fn, make_model, rank_batch
 
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("runtime.offload")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    config = {
-        "train_batch_size": 4 * world_size,
-        "steps_per_print": 0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": ratio}},
-    }
-    engine, *_ = runtime.initialize(model=make_model(0), config=config)
-    losses = []
-    for step in range(3):
-        x, y = rank_batch(step, 0, 4 * world_size, rank, world_size)
-        loss = loss_fn(engine(x.to(engine.device)), y.to(engine.device))
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss))
-    result = {
-        "ratio": engine.config.zero_optimization.offload_optimizer.ratio,
-        "placement": type(engine.masters).__name__,
-        "losses": losses,
-        "log": [m for m in records if "ratio auto" in m],
-    }
-    engine.destroy()
-    logger.removeHandler(handler)
+    with captured_log("runtime.offload") as records:
+        config = {
+            "train_batch_size": 4 * world_size,
+            "steps_per_print": 0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": ratio}},
+        }
+        engine, *_ = runtime.initialize(model=make_model(0), config=config)
+        losses = []
+        for step in range(3):
+            x, y = rank_batch(step, 0, 4 * world_size, rank, world_size)
+            loss = loss_fn(engine(x.to(engine.device)), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+        result = {
+            "ratio": engine.config.zero_optimization.offload_optimizer.ratio,
+            "placement": type(engine.masters).__name__,
+            "losses": losses,
+            "log": [m for m in records if "ratio auto" in m],
+        }
+        engine.destroy()
     return result
 
 

@@ -11,6 +11,8 @@ a pure function of them (`auto_ratio`): the device keeps the largest share of th
 - the activations of one micro-batch: estimated from the model's shape where it says it (a GPT of
   runtime.models, or a Hugging Face config: width, depth, vocabulary, positions) with the formula of
   runtime/estimator/fit.py, and otherwise a fixed share of the device (`UNKNOWN_ACTIVATION_SHARE`);
+  or, at the step, once backward has freed them, the fp32 gradient copy of the device's share and room
+  for that single allocation again (`auto_ratio` says why), whichever is larger;
 - a reserve for the allocator's fragmentation and temporaries (`ALLOCATOR_SLACK` of the device).
 
 The host takes the rest, and if the host cannot hold it either, the engine stops before the first step

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist import free_port
+from tests.launching import SCRIPTS, run_dslaunch
 from tests.sshd_testbed import Testbed
-from tests.test_launch_local import SCRIPTS, free_port, run_dslaunch
 
 
 def _grace_job(tmp_path: Path, grace: str):

@@ -20,19 +20,7 @@ import psutil
 import pytest
 
 from tests.dist import free_port
-
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "tests" / "scripts"
-DSLAUNCH = [sys.executable, "-m", "launcher.cli"]
-CPU = {"DS_ACCELERATOR": "cpu"}  # CPU workers, on a machine with GPUs too
-
-
-
-def run_dslaunch(args, env=None, timeout=60.0, cwd=REPO) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **CPU, **(env or {})}
-    return subprocess.run(
-        [*DSLAUNCH, *args], env=full_env, cwd=cwd, capture_output=True, text=True, timeout=timeout
-    )
+from tests.launching import CPU, DSLAUNCH, REPO, SCRIPTS, run_dslaunch
 
 
 def start_dslaunch(args, env) -> subprocess.Popen:

@@ -20,26 +20,11 @@ from pathlib import Path
 import pytest
 
 from tests import sshd_testbed
-from tests.dist import free_port
+from tests.launching import DSLAUNCH, REPO
+from tests.multinode import REPORT_WORKER, base_args, job_env, run_dslaunch, worker
 from tests.sshd_testbed import Testbed, find_processes
 
 pytestmark = [pytest.mark.ssh, pytest.mark.timeout(180)]
-
-REPO = Path(__file__).resolve().parents[1]
-DSLAUNCH = [sys.executable, "-m", "launcher.cli"]
-
-REPORT_WORKER = """
-import json, os, socket, sys
-import torch, torch.distributed as dist
-dist.init_process_group("gloo")
-t = torch.tensor([float(dist.get_rank())])
-dist.all_reduce(t)
-keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "DSL_TEST_VAR", "NCCL_DEBUG",
-        "DSL_FROM_FILE", "PATH_LIKE"]
-print("REPORT " + json.dumps({"sum": t.item(), "host": socket.gethostname(), "argv": sys.argv[1:],
-                              "env": {k: os.environ.get(k) for k in keys}}), flush=True)
-dist.destroy_process_group()
-"""
 
 SLEEP_WORKER = """
 import os, subprocess, sys, time
@@ -62,27 +47,6 @@ if os.environ.get("SLEEP") == "0":
     sys.exit(0)
 time.sleep(300)
 """
-
-
-
-def worker(tmp_path: Path, source: str, name: str = "worker.py") -> Path:
-    path = tmp_path / name
-    path.write_text(source)
-    return path
-
-
-def base_args(tb: Testbed, hostfile: Path | None = None, ssh_config: Path | None = None) -> list[str]:
-    return ["--hostfile", str(hostfile or tb.hostfile), "--ssh_config", str(ssh_config or tb.ssh_config),
-            "--master_port", str(free_port()), "--grace_period", "2"]  # fmt: skip
-
-
-def job_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-
-
-def run_dslaunch(args: list[str], env: dict[str, str] | None = None, timeout: float = 120):
-    return subprocess.run([*DSLAUNCH, *args], env=env or job_env(), cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
 
 
 def start_dslaunch(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

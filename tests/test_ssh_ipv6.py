@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TestbedFactory
-from tests.test_launch_multinode import DSLAUNCH, REPORT_WORKER, base_args, run_dslaunch, worker
+from tests.launching import DSLAUNCH
+from tests.multinode import REPORT_WORKER, base_args, run_dslaunch, worker
 
 
 def _free_v6_port() -> int:
@@ -50,7 +51,6 @@ def test_a_job_on_an_ipv6_host(sshd_testbed_factory: TestbedFactory, tmp_path: P
         assert rep["env"]["MASTER_ADDR"] == "::1"  # no brackets: what getaddrinfo takes
         assert rep["sum"] == 0 + 1  # the rendezvous on ::1 worked
         assert rep["host"] == tb.hostname_of("worker1")  # it ran on the fake host, over SSH
-
 
 
 def test_master_addr_given_in_brackets_reaches_workers_bare(tmp_path: Path) -> None:

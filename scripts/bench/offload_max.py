@@ -9,13 +9,13 @@ the records say so: offload_work.deepspeed_ratio). The walk starts at the first 
 --start_params parameters and goes up while the runs succeed, or down until one does; one JSON line per
 try and a summary with the largest size that trained.
 
-Every try carries `estimate`: what runtime.estimator.fit.fit_gpt predicts for it on this machine (GPU
-memory from the device, the host's available memory, both read once before the first try; the CPU step
-with 16-bit landing, which the engine takes where the host is tight; for DeepSpeed 2 more host bytes a
-parameter, its fp32 gradients): fits, ratio, gpu_need_gib, host_need_gib. A size whose estimate exceeds
-the host's memory is reported as skipped instead of tried, so the kernel's OOM killer never has to choose
-a victim (--no_host_guard tries anyway). The summary adds estimated_largest_params, the largest of the
-same sizes the estimate says fits, and estimate_error, estimated / trained - 1 (issue 23 asks for 5%).
+Every try carries `estimate`: what runtime.estimator.fit.fit_gpt predicts for it on this machine (GPU memory
+from the device, the host's available memory, both read once before the first try; the CPU step with 16-bit
+landing, which the engine takes where the host is tight; for DeepSpeed 10 more host bytes a parameter, the 24
+its own estimator budgets): fits, ratio, gpu_need_gib, host_need_gib. A size whose estimate exceeds the host's
+memory is reported as skipped instead of tried, so the kernel's OOM killer never has to choose a victim
+(--no_host_guard tries anyway). The summary adds estimated_largest_params, the largest of the same sizes the
+estimate says fits, and estimate_error, estimated / trained - 1 (issue 23 asks for 5%).
 Without DeepSpeed, --engine deepspeed stops at its first try, skipped, and the run does not fail.
 """
 
@@ -46,9 +46,11 @@ BEST_KEYS = (
     "loss_last",
 )
 
-# DeepSpeed's ZeRO-1/2 offload keeps an fp32 gradient partition on the host (4 bytes) where our host step
-# lands 16-bit gradients (2 bytes, which the estimate counts): its walk adds the difference
-DEEPSPEED_EXTRA_HOST_BYTES_PER_PARAM = 4 - 2
+# DeepSpeed's walk: its own estimator (estimate_zero2_model_states_mem_needs) budgets 24 host bytes a
+# parameter for ZeRO-2 offload on one GPU, where ours counts 14 (12 of state + 2 of landing). The 2 bytes
+# of its fp32 gradient partition alone were not enough: at 6.65B, 16 bytes a parameter estimated 103 GiB of
+# 124 GiB, and the kernel killed it during setup (BENCHMARKS.md, issue 23)
+DEEPSPEED_EXTRA_HOST_BYTES_PER_PARAM = 24 - 14
 
 
 def device_memory_bytes() -> int:
@@ -114,7 +116,7 @@ class Estimator:
         host_fits = host_need <= self.machine.host_bytes
         reason = fit.reason
         if self.extra_host_per_param:
-            reason += f"; +{self.extra_host_per_param} B/param of fp32 gradients on the host (DeepSpeed)"
+            reason += f"; +{self.extra_host_per_param} B/param on the host (DeepSpeed's own estimate: 24)"
         return {
             "fits": fit.gpu_need <= self.machine.gpu_bytes and host_fits,
             "host_fits": host_fits,

@@ -73,6 +73,7 @@ __all__ = [
     "get_cuda_rng_tracker",
     "is_configured",
     "model_parallel_cuda_manual_seed",
+    "release_engine_mpu",
     "reset",
     "settings",
     "take_profile",
@@ -106,6 +107,7 @@ class _State:
     settings: CheckpointSettings = field(default_factory=CheckpointSettings)
     configured: bool = False
     mpu: Any = None
+    mpu_from_engine: bool = False  # the mpu is an engine's (use_engine_mpu), not configure()'s
     partition: Comm | None = None  # the model-parallel group's collectives, when partitioning applies
     arena: _Arena | None = None
     stats: CheckpointStats = field(default_factory=CheckpointStats)
@@ -159,6 +161,7 @@ def configure(
     _check(chosen)
     _state.settings = chosen
     _state.mpu = mpu_
+    _state.mpu_from_engine = False
     set_default_mpu(mpu_)
     group = _partition_group(mpu_) if chosen.partition_activations else None
     _state.partition = Comm(group) if group is not None else None
@@ -175,15 +178,27 @@ def apply_engine_config(config: Config) -> None:
 
 
 def use_engine_mpu(mpu: Any) -> None:
-    """What an engine built with ``initialize(mpu=...)`` calls: its mpu serves checkpointing and the
-    model-parallel seed unless ``configure(mpu_=...)`` already named one."""
-    if _state.mpu is not None or mpu is None:
+    """What an engine with model-parallel groups calls (``initialize(mpu=...)``, a pipeline's grid): its mpu
+    serves checkpointing, the model-parallel seed and ``deepspeed.utils.groups`` while it lives, unless
+    ``configure(mpu_=...)`` named one; the latest engine's wins over an earlier engine's."""
+    if mpu is None or (_state.mpu is not None and not _state.mpu_from_engine):
         return
     _state.mpu = mpu
+    _state.mpu_from_engine = True
     set_default_mpu(mpu)
-    if _state.settings.partition_activations:
-        group = _partition_group(mpu)
-        _state.partition = Comm(group) if group is not None else None
+    group = _partition_group(mpu) if _state.settings.partition_activations else None
+    _state.partition = Comm(group) if group is not None else None
+
+
+def release_engine_mpu(mpu: Any) -> None:
+    """What ``engine.destroy()`` calls: the engine's mpu stops serving, if it is still the one in use (an
+    mpu that ``configure(mpu_=...)`` named stays)."""
+    if mpu is None or _state.mpu is not mpu or not _state.mpu_from_engine:
+        return
+    _state.mpu = None
+    _state.mpu_from_engine = False
+    set_default_mpu(None)
+    _state.partition = None
 
 
 def configured_mpu() -> Any:

@@ -379,13 +379,14 @@ def log_summary(show_straggler: bool = False) -> None:
 
 # -- deepspeed.utils.groups: the data- and model-parallel groups; no expert/sequence groups ---------------
 def _model_parallel() -> Any:
-    """The engine's model-parallel groups (``initialize(mpu=...)`` or AutoTP's grid, which hand their mpu
-    to runtime.checkpointing), or None with data parallelism alone: the world is then the data group."""
+    """The engine's model-parallel groups (``initialize(mpu=...)``, AutoTP's grid or a pipeline's, which
+    hand their mpu to runtime.checkpointing; the engine checked it), or None with data parallelism alone:
+    the world is then the data group."""
     from runtime.checkpointing import configured_mpu
-    from runtime.parallel.mpu import resolve_mpu
+    from runtime.parallel.mpu import read_mpu
 
     mpu = configured_mpu()
-    return None if mpu is None else resolve_mpu(mpu)
+    return None if mpu is None else read_mpu(mpu)
 
 
 def _get_data_parallel_group() -> ProcessGroup:

@@ -107,6 +107,7 @@ class Engine(EngineAccessors, nn.Module):
         self._boundary_override: bool | None = None
         self._scale_wrt_gas = True
         self.training_dataloader: Any = None  # set by runtime.initialize; its position is checkpointed
+        self._engine_mpu: Any = None  # model-parallel groups this engine lent to checkpointing (subclasses)
 
         specs = self._param_group_specs(model, optimizer, model_parameters)
         # "ratio": "auto" becomes a number before the stage splits its groups by it
@@ -449,10 +450,12 @@ class Engine(EngineAccessors, nn.Module):
         return path
 
     def destroy(self) -> None:
-        """Remove the engine's gradient hooks from the model; flush and close the monitors."""
+        """Remove the engine's gradient hooks from the model; flush and close the monitors; stop lending its
+        model-parallel groups to checkpointing and deepspeed.utils.groups."""
         self.zero.close()
         self.masters.close()
         self.monitor.close()
+        checkpointing.release_engine_mpu(self._engine_mpu)
 
 
 def _refuse_unsupported(config: Any) -> None:

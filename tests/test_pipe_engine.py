@@ -229,7 +229,22 @@ def _run_cases(rank: int, world_size: int, cases: list[Case], save_root: str) ->
         out["other_chunks"] = "loaded"
     except Exception as error:
         out["other_chunks"] = str(error)
+    out["groups"] = _groups()
     return out
+
+
+def _groups() -> dict:
+    """deepspeed.utils.groups while a pp2 x dp2 pipeline engine lives, and after its destroy()."""
+    from runtime import dist_api  # deepspeed.utils.groups
+
+    engine = _engine(Case(pp=2))
+    during = [dist_api._get_data_parallel_world_size(), dist_api._get_data_parallel_rank(),
+              dist_api._get_model_parallel_world_size(), engine.grid.get_data_parallel_rank()]  # fmt: skip
+    engine.destroy()
+    return {
+        "during": during,
+        "after": [dist_api._get_data_parallel_world_size(), dist_api._get_data_parallel_rank()],
+    }
 
 
 def _three_d_chunks() -> dict:
@@ -352,6 +367,15 @@ def results() -> list[dict]:
 def test_pipeline_matches_single_process(results: list[dict], index: int) -> None:
     problems = _problems(CASES[index], [r["train"][index] for r in results])
     assert not problems, "\n".join(problems)
+
+
+def test_deepspeed_utils_groups_answer_with_the_pipeline_grid(results: list[dict]) -> None:
+    # DeepSpeed hands a PipelineModule's grid to its groups as the mpu: the data group is the grid's (2
+    # ranks at pp2 on 4), not the world, while the engine lives; after destroy() the world again
+    for rank, r in enumerate(results):
+        data_size, data_rank, model_size, grid_data_rank = r["groups"]["during"]
+        assert (data_size, data_rank, model_size) == (2, grid_data_rank, 1), r["groups"]
+        assert r["groups"]["after"] == [WORLD, rank]
 
 
 @pytest.mark.parametrize("index", range(len(RESUME_CASES)), ids=[str(asdict(c)) for c in RESUME_CASES])

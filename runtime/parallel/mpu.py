@@ -35,6 +35,7 @@ __all__ = [
     "MpuGroups",
     "is_model_parallel_parameter",
     "model_parallel_names",
+    "read_mpu",
     "resolve_mpu",
     "tensor_parallel_rank",
 ]
@@ -90,6 +91,15 @@ def is_model_parallel_parameter(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False))
 
 
+def read_mpu(mpu: Any) -> MpuGroups:
+    """An mpu's groups as it reports them, unchecked (`resolve_mpu` checks them for an engine; a pipeline's
+    grid answers here too, for deepspeed.utils.groups)."""
+    data_group, data_size, data_rank = (getattr(mpu, name)() for name in _DATA)
+    model_group, model_size, model_rank = (getattr(mpu, name)() for name in model_parallel_names(mpu))
+    data = (data_group, int(data_size), int(data_rank))
+    return MpuGroups(*data, model_group, int(model_size), int(model_rank))
+
+
 def resolve_mpu(mpu: Any, world_size: int | None = None) -> MpuGroups:
     """Read and check an mpu's groups: every method present, the group objects of the sizes and ranks
     the mpu states, no pipeline, and model size x data size = the world size."""
@@ -105,11 +115,8 @@ def resolve_mpu(mpu: Any, world_size: int | None = None) -> MpuGroups:
                 "(mpu=...) trains tensor x data parallelism only",
                 hint="build a runtime.pipe.PipelineModule with a PipeModelDataParallelTopology for pipelines",
             )
-    data_group, data_size, data_rank = (getattr(mpu, name)() for name in _DATA)
-    model_group, model_size, model_rank = (getattr(mpu, name)() for name in model_names)
-    groups = MpuGroups(
-        data_group, int(data_size), int(data_rank), model_group, int(model_size), int(model_rank)
-    )
+    groups = read_mpu(mpu)
+    data_group, model_group = groups.data_group, groups.model_group
     for what, group, size, rank, names in (
         ("data-parallel", data_group, groups.data_size, groups.data_rank, _DATA),
         ("model-parallel", model_group, groups.model_size, groups.model_rank, model_names),

@@ -143,6 +143,7 @@ class MpuEngine(Engine):
         self.mpu_groups = groups
         self.mp_size = groups.model_size
         checkpointing.use_engine_mpu(mpu)
+        self._engine_mpu = mpu
 
     def _param_group_specs(
         self, model: nn.Module, optimizer: OptimizerSource | None, model_parameters: Any

@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
+from runtime import checkpointing
 from runtime.comm import Comm
 from runtime.config import load_config, read_config_file
 from runtime.engine import Engine
@@ -145,6 +146,10 @@ class PipelineEngine(Engine):
         )
         self.pipeline = self_pipe
         self.grid = grid
+        # the grid is the pipeline's mpu, as DeepSpeed's engine takes it: checkpointing, the model-parallel
+        # seed and deepspeed.utils.groups answer with its groups, not the world's
+        checkpointing.use_engine_mpu(grid)
+        self._engine_mpu = grid
         self.ties = ties
         self.tp_size = tp
         self._replicated_specs = replicated

@@ -250,9 +250,8 @@ def _groups() -> dict:
 def _three_d_chunks() -> dict:
     """pp2 x tp2 (AutoTP blocks, a tied embedding and head) with one and with two chunks per stage: the
     same model, so the same losses and clipped norms; and each (stage, model rank) its own folder."""
-    from runtime.parallel import PipeModelDataParallelTopology
-    from runtime.pipe import PipelineEngine, PipelineModule
-    from tests.tp_models import layers_3d
+    from runtime.pipe import PipelineEngine
+    from tests.tp_models import pipeline_3d
 
     config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
               "steps_per_print": 0, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
@@ -260,16 +259,7 @@ def _three_d_chunks() -> dict:
               "tensor_parallel": {"autotp_size": 2}}  # fmt: skip
     out: dict = {}
     for chunks in (1, 2):
-        module = PipelineModule(
-            layers_3d(),
-            topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
-            loss_fn=token_loss,
-            seed_layers=True,
-            base_seed=BASE_SEED,
-            partition_method="uniform",
-            chunks_per_stage=chunks,
-        )
-        engine = PipelineEngine(module, config)
+        engine = PipelineEngine(pipeline_3d("uniform", chunks), config)
         out[chunks] = [float(engine.train_batch(data_iterator("gpt", s, 2, 4, 0, 1))) for s in range(4)]
         out[f"norm{chunks}"] = engine.get_global_grad_norm()
         out[f"folder{chunks}"] = engine.checkpoint_folder()[0]

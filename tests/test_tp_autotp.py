@@ -31,6 +31,7 @@ from tests.tp_models import (
     layers_3d,
     lm_batch,
     lm_loss,
+    pipeline_3d,
 )
 
 STEPS = 8
@@ -173,19 +174,11 @@ CLIP_3D = 0.3
 
 def _pipeline_3d(rank: int) -> dict:
     """pp2 x tp2 (dp1): stage 0 = tied embedding + GPT-2 block, stage 1 = Llama block, norm, tied head."""
-    from runtime.parallel import PipeModelDataParallelTopology
-    from runtime.pipe import PipelineEngine, PipelineModule
+    from runtime.pipe import PipelineEngine
     from runtime.tensor_parallel.autotp import full_state_dict
-    from tests.pipe_cases import BASE_SEED, data_iterator, token_loss
+    from tests.pipe_cases import data_iterator
 
-    module = PipelineModule(
-        layers_3d(),
-        topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
-        loss_fn=token_loss,
-        seed_layers=True,
-        base_seed=BASE_SEED,
-        partition_method="type:Block",
-    )
+    module = pipeline_3d("type:Block")
     config = {
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 4,

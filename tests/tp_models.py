@@ -149,3 +149,21 @@ def layers_3d() -> list:
         LayerSpec(nn.LayerNorm, DIM),
         TiedLayerSpec("embed", nn.Embedding, PIPE_VOCAB, DIM, forward_fn=head_forward),
     ]
+
+
+def pipeline_3d(partition_method: str, chunks_per_stage: int = 1):
+    """`layers_3d` as a pp2 x tp2 (dp1) PipelineModule: a tied embedding and head, seeded layers, the
+    token loss (a 4-rank job)."""
+    from runtime.parallel import PipeModelDataParallelTopology
+    from runtime.pipe import PipelineModule
+    from tests.pipe_cases import BASE_SEED, token_loss
+
+    return PipelineModule(
+        layers_3d(),
+        topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=1),
+        loss_fn=token_loss,
+        seed_layers=True,
+        base_seed=BASE_SEED,
+        partition_method=partition_method,
+        chunks_per_stage=chunks_per_stage,
+    )

@@ -5,6 +5,7 @@ order of the runs and the command line are train_throughput.py's.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -77,10 +78,17 @@ def setup_torch(work: Workload, batch: Batch, stage: int | None, compiled: bool 
     if compiled:
         # the optimizer was built on the same parameters: the compiled wrapper shares them
         model = torch.compile(model, backend=work.compile_backend)
+    return module_step(model, optimizer, batch, autocast=work.device.type)
+
+
+def module_step(model: Any, optimizer: Any, batch: Batch, *, autocast: str | None = None) -> StepFn:
+    """One plain training step of `model` with `optimizer` on `batch`; under bf16 autocast on the device
+    type `autocast` names (None: the model's own dtypes, as FSDP2's mixed-precision policy sets them)."""
     x, y = batch
 
     def step() -> torch.Tensor:
-        with torch.autocast(work.device.type, dtype=torch.bfloat16):
+        context = torch.autocast(autocast, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with context:
             _, loss = model(x, y)
         loss.backward()
         optimizer.step()
@@ -128,16 +136,7 @@ def setup_fsdp2(work: Workload, batch: Batch, stage: int | None) -> StepFn:
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    x, y = batch
-
-    def step() -> torch.Tensor:
-        _, loss = model(x, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    return module_step(model, optimizer, batch)
 
 
 def setup_deepspeed(work: Workload, batch: Batch, stage: int | None) -> StepFn:

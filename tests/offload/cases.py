@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tests.models import make_model, param_groups
-from tests.parity import ROWS, Case
+from tests.parity import ROWS, STEPS, Case
 
 CHUNK = 128  # elements per copy-back chunk in these tests (buckets are 700)
 SMALL_CHUNKS = {"transfer_chunk_elems": CHUNK, "device_chunk_elems": CHUNK, "device_slots": 2}
@@ -99,3 +99,22 @@ def offload_engine(
         model=model, model_parameters=param_groups(model), config=config
     )
     return model, engine, optimizer
+
+
+def train_and_read(engine: Any, case: Any, rank: int, world_size: int) -> dict:
+    """Train `engine` on the parity batches (tests/parity.py) and read back what the parity tests compare:
+    losses, gradient norms, masters, working weights, skipped steps and dtypes."""
+    from tests.models import train_engine
+
+    losses, norms = train_engine(
+        engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
+    )
+    master, working, dtypes = read_weights(engine, case.stage)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "master": master,
+        "working": working,
+        "skipped": engine.skipped_steps,
+        "dtypes": dtypes,
+    }

@@ -28,10 +28,9 @@ from tests.models import (
     param_groups,
     rank_batch,
     reference_train,
-    train_engine,
     with_offload_settings,
 )
-from tests.offload.cases import CHUNK, SMALL_CHUNKS, OffloadCase, read_weights
+from tests.offload.cases import CHUNK, SMALL_CHUNKS, OffloadCase, train_and_read
 from tests.parity import DTYPES, ROWS, STEPS, Case, assert_grid_matches
 
 # per stage, every dtype meets accumulation 1 and 2 and clipping on and off (pairwise, not the full product)
@@ -112,18 +111,7 @@ def _train(case: Case, rank: int, world_size: int) -> dict:
         staging = engine.masters.device_buffer_bytes()  # two slots of master, moments and gradient
         assert staging == (2 * 4 * CHUNK * 4 if adam else 0), staging
         assert engine.memory_breakdown().buffer_bytes >= staging
-    losses, norms = train_engine(
-        engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
-    )
-    master, working, dtypes = read_weights(engine, case.stage)
-    out = {
-        "losses": losses,
-        "norms": norms,
-        "master": master,
-        "working": working,
-        "skipped": engine.skipped_steps,
-        "dtypes": dtypes,
-    }
+    out = train_and_read(engine, case, rank, world_size)
     engine.destroy()
     return out
 

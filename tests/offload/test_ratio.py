@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from tests.dist import run_distributed
-from tests.models import loss_fn, make_model, param_groups, rank_batch, train_engine, with_offload_settings
-from tests.offload.cases import SMALL_CHUNKS, OffloadCase, read_weights
+from tests.models import loss_fn, make_model, param_groups, rank_batch, with_offload_settings
+from tests.offload.cases import SMALL_CHUNKS, OffloadCase, read_weights, train_and_read
 from tests.parity import ROWS, STEPS, compare, reference
 
 # -- parity on two ranks ---------------------------------------------------------------------------------
@@ -81,13 +81,22 @@ SAME = [  # (ratio case, the run it must equal bit for bit, the placement the ra
     (RatioCase(2, "fp32", 2, 0.5, ratio=0.0), RatioCase(2, "fp32", 2, 0.5, ratio=None), "DeviceMasters"),
     (RatioCase(3, "bf16", 1, 0.0, ratio=0.0), RatioCase(3, "bf16", 1, 0.0, ratio=None), "DeviceMasters"),
     (RatioCase(2, "fp32", 1, 0.5, ratio=1.0), OffloadCase(2, "fp32", 1, 0.5), "HostMasters"),
-    (RatioCase(3, "fp32", 2, 0.0, ratio=1.0, persistence=0), OffloadCase(3, "fp32", 2, 0.0, persistence=0),
-     "HostMasters"),
+    (
+        RatioCase(3, "fp32", 2, 0.0, ratio=1.0, persistence=0),
+        OffloadCase(3, "fp32", 2, 0.0, persistence=0),
+        "HostMasters",
+    ),
     # without a norm to add up, the split changes no arithmetic: ratio 0.5 is the run without offload
-    (RatioCase(2, "fp32", 2, 0.0, ratio=0.5, adam_without_clip=True),
-     RatioCase(2, "fp32", 2, 0.0, ratio=None, adam_without_clip=True), "PartialMasters"),
-    (RatioCase(3, "fp32", 1, 0.0, ratio=0.5, adam_without_clip=True, persistence=0),
-     RatioCase(3, "fp32", 1, 0.0, ratio=None, adam_without_clip=True, persistence=0), "PartialMasters"),
+    (
+        RatioCase(2, "fp32", 2, 0.0, ratio=0.5, adam_without_clip=True),
+        RatioCase(2, "fp32", 2, 0.0, ratio=None, adam_without_clip=True),
+        "PartialMasters",
+    ),
+    (
+        RatioCase(3, "fp32", 1, 0.0, ratio=0.5, adam_without_clip=True, persistence=0),
+        RatioCase(3, "fp32", 1, 0.0, ratio=None, adam_without_clip=True, persistence=0),
+        "PartialMasters",
+    ),
 ]
 
 
@@ -114,10 +123,7 @@ def _train(case: OffloadCase, rank: int, world_size: int) -> dict:
     engine = _engine(case, world_size)
     placement, host = type(engine.masters).__name__, _host_params(engine)
     streams = placement == "PartialMasters" and engine.masters.host.grads.stream
-    losses, norms = train_engine(
-        engine, steps=STEPS, accumulation=case.accumulation, rows=ROWS, rank=rank, world_size=world_size
-    )
-    master, working, dtypes = read_weights(engine, case.stage)
+    out = train_and_read(engine, case, rank, world_size)
     steps = _adam_steps(engine)
     host_bytes = None
     if placement == "PartialMasters":  # the memory report counts the host's masters and state only
@@ -135,12 +141,7 @@ def _train(case: OffloadCase, rank: int, world_size: int) -> dict:
         engine.step()
     engine.destroy()
     return {
-        "losses": losses,
-        "norms": norms,
-        "master": master,
-        "working": working,
-        "skipped": engine.skipped_steps,
-        "dtypes": dtypes,
+        **out,
         "placement": placement,
         "host": host,
         "streams": streams,

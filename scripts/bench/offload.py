@@ -383,6 +383,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES))
     parser.add_argument("--start_params", type=float, default=8e9, help="--find_max: first size to try")
     parser.add_argument(
+        "--trial_steps",
+        type=int,
+        default=3,
+        help="--find_max: optimizer steps per timing of a trial (each trial times them twice)",
+    )
+    parser.add_argument(
         "--no_host_guard",
         action="store_true",
         help="--find_max: also try sizes whose estimated host memory exceeds what is available",
@@ -417,7 +423,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.offload_param and args.stage != 3:
         parser.error("--offload_param needs --stage 3 (ZeRO-3 partitions the weights it offloads)")
     args.out = out_file(args.out, "offload-find-max" if args.find_max else "offload")
-    for name in ("seq_len", "steps", "adam_steps", "accumulation"):
+    for name in ("seq_len", "steps", "adam_steps", "accumulation", "trial_steps"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name} must be positive")
     if args.warmup < 0 or (args.micro_batch is not None and args.micro_batch <= 0):

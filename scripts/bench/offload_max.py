@@ -3,9 +3,10 @@ runtime.estimator.fit predicted for it.
 
 GPT sizes from --sizes (n_embd:n_head:n_layer), micro batch 1 unless --micro_batch, seq --seq_len,
 --stage (2; 3 with --offload_param too) with optimizer offload at --ratio (a number, or "auto": the engine
-picks the host's share), --accumulation and --activation_checkpointing as given, 3 steps each, by
---engine (ours, or deepspeed: at ratio 1, since DeepSpeed has no "auto" and takes a ratio only at ZeRO-3;
-the records say so: offload_work.deepspeed_ratio). The walk starts at the first size with at least
+picks the host's share), --accumulation and --activation_checkpointing as given, --trial_steps steps each
+(3; timed twice, synchronized and back to back), by --engine (ours, or deepspeed: at ratio 1, since
+DeepSpeed has no "auto" and takes a ratio only at ZeRO-3; the records say so:
+offload_work.deepspeed_ratio). The walk starts at the first size with at least
 --start_params parameters and goes up while the runs succeed, or down until one does; one JSON line per
 try and a summary with the largest size that trained.
 
@@ -167,7 +168,7 @@ def find_max(args: argparse.Namespace, spec: dict[str, Any], run_worker: RunWork
     while 0 <= index < len(sizes) and index not in tried:
         size = sizes[index]
         estimate = estimator.fit(config_of(size))
-        trial = {**spec, **size, "warmup": 0, "steps": 3, "micro_batch": args.micro_batch or 1}
+        trial = {**spec, **size, "warmup": 0, "steps": args.trial_steps, "micro_batch": args.micro_batch or 1}
         short = None if args.no_host_guard else _host_shortfall(estimate, estimator.machine.host_bytes)
         if short is not None:  # do not wake the kernel's OOM killer: it may pick another process
             record = {"bench": "offload", "config": "trial", "skipped": short}

@@ -52,6 +52,9 @@ running after one step overlap the next one's forward. Then the same number of s
 synchronizations (step_synced_s, their median, and step_synced_min_s): those drain every stream at
 each step. The measurements of parts (adam, pcie, devstep) are medians of synchronized runs. "ours"
 also reports a phase split from extra steps with a synchronization after forward, backward and step.
+With A > 1 every engine row times one more step in two parts: micro_s, the mean of its first A-1
+micro-batches (the summary's <name>_micro_over_gpu holds it to T_gpu), and boundary_s, the last with the
+update.
 
 --find_max (offload_max.py): the largest of --sizes (n_embd:n_head:n_layer) that trains 3 steps with
 optimizer offload at --ratio (a number, or "auto": the engine picks the host's share), with --stage,
@@ -297,6 +300,9 @@ def summarize(rows: dict[str, dict[str, Any]], accumulation: int = 1) -> dict[st
                 summary[f"{name}_over_host_floor"] = round(step / at(a, host_floor), 3)
         if step is not None and label == "_device" and device_floor is not None:
             summary[f"{name}_over_device_floor"] = round(step / at(a, device_floor), 3)
+        micro = rows.get(name, {}).get("micro_s")
+        if micro is not None and t_gpu is not None:  # the micro-batches that cannot overlap the update
+            summary[f"{name}_micro_over_gpu"] = round(micro / t_gpu, 3)
     ours = rows.get("ours", {}).get("step_s")
     for name in names[1:]:
         other = rows.get(name, {}).get("step_s")

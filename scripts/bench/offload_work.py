@@ -322,15 +322,20 @@ def _engine_steps(spec: Spec, device: torch.device, make: Callable[[GPT], Any]) 
     losses: list[torch.Tensor] = []
     accumulation = spec.get("accumulation", 1)
 
-    def step() -> None:  # one optimizer step: `accumulation` micro-batches (the same batch), then the update
+    def micro() -> torch.Tensor:  # one micro-batch (the same batch each time); the last of a step updates
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    def step() -> None:  # one optimizer step: `accumulation` micro-batches, then the update
         for _ in range(accumulation):
-            _, loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
+            loss = micro()
         losses.append(loss.detach())
 
     median, times = median_time(step, device, spec["warmup"], spec["steps"])
     steady = steady_time(step, device, spec["steps"])
+    split = _split_step(micro, device, accumulation) if accumulation > 1 else {}
     tokens = spec["micro_batch"] * spec["seq_len"] * accumulation
     flops = config.flops_per_token(spec["seq_len"]) * tokens / steady
     result: dict[str, Any] = {
@@ -346,10 +351,27 @@ def _engine_steps(spec: Spec, device: torch.device, make: Callable[[GPT], Any]) 
         "loss_first": round(float(losses[0]), 4),
         "loss_last": round(float(losses[-1]), 4),
         "host_rss_gib": _host_rss_gib(),
+        **split,
     }
     if device.type == "cuda":
         result["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     return {"engine": engine, "result": result, "batch": (x, y)}
+
+
+def _split_step(micro: Callable[[], Any], device: torch.device, accumulation: int) -> dict[str, float]:
+    """One more step, timed in two parts: the mean of its first A-1 micro-batches (`micro_s`, held to the
+    gpu row's T_gpu: they cannot overlap the update) and the last one with the update (`boundary_s`).
+    Where an engine loses against the accumulation floor, this says which of the two it is."""
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(accumulation - 1):
+        micro()
+    synchronize(device)
+    middle = time.perf_counter()
+    micro()
+    synchronize(device)
+    end = time.perf_counter()
+    return {"micro_s": round((middle - start) / (accumulation - 1), 5), "boundary_s": round(end - middle, 4)}
 
 
 def _phases(run: dict[str, Any], device: torch.device, steps: int = 3) -> dict[str, float]:

@@ -65,9 +65,13 @@ def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     assert 12.0 < shared["host_bytes_per_param"] < 14.5, shared  # 13.6 up to the spans' granularity
     assert shared["loss_last"] < shared["loss_first"], shared
 
-    # one size that trains and none above it: the search stops there and reports it
-    found = _bench("--find_max", "--sizes", "64:4:1", "--start_params", "0", *small)
+    # one size that trains and none above it: the search stops there and reports it. Two micro-batches a
+    # step, one step per timing: the trial splits one more step into its first micro-batch and the last
+    walk = ["--accumulation", "2", "--trial_steps", "1"]
+    found = _bench("--find_max", "--sizes", "64:4:1", "--start_params", "0", *small, *walk)
     assert [r["trained"] for r in found if r["config"] == "trial"] == [True], found
+    trial = found[-2]
+    assert trial["accumulation"] == 2 and trial["micro_s"] > 0 and trial["boundary_s"] > 0, trial
     assert found[-1]["largest_trained"] == {"n_embd": 64, "n_head": 4, "n_layer": 1}
     assert found[-1]["host_bytes_per_param"] == pytest.approx(14.0, abs=0.1)
 
@@ -138,7 +142,7 @@ def test_with_accumulation_each_engine_is_held_to_the_floor_of_its_own_step() ->
     }
     rows = {
         **parts,
-        "ours": {"step_s": 2.0, "grad_landing": "float32", "accumulation": 4},
+        "ours": {"step_s": 2.0, "grad_landing": "float32", "accumulation": 4, "micro_s": 0.21},
         "ours-bf16grads": {"step_s": 1.5, "grad_landing": "bfloat16", "accumulation": 4},
         "ours-share0": {"step_s": 1.1, "grad_landing": "device", "accumulation": 4},
         "deepspeed": {"step_s": 0.8, "grad_landing": "float32", "accumulation": 1},
@@ -156,6 +160,9 @@ def test_with_accumulation_each_engine_is_held_to_the_floor_of_its_own_step() ->
     assert summary["ours_over_host_floor"] == pytest.approx(2.0 / 1.05, abs=1e-3)
     assert summary["ours-bf16grads_over_bound"] == pytest.approx(1.5 / 1.1, abs=1e-3)
     assert summary["ours-share0_over_device_floor"] == pytest.approx(1.1 / 0.98, abs=1e-3)
+    # the micro-batches before the last, timed apart, against plain PyTorch's (rows without them: none)
+    assert summary["ours_micro_over_gpu"] == pytest.approx(1.05)
+    assert "ours-share0_micro_over_gpu" not in summary
     # a row of one micro-batch a step in the same summary is held to the floor of one: the bounds alone
     assert summary["deepspeed_accumulation"] == 1 and "ours_accumulation" not in summary
     assert summary["deepspeed_over_bound"] == pytest.approx(0.8 / 0.4, abs=1e-3)

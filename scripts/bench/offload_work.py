@@ -359,9 +359,8 @@ def _engine_steps(spec: Spec, device: torch.device, make: Callable[[GPT], Any]) 
 
 
 def _split_step(micro: Callable[[], Any], device: torch.device, accumulation: int) -> dict[str, float]:
-    """One more step, timed in two parts: the mean of its first A-1 micro-batches (`micro_s`, held to the
-    gpu row's T_gpu: they cannot overlap the update) and the last one with the update (`boundary_s`).
-    Where an engine loses against the accumulation floor, this says which of the two it is."""
+    """One more step in two parts: the mean of its first A-1 micro-batches (`micro_s`, held to T_gpu) and
+    the last with the update (`boundary_s`): which of the two an engine loses its floor in."""
     synchronize(device)
     start = time.perf_counter()
     for _ in range(accumulation - 1):

@@ -405,6 +405,15 @@ def _get_data_parallel_rank() -> int:
 
 
 def _get_model_parallel_world_size() -> int:
+    """DeepSpeed's answer: the mpu's model-parallel size. A pipeline's grid counts every rank of one
+    data-parallel replica there (its stages x its tensor shards), as DeepSpeed's grid does; the grid's own
+    get_model_parallel_world_size() is the tensor axis alone, Megatron's meaning, which the engines use."""
+    from runtime.checkpointing import configured_mpu
+    from runtime.parallel.grid import ParallelGrid
+
+    mpu = configured_mpu()
+    if isinstance(mpu, ParallelGrid):
+        return mpu.pipe_parallel_size * mpu.model_parallel_size
     groups = _model_parallel()
     return 1 if groups is None else groups.model_size
 

@@ -361,10 +361,11 @@ def test_pipeline_matches_single_process(results: list[dict], index: int) -> Non
 
 def test_deepspeed_utils_groups_answer_with_the_pipeline_grid(results: list[dict]) -> None:
     # DeepSpeed hands a PipelineModule's grid to its groups as the mpu: the data group is the grid's (2
-    # ranks at pp2 on 4), not the world, while the engine lives; after destroy() the world again
+    # ranks at pp2 on 4), not the world, while the engine lives, and the model-parallel size is one
+    # replica's ranks (its 2 stages), as DeepSpeed's grid counts them; after destroy() the world again
     for rank, r in enumerate(results):
         data_size, data_rank, model_size, grid_data_rank = r["groups"]["during"]
-        assert (data_size, data_rank, model_size) == (2, grid_data_rank, 1), r["groups"]
+        assert (data_size, data_rank, model_size) == (2, grid_data_rank, 2), r["groups"]
         assert r["groups"]["after"] == [WORLD, rank]
 
 

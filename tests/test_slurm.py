@@ -60,7 +60,9 @@ with open(os.path.join(ready, rank + ".tmp"), "w") as f:
 os.rename(os.path.join(ready, rank + ".tmp"), os.path.join(ready, rank))
 while len([n for n in os.listdir(ready) if n.isdigit()]) < int(os.environ["WORLD_SIZE"]):
     time.sleep(0.05)
-print(f"ready {rank}", flush=True)
+# one write with its newline: the test's signal may come while this prints, and the handler's line must
+# not be glued to a "ready" that lost its end (print writes the text and its end apart)
+print(f"ready {rank}\\n", end="", flush=True)
 if rank == os.environ.get("FAIL_RANK"):
     sys.exit(7)
 time.sleep(300)

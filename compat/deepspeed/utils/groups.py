@@ -1,5 +1,7 @@
-"""``deepspeed.utils.groups``: DeepSpeed's process-group registry. dslaunch has one data-parallel group
-(the world); expert, sequence and model-parallel groups do not exist and are refused by name."""
+"""``deepspeed.utils.groups``: DeepSpeed's process-group registry. The data-parallel group is the world,
+or the data axis of the engine's mpu (``initialize(mpu=...)``, AutoTP's grid, a pipeline's grid) while
+that engine lives; the model-parallel size is the mpu's. Expert and sequence groups do not exist here and
+are refused by name."""
 
 from runtime.dist_api import (
     _get_data_parallel_group,

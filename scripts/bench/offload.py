@@ -56,9 +56,10 @@ With A > 1 every engine row times one more step in two parts: micro_s, the mean 
 micro-batches (the summary's <name>_micro_over_gpu holds it to T_gpu), and boundary_s, the last with the
 update.
 
---find_max (offload_max.py): the largest of --sizes (n_embd:n_head:n_layer) that trains 3 steps with
-optimizer offload at --ratio (a number, or "auto": the engine picks the host's share), with --stage,
---offload_param, --accumulation, --activation_checkpointing and --engine (ours, or deepspeed); every try
+--find_max (offload_max.py): the largest of --sizes (n_embd:n_head:n_layer) that trains --trial_steps
+steps (3) with optimizer offload at --ratio (a number, or "auto": the engine picks the host's share),
+with --stage, --offload_param, --accumulation, --activation_checkpointing and --engine (ours, or
+deepspeed); every try
 carries what runtime.estimator.fit predicts for it, a size it puts beyond the host's memory is skipped,
 not tried, and the summary compares the estimator's largest size with the largest that trained.
 

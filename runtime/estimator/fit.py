@@ -50,11 +50,12 @@ from runtime.models.gpt import GPTConfig
 GIB = 1 << 30
 CUDA_CONTEXT_BYTES = 1 * GIB  # the CUDA context, cuBLAS workspaces and NCCL buffers of one process
 ALLOCATOR_SLACK = 0.05  # share of the GPU the caching allocator loses to fragmentation and rounding
-DEVICE_STEP_STAGING_BYTES = 1 * GIB  # the device step's staging slots (runtime/offload/device_step.py)
+DEVICE_STEP_STAGING_BYTES = 1 * GIB  # the device step's staging slots (runtime/offload/step/device_step.py)
 HOST_PROCESS_BYTES = 4 * GIB  # one training process's own resident memory (torch, CUDA libraries)
 ACTIVATION_BYTES_PER_TOKEN_PER_EMBD = 34  # one GPT block in 16-bit, flash attention (see above)
 LOGIT_BYTES_PER_TOKEN_PER_VOCAB = 2 + 4 + 4
-# with offload, per element of the device's share: room for its fp32 gradient copy again (see auto_ratio.py)
+# with offload, per element of the device's share: room for its fp32 gradient copy again (the engine's
+# "auto" ratio budgets the same; runtime/offload/auto_ratio.py says what was measured)
 FRAGMENTATION_BYTES = 4
 
 

@@ -36,18 +36,23 @@ from torch import nn
 
 from runtime.comm import Comm
 from runtime.config.reader import ConfigError
+from runtime.estimator.fit import (  # ds_estimate's constants: both plan a machine alike
+    ALLOCATOR_SLACK,
+    DEVICE_STEP_STAGING_BYTES,
+    FRAGMENTATION_BYTES,
+    GIB,
+    Workload,
+    activation_bytes,
+)
+from runtime.estimator.model_states import DTYPE_BYTES, MASTER_BYTES, OPTIMIZER_BYTES, estimate, model_sizes
 from runtime.zero.offload_split import RATIO_KEY, RatioChoice, choose_ratio
 
 _log = logging.getLogger("runtime.offload")
-GIB = 1 << 30
-ALLOCATOR_SLACK = 0.05  # share of the device the caching allocator loses to fragmentation and temporaries
-DEVICE_STEP_STAGING_BYTES = 1 * GIB  # the streamed device step's slots (runtime/offload/step/device_step.py)
 UNKNOWN_ACTIVATION_SHARE = 0.25  # of the device, for activations, when the model does not say its shape
 LONGEST_ASSUMED_SEQUENCE = 8192  # a model may allow 128k positions; its batches rarely fill them
 HOST_RESERVE_BYTES = 2 * GIB  # left to the process itself, its data loader and the page cache
-STATE_BYTES = 12  # fp32 master + Adam's two moments, per element of the shard
-LANDING_BYTES = 2  # the 16-bit gradient landing buffer of a host update, per element
-FRAGMENTATION_BYTES = 4  # room for the fp32 gradient copy again, per element of the device's share (below)
+STATE_BYTES = MASTER_BYTES + OPTIMIZER_BYTES["adamw"]  # fp32 master + Adam's two moments, per element
+LANDING_BYTES = DTYPE_BYTES["bf16"]  # the 16-bit gradient landing buffer of a host update, per element
 
 
 @dataclass(frozen=True)
@@ -165,11 +170,15 @@ def checkpointed(model: nn.Module) -> bool:
     )
 
 
+def _dtype_name(working_bytes: int) -> str:
+    """The estimator's name for a working-weight element of this size (16-bit unless fp32)."""
+    return "fp32" if working_bytes == 4 else "bf16"
+
+
 def guess_activations(
     model: nn.Module, micro_batch: int, working_bytes: int, capacity: int
 ) -> ActivationGuess:
     """Peak activations of one micro-batch (runtime/estimator/fit.py's formula) from the model's shape."""
-    from runtime.estimator.fit import Workload, activation_bytes
     from runtime.models.gpt import GPTConfig
 
     shape = model_shape(model)
@@ -190,7 +199,7 @@ def guess_activations(
         max_seq_len=seq,
     )
     recompute = checkpointed(model)
-    dtype = {2: "bf16", 4: "fp32"}.get(working_bytes, "bf16")
+    dtype = _dtype_name(working_bytes)
     work = Workload(seq_len=seq, micro_batch=micro_batch, activation_checkpointing=recompute, dtype=dtype)
     nbytes = activation_bytes(config, work)
     where = "checkpointed blocks" if recompute else "every block's activations kept"
@@ -206,21 +215,19 @@ def read_auto_facts(
     model: nn.Module, config: Any, comm: Comm, device: torch.device, working_dtype: torch.dtype
 ) -> AutoFacts:
     """This rank's facts for `auto_ratio`: the model's sizes and the memory the machine reports now."""
-    from runtime.estimator.model_states import estimate, model_sizes
     from runtime.memory import host_available_bytes
 
     zero = config.zero_optimization
     sizes = model_sizes(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the optimizer's elements
     working_bytes = torch.empty((), dtype=working_dtype).element_size()
-    dtype = {2: "bf16", 4: "fp32"}.get(working_bytes, "bf16")
     states = estimate(
         sizes,
         stage=zero.stage,
         num_gpus_per_node=comm.world_size,
         offload_optimizer=True,
         offload_param=zero.offload_param.enabled,
-        dtype=dtype,
+        dtype=_dtype_name(working_bytes),
         reduce_bucket_size=zero.reduce_bucket_size,
     )
     if device.type == "cuda":

@@ -1,0 +1,108 @@
+"""PyTorch Lightning's ``DeepSpeedStrategy`` on dslaunch through the `deepspeed` compat package, as its users
+run it (``python train.py``; Lightning starts the second process), on CPU over gloo (tests/scripts/
+lightning_fit.py says what it lifts of Lightning's CUDA-only checks): Lightning's default DeepSpeed config
+(its "aio" section included), ``deepspeed.utils.logging``, ``init_distributed``, ``zero.Init`` around
+``configure_model``, the engine's backward and step through Lightning's precision plugin.
+
+ZeRO stages 2 and 3 at 2 processes train with the loss of every step equal to Lightning's DDP strategy.
+ModelCheckpoint saves every epoch through ``engine.save_checkpoint(..., exclude_frozen_parameters=...)``,
+and ``trainer.fit(..., ckpt_path=...)`` resumes from epoch 1 with the same curve as the run that went on
+(``engine.load_checkpoint`` with Lightning's arguments). A checkpoint saved without its frozen parameters
+holds none of them, and loads only non-strictly (DeepSpeed's rule; Lightning's ``strict_loading``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.checkpoint.load import read_engine_state
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "lightning_fit.py"
+FIRST = "epoch=0-step=5.ckpt"
+
+
+def run_all(jobs: dict[str, list[str]], cwd: Path) -> dict[str, tuple[int, str]]:
+    # CPU workers; a GPU host hides its GPUs. Lightning's own launcher picks a free port.
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(SCRIPT), *args, "--out", f"{name}.json"],
+            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for name, args in jobs.items()
+    }  # fmt: skip
+    return {name: (proc.wait(timeout=240), proc.communicate()[0]) for name, proc in procs.items()}
+
+
+def losses(cwd: Path, name: str, runs: dict[str, tuple[int, str]]) -> list[float]:
+    code, output = runs[name]
+    assert code == 0, output[-4000:]
+    got = json.loads((cwd / f"{name}.json").read_text())
+    assert got["global_step"] == 10
+    return got["losses"]
+
+
+def assert_equal(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path) -> None:
+    runs = run_all(
+        {
+            "ddp": ["--strategy", "ddp"],
+            "z2": ["--strategy", "z2", "--exclude_frozen", "--save", "z2"],
+            "z3": ["--strategy", "z3", "--save", "z3"],
+        },
+        tmp_path,
+    )
+    ddp = losses(tmp_path, "ddp", runs)
+    assert ddp[-1] < ddp[0] and len(ddp) == 10
+    for stage in ("z2", "z3"):
+        assert_equal(losses(tmp_path, stage, runs), ddp)
+
+    def frozen_saved(stage: str) -> set[str]:
+        extras = read_engine_state(tmp_path / stage / FIRST / "checkpoint")["module_extras"]
+        return {key for key in extras if key.startswith("frozen.")}
+
+    assert frozen_saved("z2") == set()  # exclude_frozen_parameters=True
+    assert frozen_saved("z3") == {"frozen.weight", "frozen.bias"}
+
+    resumed = run_all(
+        {
+            "z2-resume": ["--strategy", "z2", "--exclude_frozen", "--resume", f"z2/{FIRST}"],
+            "z3-resume": ["--strategy", "z3", "--resume", f"z3/{FIRST}"],
+            "z2-strict": ["--strategy", "z2", "--resume", f"z2/{FIRST}"],
+        },
+        tmp_path,
+    )
+    for stage in ("z2", "z3"):
+        assert_equal(losses(tmp_path, f"{stage}-resume", resumed), ddp[5:])
+    code, output = resumed["z2-strict"]
+    assert code != 0
+    assert "missing in the checkpoint: frozen.bias, frozen.weight" in output, output[-3000:]
+
+
+def test_lightnings_default_config_is_read_with_its_aio_section_and_nvme_still_refused() -> None:
+    from pytorch_lightning.strategies import DeepSpeedStrategy
+
+    from runtime.config import ConfigError, load_config
+
+    config = DeepSpeedStrategy(stage=3, offload_optimizer=True).config
+    assert "aio" in config  # Lightning writes it whatever is offloaded
+    # Lightning adds the micro-batch size before it calls deepspeed.initialize
+    read = load_config({**config, "train_micro_batch_size_per_gpu": 1}, world_size=2)
+    assert (read.zero_optimization.stage, read.zero_optimization.offload_optimizer.device) == (3, "cpu")
+    nvme = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_optimizer_device="nvme").config
+    with pytest.raises(
+        ConfigError, match=r'zero_optimization\.offload_optimizer\.device: "nvme" is not supported'
+    ):
+        load_config(nvme, world_size=2)

@@ -67,3 +67,38 @@ def test_accelerate_launch_with_deepspeed_matches_ddp(tmp_path: Path) -> None:
             assert abs(a - b) <= 1e-5 * abs(b), (ds, got["losses"], want["losses"])
         assert abs(got["final_loss"] - want["final_loss"]) <= 1e-5 * want["final_loss"], (ds, got, want)
         assert want["final_loss"] < want["initial_loss"] - 0.5  # it trained
+
+
+def test_accelerates_multi_node_deepspeed_command_and_env_file_are_understood(tmp_path: Path) -> None:
+    """On several machines `accelerate launch` starts `deepspeed --hostfile ... --no_local_rank --launcher
+    pdsh ...` itself and writes its environment to ./.deepspeed_env: Accelerate's own code builds both here
+    (no processes), and our `deepspeed` command accepts every flag and reads every line of the file."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_deepspeed_cmd_env
+    from accelerate.utils.environment import convert_dict_to_env_variables
+
+    from launcher import cli, envfwd
+    from launcher.deepspeed_cli import translate
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-1 slots=2\nworker-2 slots=2\n")
+    argv = ["--use_deepspeed", "--num_machines", "2", "--num_processes", "4", "--zero_stage", "3",
+            "--deepspeed_hostfile", str(hostfile), "--main_process_ip", "worker-1", "--machine_rank", "0",
+            "--main_process_port", str(free_port()), "--mixed_precision", "bf16", "--dynamo_backend", "no",
+            "train.py", "--lr", "1e-4"]  # fmt: skip
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(argv))
+    args.deepspeed_fields_from_accelerate_config = ""
+    command, env = prepare_deepspeed_cmd_env(args)
+    assert command[0] == "deepspeed"
+    parsed = translate(command[1:])
+    assert parsed.script_and_args == ["train.py", "--lr", "1e-4"]
+    with cli.cli.make_context("deepspeed", [*parsed.dslaunch_args, *parsed.script_and_args]) as ctx:
+        given = ctx.params
+    assert (given["hostfile"], given["launcher"], given["num_gpus"]) == (str(hostfile), "pdsh", 2)
+    assert given["no_local_rank"] and given["master_addr"] == "worker-1"
+
+    (tmp_path / ".deepspeed_env").write_text("".join(convert_dict_to_env_variables(env)))
+    forwarded = envfwd.collect({}, tmp_path, tmp_path / "nohome").values
+    assert forwarded["ACCELERATE_USE_DEEPSPEED"] == "true"
+    assert forwarded["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert forwarded["ACCELERATE_MIXED_PRECISION"] == "bf16"

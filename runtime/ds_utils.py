@@ -100,24 +100,35 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     return item
 
 
-# -- zero_to_fp32: a sharded checkpoint as one fp32 state dict (runtime.checkpoint.consolidate) ------------
+# -- zero_to_fp32: a checkpoint (ours or DeepSpeed's) as one fp32 state dict (runtime.checkpoint) ----------
 def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False
+    checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False, **_: Any
 ) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict of a checkpoint directory (the tag `latest` names unless `tag`)."""
-    from runtime.checkpoint.consolidate import get_fp32_state_dict_from_checkpoint
+    """The full fp32 state dict of a checkpoint directory (the tag `latest` names unless `tag`): ours,
+    DeepSpeed's, or a pipeline root. DeepSpeed's `lazy_mode` is accepted; tensors are always real."""
+    from runtime.checkpoint.fp32_state import fp32_state_dict
 
-    return get_fp32_state_dict_from_checkpoint(checkpoint_dir, tag)
+    return fp32_state_dict(checkpoint_dir, tag, exclude_frozen_parameters=exclude_frozen_parameters)
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: str, output_dir: str, tag: str | None = None, **kwargs: Any
-) -> None:
-    """Write the consolidated fp32 weights as `output_dir`/model.safetensors (or to `output_dir` when it
-    names a file). DeepSpeed's sharding and safe_serialization keywords are accepted: one file is written."""
-    from runtime.checkpoint.consolidate import consolidate_checkpoint
+    checkpoint_dir: str,
+    output_dir: str,
+    max_shard_size: str | int | None = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> list[str]:
+    """Write the fp32 weights as DeepSpeed does: `output_dir`/pytorch_model.bin (model.safetensors with
+    safe_serialization), split with an index JSON above max_shard_size; an `output_dir` ending in .bin, .pt,
+    .pth or .safetensors is one file. Returns the files written."""
+    from runtime.checkpoint.portable_cli import write_state_dict
 
-    consolidate_checkpoint(checkpoint_dir, output_dir, tag)
+    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag, exclude_frozen_parameters)
+    files = write_state_dict(
+        state, output_dir, safe_serialization=safe_serialization, max_shard_size=max_shard_size
+    )
+    return [str(f) for f in files]
 
 
 def load_state_dict_from_zero_checkpoint(

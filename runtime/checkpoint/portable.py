@@ -284,10 +284,15 @@ def dslaunch_fp32_state_dict(tag_dir: Path) -> dict[str, torch.Tensor]:
         if not path.is_file():
             raise RecoveryError(f"{path}: missing (the manifest of tag {manifest['tag']!r} lists it)")
         data = path.read_bytes()
-        if len(data) != entry["size"] or zlib.crc32(data) != entry["crc32"]:
+        if len(data) != entry["size"]:  # the runtime's verify_files says the same
             raise RecoveryError(
-                f"{path}: {len(data)} bytes, size or checksum differs from the manifest (truncated or "
-                "corrupted)"
+                f"{path}: {len(data)} bytes, but the manifest recorded {entry['size']} "
+                "(truncated or overwritten)"
+            )
+        if zlib.crc32(data) != entry["crc32"]:
+            raise RecoveryError(
+                f"{path}: checksum mismatch (crc32 {zlib.crc32(data):#010x}, manifest "
+                f"{entry['crc32']:#010x}): the file is corrupted"
             )
         if entry["kind"] != "shard":
             continue

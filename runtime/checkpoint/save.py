@@ -45,6 +45,7 @@ from runtime.checkpoint.manifest import (
     shard_file_name,
     tensor_name,
 )
+from runtime.checkpoint.recovery_script import write_recovery_script
 from runtime.checkpoint.shards import Piece, optimizer_state, saved_pieces
 from runtime.checkpoint.tensorfile import TensorFileWriter
 
@@ -108,6 +109,7 @@ def save_checkpoint(
         fault_point("latest")
         if save_latest:
             write_text_durably(root / LATEST, tag)
+        write_recovery_script(root)  # zero_to_fp32.py beside `latest`, as DeepSpeed writes it
 
     agreed(comm, finish)
     return tag_dir

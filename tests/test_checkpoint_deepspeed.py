@@ -9,7 +9,8 @@ reduction). The lr of each step equals DeepSpeed's schedule; the global step, cl
 come back. Across precision (a bf16 checkpoint into an fp32 run, an fp32 one into bf16) the fp32 masters and
 Adam moments load as they are: the run follows DeepSpeed's continuation in its own precision within bf16
 tolerance (measured <= 1.6e-3). A DeepSpeed folder is never "a save that did not finish"; a damaged one
-gets an error naming the missing or unreadable file.
+gets an error naming the missing or unreadable file. At 2 ranks the engine comes from the compat
+`deepspeed.initialize`, at 1 and 3 from `runtime.initialize`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def expected(name: str) -> dict:
 
 
 def _resume(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict]:
+    import deepspeed  # our compat names, as a DeepSpeed user's script calls them (at world 2)
     import runtime
 
     torch.set_num_threads(1)
@@ -47,7 +49,8 @@ def _resume(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict]:
     for name, dtype in cases:
         stage = expected(name)["stage"]
         model = tiny.make_model(123)  # other initial weights: all must come from the checkpoint
-        engine, *_ = runtime.initialize(
+        initialize = deepspeed.initialize if world == 2 else runtime.initialize
+        engine, *_ = initialize(
             model=model, model_parameters=tiny.param_groups(model), config=tiny.config(stage, dtype, world)
         )
         _, client_state = engine.load_checkpoint(str(FIXTURES / name / "ckpt"))

@@ -206,7 +206,7 @@ def test_module_and_script_exit_1_with_one_line_on_every_error(
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'compat'}")
     nope = str(tmp_path / "nope")
     done = subprocess.run(
-        [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", nope, "out"],
+        [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", nope, "out.safetensors"],
         env=env,
         capture_output=True,
         text=True,

@@ -42,6 +42,7 @@ def expected(name: str) -> dict:
 
 def _resume(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict]:
     import deepspeed  # our compat names, as a DeepSpeed user's script calls them (at world 2)
+
     import runtime
 
     torch.set_num_threads(1)

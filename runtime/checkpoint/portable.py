@@ -82,11 +82,19 @@ def _allowed() -> dict[str, Any]:
         from torch._weights_only_unpickler import _get_allowed_globals
 
         return dict(_get_allowed_globals())
-    except ImportError:  # pragma: no cover - older torch
-        return {
-            "collections.OrderedDict": OrderedDict,
-            "torch._utils._rebuild_tensor_v2": torch._utils._rebuild_tensor_v2,
-        }
+    except ImportError:  # a torch without that private helper: the same kinds of names, listed here
+        import builtins
+
+        allowed: dict[str, Any] = {"collections.OrderedDict": OrderedDict, "torch.Size": torch.Size}
+        allowed.update({"torch.device": torch.device, "torch.Tensor": torch.Tensor})
+        allowed["torch.nn.parameter.Parameter"] = torch.nn.Parameter
+        allowed["torch._tensor._rebuild_from_type_v2"] = getattr(torch._tensor, "_rebuild_from_type_v2", None)
+        for name in ("_rebuild_tensor_v2", "_rebuild_parameter", "_rebuild_parameter_with_state"):
+            allowed[f"torch._utils.{name}"] = getattr(torch._utils, name, None)
+        for name in ("set", "frozenset", "slice", "bytearray", "complex"):
+            allowed[f"builtins.{name}"] = getattr(builtins, name)
+        dtypes = {f"torch.{n}": v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+        return {**dtypes, **{k: v for k, v in allowed.items() if v is not None}}
 
 
 class _Unpickler(pickle.Unpickler):
@@ -183,6 +191,13 @@ class DeepSpeedTag:
                     f"{self.optim_files[rank]}: not a DeepSpeed ZeRO optimizer state ({error!r} missing)"
                 ) from None
             states = [base["state"][i] for i in sorted(base["state"])] if base.get("state") else []
+            held = [*masters, *(v for s in states for k, v in s.items() if k != "step")]
+            strange = next((v for v in held if not torch.is_tensor(v)), None)
+            if strange is not None:  # e.g. a tensor subclass this reader does not build
+                raise RecoveryError(
+                    f"{self.optim_files[rank]}: holds a "
+                    f"{getattr(strange, 'qualname', type(strange).__name__)} where DeepSpeed writes tensors"
+                )
             self._optim[rank] = {
                 "masters": masters,
                 "states": states,

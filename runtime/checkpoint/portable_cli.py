@@ -138,7 +138,11 @@ def parser(prog: str = "zero_to_fp32.py") -> argparse.ArgumentParser:
         "--safe_serialization", action="store_true", help="write model.safetensors, not pytorch_model.bin"
     )
     p.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the one 'latest' names)")
-    p.add_argument("--exclude_frozen_parameters", action="store_true", help="leave frozen parameters out")
+    p.add_argument(
+        "--exclude_frozen_parameters",
+        action="store_true",
+        help="leave frozen parameters out (DeepSpeed's checkpoints mark them; ours keep them with buffers)",
+    )
     p.add_argument("-d", "--debug", action="store_true", help="print a line per tensor")
     return p
 

@@ -3,7 +3,8 @@
 The fixtures (tests/fixtures/deepspeed, README there) are DeepSpeed's own checkpoints of a 2-rank run at
 ZeRO 1, 2 and 3 in fp32 and bf16, with DeepSpeed's continuation after its own load. Our engine, built from
 another seed, loads each at 1, 2 and 3 ranks and trains the same three steps: at 2 ranks (DeepSpeed's world
-size) the losses are bitwise DeepSpeed's; at 1 and 3 ranks fp32 within 1e-6 (measured <= 2.4e-7: only the
+size) the losses are bitwise DeepSpeed's, also when our run uses another ZeRO stage (a stage-3 checkpoint
+into stage 1, a stage-1 one into stage 3); at 1 and 3 ranks fp32 within 1e-6 (measured <= 2.4e-7: only the
 summation order differs) and bf16 within 2e-3 (measured <= 7.9e-4: bf16 rounding of a differently ordered
 reduction). The lr of each step equals DeepSpeed's schedule; the global step, client_state and the buffer
 come back. Across precision (a bf16 checkpoint into an fp32 run, an fp32 one into bf16) the fp32 masters and
@@ -29,10 +30,12 @@ from tests.fixtures.deepspeed import tiny
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 TOLERANCE = {"fp32": 1e-6, "bf16": 2e-3}
-# (fixture, the precision our run uses)
-CASES = [(tiny.fixture_name(s, d), d) for s, d in tiny.FIXTURES] + [
-    ("zero2_bf16", "fp32"),
-    ("zero3_fp32", "bf16"),
+# (fixture, the precision and ZeRO stage our run uses)
+CASES = [(tiny.fixture_name(s, d), d, s) for s, d in tiny.FIXTURES] + [
+    ("zero2_bf16", "fp32", 2),  # across precision
+    ("zero3_fp32", "bf16", 3),
+    ("zero3_fp32", "fp32", 1),  # across ZeRO stage: DeepSpeed's per-parameter pieces into flat partitions
+    ("zero1_bf16", "bf16", 3),
 ]
 
 
@@ -40,15 +43,14 @@ def expected(name: str) -> dict:
     return json.loads((FIXTURES / name / "expected.json").read_text())
 
 
-def _resume(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict]:
+def _resume(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list[dict]:
     import deepspeed  # our compat names, as a DeepSpeed user's script calls them (at world 2)
 
     import runtime
 
     torch.set_num_threads(1)
     out = []
-    for name, dtype in cases:
-        stage = expected(name)["stage"]
+    for name, dtype, stage in cases:
         model = tiny.make_model(123)  # other initial weights: all must come from the checkpoint
         initialize = deepspeed.initialize if world == 2 else runtime.initialize
         engine, *_ = initialize(
@@ -74,18 +76,18 @@ def _resume(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict]:
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_resume_from_deepspeed_equals_deepspeeds_continuation(world: int) -> None:
     results = run_distributed(_resume, world, CASES, timeout=240)[0]
-    for (name, dtype), got in zip(CASES, results, strict=True):
+    for (name, dtype, stage), got in zip(CASES, results, strict=True):
         ref = expected(name)
         if ref["dtype"] != dtype:  # across precision: the continuation of DeepSpeed's run in our precision
             ref = dict(ref, continuation=expected(name.replace(ref["dtype"], dtype))["continuation"])
         tol = TOLERANCE["bf16" if "bf16" in (dtype, ref["dtype"]) else "fp32"]
-        where = f"{name} into {dtype} at world {world}"
+        where = f"{name} into {dtype} at ZeRO {stage}, world {world}"
         assert got["steps"] == ref["global_steps_after_load"] == tiny.SAVED_AT, where
         assert got["client_state"] == ref["client_state"], where
         assert got["lr"] == pytest.approx(ref["lrs_before_save"][-1], rel=1e-12), where
         assert got["lrs"] == pytest.approx(ref["continuation_lrs"], rel=1e-12), where
         assert got["temperature"] == 1.25, where  # the buffer, from DeepSpeed's module state
-        if world == ref["world_size"] and dtype == ref["dtype"]:
+        if (world, dtype) == (ref["world_size"], ref["dtype"]):
             assert got["losses"] == ref["continuation"], where  # the same sums in the same order
         assert got["losses"] == pytest.approx(ref["continuation"], abs=tol), where
 

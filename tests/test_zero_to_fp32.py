@@ -30,7 +30,7 @@ from tests.dist import run_distributed
 from tests.fixtures.deepspeed import tiny
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
-NAMES = [tiny.fixture_name(s, d) for s, d in tiny.FIXTURES]
+NAMES = [tiny.fixture_name(s, d, f) for s, d, f in tiny.ALL]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,6 +67,9 @@ def test_deepspeed_checkpoints_give_deepspeeds_fp32_state_dict(tmp_path: Path) -
         assert _same({k: merged[k] for k in want}, want), name
         model = load_state_dict_from_zero_checkpoint(tiny.make_model(5), str(ckpt))
         assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items() if v.dtype == want[k].dtype)
+        if name.endswith("_frozen"):  # DeepSpeed marks frozen parameters: left out on request
+            kept = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), exclude_frozen_parameters=True)
+            assert _same(kept, {k: v for k, v in want.items() if k != "norm.bias"}), name
         consolidate_checkpoint(ckpt, tmp_path / f"{name}.safetensors", dtype=torch.float32)
         consolidated = load_state_dict_file(tmp_path / f"{name}.safetensors")
         assert _same(consolidated, {k: v.float() for k, v in want.items()}), name

@@ -87,9 +87,10 @@ class DeepSpeedCheckpoint:
         ms = self.tag.model_states
         module = ms.get("module") or {}
         extras = {name: module[name] for name in ms.get("buffer_names") or [] if name in module}
-        for name in ms.get("frozen_param_shapes") or {}:
-            if name in module and module[name].numel():  # ZeRO 3 keeps frozen weights in fragments: not read
-                extras[name] = module[name]
+        try:
+            extras.update(self.tag.frozen_params())
+        except RecoveryError as error:
+            raise as_checkpoint_error(error) from None
         gas = engine.gradient_accumulation_steps() if hasattr(engine, "gradient_accumulation_steps") else 1
         groups = self.tag._state(0)["param_groups"]
         states = self.tag._state(0)["states"]

@@ -247,6 +247,25 @@ class DeepSpeedTag:
             )
         return out.view(param.shape)
 
+    def frozen_params(self) -> dict[str, torch.Tensor]:
+        """Parameters the optimizer did not train, as saved (in the run's dtype): whole in the model state
+        file at stages 1/2; at stage 3 each rank's file holds its piece."""
+        shapes = self.model_states.get("frozen_param_shapes") or {}
+        if not shapes:
+            return {}
+        ranks = [self.model_states]
+        if self.stage3:
+            names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(1, self.world)]
+            ranks += [load_pickle(self.tag_dir / name) for name in names]
+        out = {}
+        for name, shape in shapes.items():
+            pieces = [(state.get("frozen_param_fragments") or {}).get(name) for state in ranks]
+            if any(piece is None for piece in pieces):
+                raise RecoveryError(f"{self.tag_dir}: frozen parameter {name!r} has no saved fragment")
+            numel = numel_of(tuple(shape))
+            out[name] = torch.cat([p.reshape(-1) for p in pieces]).narrow(0, 0, numel).view(tuple(shape))
+        return out
+
     def fp32_state_dict(self, *, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         ms = self.model_states
         module = ms.get("module") or {}
@@ -254,9 +273,8 @@ class DeepSpeedTag:
         for name in ms.get("buffer_names") or []:
             if name in module:
                 out[name] = module[name].clone()
-        if not exclude_frozen_parameters and not self.stage3:
-            for name in ms.get("frozen_param_shapes") or {}:
-                out[name] = module[name].float().clone()
+        if not exclude_frozen_parameters:
+            out.update(self.frozen_params())
         for g, group in enumerate(self.groups):
             for p in group.params:
                 out[p.name] = self.full(g, p)

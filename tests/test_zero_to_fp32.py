@@ -9,8 +9,8 @@
   folder that does not exist yet, `--safe_serialization --max_shard_size` (shards + index JSON), `-t`,
   `--exclude_frozen_parameters`, `-d`; and on a DeepSpeed folder too.
 - Issue 30's rows: the module and the script exit 1 with one accurate line on every error (missing or
-  empty folder, missing or truncated shard, unwritable output); a pipeline root is consolidated; a
-  tensor-parallel root is refused with its degree named.
+  empty folder, missing or truncated shard, ours or DeepSpeed's, unwritable output); a pipeline root is
+  consolidated; a tensor-parallel root is refused with its degree named.
 """
 
 from __future__ import annotations
@@ -172,6 +172,10 @@ def _faults(tmp_path: Path, plain: Path) -> list[tuple[list[str], str]]:
     (missing / "global_step1" / "zero_pp_rank_0_mp_rank_00_optim_states.safetensors").unlink()
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    ds = tmp_path / "deepspeed"
+    shutil.copytree(FIXTURES / "zero3_bf16" / "ckpt", ds)
+    ds_shard = ds / "global_step4" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    ds_shard.write_bytes(ds_shard.read_bytes()[:5000])
     tp = tmp_path / "tp"
     for r in range(2):
         shutil.copytree(plain, tp / f"tp_rank_{r:02d}_of_02")
@@ -186,6 +190,7 @@ def _faults(tmp_path: Path, plain: Path) -> list[tuple[list[str], str]]:
             [str(missing), "out"],
             f"{missing / 'global_step1' / 'zero_pp_rank_0_mp_rank_00_optim_states.safetensors'}: missing",
         ),
+        ([str(ds), "out"], f"{ds_shard}: cannot be read ("),
         ([str(plain), str(a_file / "out")], f"[Errno 20] Not a directory: '{a_file / 'out'}'"),
         (
             [str(tp), "out"],

@@ -139,14 +139,19 @@ class DeepSpeedTag:
         if not isinstance(self.model_states, dict) or "param_shapes" not in self.model_states:
             raise RecoveryError(f"{tag_dir / model}: not a DeepSpeed model state file (no param_shapes)")
         self.world = int(self.model_states.get("dp_world_size") or len(optim) or 1)
-        if not optim:
+        config = self.model_states.get("ds_config") or {}
+        stage = (config.get("zero_optimization") or {}).get("stage", 0) if isinstance(config, dict) else 0
+        if not optim and not stage:
             raise RecoveryError(
                 f"{tag_dir} has no *zero_pp_rank_*_optim_states.pt files: a DeepSpeed checkpoint without "
                 "ZeRO (stage 0) keeps its optimizer in the model state file, which is not read here"
             )
         missing = [r for r in range(self.world) if r not in optim]
         if missing:
-            prefix = "bf16_" if any(n.startswith("bf16_") for n in optim.values()) else ""
+            bf16 = any(n.startswith("bf16_") for n in optim.values()) or (config.get("bf16") or {}).get(
+                "enabled"
+            )
+            prefix = "bf16_" if bf16 else ""
             raise RecoveryError(
                 f"{tag_dir / f'{prefix}zero_pp_rank_{missing[0]}_mp_rank_00_optim_states.pt'}: missing (the "
                 f"DeepSpeed checkpoint was saved by {self.world} ranks)"

@@ -11,6 +11,11 @@ Modules: `manifest` (on-disk layout and errors), `tensorfile` (safetensors-forma
 `shards` (the engine's flat groups <-> shard files), `engine_state` (counters, scaler, scheduler, RNG,
 buffers, client state), `data_position` (resumable data loader), `save` / `load` (the collective
 procedures), `consolidate` (one state dict from a sharded checkpoint, streamed).
+
+DeepSpeed's own folders load and consolidate too: `deepspeed_layout` (its partitions as flat ranges, pure),
+`portable` (reads both formats with torch alone), `deepspeed_format` (its files as a manifest for `load`),
+`fp32_state` (the entry of DeepSpeed's `zero_to_fp32` names); `portable_cli` and `recovery_script` make
+the standalone `zero_to_fp32.py` every save writes beside `latest`.
 """
 
 from __future__ import annotations

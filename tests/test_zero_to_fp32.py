@@ -237,8 +237,8 @@ def test_pipeline_root_is_consolidated(saved: dict, tmp_path: Path) -> None:
     got = get_fp32_state_dict_from_zero_checkpoint(str(pipe))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert main([str(pipe), str(tmp_path / "out")]) == 0
-    stage_script = runpy.run_path(str(pipe / "pipe_stage_00_of_02" / "zero_to_fp32.py"))["main"]
-    assert stage_script([str(pipe), str(tmp_path / "script.bin")]) == 0  # the standalone merge
+    root_script = runpy.run_path(str(pipe / "zero_to_fp32.py"))["main"]  # in the save_dir, as DeepSpeed's
+    assert root_script([str(pipe), str(tmp_path / "script.bin")]) == 0  # the standalone merge
     for path in (tmp_path / "out" / "pytorch_model.bin", tmp_path / "script.bin"):
         written = torch.load(path)
         assert sorted(written) == sorted(want) and all(torch.equal(written[k], want[k]) for k in want)

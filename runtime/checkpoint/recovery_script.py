@@ -12,6 +12,7 @@ imports" and "end imports" markers (how they import each other as modules) are l
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from runtime.checkpoint.durable import write_text_durably
@@ -19,6 +20,7 @@ from runtime.checkpoint.durable import write_text_durably
 SCRIPT_NAME = "zero_to_fp32.py"
 _PARTS = ("deepspeed_layout.py", "portable.py", "portable_cli.py")
 _BEGIN, _END = "# recovery-script: begin imports", "# recovery-script: end imports"
+_MODEL_PARALLEL = re.compile(r"^(pipe_stage_\d+_of_\d+.*|tp_rank_\d+_of_\d+)$")
 
 
 def script_text() -> str:
@@ -44,8 +46,13 @@ def script_text() -> str:
 
 def write_recovery_script(root: str | os.PathLike[str]) -> Path:
     """Write `root`/zero_to_fp32.py (atomically, fsynced; executable); called once per save by the
-    rank that writes `latest`."""
-    path = Path(root) / SCRIPT_NAME
-    write_text_durably(path, script_text())
-    path.chmod(0o755)
-    return path
+    rank that writes `latest`. A pipeline stage's or tensor-parallel rank's folder (`pipe_stage_SS_of_NN`,
+    `tp_rank_RR_of_NN`) also puts one in the save_dir above it, where DeepSpeed's users look: there it
+    merges the stages, or names the tensor-parallel degree it cannot merge."""
+    root = Path(root)
+    text = script_text()
+    for folder in (root, root.parent) if _MODEL_PARALLEL.match(root.name) else (root,):
+        path = folder / SCRIPT_NAME
+        write_text_durably(path, text)
+        path.chmod(0o755)
+    return root / SCRIPT_NAME

@@ -17,7 +17,6 @@ saves no RNG state and no data-loader position, so those start fresh.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,8 +38,6 @@ from runtime.checkpoint.manifest import (
 )
 from runtime.checkpoint.portable import DeepSpeedTag, RecoveryError, is_deepspeed_tag
 from runtime.checkpoint.reshard import Copy
-
-_log = logging.getLogger("runtime.checkpoint")
 
 __all__ = ["DeepSpeedCheckpoint", "as_checkpoint_error", "is_deepspeed_tag", "open_deepspeed"]
 
@@ -92,8 +89,8 @@ class DeepSpeedCheckpoint:
         except RecoveryError as error:
             raise as_checkpoint_error(error) from None
         gas = engine.gradient_accumulation_steps() if hasattr(engine, "gradient_accumulation_steps") else 1
-        groups = self.tag._state(0)["param_groups"]
-        states = self.tag._state(0)["states"]
+        groups = self.tag.rank_state(0)["param_groups"]
+        states = self.tag.rank_state(0)["states"]
         on_device = bool(
             engine.optimizer is not None
             and any(g.get("fused") or g.get("capturable") for g in engine.optimizer.param_groups)
@@ -133,7 +130,7 @@ class DeepSpeedCheckpoint:
     def _loss_scaler(self) -> dict[str, float] | None:
         if not ((self.tag.model_states.get("ds_config") or {}).get("fp16") or {}).get("enabled"):
             return None
-        raw = self.tag._state(0)
+        raw = self.tag.rank_state(0)
         scaler = raw.get("loss_scaler")
         state = getattr(scaler, "state", None)
         return (

@@ -164,7 +164,7 @@ class DeepSpeedTag:
         if self.stage3:
             self.groups = per_param_layout(self.param_shapes, self.world)
         else:
-            first = self._state(0)  # rank 0 holds a full partition: the padding sits on the last rank
+            first = self.rank_state(0)  # rank 0 holds a full partition: the padding sits on the last rank
             sizes = [m.numel() + pad for m, pad in zip(first["masters"], first["paddings"], strict=True)]
             try:
                 self.groups = partitioned_layout(self.param_shapes, sizes, self.world)
@@ -175,12 +175,13 @@ class DeepSpeedTag:
 
     @property
     def zero_stage(self) -> int:
-        stage = self._state(0).get("zero_stage")
+        stage = self.rank_state(0).get("zero_stage")
         if isinstance(stage, Opaque) and stage.args:
             return int(stage.args[0])
         return int(stage) if isinstance(stage, int) else (3 if self.stage3 else 2)
 
-    def _state(self, rank: int) -> dict[str, Any]:
+    def rank_state(self, rank: int) -> dict[str, Any]:
+        """Rank `rank`'s optimizer file, read once: masters, per-group optimizer states, param groups."""
         if rank not in self._optim:
             raw = load_pickle(self.optim_files[rank])
             try:
@@ -214,7 +215,7 @@ class DeepSpeedTag:
 
     def tensor(self, rank: int, group: int, key: str) -> torch.Tensor:
         """Rank `rank`'s 1-D tensor of `key` ("fp32" master or an optimizer state) for group `group`."""
-        state = self._state(rank)
+        state = self.rank_state(rank)
         if self.stage3:
             if key not in state.setdefault("joined", {}):  # the rank's sub-groups, one after another
                 parts = state["masters"] if key == "fp32" else [s[key] for s in state["states"]]
@@ -228,7 +229,7 @@ class DeepSpeedTag:
         return state["states"][group][key].reshape(-1)
 
     def state_keys(self) -> list[str]:
-        states = self._state(0)["states"]
+        states = self.rank_state(0)["states"]
         return [k for k, v in states[0].items() if torch.is_tensor(v) and v.dim() > 0] if states else []
 
     def full(self, group: int, param: FlatParam, key: str = "fp32") -> torch.Tensor:

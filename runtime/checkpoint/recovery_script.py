@@ -20,7 +20,7 @@ from runtime.checkpoint.durable import write_text_durably
 SCRIPT_NAME = "zero_to_fp32.py"
 _PARTS = ("deepspeed_layout.py", "portable.py", "portable_cli.py")
 _BEGIN, _END = "# recovery-script: begin imports", "# recovery-script: end imports"
-_MODEL_PARALLEL = re.compile(r"^(pipe_stage_\d+_of_\d+.*|tp_rank_\d+_of_\d+)$")
+_PIPELINE_STAGE = re.compile(r"^pipe_stage_\d+_of_\d+(_chunks_\d+)?$")  # without tensor parallelism
 
 
 def script_text() -> str:
@@ -46,12 +46,12 @@ def script_text() -> str:
 
 def write_recovery_script(root: str | os.PathLike[str]) -> Path:
     """Write `root`/zero_to_fp32.py (atomically, fsynced; executable); called once per save by the
-    rank that writes `latest`. A pipeline stage's or tensor-parallel rank's folder (`pipe_stage_SS_of_NN`,
-    `tp_rank_RR_of_NN`) also puts one in the save_dir above it, where DeepSpeed's users look: there it
-    merges the stages, or names the tensor-parallel degree it cannot merge."""
+    rank that writes `latest`. A pipeline stage's folder (`pipe_stage_SS_of_NN`) also puts one in the
+    save_dir above it, where DeepSpeed's users look: there it merges the stages. (Tensor-parallel shards
+    cannot be merged by it, so their save_dir holds only the rank folders.)"""
     root = Path(root)
     text = script_text()
-    for folder in (root, root.parent) if _MODEL_PARALLEL.match(root.name) else (root,):
+    for folder in (root, root.parent) if _PIPELINE_STAGE.match(root.name) else (root,):
         path = folder / SCRIPT_NAME
         write_text_durably(path, text)
         path.chmod(0o755)

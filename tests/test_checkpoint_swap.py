@@ -10,6 +10,10 @@ shard, before the manifest, right after the commit record, between the swap's tw
   (killed before the commit) or step 2's (killed after it): never neither, never a mix;
 - a new 2-rank job resumes from it and trains to step 3, equal to an uninterrupted run, and its next save
   over the same tag leaves no staging folder, aside copy or commit record behind.
+
+The same for a two-stage pipeline (one folder per stage, each with its own `latest`): the stages commit
+together, so a rank killed while the other stage has already swapped its folder in still loads one step
+everywhere.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ from runtime.checkpoint import CheckpointIncomplete, CheckpointNotFound, read_la
 from runtime.checkpoint.consolidate import get_fp32_state_dict_from_checkpoint
 from runtime.checkpoint.durable import FAULT_ENV, FAULT_MARKER_ENV
 from runtime.checkpoint.manifest import COMMIT_RECORD
+from runtime.pipe.checkpoint import get_fp32_state_dict_from_pipeline_checkpoint, pipeline_stage_dirs
 from tests.dist import _context, _worker, run_distributed
 from tests.models import loss_fn, make_model, param_groups, rank_batch
+from tests.pipe_cases import data_iterator, layers_of, mse
 
 WORLD = 2
 
@@ -45,14 +51,17 @@ def _config(stage: int) -> dict:
 
 @dataclass(frozen=True)
 class Scenario:
-    stage: int
+    stage: int  # ZeRO stage; 0 for the pipeline
     point: str  # runtime.checkpoint.durable.FAULT_POINTS
     victim: int  # the rank that stops there and is killed
     overwrite: bool  # the second save reuses the first one's tag
 
+    pipeline: bool = False
+
     @property
     def name(self) -> str:
-        return f"zero{self.stage}-{self.point}-rank{self.victim}-{'last' if self.overwrite else 'new'}"
+        kind = "pipe" if self.pipeline else f"zero{self.stage}"
+        return f"{kind}-{self.point}-rank{self.victim}-{'last' if self.overwrite else 'new'}"
 
     @property
     def tags(self) -> tuple[str, str]:
@@ -75,17 +84,36 @@ SCENARIOS = [
     Scenario(3, "swap", 0, True),
     Scenario(3, "latest", 0, True),
 ]
+PIPELINE = [  # rank r is stage r; rank 0 also writes the commit record
+    Scenario(0, "manifest", 1, True, pipeline=True),  # stage 0 complete, stage 1 without its manifest
+    Scenario(0, "commit", 0, True, pipeline=True),  # committed, neither stage swapped
+    Scenario(0, "swap", 1, True, pipeline=True),  # stage 0 swapped in (or about to), stage 1 half-way
+]
 
 
 def _step(engine, rank: int, world: int) -> None:
+    if hasattr(engine, "train_batch"):  # the pipeline: one stage a rank, no data parallelism
+        engine.train_batch(data_iterator("mlp", engine.global_steps, 4, 8, 0, 1))
+        return
     x, y = rank_batch(engine.global_steps, 0, 12, rank, world)
     engine.backward(loss_fn(engine(x), y))
     engine.step()
 
 
-def _engine(stage: int):
+def _engine(stage: int, pipeline: bool = False):
     import runtime
 
+    if pipeline:
+        from runtime.pipe import PipelineEngine, PipelineModule
+
+        module = PipelineModule(layers_of("mlp"), num_stages=WORLD, loss_fn=mse, seed_layers=True)
+        config = {
+            "train_batch_size": 32,
+            "train_micro_batch_size_per_gpu": 8,
+            "steps_per_print": 0,
+            "optimizer": {"type": "Adam", "params": {"lr": 0.01}},
+        }
+        return PipelineEngine(module, config)
     model = make_model(0)
     engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=_config(stage))
     return engine
@@ -94,14 +122,14 @@ def _engine(stage: int):
 def _save_twice(rank: int, world: int, case: Scenario, save_dir: str, marker: str) -> None:
     """Save at step 1, then stop at `case.point` on `case.victim` while saving step 2 (never returns
     there: the fault hook sleeps until the test kills the process)."""
-    engine = _engine(case.stage)
+    engine = _engine(case.stage, case.pipeline)
     _step(engine, rank, world)
     engine.save_checkpoint(save_dir, tag=case.tags[0])
     states = [engine.full_state_dict(rank0_only=False)]
     _step(engine, rank, world)
     states.append(engine.full_state_dict(rank0_only=False))
-    if rank == 0:
-        torch.save(states, os.path.join(save_dir, "..", "states.pt"))
+    if rank == 0 or case.pipeline:  # each stage holds its own layers
+        torch.save(states, os.path.join(save_dir, "..", f"states{rank}.pt"))
     if rank == case.victim:
         os.environ[FAULT_ENV] = case.point
         os.environ[FAULT_MARKER_ENV] = marker
@@ -124,11 +152,11 @@ def _start(case: Scenario, save_dir: Path, marker: Path, ctx, results) -> list:
     return procs
 
 
-def _kill_at_fault_points(tmp_path: Path) -> None:
+def _kill_at_fault_points(tmp_path: Path, scenarios: list[Scenario]) -> None:
     ctx = _context()
     results = ctx.Queue()  # the survivors' errors land here; the disk is what is checked
     running = {}
-    for case in SCENARIOS:
+    for case in scenarios:
         (tmp_path / case.name / "ckpt").mkdir(parents=True)
         marker = tmp_path / case.name / "paused"
         running[case] = (_start(case, tmp_path / case.name / "ckpt", marker, ctx, results), marker)
@@ -156,24 +184,26 @@ def _kill_at_fault_points(tmp_path: Path) -> None:
         results.close()
 
 
-def _resume(rank: int, world: int, root: str) -> dict:
+def _resume(rank: int, world: int, root: str, scenarios: list[Scenario]) -> dict:
     """An uninterrupted run to step 3, then each crashed scenario resumed and trained to step 3, then saved
     over its tag again."""
     out = {}
-    for stage in (2, 3):
-        engine = _engine(stage)
+    for stage, pipeline in sorted({(case.stage, case.pipeline) for case in scenarios}):
+        engine = _engine(stage, pipeline)
         for _ in range(3):
             _step(engine, rank, world)
-        out[f"zero{stage}"] = engine.full_state_dict(rank0_only=False)
-    for case in SCENARIOS:
+        out[stage, pipeline] = engine.full_state_dict(rank0_only=False)
+    for case in scenarios:
         save_dir = os.path.join(root, case.name, "ckpt")
-        engine = _engine(case.stage)
+        engine = _engine(case.stage, case.pipeline)
         engine.load_checkpoint(save_dir)
         resumed_at = engine.global_steps
         while engine.global_steps < 3:
             _step(engine, rank, world)
-        engine.save_checkpoint(save_dir, tag=case.tags[1])
+        folder = engine.save_checkpoint(save_dir, tag=case.tags[1])
         left = sorted(p.name for p in Path(save_dir).iterdir())
+        if case.pipeline:
+            left.append(sorted(p.name for p in Path(folder).parent.iterdir()))
         out[case.name] = (resumed_at, engine.full_state_dict(rank0_only=False), left)
     return out
 
@@ -182,29 +212,56 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _check_after_kill(tmp_path: Path, case: Scenario) -> None:
+    save_dir = tmp_path / case.name / "ckpt"
+    step1, step2 = ({}, {})
+    for states in (tmp_path / case.name).glob("states*.pt"):
+        one, two = torch.load(states, weights_only=True)
+        step1.update(one)
+        step2.update(two)
+    old_tag, new_tag = case.tags
+    if case.pipeline:  # every stage folder's `latest`, and the stages' weights together
+        stages = pipeline_stage_dirs(save_dir)
+        assert [read_latest(d) for d in stages] == [new_tag if case.committed else old_tag] * WORLD, case.name
+        state = get_fp32_state_dict_from_pipeline_checkpoint(save_dir)
+    else:
+        assert read_latest(save_dir) == (new_tag if case.committed else old_tag), case.name
+        state = get_fp32_state_dict_from_checkpoint(save_dir)  # no process group: what `latest` gives
+    assert _equal(state, step2 if case.committed else step1), case.name
+    if not case.overwrite and not case.committed:  # the unfinished new tag refuses to load
+        error = CheckpointIncomplete if case.point != "start" else CheckpointNotFound
+        with pytest.raises(error, match="global_step2"):
+            get_fp32_state_dict_from_checkpoint(save_dir, "global_step2")
+
+
+def _check_resumed(resumed: list[dict], scenarios: list[Scenario]) -> None:
+    for rank, seen in enumerate(resumed):
+        for case in scenarios:
+            resumed_at, state, left = seen[case.name]
+            assert resumed_at == (2 if case.committed else 1), (rank, case.name)
+            # the uninterrupted run's weights
+            assert _equal(state, seen[case.stage, case.pipeline]), (rank, case.name)
+            tags = sorted({*case.tags, "latest"})  # no .last~new, .last~old or commit record left
+            if case.pipeline:
+                assert left == [*(f"pipe_stage_{s:02d}_of_{WORLD:02d}" for s in range(WORLD)), tags], left
+            else:
+                assert left == tags, (rank, case.name, left)
+            assert COMMIT_RECORD not in left
+
+
 @pytest.mark.timeout(400)
 def test_a_rank_killed_anywhere_in_a_save_leaves_a_latest_that_loads_the_old_or_the_new_state(
     tmp_path: Path,
 ) -> None:
-    _kill_at_fault_points(tmp_path)
+    _kill_at_fault_points(tmp_path, SCENARIOS)
     for case in SCENARIOS:
-        save_dir = tmp_path / case.name / "ckpt"
-        step1, step2 = torch.load(tmp_path / case.name / "states.pt", weights_only=True)
-        old_tag, new_tag = case.tags
-        assert read_latest(save_dir) == (new_tag if case.committed else old_tag), case.name
-        state = get_fp32_state_dict_from_checkpoint(save_dir)  # no process group: what `latest` gives
-        assert _equal(state, step2 if case.committed else step1), case.name
-        if not case.overwrite and not case.committed:  # the unfinished new tag refuses to load
-            error = CheckpointIncomplete if case.point != "start" else CheckpointNotFound
-            with pytest.raises(error, match="global_step2"):
-                get_fp32_state_dict_from_checkpoint(save_dir, "global_step2")
+        _check_after_kill(tmp_path, case)
+    _check_resumed(run_distributed(_resume, WORLD, str(tmp_path), SCENARIOS, timeout=240), SCENARIOS)
 
-    resumed = run_distributed(_resume, WORLD, str(tmp_path), timeout=240)
-    for rank, seen in enumerate(resumed):
-        for case in SCENARIOS:
-            resumed_at, state, left = seen[case.name]
-            assert resumed_at == (2 if case.committed else 1), (rank, case.name)
-            assert _equal(state, seen[f"zero{case.stage}"]), (rank, case.name)  # the uninterrupted run's
-            tags = sorted({*case.tags, "latest"})
-            assert left == tags, (rank, case.name, left)  # no .last~new, .last~old or COMMIT_RECORD
-    assert COMMIT_RECORD not in tags
+
+@pytest.mark.timeout(300)
+def test_pipeline_stages_commit_together_when_a_rank_is_killed_in_a_save(tmp_path: Path) -> None:
+    _kill_at_fault_points(tmp_path, PIPELINE)
+    for case in PIPELINE:
+        _check_after_kill(tmp_path, case)
+    _check_resumed(run_distributed(_resume, WORLD, str(tmp_path), PIPELINE, timeout=240), PIPELINE)

@@ -9,8 +9,9 @@
 Modules: `manifest` (on-disk layout and errors), `tensorfile` (safetensors-format shard files),
 `durable` (atomic fsynced writes, checksums, the fault-injection hook), `reshard` (pure copy planning),
 `shards` (the engine's flat groups <-> shard files), `engine_state` (counters, scaler, scheduler, RNG,
-buffers, client state), `data_position` (resumable data loader), `save` / `load` (the collective
-procedures), `consolidate` (one state dict from a sharded checkpoint, streamed).
+buffers, client state), `data_position` (resumable data loader), `commit` (staging folders and the
+atomic swap that makes a save the checkpoint), `save` / `load` (the collective procedures), `consolidate`
+(one state dict from a sharded checkpoint, streamed).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from runtime.checkpoint.manifest import (
     CheckpointMismatch,
     CheckpointNotFound,
     CheckpointRefused,
+    CheckpointWriteError,
     Manifest,
     read_latest,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "CheckpointMismatch",
     "CheckpointNotFound",
     "CheckpointRefused",
+    "CheckpointWriteError",
     "Manifest",
     "ResumableDataLoader",
     "ResumableSampler",

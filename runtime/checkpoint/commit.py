@@ -90,8 +90,9 @@ def remove_leftovers(folder: Path) -> list[str]:
     if pending_commit(folder) is not None:
         return []
     removed = []
+    ours = (f".{LATEST}.tmp-", f".{COMMIT_RECORD}.tmp-")  # durable.DurableFile's temporary names
     for path in sorted(folder.iterdir()):
-        temporary = path.name.startswith(".") and ".tmp-" in path.name and not path.is_dir()
+        temporary = path.name.startswith(ours) and not path.is_dir()
         if temporary or (staged_tag(path.name) is not None and path.is_dir()):
             _remove(path)
             removed.append(path.name)

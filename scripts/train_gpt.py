@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime
+from runtime.checkpoint import check_save_dir
 from runtime.data import DEFAULT_CORPUS, TokenBlockDataset, Tokenizer, load_tokenizer
 from runtime.distributed import accelerator
 from runtime.errors import UserError
@@ -367,6 +368,8 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(args.seed)
     limit_cpu_threads()
     check_parallel_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.save_dir is not None:  # a folder that refuses checkpoints fails now, not after the first steps
+        check_save_dir(args.save_dir)
     pipeline = args.pipeline_parallel > 1
     model_parallel = pipeline or args.tensor_parallel > 1
     if args.model_name_or_path:

@@ -217,7 +217,14 @@ def _refused_writes(root: str) -> None:
     import json
 
     import runtime
-    from runtime.checkpoint import CheckpointError
+    from runtime.checkpoint import CheckpointError, check_save_dir
+
+    def early(folder: Path) -> str:  # what the check before training says about the folder
+        try:
+            check_save_dir(folder)
+        except CheckpointError as error:
+            return str(error)
+        return "fine"
 
     base = Path(root)
     model = make_model(0)
@@ -268,6 +275,7 @@ def _refused_writes(root: str) -> None:
         seen[name].append(fresh.global_steps == steps)
         seen[name].append(all(torch.equal(state[k], v) for k, v in saved.items()))
         seen[name].append(sorted(p.name for p in folder.iterdir() if p.name != "filler"))
+        seen[name].append(early(folder))
         if name == "immutable":
             subprocess.run(["chattr", "-i", str(folder)], check=True)
     for name, save_dir in (("file", base / "afile"), ("under a file", base / "afile" / "ckpt")):
@@ -276,6 +284,7 @@ def _refused_writes(root: str) -> None:
             seen[name] = ["saved"]
         except CheckpointError as error:
             seen[name] = [type(error).__name__, str(error), error.hint]
+        seen[name].append(early(save_dir))
     print(json.dumps(seen), flush=True)
     engine.save_checkpoint(str(base / "ro"), tag="last")  # uncaught: the excepthook ends the process
 
@@ -313,17 +322,27 @@ def test_a_full_read_only_or_immutable_folder_or_a_file_in_the_way_fails_the_sav
         "immutable": f"in {root}/immutable: {root}/immutable/.last~new: operation not permitted (EPERM); "
         f"{root}/immutable/{kept}",
     }
+    early = {
+        "ro": "the filesystem is mounted read-only (EROFS)",
+        "immutable": "operation not permitted (EPERM)",
+    }
     unsupported = []
     for name, text in expected.items():
         if isinstance(seen[name], str):
             unsupported.append(f"{name}: {seen[name]}")
             continue
-        kind, message, hint, same_steps, same_weights, left = seen[name]
+        kind, message, hint, same_steps, same_weights, left, check = seen[name]
         assert kind == "CheckpointWriteError", (name, seen[name])
         assert message.startswith("cannot save checkpoint 'last' ") and text in message, (name, message)
         assert "\n" not in message and hint, (name, hint)
         assert same_steps and same_weights, name  # the checkpoint saved before loads, whole
         assert left == ["last", "latest"], (name, left)  # the refused save left nothing behind
+        # check_save_dir, before training, finds the same cause (a full disk shows only when a save writes)
+        if name == "full":
+            assert check == "fine"
+        else:
+            assert check.startswith(f"cannot save checkpoints in {root}/{name}: "), check
+            assert check.endswith(early[name]), check
     assert seen["file"][:2] == [
         "CheckpointWriteError",
         f"cannot save checkpoint 'global_step6' in {root}/afile: {root}/afile is a file, where a folder is "
@@ -333,6 +352,9 @@ def test_a_full_read_only_or_immutable_folder_or_a_file_in_the_way_fails_the_sav
         f"/ckpt: {root}/afile is a file, where a folder is needed (ENOTDIR); no earlier checkpoint was "
         "touched"
     ), seen["under a file"]
+    in_the_way = f"{root}/afile is a file, where a folder is needed"
+    assert seen["file"][3] == f"cannot save checkpoints in {root}/afile: {in_the_way} (EEXIST)"
+    assert seen["under a file"][3] == f"cannot save checkpoints in {root}/afile/ckpt: {in_the_way} (ENOTDIR)"
     # uncaught: exit code 2, one error line and one hint line, no traceback
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "hint:", "Traceback"))]
@@ -340,3 +362,20 @@ def test_a_full_read_only_or_immutable_folder_or_a_file_in_the_way_fails_the_sav
     assert "(EROFS)" in errors[0]
     if unsupported:
         pytest.skip(f"the other conditions passed; not available on this machine: {'; '.join(unsupported)}")
+
+
+def test_the_example_script_checks_its_save_dir_before_it_trains(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    args = ["--save_dir", str(tmp_path / "afile" / "ckpt"), "--save_interval", "1", "--steps", "2"]
+    args += ["--model_size", "tiny", "--seq_len", "32", "--deepspeed_config", "scripts/configs/zero2.json"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "scripts/train_gpt.py", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr[-3000:]  # nothing trained
+    assert proc.stderr.splitlines() == [
+        f"error: cannot save checkpoints in {tmp_path}/afile/ckpt: {tmp_path}/afile is a file, where a "
+        "folder is needed (ENOTDIR)",
+        "hint: remove or rename that file, or pass another save_dir",
+    ]

@@ -1,5 +1,6 @@
 """Sharded checkpoints: save in parallel, resume exactly at any world size or ZeRO stage, consolidate.
 
+    runtime.checkpoint.check_save_dir(save_dir)          # before training: a folder that takes files?
     engine.save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True)
     path, client_state = engine.load_checkpoint(load_dir, tag=None, load_optimizer_states=True,
                                                 load_lr_scheduler_states=True, load_module_only=False)
@@ -31,7 +32,7 @@ from runtime.checkpoint.manifest import (
     Manifest,
     read_latest,
 )
-from runtime.checkpoint.save import save_checkpoint
+from runtime.checkpoint.save import check_save_dir, save_checkpoint
 
 __all__ = [
     "CheckpointCorrupted",
@@ -44,6 +45,7 @@ __all__ = [
     "Manifest",
     "ResumableDataLoader",
     "ResumableSampler",
+    "check_save_dir",
     "consolidate_checkpoint",
     "get_fp32_state_dict_from_checkpoint",
     "load_checkpoint",

@@ -144,6 +144,23 @@ def save_checkpoint(
     return part / tag
 
 
+def check_save_dir(save_dir: str | os.PathLike[str]) -> Path:
+    """Check, before training, that checkpoints can be saved in `save_dir`: it is a folder or can be made
+    one (no file in the way), and a file can be created in it (not read-only, immutable or someone
+    else's). Creates the folder; raises a one-line `CheckpointWriteError` naming the path and the cause.
+    A full disk shows only when a save writes; that save fails the same way and keeps the last checkpoint."""
+    root = Path(os.path.abspath(os.fspath(save_dir)))
+    probe = root / f".dslaunch-write-check-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as error:
+        cause, hint = os_error_cause(error)
+        raise CheckpointWriteError(f"cannot save checkpoints in {root}: {cause}", hint=hint) from None
+    return root
+
+
 def _finish_interrupted(root: Path) -> None:
     if not root.is_dir():
         return

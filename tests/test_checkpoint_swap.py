@@ -55,7 +55,6 @@ class Scenario:
     point: str  # runtime.checkpoint.durable.FAULT_POINTS
     victim: int  # the rank that stops there and is killed
     overwrite: bool  # the second save reuses the first one's tag
-
     pipeline: bool = False
 
     @property
@@ -222,6 +221,9 @@ def _check_after_kill(tmp_path: Path, case: Scenario) -> None:
     old_tag, new_tag = case.tags
     if case.pipeline:  # every stage folder's `latest`, and the stages' weights together
         stages = pipeline_stage_dirs(save_dir)
+        if case.point == "swap":  # stage 0 swapped in before its rank failed on the lost peer; stage 1 not
+            seen = [sorted(p.name for p in d.iterdir() if p.is_dir()) for d in stages]
+            assert seen == [["last"], [".last~new", ".last~old"]], seen
         assert [read_latest(d) for d in stages] == [new_tag if case.committed else old_tag] * WORLD, case.name
         state = get_fp32_state_dict_from_pipeline_checkpoint(save_dir)
     else:

@@ -126,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log_interval", type=int, default=10, help="print every N optimizer steps")
     ckpt = parser.add_argument_group("checkpoints")
-    ckpt.add_argument("--save_dir", type=Path, help="directory for engine.save_checkpoint")
+    ckpt.add_argument("--save_dir", type=check_save_dir, help="checkpoint folder (checked at start)")
     ckpt.add_argument("--save_interval", type=int, default=0, help="save every N steps and at the end")
     ckpt.add_argument("--resume", action="store_true", help="continue from the newest checkpoint there")
     ckpt.add_argument(
@@ -368,8 +368,6 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     torch.manual_seed(args.seed)
     limit_cpu_threads()
     check_parallel_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    if args.save_dir is not None:  # a folder that refuses checkpoints fails now, not after the first steps
-        check_save_dir(args.save_dir)
     pipeline = args.pipeline_parallel > 1
     model_parallel = pipeline or args.tensor_parallel > 1
     if args.model_name_or_path:

@@ -400,7 +400,7 @@ class Engine(EngineAccessors, nn.Module):
         from runtime.checkpoint import save_checkpoint
 
         self.masters.flush()
-        return str(save_checkpoint(self, self._checkpoint_root(save_dir), tag, client_state, save_latest))
+        return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))  # parts: see there
 
     def load_checkpoint(
         self,

@@ -35,10 +35,17 @@ from torch.distributed.pipelining import (
 
 from runtime import checkpointing
 from runtime.comm import Comm
-from runtime.config import load_config, read_config_file
+from runtime.config import ConfigError, load_config, read_config_file
 from runtime.engine import Engine
 from runtime.offload import GradMath
-from runtime.pipe.config import MULTI_CHUNK_SCHEDULES, PipelineConfig, check_schedule, read_pipeline_config
+from runtime.pipe.config import (
+    MULTI_CHUNK_SCHEDULES,
+    PipelineConfig,
+    PipelineError,
+    check_schedule,
+    read_pipeline_config,
+)
+from runtime.pipe.data import read_micro_batches, stage_tensors
 from runtime.pipe.module import PipelineModule
 from runtime.pipe.tied import (
     all_reduce_tied_grads,
@@ -61,7 +68,9 @@ def _read_config(config: Any) -> dict[str, Any]:
         return dict(read_config_file(config))
     if isinstance(config, dict):
         return dict(config)
-    raise TypeError(f"PipelineEngine needs the config as a dict or a file path, got {type(config).__name__}")
+    raise PipelineError(
+        f"PipelineEngine needs the config as a dict or a file path, got {type(config).__name__}"
+    )
 
 
 def _tensor_parallel_degree(section: Any, grid_tp: int) -> int:
@@ -70,29 +79,45 @@ def _tensor_parallel_degree(section: Any, grid_tp: int) -> int:
 
     asked = read_tensor_parallel_config(section).autotp_size
     if section and asked != grid_tp:
-        raise ValueError(
-            f"tensor_parallel.autotp_size is {asked} but the PipelineModule's topology has a model "
-            f"dimension of {grid_tp}: build it with PipeModelDataParallelTopology(num_pp, num_mp={asked}, "
-            "num_dp)"
+        raise ConfigError(
+            "tensor_parallel.autotp_size",
+            f"{asked} but the PipelineModule's topology has a model dimension of {grid_tp}",
+            hint=f"build the module with PipeModelDataParallelTopology(num_pp, num_mp={asked}, num_dp), or "
+            f"set autotp_size to {grid_tp}",
         )
     return grid_tp
 
 
 def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineModule) -> None:
     """Refuse what the pipeline engine cannot do, before any training."""
-    stage = cfg.zero_optimization.stage
-    if stage >= 2:
-        raise ValueError(
-            f"zero_optimization.stage {stage} cannot be combined with pipeline parallelism "
-            f"({module.num_stages} stages): gradients accumulate over micro-batches in every stage, so "
-            "sharding them (stage 2) or the parameters (stage 3) does not fit; use stage 0 or 1"
+    zero = cfg.zero_optimization
+    if zero.stage >= 2:
+        raise ConfigError(
+            "zero_optimization.stage",
+            f"{zero.stage} cannot be combined with pipeline parallelism ({module.num_stages} stages): "
+            "gradients accumulate over micro-batches in every stage, so sharding them (stage 2) or the "
+            "parameters (stage 3) does not fit, as in DeepSpeed",
+            hint="use ZeRO stage 0 or 1 with a PipelineModule",
         )
-    if cfg.zero_optimization.offload_optimizer.device != "none":
-        raise ValueError("zero_optimization.offload_optimizer is not supported with pipeline parallelism yet")
+    if zero.offload_optimizer.device != "none":
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device",
+            f"{zero.offload_optimizer.device!r}: optimizer offload is not supported with pipeline "
+            "parallelism yet",
+            hint='remove offload_optimizer (or set "device": "none") when training a PipelineModule',
+        )
+    if zero.offload_param.device != "none":
+        raise ConfigError(
+            "zero_optimization.offload_param.device",
+            f"{zero.offload_param.device!r}: parameter offload is ZeRO-3's, which pipelines do not take",
+            hint='remove offload_param (or set "device": "none") when training a PipelineModule',
+        )
     if pipe_cfg.stages is not None and pipe_cfg.stages != module.num_stages:
-        raise ValueError(
-            f"pipeline.stages is {pipe_cfg.stages} but the PipelineModule was built with "
-            f"{module.num_stages} stages"
+        raise ConfigError(
+            "pipeline.stages",
+            f"{pipe_cfg.stages} but the PipelineModule was built with {module.num_stages} stages",
+            hint=f'set "stages": {module.num_stages} (or "auto"), or build the module with '
+            f"num_stages={pipe_cfg.stages}",
         )
     check_schedule(pipe_cfg, module.num_stages, module.chunks_per_stage, cfg.gradient_accumulation_steps)
 
@@ -110,7 +135,7 @@ class PipelineEngine(Engine):
         lr_scheduler: Any = None,
     ) -> None:
         if not isinstance(module, PipelineModule):
-            raise TypeError(f"PipelineEngine trains a PipelineModule, got {type(module).__name__}")
+            raise PipelineError(f"PipelineEngine trains a PipelineModule, got {type(module).__name__}")
         raw = _read_config(config)
         self_pipe = read_pipeline_config(raw.pop("pipeline", None))
         grid = module.grid
@@ -168,6 +193,7 @@ class PipelineEngine(Engine):
         self._eval: dict[bool, Any] = {}  # compute_loss -> schedule
         self._eval_stages: list[PipelineStage] | None = None
         self._losses: list[torch.Tensor] = []
+        self.data_iterator: Iterator[Any] | None = None  # what train_batch() reads without an iterator
 
     def _torch_stages(self) -> list[PipelineStage]:
         """One torch stage per chunk, with its virtual stage index (r, r + p, ...) out of p * chunks."""
@@ -199,56 +225,54 @@ class PipelineEngine(Engine):
         return self.stage_id == self.num_stages - 1
 
     # -- data ------------------------------------------------------------------------------------------
-    def _read_micro_batches(self, data_iter: Iterator[Any] | None) -> tuple[tuple[Any, ...], Any]:
-        """Read this batch's micro-batches (first and last stage), check on every rank that they were
-        all there, and return (stage inputs, labels) as whole batches for the schedule to split."""
-        wants = self.is_first_stage() or self.is_last_stage()
-        batches: list[Any] = []
-        problem = ""
-        if wants:
-            if data_iter is None:
-                data_iter = iter(self.training_dataloader) if self.training_dataloader is not None else None
-            if data_iter is None:
-                problem = "no data iterator was given (train_batch(data_iter) on the first and last stage)"
-            else:
-                for _ in range(self.micro_batches):
-                    try:
-                        batches.append(next(data_iter))
-                    except StopIteration:
-                        break
-        read = torch.tensor(  # on the device: NCCL reduces only device tensors
-            [-1 if problem else len(batches) if wants else self.micro_batches],
-            dtype=torch.int64,
+    def set_dataloader(self, loader: Any) -> None:
+        """Train from `loader` (first and last stage): `train_batch()` and `eval_batch()` without an
+        iterator draw from one iterator over it, kept between batches and restarted at the end of the
+        data (DeepSpeed's method; a checkpoint saves the loader's position)."""
+        from runtime.ds_utils import RepeatingLoader
+
+        self.training_dataloader = loader
+        reads = self.is_first_stage() or self.is_last_stage()
+        self.data_iterator = RepeatingLoader(loader) if reads else None
+
+    def set_dataiterator(self, iterator: Iterator[Any] | None) -> None:
+        """Train from `iterator`: later `train_batch()` calls without one continue it (DeepSpeed's)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = iterator
+
+    def _read_micro_batches(
+        self, data_iter: Iterator[Any] | None, micro_batch_size: int | None = None
+    ) -> tuple[tuple[Any, ...], Any]:
+        """This batch's (stage inputs, labels) as whole batches for the schedule to split (first and last
+        stage; `runtime.pipe.data` checks them on every rank first)."""
+        first, last = self.is_first_stage(), self.is_last_stage()
+        batches = read_micro_batches(
+            data_iter,
+            count=self.micro_batches,
+            reads=first or last,
+            stage_id=self.stage_id,
             device=self.device,
+            micro_batch_size=micro_batch_size,
         )
-        dist.all_reduce(read, op=dist.ReduceOp.MIN)  # every rank learns it before any compute starts
-        if problem:
-            raise ValueError(f"stage {self.stage_id}: {problem}")
-        if int(read) < 0:
-            raise ValueError("train_batch: the first or last stage was given no data iterator")
-        if int(read) < self.micro_batches:
-            raise ValueError(
-                f"the data iterator ran out after {int(read)} of {self.micro_batches} micro-batches "
-                "(gradient_accumulation_steps) of this batch; give every batch all of its micro-batches"
-            )
-        if not wants:
+        if not (first or last):
             return (), None
-        inputs, labels = zip(*(_split_batch(b) for b in batches), strict=True)
-        stage_inputs = _concat(inputs, self.device) if self.is_first_stage() else None
-        if stage_inputs is not None and self.policy.cast_inputs:
-            stage_inputs = tuple(
-                t.to(self.policy.param_dtype) if t.is_floating_point() else t for t in stage_inputs
-            )
-        targets = _concat(labels, self.device) if self.is_last_stage() else None
-        if targets is not None and len(targets) == 1:
-            targets = targets[0]
-        return stage_inputs or (), targets
+        cast = self.policy.param_dtype if self.policy.cast_inputs else None
+        return stage_tensors(batches, first=first, last=last, device=self.device, cast=cast)
+
+    def _next_iterator(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
+        """The iterator a batch reads: the one given, else the engine's (from set_dataiterator or the
+        loader that runtime.initialize(training_data=...) built)."""
+        if data_iter is not None:
+            return data_iter
+        if self.data_iterator is None and self.training_dataloader is not None:
+            self.set_dataloader(self.training_dataloader)
+        return self.data_iterator
 
     # -- training --------------------------------------------------------------------------------------
     def _scaled_loss(self, outputs: Any, labels: Any) -> torch.Tensor:
         module = self.module
         if module.loss_fn is None:
-            raise ValueError("the last stage needs a loss: PipelineModule(..., loss_fn=...)")
+            raise PipelineError("the last stage needs a loss: PipelineModule(..., loss_fn=...)")
         loss = module.loss_fn(outputs, labels)
         self._losses.append(loss.detach().float())
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
@@ -257,9 +281,15 @@ class PipelineEngine(Engine):
         """Run one global batch through the pipeline and step; returns the loss averaged over the
         micro-batches and data-parallel ranks, on every rank."""
         if self.optimizer is None:
-            raise RuntimeError("train_batch: no optimizer; configure one or pass optimizer=")
+            raise PipelineError(
+                "train_batch: no optimizer",
+                hint='configure one (the config\'s "optimizer" section) or pass optimizer= to initialize',
+            )
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
         self.module.train()
-        inputs, targets = self._read_micro_batches(data_iter)
+        micro = self.config.train_micro_batch_size_per_gpu
+        inputs, targets = self._read_micro_batches(self._next_iterator(None), micro)
         self._losses = []
         self._schedule.step(*inputs, target=targets, return_outputs=False)
         all_reduce_tied_grads(self.ties)
@@ -333,7 +363,7 @@ class PipelineEngine(Engine):
     # -- evaluation ------------------------------------------------------------------------------------
     def eval_batch(
         self,
-        data_iter: Iterator[Any] | None,
+        data_iter: Iterator[Any] | None = None,
         return_logits: bool = False,
         compute_loss: bool = True,
         reduce_output: str | None = "avg",
@@ -341,11 +371,12 @@ class PipelineEngine(Engine):
         """Forward `gradient_accumulation_steps` micro-batches. Returns the loss (reduce_output="avg": the
         mean over micro-batches and data ranks; None: one value per micro-batch, averaged over data ranks)
         on every rank, or None without compute_loss; with return_logits, (loss, outputs) where outputs are
-        the last stage's (None on other stages)."""
+        the last stage's (None on other stages). Without `data_iter`, the micro-batches come from the
+        engine's training iterator (ours: DeepSpeed's eval_batch needs one), which they advance."""
         if reduce_output not in ("avg", None):
-            raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+            raise PipelineError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
         self.module.eval()
-        inputs, targets = self._read_micro_batches(data_iter)
+        inputs, targets = self._read_micro_batches(self._next_iterator(data_iter))
         self._losses = []
         with torch.no_grad():
             schedule = self._eval_schedule(compute_loss)
@@ -419,36 +450,17 @@ class PipelineEngine(Engine):
         state = dict(state or {})
         parts = state.pop(_PARTS_KEY, None)
         if parts is not None and list(parts) != list(self.module.parts):
-            raise ValueError(
+            raise PipelineError(
                 f"the checkpoint's stages hold layers {parts} (boundaries) but this module's hold "
                 f"{list(self.module.parts)}: build the PipelineModule with the same partition_method"
             )
         return path, state
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a PipelineEngine runs whole batches: call train_batch() or eval_batch()")
+        raise PipelineError("a PipelineEngine runs whole batches: call train_batch() or eval_batch()")
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a PipelineEngine runs whole batches: call train_batch(), not backward()")
-
-
-def _split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise ValueError(
-            f"each micro-batch must be a pair (inputs, labels), got {type(batch).__name__}"
-            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-        )
-    inputs, labels = batch
-    as_tuple = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)  # noqa: E731
-    return as_tuple(inputs), as_tuple(labels)
-
-
-def _concat(parts: tuple[tuple[torch.Tensor, ...], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Micro-batches -> one batch per tensor position (the schedule splits it back into equal chunks)."""
-    sizes = {t.shape[0] for part in parts for t in part}
-    if len(sizes) > 1:
-        raise ValueError(f"micro-batches must have the same size along dim 0, got sizes {sorted(sizes)}")
-    return tuple(torch.cat(column).to(device) for column in zip(*parts, strict=True))
+        raise PipelineError("a PipelineEngine runs whole batches: call train_batch(), not backward()")
 
 
 __all__ = ["PipelineEngine", "check_pipeline_config"]

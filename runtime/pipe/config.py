@@ -6,7 +6,9 @@ The module's own arguments
 (PipelineModule) decide stages, chunks, partition and seeding; the section's values for those are checked
 against the module, not applied to it, since the module is built before the engine sees the config.
 
-Schedules: "1f1b" (the default with one chunk per stage) and "gpipe" run one chunk per stage;
+Schedules: "1f1b" (the default with one chunk per stage; "gpipe" when there are fewer micro-batches
+than stages, which torch's 1F1B refuses and which is the same schedule then) and "gpipe" run one chunk per
+stage;
 "interleaved_1f1b" (the default with several chunks per stage) and "looped_bfs" run the chunks of a
 `PipelineModule(..., chunks_per_stage=v)`.
 """
@@ -53,6 +55,15 @@ def check_schedule(pipe_cfg: PipelineConfig, stages: int, chunks: int, micro_bat
             f"pass PipelineModule(..., chunks_per_stage={pipe_cfg.chunks_per_stage}) or remove the key",
         )
     schedule = pipe_cfg.schedule_for(chunks)
+    if schedule == "1f1b" and micro_batches < stages:
+        if pipe_cfg.schedule is None:  # the default: GPipe is the same schedule when every micro-batch
+            return "gpipe"  # fits in flight at once (DeepSpeed runs fewer micro-batches than stages too)
+        raise ConfigError(
+            "gradient_accumulation_steps",
+            f"{micro_batches} micro-batches, but pipeline.schedule '1f1b' needs at least one per stage "
+            f"({stages})",
+            hint=f"set gradient_accumulation_steps to {stages} or more, or use the schedule 'gpipe'",
+        )
     if chunks > 1 and schedule not in MULTI_CHUNK_SCHEDULES:
         raise ConfigError(
             "pipeline.schedule",

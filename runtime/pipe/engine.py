@@ -88,8 +88,8 @@ def _tensor_parallel_degree(section: Any, grid_tp: int) -> int:
     return grid_tp
 
 
-def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineModule) -> None:
-    """Refuse what the pipeline engine cannot do, before any training."""
+def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineModule) -> str:
+    """Refuse what the pipeline engine cannot do, before any training; returns the schedule to run."""
     zero = cfg.zero_optimization
     if zero.stage >= 2:
         raise ConfigError(
@@ -119,7 +119,8 @@ def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineMo
             hint=f'set "stages": {module.num_stages} (or "auto"), or build the module with '
             f"num_stages={pipe_cfg.stages}",
         )
-    check_schedule(pipe_cfg, module.num_stages, module.chunks_per_stage, cfg.gradient_accumulation_steps)
+    micro_batches = cfg.gradient_accumulation_steps
+    return check_schedule(pipe_cfg, module.num_stages, module.chunks_per_stage, micro_batches)
 
 
 class PipelineEngine(Engine):
@@ -141,7 +142,7 @@ class PipelineEngine(Engine):
         grid = module.grid
         tp = _tensor_parallel_degree(raw.pop("tensor_parallel", None), grid.model_parallel_size)
         cfg = load_config(raw, world_size=grid.data_parallel_size, model=module)
-        check_pipeline_config(cfg, self_pipe, module)
+        schedule_name = check_pipeline_config(cfg, self_pipe, module)
         if self_pipe.activation_checkpoint_interval is not None:
             module.activation_checkpoint_interval = self_pipe.activation_checkpoint_interval
         comm = Comm(
@@ -160,6 +161,8 @@ class PipelineEngine(Engine):
             )
         ties = build_ties(module)
         broadcast_tied_weights(ties, device)
+        if optimizer is None and model_parameters is None:
+            _check_stage_trains(module)
         super().__init__(
             module,
             cfg,
@@ -184,7 +187,7 @@ class PipelineEngine(Engine):
         self._pipe_group = grid.get_pipe_parallel_group()
         self._last_stage_rank = grid.stage_to_global(self.num_stages - 1)
         self._duplicate_squares: torch.Tensor | None = None
-        self.schedule_name = self_pipe.schedule_for(module.chunks_per_stage)  # checked above
+        self.schedule_name = schedule_name
         # scale_grads=False: the ZeRO step divides by micro-batches x data-parallel ranks once
         self._schedule = self._make_schedule(self._torch_stages(), loss_fn=self._scaled_loss)
         # Evaluation runs its own torch stages over the same chunks (built on first use): a stage infers
@@ -461,6 +464,22 @@ class PipelineEngine(Engine):
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("a PipelineEngine runs whole batches: call train_batch(), not backward()")
+
+
+def _check_stage_trains(module: PipelineModule) -> None:
+    """A stage whose layers hold no trainable parameter (only functions, activations, frozen layers)
+    has nothing for its optimizer: say which stage and layers, not the optimizer's complaint."""
+    if any(p.requires_grad for p in module.parameters()):
+        return
+    from runtime.pipe.module import layer_type_name
+
+    layers = module.local_layer_indices()
+    names = ", ".join(f"{i}: {layer_type_name(module._layer_specs[i])}" for i in layers)
+    raise PipelineError(
+        f"pipeline stage {module.stage_id} holds layers {names} and no trainable parameter",
+        hint="every stage needs something to train: use partition_method='parameters' (the default), "
+        "fewer stages, or a layer list whose parameters spread over the stages",
+    )
 
 
 __all__ = ["PipelineEngine", "check_pipeline_config"]

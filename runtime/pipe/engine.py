@@ -162,7 +162,7 @@ class PipelineEngine(Engine):
         ties = build_ties(module)
         broadcast_tied_weights(ties, device)
         if optimizer is None and model_parameters is None:
-            _check_stage_trains(module)
+            _check_every_stage_trains(module, device)
         super().__init__(
             module,
             cfg,
@@ -466,17 +466,24 @@ class PipelineEngine(Engine):
         raise PipelineError("a PipelineEngine runs whole batches: call train_batch(), not backward()")
 
 
-def _check_stage_trains(module: PipelineModule) -> None:
+def _check_every_stage_trains(module: PipelineModule, device: torch.device) -> None:
     """A stage whose layers hold no trainable parameter (only functions, activations, frozen layers)
-    has nothing for its optimizer: say which stage and layers, not the optimizer's complaint."""
-    if any(p.requires_grad for p in module.parameters()):
+    has nothing for its optimizer: every rank learns the first such stage and says which, with its
+    layers, instead of the optimizer's complaint on that rank alone (and the others waiting for it)."""
+    trains = any(p.requires_grad for p in module.parameters())
+    empty = torch.tensor([module.num_stages if trains else module.stage_id], dtype=torch.int64, device=device)
+    dist.all_reduce(empty, op=dist.ReduceOp.MIN)
+    stage = int(empty)
+    if stage == module.num_stages:
         return
     from runtime.pipe.module import layer_type_name
 
-    layers = module.local_layer_indices()
+    layers = [
+        i for part in module.virtual_stages(stage) for i in range(module.parts[part], module.parts[part + 1])
+    ]
     names = ", ".join(f"{i}: {layer_type_name(module._layer_specs[i])}" for i in layers)
     raise PipelineError(
-        f"pipeline stage {module.stage_id} holds layers {names} and no trainable parameter",
+        f"pipeline stage {stage} holds layers {names} and no trainable parameter",
         hint="every stage needs something to train: use partition_method='parameters' (the default), "
         "fewer stages, or a layer list whose parameters spread over the stages",
     )

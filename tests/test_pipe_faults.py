@@ -92,6 +92,24 @@ def test_degrees_and_layer_counts_that_cannot_be_laid_out() -> None:
     assert check_schedule(read_pipeline_section({}), 4, 1, 2) == "gpipe"
 
 
+def test_a_pipeline_checkpoint_root_and_the_random_streams_refuse_in_one_line(tmp_path: Path) -> None:
+    from runtime.parallel.rng import RNGStatesTracker
+    from runtime.pipe.checkpoint import pipeline_stage_dirs
+
+    assert _message(lambda: pipeline_stage_dirs(tmp_path)) == (
+        f"{tmp_path} holds no pipeline stage directories (pipe_stage_SS_of_NN)"
+    )
+    (tmp_path / "pipe_stage_01_of_02").mkdir()
+    assert _message(lambda: pipeline_stage_dirs(tmp_path)) == (
+        f"{tmp_path}: the checkpoint of a 2-stage pipeline lacks stages [0]"
+    )
+    tracker = RNGStatesTracker()
+    tracker.add("a", 7)
+    assert _message(lambda: tracker.add("b", 7)) == (
+        "RNG tracker: seed 7 already starts another stream; give 'b' its own"
+    )
+
+
 def test_the_error_file_names_the_exception_behind_a_pipeline_stage() -> None:
     try:
         try:

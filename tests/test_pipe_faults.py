@@ -198,6 +198,11 @@ def _engine_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
         losses.append(float(lm_loss(plain, tokens, labels).detach()))
         out["tp1_engine"] = type(plain).__name__
     out["tp1_loss"], out["no_section_loss"] = losses
+    # training_data with tensor parallelism: one loader over the data ranks (both model ranks of the one
+    # data rank read the same micro-batches)
+    tokens = torch.arange(8 * 6).reshape(8, 6) % 13
+    _, _, loader, _ = runtime.initialize(model=lm(), config=tp(2), training_data=tokens)
+    out["tp_loader"] = [len(loader), next(iter(loader)).tolist()]
     # a checkpoint saved at tensor-parallel degree 2, resumed without tensor parallelism
     runtime.initialize(model=lm(), config=tp(2))[0].save_checkpoint(save_dir)
     plain = runtime.initialize(model=lm(), config=tp(1))[0]
@@ -246,6 +251,7 @@ def test_tensor_parallel_input_errors_are_one_line_naming_the_degree(faults: lis
             "needs 4 ranks"
         )
         assert r["tp1_engine"] == "Engine" and r["tp1_loss"] == r["no_section_loss"]
+        assert r["tp_loader"] == faults[0]["tp_loader"] and r["tp_loader"][0] == 2  # 8 samples, micro 4
         assert r["tp_resume"].endswith(
             "holds a checkpoint saved with tensor-parallel degree 2 (tp_rank_00_of_02, tp_rank_01_of_02), "
             "but this engine has no tensor parallelism"

@@ -242,7 +242,7 @@ def results() -> list[dict]:
     return part("module")
 
 
-def test_each_stage_builds_only_its_layers(results: list[dict]) -> None:
+def test_each_stage_keeps_its_layers_built_in_deepspeeds_order(results: list[dict]) -> None:
     assert [r["stage"] for r in results] == [0, 1, 2, 3]
     everything = list(range(8))
     assert [r["real"] for r in results] == [everything + own for own in ([0, 1], [2, 3], [4, 5], [6, 7])]

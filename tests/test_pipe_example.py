@@ -31,7 +31,7 @@ from runtime.pipe import LayerSpec
 from tests.dist import run_distributed
 
 SEED, BASE_SEED = 1138, 1234  # the example's --seed; PipelineModule's default base_seed
-MICRO, GAS, STEPS, SAMPLES, CLASSES = 4, 2, 3, 28, 5  # 3 steps + 1 eval read 32: the data wraps once
+MICRO, GAS, STEPS, SAMPLES, CLASSES = 4, 2, 3, 28, 5  # 3 steps + 2 evals read 36: the data wraps once
 CONFIG = {  # the example's ds_config.json, smaller
     "train_batch_size": MICRO * GAS,
     "train_micro_batch_size_per_gpu": MICRO,
@@ -102,6 +102,7 @@ def _example(rank: int, world_size: int, config_path: str) -> dict[str, Any]:
     )
     out["losses"] = [float(engine.train_batch()) for _ in range(STEPS)]
     out["eval"] = float(engine.eval_batch())
+    out["eval_one"] = float(engine.eval_batch(num_micro_batches=1))  # fewer than the stages: GPipe
     out["loader_batches"] = len(loader)
 
     # the same with DeepSpeed's loader built by hand and given to train_batch
@@ -116,6 +117,7 @@ def _example(rank: int, world_size: int, config_path: str) -> dict[str, Any]:
     data_iter = iter(RepeatingLoader(torch.utils.data.DataLoader(dataset(), MICRO, sampler=sampler)))
     out["by_hand"] = [float(engine.train_batch(data_iter)) for _ in range(STEPS)]
     out["by_hand_eval"] = float(engine.eval_batch(data_iter))
+    out["by_hand_eval_one"] = float(engine.eval_batch(data_iter, num_micro_batches=1))
 
     # initial weights at 2 stages and at 1 (pp1 x dp2), with and without seed_layers
     out["seeded"] = _weights(seeded_module(seed_layers=True))
@@ -203,7 +205,7 @@ def test_train_batch_without_an_iterator_reads_deepspeeds_loader(results: list[d
     model = _Whole(initial)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001, betas=(0.9, 0.999), eps=1e-8)
     data = dataset()
-    order = [i % SAMPLES for i in range(MICRO * GAS * (STEPS + 1))]  # in order, one data-parallel rank
+    order = [i % SAMPLES for i in range(MICRO * (GAS * (STEPS + 1) + 1))]  # in order, one data rank
     micro_batches = [order[i : i + MICRO] for i in range(0, len(order), MICRO)]
     losses = []
     for step in range(STEPS + 1):
@@ -218,11 +220,15 @@ def test_train_batch_without_an_iterator_reads_deepspeeds_loader(results: list[d
         if step < STEPS:
             optimizer.step()
         losses.append(sum(step_losses) / GAS)
+    with torch.no_grad():
+        images, labels = data[micro_batches[-1]]
+        eval_one = float(nn.functional.cross_entropy(model(images), labels))
     assert results[0]["loader_batches"] == SAMPLES // MICRO  # this data rank's (the only one's) samples
     for r in results:
         assert r["losses"] == r["by_hand"] and r["eval"] == r["by_hand_eval"]  # the same batches
         assert r["losses"] == pytest.approx(losses[:STEPS], rel=1e-5)  # the pipeline tests' tolerance
         assert r["eval"] == pytest.approx(losses[STEPS], rel=1e-5)
+        assert r["eval_one"] == r["by_hand_eval_one"] == pytest.approx(eval_one, rel=1e-5)
 
 
 def test_the_example_script_names_resolve() -> None:

@@ -46,7 +46,7 @@ from runtime.pipe.config import (
     read_pipeline_config,
 )
 from runtime.pipe.data import read_micro_batches, stage_tensors
-from runtime.pipe.module import PipelineModule
+from runtime.pipe.module import PipelineModule, check_every_stage_trains
 from runtime.pipe.tied import (
     all_reduce_tied_grads,
     broadcast_tied_weights,
@@ -162,7 +162,7 @@ class PipelineEngine(Engine):
         ties = build_ties(module)
         broadcast_tied_weights(ties, device)
         if optimizer is None and model_parameters is None:
-            _check_every_stage_trains(module, device)
+            check_every_stage_trains(module, device)
         super().__init__(
             module,
             cfg,
@@ -193,7 +193,7 @@ class PipelineEngine(Engine):
         # Evaluation runs its own torch stages over the same chunks (built on first use): a stage infers
         # its receive buffers on its first run, and buffers inferred under no_grad would then serve
         # training too (torch 2.11's interleaved runtime sent None input gradients after an eval_batch).
-        self._eval: dict[bool, Any] = {}  # compute_loss -> schedule
+        self._eval: dict[tuple[bool, int], Any] = {}  # (compute_loss, micro-batches) -> schedule
         self._eval_stages: list[PipelineStage] | None = None
         self._losses: list[torch.Tensor] = []
         self.data_iterator: Iterator[Any] | None = None  # what train_batch() reads without an iterator
@@ -206,19 +206,29 @@ class PipelineEngine(Engine):
             for chunk in self.module.chunks
         ]
 
-    def _make_schedule(self, stages: list[PipelineStage], loss_fn: Any) -> Any:
-        """The configured torch schedule over `stages` (a single-chunk schedule takes the one)."""
-        schedule = _SCHEDULES[self.schedule_name]
-        chosen: Any = stages if self.schedule_name in MULTI_CHUNK_SCHEDULES else stages[0]
-        return schedule(chosen, self.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    def _make_schedule(
+        self, stages: list[PipelineStage], loss_fn: Any, micro_batches: int | None = None, name: str = ""
+    ) -> Any:
+        """The configured torch schedule (or `name`) over `stages` (a single-chunk schedule takes the
+        one), for `micro_batches` (default: gradient_accumulation_steps)."""
+        name = name or self.schedule_name
+        chosen: Any = stages if name in MULTI_CHUNK_SCHEDULES else stages[0]
+        count = micro_batches or self.micro_batches
+        return _SCHEDULES[name](chosen, count, loss_fn=loss_fn, scale_grads=False)
 
-    def _eval_schedule(self, compute_loss: bool) -> Any:
-        if compute_loss not in self._eval:
+    def _eval_schedule(self, compute_loss: bool, micro_batches: int) -> Any:
+        key = (compute_loss, micro_batches)
+        if key not in self._eval:
             if self._eval_stages is None:
                 self._eval_stages = self._torch_stages()
             loss_fn = self._scaled_loss if compute_loss else None
-            self._eval[compute_loss] = self._make_schedule(self._eval_stages, loss_fn=loss_fn)
-        return self._eval[compute_loss]
+            name = self.schedule_name
+            if micro_batches != self.micro_batches:  # the schedule that runs this count (GPipe below p)
+                name = check_schedule(
+                    self.pipeline, self.num_stages, self.module.chunks_per_stage, micro_batches
+                )
+            self._eval[key] = self._make_schedule(self._eval_stages, loss_fn, micro_batches, name)
+        return self._eval[key]
 
     # -- stages ----------------------------------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -244,14 +254,14 @@ class PipelineEngine(Engine):
             self.data_iterator = iterator
 
     def _read_micro_batches(
-        self, data_iter: Iterator[Any] | None, micro_batch_size: int | None = None
+        self, data_iter: Iterator[Any] | None, micro_batch_size: int | None = None, count: int = 0
     ) -> tuple[tuple[Any, ...], Any]:
         """This batch's (stage inputs, labels) as whole batches for the schedule to split (first and last
         stage; `runtime.pipe.data` checks them on every rank first)."""
         first, last = self.is_first_stage(), self.is_last_stage()
         batches = read_micro_batches(
             data_iter,
-            count=self.micro_batches,
+            count=count or self.micro_batches,
             reads=first or last,
             stage_id=self.stage_id,
             device=self.device,
@@ -370,26 +380,33 @@ class PipelineEngine(Engine):
         return_logits: bool = False,
         compute_loss: bool = True,
         reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
     ) -> Any:
         """Forward `gradient_accumulation_steps` micro-batches. Returns the loss (reduce_output="avg": the
         mean over micro-batches and data ranks; None: one value per micro-batch, averaged over data ranks)
         on every rank, or None without compute_loss; with return_logits, (loss, outputs) where outputs are
         the last stage's (None on other stages). Without `data_iter`, the micro-batches come from the
-        engine's training iterator (ours: DeepSpeed's eval_batch needs one), which they advance."""
+        engine's training iterator (ours: DeepSpeed's eval_batch needs one), which they advance.
+        `num_micro_batches`: how many to read instead (DeepSpeed's keyword); `bcast_loss` is accepted, and
+        every rank gets the loss either way."""
         if reduce_output not in ("avg", None):
             raise PipelineError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+        count = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
+        if count < 1:
+            raise PipelineError(f"eval_batch(num_micro_batches={num_micro_batches}): must be at least 1")
         self.module.eval()
-        inputs, targets = self._read_micro_batches(self._next_iterator(data_iter))
+        inputs, targets = self._read_micro_batches(self._next_iterator(data_iter), count=count)
         self._losses = []
         with torch.no_grad():
-            schedule = self._eval_schedule(compute_loss)
+            schedule = self._eval_schedule(compute_loss, count)
             outputs = schedule.eval(*inputs, target=targets) if compute_loss else schedule.eval(*inputs)
         self.module.train()
         loss = None
         if compute_loss:
-            loss = torch.zeros(self.micro_batches, dtype=torch.float32, device=self.device)
+            loss = torch.zeros(count, dtype=torch.float32, device=self.device)
             if self.is_last_stage():
-                loss = torch.stack(self._losses[-self.micro_batches :]).to(self.device)
+                loss = torch.stack(self._losses[-count:]).to(self.device)
                 if self.comm.world_size > 1:
                     dist.all_reduce(loss, group=self.comm.group)
                     loss /= self.comm.world_size
@@ -464,29 +481,6 @@ class PipelineEngine(Engine):
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError("a PipelineEngine runs whole batches: call train_batch(), not backward()")
-
-
-def _check_every_stage_trains(module: PipelineModule, device: torch.device) -> None:
-    """A stage whose layers hold no trainable parameter (only functions, activations, frozen layers)
-    has nothing for its optimizer: every rank learns the first such stage and says which, with its
-    layers, instead of the optimizer's complaint on that rank alone (and the others waiting for it)."""
-    trains = any(p.requires_grad for p in module.parameters())
-    empty = torch.tensor([module.num_stages if trains else module.stage_id], dtype=torch.int64, device=device)
-    dist.all_reduce(empty, op=dist.ReduceOp.MIN)
-    stage = int(empty)
-    if stage == module.num_stages:
-        return
-    from runtime.pipe.module import layer_type_name
-
-    layers = [
-        i for part in module.virtual_stages(stage) for i in range(module.parts[part], module.parts[part + 1])
-    ]
-    names = ", ".join(f"{i}: {layer_type_name(module._layer_specs[i])}" for i in layers)
-    raise PipelineError(
-        f"pipeline stage {stage} holds layers {names} and no trainable parameter",
-        hint="every stage needs something to train: use partition_method='parameters' (the default), "
-        "fewer stages, or a layer list whose parameters spread over the stages",
-    )
 
 
 __all__ = ["PipelineEngine", "check_pipeline_config"]

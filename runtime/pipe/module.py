@@ -377,11 +377,33 @@ class PipelineModule(nn.Module):
         return [index for chunk in self.chunks for index in chunk.layers]
 
 
+def check_every_stage_trains(module: PipelineModule, device: torch.device) -> None:
+    """A stage whose layers hold no trainable parameter (only functions, activations, frozen layers)
+    has nothing for its optimizer: every rank learns the first such stage and says which, with its
+    layers, instead of the optimizer's complaint on that rank alone (and the others waiting for it)."""
+    trains = any(p.requires_grad for p in module.parameters())
+    empty = torch.tensor([module.num_stages if trains else module.stage_id], dtype=torch.int64, device=device)
+    dist.all_reduce(empty, op=dist.ReduceOp.MIN)
+    stage = int(empty)
+    if stage == module.num_stages:
+        return
+    layers = [
+        i for part in module.virtual_stages(stage) for i in range(module.parts[part], module.parts[part + 1])
+    ]
+    names = ", ".join(f"{i}: {layer_type_name(module._layer_specs[i])}" for i in layers)
+    raise PipelineError(
+        f"pipeline stage {stage} holds layers {names} and no trainable parameter",
+        hint="every stage needs something to train: use partition_method='parameters' (the default), "
+        "fewer stages, or a layer list whose parameters spread over the stages",
+    )
+
+
 __all__ = [
     "LayerSpec",
     "PipelineModule",
     "StageChunk",
     "TiedLayerSpec",
+    "check_every_stage_trains",
     "count_trainable_params",
     "layer_type_name",
 ]

@@ -69,7 +69,7 @@ def _weights(module: nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().clone() for name, value in module.state_dict().items()}
 
 
-def _example(rank: int, world_size: int, config_path: str) -> dict[str, Any]:
+def _example(rank: int, world_size: int, config_path: str, save_dir: str) -> dict[str, Any]:
     import deepspeed
     from deepspeed.pipe import PipelineModule
     from deepspeed.utils import RepeatingLoader
@@ -119,6 +119,21 @@ def _example(rank: int, world_size: int, config_path: str) -> dict[str, Any]:
     out["by_hand_eval"] = float(engine.eval_batch(data_iter))
     out["by_hand_eval_one"] = float(engine.eval_batch(data_iter, num_micro_batches=1))
 
+    # a checkpoint after 2 steps keeps the loader's place: the resumed run reads step 3's batch
+    def example_engine() -> Any:
+        net = seeded_module()
+        return deepspeed.initialize(
+            args=args, model=net, model_parameters=net.parameters(), training_data=dataset()
+        )[0]
+
+    engine = example_engine()
+    for _ in range(2):
+        engine.train_batch()
+    engine.save_checkpoint(save_dir)
+    engine = example_engine()
+    engine.load_checkpoint(save_dir)
+    out["resumed"] = float(engine.train_batch())
+
     # initial weights at 2 stages and at 1 (pp1 x dp2), with and without seed_layers
     out["seeded"] = _weights(seeded_module(seed_layers=True))
     out["pp1"] = _weights(seeded_module(1))
@@ -128,9 +143,10 @@ def _example(rank: int, world_size: int, config_path: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    config = tmp_path_factory.mktemp("example") / "ds_config.json"
+    root = tmp_path_factory.mktemp("example")
+    config = root / "ds_config.json"
     config.write_text(json.dumps(CONFIG), encoding="utf-8")
-    return run_distributed(_example, 2, str(config), timeout=240)
+    return run_distributed(_example, 2, str(config), str(root / "ckpt"), timeout=240)
 
 
 # -- DeepSpeed's recipe, in plain torch ------------------------------------------------------------------
@@ -229,6 +245,7 @@ def test_train_batch_without_an_iterator_reads_deepspeeds_loader(results: list[d
         assert r["losses"] == pytest.approx(losses[:STEPS], rel=1e-5)  # the pipeline tests' tolerance
         assert r["eval"] == pytest.approx(losses[STEPS], rel=1e-5)
         assert r["eval_one"] == r["by_hand_eval_one"] == pytest.approx(eval_one, rel=1e-5)
+        assert r["resumed"] == pytest.approx(r["losses"][2], rel=1e-6)  # the loader's place came back
 
 
 def test_the_example_script_names_resolve() -> None:

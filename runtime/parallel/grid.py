@@ -77,7 +77,9 @@ class ParallelGrid:
     def stage_to_global(self, stage_id: int) -> int:
         """The global rank holding `stage_id` in this rank's pipeline (same data and model coordinates)."""
         if not 0 <= stage_id < self.pipe_parallel_size:
-            raise ValueError(f"stage {stage_id} does not exist; there are {self.pipe_parallel_size} stages")
+            raise TopologyError(
+                f"stage {stage_id} does not exist; there are {self.pipe_parallel_size} stages"
+            )
         return self.pipe_ranks()[stage_id]
 
     def pipe_ranks(self) -> list[int]:

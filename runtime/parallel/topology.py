@@ -20,7 +20,8 @@ PIPE, DATA, MODEL = "pipe", "data", "model"
 
 
 class TopologyError(UserError, ValueError):
-    """Degrees that do not lay out the job's ranks (a ValueError as before, and a UserError: one line)."""
+    """Degrees that do not lay out the job's ranks, or a coordinate outside them (a ValueError as before,
+    and a UserError: one line)."""
 
     hint = (
         "choose pipeline and tensor-parallel degrees whose product divides the number of ranks "
@@ -60,16 +61,16 @@ class ProcessTopology:
     def get_rank(self, **coord: int) -> int:
         """The global rank at a full coordinate, e.g. get_rank(pipe=1, data=0)."""
         if set(coord) != set(self.axes):
-            raise ValueError(f"get_rank needs a value for every axis {self.axes}, got {sorted(coord)}")
+            raise TopologyError(f"get_rank needs a value for every axis {self.axes}, got {sorted(coord)}")
         key = self.ProcessCoord(**coord)
         if key not in self._rank_of:
-            raise ValueError(f"coordinate {coord} is outside the topology {self._describe()}")
+            raise TopologyError(f"coordinate {coord} is outside the topology {self._describe()}")
         return self._rank_of[key]
 
     def get_coord(self, rank: int) -> Any:
         """The coordinate (a namedtuple with one field per axis) of a global rank."""
         if not 0 <= rank < self.world_size():
-            raise ValueError(f"rank {rank} is outside the topology {self._describe()}")
+            raise TopologyError(f"rank {rank} is outside the topology {self._describe()}")
         return self._coord_of[rank]
 
     def get_rank_repr(
@@ -95,7 +96,7 @@ class ProcessTopology:
         """The ranks matching every given axis=value, in rank order."""
         unknown = set(filter_kwargs) - set(self.axes)
         if unknown:
-            raise ValueError(f"filter_match: unknown axes {sorted(unknown)}; the axes are {self.axes}")
+            raise TopologyError(f"filter_match: unknown axes {sorted(unknown)}; the axes are {self.axes}")
         return [
             rank
             for rank, coord in enumerate(self._coord_of)

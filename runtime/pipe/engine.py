@@ -12,8 +12,10 @@ clip -> optimizer step on this rank's shard.
 
 The data-iterator contract is DeepSpeed's: each `next(data_iter)` is one micro-batch `(inputs, labels)`;
 the first stage reads inputs and the last stage labels (middle stages do not touch the iterator, which
-may be None there). All micro-batches are read before any compute, and every rank agrees they exist, so
-an iterator that runs out is an error before training, not a hang.
+may be None there). `runtime.pipe.data` reads them before any compute and makes every rank agree they
+are all there, of the micro-batch size, so bad data is an error before training, not a hang. As in
+DeepSpeed, an iterator given to `train_batch` is kept for the next call, and one built from
+`initialize(training_data=...)` is read when none is given.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""Small helpers DeepSpeed scripts import from ``deepspeed.utils`` and ``deepspeed.checkpoint.utils``.
+"""Small helpers DeepSpeed scripts import from ``deepspeed.utils``, ``deepspeed.runtime.utils`` and
+``deepspeed.checkpoint.utils``.
 
 The logger (DeepSpeed's is named "DeepSpeed"; Trainer sets its level), ``log_dist`` (log on chosen
-ranks only), ``RepeatingLoader`` (restart a loader at its end) and ``clone_tensors_for_torch_save``
-(copies that do not drag a whole flat buffer into the file) and ``zero_to_fp32``'s functions over
-`runtime.checkpoint.consolidate`. They are ordinary runtime utilities; the
-compat package only gives them DeepSpeed's names.
+ranks only), ``set_random_seed`` (Python's, numpy's and torch's generators at once, as DeepSpeed seeds
+them; `PipelineModule(seed_layers=True)` seeds each layer with it), ``RepeatingLoader`` (restart a loader
+at its end), ``clone_tensors_for_torch_save`` (copies that do not drag a whole flat buffer into the file)
+and ``zero_to_fp32``'s functions over `runtime.checkpoint.consolidate`. They are ordinary runtime
+utilities; the compat package only gives them DeepSpeed's names.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "log_dist",
     "logger",
     "print_rank_0",
+    "set_random_seed",
 ]
 
 
@@ -62,6 +65,23 @@ def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logg
 def print_rank_0(message: str) -> None:
     if _rank() == 0:
         print(message, flush=True)
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed Python's `random`, numpy's global generator and torch's (every device's) with `seed`.
+
+    DeepSpeed's `deepspeed.runtime.utils.set_random_seed`: numpy takes the seed modulo 2**32 and torch
+    modulo 2**63 (what each accepts), so any Python int works."""
+    import random
+
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:  # numpy is optional for the runtime; nothing of ours draws from it
+        pass
+    else:
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed % 2**63)
 
 
 class RepeatingLoader:

@@ -3,6 +3,8 @@ failure summary built from the workers' error files (folded when ranks fail the 
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -122,3 +124,66 @@ def test_a_script_using_torchs_record_reports_through_the_same_file(tmp_path):
     for rank in (0, 1):
         log = (logs / f"rank_{rank}.log").read_text()
         assert log.count(f"\n{msg}\n") == 2  # Python's traceback, then the one from the error file
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_only_lost_its_peer_is_a_consequence_of_the_real_failure(tmp_path):
+    # Rank 1 closes its gloo connections and raises 1.5 s later: rank 0's "Connection closed by peer"
+    # reaches the head first. It used to be named the root cause, and rank 1's error came as "also:".
+    env = {"FAIL_RANK": "1", "LATE": "1"}
+    args = ["--num_gpus", "2", "--master_port", str(free_port())]
+    result = run_dslaunch([*args, str(SCRIPTS / "peer_fails.py")], env, timeout=100)
+    assert result.returncode == 1, result.stderr
+    summary = result.stderr[result.stderr.index("dslaunch: FAILED") :].splitlines()
+    assert summary[0] == (
+        "dslaunch: FAILED: rank 1 (local rank 1) on localhost exited with code 1: "
+        "ValueError: shard 1 of data/train.bin is corrupt"
+    )
+    assert summary[-1] == (
+        "dslaunch: rank 0: lost its peer (gloo: Connection closed by peer) "
+        "-- a consequence of rank 1's failure"
+    )
+    assert not any(line.startswith("dslaunch: also:") for line in summary)
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_last_line_without_a_newline_is_cut_in_the_summary(tmp_path):
+    script = tmp_path / "huge.py"
+    script.write_text(
+        'import sys\nsys.stdout.write("x" * 1_000_000 + " the end")\nsys.stdout.flush()\nsys.exit(5)\n'
+    )
+    result = run_dslaunch(["--num_gpus", "1", str(script)])
+    assert result.returncode == 5, result.stderr
+    assert len(result.stdout) > 1_000_000  # the console still gets all of it
+    summary = result.stderr[result.stderr.index("dslaunch: FAILED") :]
+    assert len(summary.encode()) < 5000, summary[:300]  # was about 1 MB
+    head = summary.splitlines()[2]
+    assert head.startswith("dslaunch:   last ") and " more bytes cut; the whole output is above" in head
+    assert summary.rstrip().endswith("x the end")  # the end of the line survives the cut
+    assert "bytes cut ...] " in summary
+
+
+def _leftovers_job(tmp_path: Path, how: str, extra: dict[str, str]):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    args = ["--num_gpus", "2", "--grace_period", "2", "--master_port", str(free_port())]
+    result = run_dslaunch(
+        [*args, str(SCRIPTS / "leave_daemon.py")], {"PID_DIR": str(pids), "HOW": how, **extra}
+    )
+    daemons = [int(f.read_text()) for f in pids.iterdir() if not f.name.endswith(".tmp")]
+    alive = [pid for pid in daemons if Path(f"/proc/{pid}").exists()]
+    for pid in alive:  # clean up after a failing test
+        os.kill(pid, signal.SIGKILL)
+    return result, daemons, alive
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("how", "outcome"), [("double_fork", "success"), ("setsid", "failure")])
+def test_no_process_started_by_the_job_outlives_it(tmp_path, how, outcome):
+    # Each rank starts a daemon in its own session (a double-forked orphan, or a setsid child of a rank
+    # still running when rank 1 fails): the stop of the worker groups never reached them, they lived on.
+    extra = {"FAIL_RANK": "1", "STAY": "1"} if outcome == "failure" else {}
+    result, daemons, alive = _leftovers_job(tmp_path, how, extra)
+    assert result.returncode == (3 if outcome == "failure" else 0), result.stderr
+    assert len(daemons) == 2 and alive == [], result.stderr
+    assert "dslaunch: ended 2 processes left behind by the job (2 on localhost): " in result.stderr

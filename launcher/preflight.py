@@ -176,13 +176,47 @@ def check_host(conn_target: HostTarget, settings: SSHSettings, check: RemoteChec
 
 
 class PreflightError(Exception):
-    """One or more hosts failed the preflight; nothing was started. ``errors`` holds one per host."""
+    """One or more hosts failed the preflight; nothing was started. ``errors`` holds one per host.
+
+    The message folds hosts that failed for the same cause (1000 hosts down are one line and one fix,
+    not 2000 lines): see :func:`folded_lines`."""
 
     def __init__(self, errors: list[SSHHostError]) -> None:
         self.errors = errors
         lines = [f"{len(errors)} host(s) failed the SSH preflight; nothing was started:"]
-        lines += [f"  {e}" for e in errors]
+        lines += folded_lines(errors)
         super().__init__("\n".join(lines))
+
+
+NAMED_HOSTS = 3  # hosts named in a folded line; the rest are counted
+
+
+def folded_lines(errors: list[SSHHostError]) -> list[str]:
+    """Per-host errors -> the lines that show them, one group per cause in order of first appearance.
+
+    A cause with one host keeps that host's own line and fix. A cause with several hosts is one line,
+    ``hosts a, b, c ... and 997 more: connection refused``, with the first host's detail as an example
+    unless every host has the same detail, then one fix line (the first host's, said so when the fixes
+    differ by host, e.g. a known_hosts command naming the host)."""
+    groups: dict[Cause, list[SSHHostError]] = {}
+    for e in errors:
+        groups.setdefault(e.cause, []).append(e)
+    lines: list[str] = []
+    for cause, group in groups.items():
+        first = group[0]
+        if len(group) == 1:
+            lines.append(f"  {first}")
+            continue
+        names = ", ".join(e.host.split()[0] for e in group[:NAMED_HOSTS])  # the name, not "(user@addr)"
+        more = f" ... and {len(group) - NAMED_HOSTS} more" if len(group) > NAMED_HOSTS else ""
+        same_detail = all(e.detail == first.detail for e in group)
+        detail = first.detail if same_detail else f"e.g. {first.detail}"
+        lines.append(f"  hosts {names}{more}: {cause.value} ({detail})")
+        if first.hint:
+            same_hint = all(e.hint == first.hint for e in group)
+            for_whom = "" if same_hint else f" (for {first.host.split()[0]}; likewise for the others)"
+            lines.append(f"    fix{for_whom}: {first.hint}")
+    return lines
 
 
 def preflight(

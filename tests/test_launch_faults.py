@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.dist import free_port
-from tests.launching import SCRIPTS, run_dslaunch
+from tests.launching import CPU, DSLAUNCH, REPO, SCRIPTS, run_dslaunch
 from tests.sshd_testbed import Testbed
 
 
@@ -187,3 +189,27 @@ def test_no_process_started_by_the_job_outlives_it(tmp_path, how, outcome):
     assert result.returncode == (3 if outcome == "failure" else 0), result.stderr
     assert len(daemons) == 2 and alive == [], result.stderr
     assert "dslaunch: ended 2 processes left behind by the job (2 on localhost): " in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_ends_the_daemons_of_a_running_job_too(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {**os.environ, **CPU, "PID_DIR": str(pids), "HOW": "setsid", "STAY": "1"}
+    args = ["--num_gpus", "2", "--grace_period", "2", "--master_port", str(free_port())]
+    argv = [*DSLAUNCH, *args, str(SCRIPTS / "leave_daemon.py")]
+    proc = subprocess.Popen(
+        argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while len([f for f in pids.iterdir() if not f.name.endswith(".tmp")]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    daemons = [int(f.read_text()) for f in pids.iterdir() if not f.name.endswith(".tmp")]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    alive = [pid for pid in daemons if Path(f"/proc/{pid}").exists()]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert len(daemons) == 2 and alive == [], err
+    assert "dslaunch: ended 2 processes left behind by the job (2 on localhost): " in err

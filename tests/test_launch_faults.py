@@ -4,6 +4,7 @@ failure summary built from the workers' error files (folded when ranks fail the 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -141,9 +142,9 @@ def test_a_rank_that_only_lost_its_peer_is_a_consequence_of_the_real_failure(tmp
         "dslaunch: FAILED: rank 1 (local rank 1) on localhost exited with code 1: "
         "ValueError: shard 1 of data/train.bin is corrupt"
     )
-    assert summary[-1] == (
-        "dslaunch: rank 0: lost its peer (gloo: Connection closed by peer) "
-        "-- a consequence of rank 1's failure"
+    lost = "gloo: (Connection closed by peer|Connection reset by peer|Broken pipe)"  # as the peer left
+    assert re.fullmatch(
+        f"dslaunch: rank 0: lost its peer \\({lost}\\) -- a consequence of rank 1's failure", summary[-1]
     )
     assert not any(line.startswith("dslaunch: also:") for line in summary)
 

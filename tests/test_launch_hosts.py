@@ -4,7 +4,11 @@ No sshd needed: the unreachable hosts are loopback addresses where nothing liste
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,3 +73,43 @@ def test_a_thousand_unreachable_hosts_are_one_line_and_one_fix_per_cause(tmp_pat
         f"(e.g. nothing listens on 127.0.10.1 port {port})",
         "    fix: start sshd there, or set the right port (Port in ssh_config, --ssh_port, host:PORT)",
     ]
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port on every loopback address that accepts TCP connections and never says a word."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("0.0.0.0", 0))
+    server.listen(256)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+def test_hosts_that_never_answer_are_waited_for_together_not_eight_at_a_time(tmp_path, silent_port) -> None:
+    # 40 hosts whose "sshd" never sends its greeting: each costs 3 banner timeouts of 1 s. With 8
+    # connections in flight in all (not 8 per sshd), that was 5 rounds: about 18 s before the error.
+    hosts = [f"127.0.20.{i}:{silent_port}" for i in range(1, 41)]
+    hostfile = _hostfile(tmp_path, "".join(f"{h} slots=1\n" for h in hosts))
+    ssh_config = tmp_path / "ssh_config"
+    ssh_config.write_text("Host *\n  ConnectTimeout 1\n")
+    start = time.monotonic()
+    args = ["--hostfile", str(hostfile), "--ssh_config", str(ssh_config), str(_script(tmp_path))]
+    result = run_dslaunch(args, timeout=120)
+    took = time.monotonic() - start
+    assert result.returncode == 2, result.stderr
+    assert (
+        f"  hosts {hosts[0]}, {hosts[1]}, {hosts[2]} ... and 37 more: no SSH server answered "
+        in result.stderr
+    )
+    assert took < 12, f"{took:.1f}s"

@@ -105,7 +105,7 @@ class _Attempt:
         self.done_nodes: set[int] = set()
         self.failure: Failure | None = None  # the first failure: it stopped the job
         self.others: list[Failure] = []  # failures after it that carry their own error or lost a peer
-        self.leftovers: list[tuple[str, int, list[str]]] = []  # (host, processes ended, commands)
+        self.leftovers: dict[int, tuple[str, int, list[str]]] = {}  # node -> (host, ended, commands)
         self.interrupt_code: int | None = None
         # Agents get their grace period and then some to report back before the head kills them.
         self.stop = StopSequence(options.grace_period + _STOP_SLACK_S)
@@ -169,7 +169,7 @@ class _Attempt:
                 else:  # arrange_failures decides: the root cause may arrive after its consequences
                     self.others.append(failure)
         elif ev.kind == "leftovers":
-            self.leftovers.append((host, int(data.get("count", 0)), list(data.get("commands") or ())))
+            self.leftovers[ev.node] = (host, int(data.get("count", 0)), list(data.get("commands") or ()))
         elif ev.kind == "error":
             self.fail(Failure(2, f"the agent on {host}", f"could not run: {data.get('message')}", None, ()))
         elif ev.kind == "stopping":
@@ -277,7 +277,7 @@ class _Attempt:
             self._log_tracebacks()
             for log in self.logs.values():
                 log.close()
-            line = leftovers_line(self.leftovers)
+            line = leftovers_line([self.leftovers[n] for n in sorted(self.leftovers)])
             if line:
                 self.say(line)
         failures = tuple(arrange_failures([self.failure, *self.others])) if self.failure is not None else ()

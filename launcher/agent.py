@@ -76,7 +76,7 @@ import time
 from collections import deque
 
 from launcher.agentspec import PROTOCOL_VERSION, SpecError, decode_spec_arg, encode_spec_arg, load_spec
-from launcher.errorfile import error_file_env, read_error_file
+from launcher.errorfile import error_file_env, make_error_dir, read_error_file, traceback_block
 from launcher.leftovers import Leftovers
 from launcher.stop import StopAction, StopSequence, StopState
 
@@ -244,7 +244,7 @@ class Agent:
         log_dir = self.spec.get("log_dir")
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-        self.error_dir = _make_private_dir()
+        self.error_dir = make_error_dir()
         default_cwd = self.spec.get("cwd")
         for ws in specs:
             w = _Worker(int(ws["rank"]), int(ws.get("local_rank", 0)))
@@ -457,30 +457,13 @@ class Agent:
             if log_dir and w.error is not None and w.error.traceback:
                 log_path = os.path.join(log_dir, f"rank_{w.rank}.log")
                 with contextlib.suppress(OSError), open(log_path, "ab") as f:
-                    f.write(_traceback_block(w.error.traceback))
+                    f.write(traceback_block(w.error.traceback))
             if w.error_path:
                 with contextlib.suppress(OSError):
                     os.unlink(w.error_path)
         if self.error_dir:
             with contextlib.suppress(OSError):
                 os.rmdir(self.error_dir)
-
-
-def _make_private_dir() -> str | None:
-    """A fresh directory only this user can read, for the workers' error files (None if none can be made)."""
-    base = os.environ.get("TMPDIR") or "/tmp"
-    path = os.path.join(base, f"dslaunch-{os.getpid()}-{os.urandom(4).hex()}")
-    try:
-        os.mkdir(path, 0o700)
-    except OSError:
-        return None
-    return path
-
-
-def _traceback_block(traceback: str) -> bytes:
-    """How a worker's traceback from its error file is appended to its log file."""
-    body = traceback if traceback.endswith("\n") else traceback + "\n"
-    return b"--- dslaunch: traceback from the worker's error file ---\n" + body.encode(errors="replace")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,11 +162,6 @@ def _consequence_lines(root: Failure, consequences: Sequence[Failure]) -> list[s
         ranks = [f.rank for f in group if f.rank is not None]
         who = f"rank {ranks[0]}: lost its" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}: lost their"
         lines.append(f"{who} peer ({reason}){cause}")
-    if root_lost:
-        lines.append(
-            "  hint: every failed rank lost a peer: the first to go may have been killed from outside "
-            "(the OOM killer, a host going down); see dmesg and each host's logs"
-        )
     return lines
 
 
@@ -235,4 +230,9 @@ def summary_lines(failures: Sequence[Failure], attempt: int, job_id: str) -> lis
                 lines.extend(f"    {line}" for line in tail)
     if consequences:
         lines.extend(_consequence_lines(root, consequences))
+    if lost_peer(root) is not None:
+        lines.append(
+            "  hint: no rank failed by itself, each lost a peer: the first to go was likely killed from "
+            "outside (the OOM killer, a host or network going down); see dmesg and each host's logs"
+        )
     return lines

@@ -142,7 +142,9 @@ def test_when_every_rank_lost_a_peer_the_first_is_named_and_the_hint_says_what_t
     lines = summary_lines(arrange_failures([_fail(0, 1, GLOO_LOST), _fail(2, 1, GLOO_LOST + "3")]), 0, "j")
     assert lines[0].startswith("FAILED: rank 0 (local rank 0) on localhost exited with code 1: RuntimeError")
     assert lines[-2] == "rank 2: lost its peer (gloo: Connection closed by peer)"
-    assert lines[-1].startswith("  hint: every failed rank lost a peer: ") and "OOM killer" in lines[-1]
+    assert lines[-1].startswith("  hint: no rank failed by itself, each lost a peer: ") and "OOM" in lines[-1]
+    alone = summary_lines([_fail(1, 1, GLOO_LOST)], 0, "j")  # its peer vanished without a trace
+    assert alone[0].startswith("FAILED: rank 1 ") and alone[-1] == lines[-1]
 
 
 def test_the_tail_is_capped_in_bytes_keeping_the_end_of_each_line() -> None:

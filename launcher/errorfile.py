@@ -79,7 +79,7 @@ def parse_error_file(data: bytes) -> WorkerError | None:
     first_line = message.splitlines()[0][:MAX_MESSAGE]
     return WorkerError(
         message=first_line,
-        hint=_text(extra.get("hint")).strip(),
+        hint=_text(extra.get("hint")).strip()[:MAX_MESSAGE],  # a hint too is one line, not a flood
         kind=_text(extra.get("kind")) or "exception",
         traceback=_tail(_text(extra.get("py_callstack"))),
     )

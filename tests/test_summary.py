@@ -7,7 +7,7 @@ import json
 import pytest
 
 from launcher.errorfile import MAX_TRACEBACK, WorkerError, error_file_env, parse_error_file, read_error_file
-from launcher.summary import Failure, arrange_failures, cap_tail, rank_ranges, summary_lines
+from launcher.summary import Failure, arrange_failures, cap_tail, lost_peer, rank_ranges, summary_lines
 
 
 @pytest.mark.parametrize(
@@ -155,3 +155,22 @@ def test_the_tail_is_capped_in_bytes_keeping_the_end_of_each_line() -> None:
     assert cut == 11 * 40 + 39 * 101 + 604 + 11
     kept, cut = cap_tail(tail[:2], max_bytes=1000, max_line=60)
     assert kept == ["early line", "é" * 15 + " [... 543 bytes cut ...] " + "é" * 13 + "END"] and cut == 543
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, remote process "
+         "exited or there was a network error, NCCL version 2.21.5", "NCCL: remote process exited"),
+        ("RuntimeError: [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+         "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.", "NCCL: collective timed out"),
+        ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+         "1800000ms for recv operation to complete", "gloo: timed out waiting for a peer"),
+        ("DistNetworkError: Connection reset by peer", "torch.distributed: Connection reset by peer"),
+        ("ValueError: shard 3 is corrupt", None),
+    ],
+)  # fmt: skip
+def test_what_counts_as_a_lost_peer(message: str, reason: str | None) -> None:
+    assert lost_peer(_fail(0, 1, message)) == reason
+    huge_hint = {"message": {"message": "x", "extraInfo": {"hint": "h" * 100_000}}}
+    assert len(parse_error_file(json.dumps(huge_hint).encode()).hint) == 4096

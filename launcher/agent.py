@@ -442,8 +442,9 @@ class Agent:
         """Wait (briefly) for the processes ended as leftovers to be gone, then say how many there were."""
         deadline = time.monotonic() + max(1.0, self.grace)
         while True:  # reaped here, not by whatever adopts them after us (a container's init may not)
-            self.leftovers.reap(set())
-            if not (self.leftovers.ended and self._signal_groups(0)) or time.monotonic() > deadline:
+            alive = self._signal_groups(0) if self.leftovers.ended else 0
+            self.leftovers.reap(set())  # after the count: one that died in between is reaped too
+            if not alive or time.monotonic() > deadline:
                 break
             self._signal_groups(signal.SIGKILL)  # the job is over: anything still here is past its grace
             time.sleep(0.02)

@@ -169,7 +169,7 @@ def test_a_huge_last_line_without_a_newline_is_cut_in_the_summary(tmp_path):
 def _leftovers_job(tmp_path: Path, how: str, extra: dict[str, str]):
     pids = tmp_path / "pids"
     pids.mkdir()
-    args = ["--num_gpus", "2", "--grace_period", "2", "--master_port", str(free_port())]
+    args = ["--num_gpus", "2", "--grace_period", "0.5", "--master_port", str(free_port())]
     result = run_dslaunch(
         [*args, str(SCRIPTS / "leave_daemon.py")], {"PID_DIR": str(pids), "HOW": how, **extra}
     )
@@ -181,12 +181,16 @@ def _leftovers_job(tmp_path: Path, how: str, extra: dict[str, str]):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize(("how", "outcome"), [("double_fork", "success"), ("setsid", "failure")])
-def test_no_process_started_by_the_job_outlives_it(tmp_path, how, outcome):
+@pytest.mark.parametrize(
+    ("how", "outcome", "stubborn"),
+    [("double_fork", "success", False), ("setsid", "failure", False), ("setsid", "success", True)],
+)
+def test_no_process_started_by_the_job_outlives_it(tmp_path, how, outcome, stubborn):
     # Each rank starts a daemon in its own session (a double-forked orphan, or a setsid child of a rank
     # still running when rank 1 fails): the stop of the worker groups never reached them, they lived on.
+    # A stubborn one (SIGTERM ignored) is killed after the grace period, and reaped, not left a zombie.
     extra = {"FAIL_RANK": "1", "STAY": "1"} if outcome == "failure" else {}
-    result, daemons, alive = _leftovers_job(tmp_path, how, extra)
+    result, daemons, alive = _leftovers_job(tmp_path, how, {**extra, "STUBBORN": str(int(stubborn))})
     assert result.returncode == (3 if outcome == "failure" else 0), result.stderr
     assert len(daemons) == 2 and alive == [], result.stderr
     assert "dslaunch: ended 2 processes left behind by the job (2 on localhost): " in result.stderr

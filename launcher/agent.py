@@ -84,6 +84,7 @@ __all__ = ["EVENT_PREFIX", "PROTOCOL_VERSION", "Agent", "decode_spec_arg", "enco
 EVENT_PREFIX = b"@dslaunch "
 MAX_LINE = 64 * 1024
 _READ_SIZE = 64 * 1024
+_DRAIN_READS = 16  # x _READ_SIZE: a full pipe at Linux's default pipe-max-size (1 MiB)
 _POLL_S = 0.1  # SIGCHLD and the wake-up pipe make most reactions immediate; this bounds the rest
 
 EXIT_BAD_SPEC = 2
@@ -328,8 +329,11 @@ class Agent:
                 continue
             w.exited = True
             code, signame = exit_code_of(rc)
-            while w.fd >= 0 and self._forward(w):  # its last output goes before its exit (the head's tail)
-                pass
+            # Its last output goes before its exit event (the head's tail of it). Bounded: what a pipe
+            # can hold (1 MiB at most), as a process it left behind may keep writing to the same pipe.
+            for _ in range(_DRAIN_READS):
+                if w.fd < 0 or not self._forward(w):
+                    break
             fields: dict[str, object] = {}
             if code != 0 and w.error_path:
                 w.error = read_error_file(w.error_path)

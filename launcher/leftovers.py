@@ -92,7 +92,8 @@ def command_line(pid: int) -> str:
             raw = f.read(4096)
     except OSError:
         return ""
-    return raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    # One line, whatever the arguments hold (``python -c`` with a script of several lines).
+    return " ".join(raw.replace(b"\0", b" ").decode(errors="replace").split())
 
 
 class Leftovers:

@@ -193,7 +193,9 @@ def test_no_process_started_by_the_job_outlives_it(tmp_path, how, outcome, stubb
     result, daemons, alive = _leftovers_job(tmp_path, how, {**extra, "STUBBORN": str(int(stubborn))})
     assert result.returncode == (3 if outcome == "failure" else 0), result.stderr
     assert len(daemons) == 2 and alive == [], result.stderr
-    assert "dslaunch: ended 2 processes left behind by the job (2 on localhost): " in result.stderr
+    ended = next(line for line in result.stderr.splitlines() if line.startswith("dslaunch: ended"))
+    assert ended.startswith("dslaunch: ended 2 processes left behind by the job (2 on localhost): ")
+    assert ended.endswith(f"sleep(1000) {SCRIPTS / 'leave_daemon.py'}")  # each command on the one line
 
 
 @pytest.mark.timeout(60)

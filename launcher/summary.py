@@ -18,7 +18,8 @@ cause, never as failures of their own.
 
 Size: the tail shown is capped in bytes as well as in lines (:func:`cap_tail`): a rank whose last output
 is one huge line without a newline (the agent cuts such a line into 64 KiB pieces) shows the start and
-the end of it, and says how much was cut.
+the end of it, and says how much was cut. A message or hint is shown cut to ``MAX_MESSAGE_BYTES`` the
+same way.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from launcher.errorfile import USER_INPUT
 MAX_OTHER_GROUPS = 4  # after the root cause: at most this many other groups, then a count
 MAX_TAIL_BYTES = 4096  # the whole tail of the root cause, as printed
 MAX_TAIL_LINE_BYTES = 400  # one line of it: the first and the last half are kept
+MAX_MESSAGE_BYTES = 1000  # an error file's message or hint as shown (the error file keeps 4096 chars)
 
 # Substrings (lower case) of what a rank says when it failed only because a peer was gone, and the words
 # the summary uses for it. Looked for in the error file's message, else in the rank's last lines.
@@ -209,13 +211,15 @@ def summary_lines(failures: Sequence[Failure], attempt: int, job_id: str) -> lis
         ranks = [f.rank for f in group if f.rank is not None]
         if len(group) > 1:
             prefix = "" if index == 0 else "also: "
-            head = f"ranks {rank_ranges(ranks)} failed the same way (exit code {first.code}): {first.message}"
+            message = _cut_line(first.message, MAX_MESSAGE_BYTES)[0]
+            head = f"ranks {rank_ranges(ranks)} failed the same way (exit code {first.code}): {message}"
         else:
             prefix = "FAILED: " if index == 0 else "also: "
-            head = f"{first.what} {first.how}" + (f": {first.message}" if first.message else "")
+            message = _cut_line(first.message, MAX_MESSAGE_BYTES)[0]
+            head = f"{first.what} {first.how}" + (f": {message}" if message else "")
         lines.append(prefix + head)
         if first.hint:
-            lines.append(f"  hint: {first.hint}")
+            lines.append(f"  hint: {_cut_line(first.hint, MAX_MESSAGE_BYTES)[0]}")
         if first.kind == USER_INPUT:
             continue  # the message and the hint are the whole story; the traceback is in the log
         if index == 0:

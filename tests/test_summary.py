@@ -174,3 +174,11 @@ def test_what_counts_as_a_lost_peer(message: str, reason: str | None) -> None:
     assert lost_peer(_fail(0, 1, message)) == reason
     huge_hint = {"message": {"message": "x", "extraInfo": {"hint": "h" * 100_000}}}
     assert len(parse_error_file(json.dumps(huge_hint).encode()).hint) == 4096
+
+
+def test_a_runaway_message_and_hint_are_cut_in_the_summary() -> None:
+    lines = summary_lines(
+        [_fail(0, 1, "ValueError: " + "v" * 4000 + " end", "user_input", "h" * 4000)], 0, "j"
+    )
+    assert len(lines) == 2 and all(len(line.encode()) < 1200 for line in lines)
+    assert lines[0].endswith("v end") and "bytes cut ...]" in lines[0] and "bytes cut ...]" in lines[1]

@@ -3,7 +3,7 @@ real signals, real SSH failures. No mocks.
 
 Every job's worker script lives in the test's tmp dir, so its path is a marker: a process whose command
 line contains it belongs to this test's job, on whichever host, in whichever namespace. Workers also
-start a child (which must not outlive the job either).
+start a child in its own session, outside their process group (it must not outlive the job either).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.ssh, pytest.mark.timeout(180)]
 
 SLEEP_WORKER = """
 import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", __file__])
+sleeper = [sys.executable, "-c", "import time; time.sleep(300)", __file__]
+child = subprocess.Popen(sleeper, start_new_session=True)
 rank = os.environ["RANK"]
 print(f"ready {rank}", flush=True)
 if rank == os.environ.get("FAIL_RANK"):

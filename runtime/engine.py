@@ -34,6 +34,7 @@ from runtime.engine_log import StepLog, Timers
 from runtime.monitor import TrainingMonitor
 from runtime.offload import GradMath, MasterPlacement, build_master_placement
 from runtime.offload.auto_ratio import with_auto_ratio
+from runtime.parallel.folders import data_parallel_root
 from runtime.precision.loss_scaler import LossScaler
 from runtime.precision.mixed import cast_floating, input_dtype_error, policy_from_config
 from runtime.precision.nonfinite import StepGuard, guard_from_config
@@ -400,7 +401,7 @@ class Engine(EngineAccessors, nn.Module):
         from runtime.checkpoint import save_checkpoint
 
         self.masters.flush()
-        return str(save_checkpoint(self, self._checkpoint_root(save_dir), tag, client_state, save_latest))
+        return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))  # parts: see there
 
     def load_checkpoint(
         self,
@@ -438,7 +439,7 @@ class Engine(EngineAccessors, nn.Module):
 
         folder = self.checkpoint_folder()
         if folder is None:
-            return os.fspath(root)
+            return data_parallel_root(root) if loading else os.fspath(root)
         name, prefix, what = folder
         path = os.path.join(os.fspath(root), name)
         if loading and not os.path.isdir(path):

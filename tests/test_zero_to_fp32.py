@@ -242,3 +242,21 @@ def test_pipeline_root_is_consolidated(saved: dict, tmp_path: Path) -> None:
     for path in (tmp_path / "out" / "pytorch_model.bin", tmp_path / "script.bin"):
         written = torch.load(path)
         assert sorted(written) == sorted(want) and all(torch.equal(written[k], want[k]) for k in want)
+
+
+def test_the_script_reads_a_save_that_a_crash_left_half_swapped_in(saved: dict, tmp_path: Path) -> None:
+    """A committed save whose swap a crash interrupted (runtime.checkpoint.commit) is the checkpoint: the
+    script, which repeats the commit record's names without importing dslaunch, finds its files as the
+    runtime does."""
+    from runtime.checkpoint import get_fp32_state_dict_from_checkpoint
+    from runtime.checkpoint.manifest import COMMIT_RECORD, PendingCommit, staging_name
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved["plain"], root)
+    want = get_fp32_state_dict_from_checkpoint(root)
+    (root / "global_step1").rename(root / staging_name("global_step1"))  # committed, not yet swapped in
+    (root / COMMIT_RECORD).write_text(PendingCommit("global_step1", True, (".",)).to_json())
+    assert _same(get_fp32_state_dict_from_checkpoint(root), want)  # the runtime's reading of it
+    command = runpy.run_path(str(root / "zero_to_fp32.py"))["main"]
+    assert command([str(root), str(tmp_path / "out.bin")]) == 0
+    assert _same(torch.load(tmp_path / "out.bin"), want)

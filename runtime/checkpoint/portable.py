@@ -48,6 +48,7 @@ from runtime.checkpoint.deepspeed_layout import (
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+COMMIT_RECORD = ".checkpoint-commit.json"  # runtime.checkpoint.manifest's names, repeated: no dslaunch here
 _DS_OPTIM = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _DS_MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 _PIPE = re.compile(r"^pipe_stage_(\d+)_of_(\d+)(?:_chunks_\d+)?(_tp_(\d+)_of_(\d+))?$")
@@ -430,9 +431,25 @@ def resolve_tag(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path
         if not tag:
             raise RecoveryError(f"{latest} is empty")
     tag_dir = root / tag
+    staged = root / f".{tag}~new"
+    if _pending_tag(root) == tag and staged.is_dir():
+        return staged  # a committed save a crash left half swapped in: its complete files are still here
     if not tag_dir.is_dir():
         raise RecoveryError(f"checkpoint tag {tag!r} not found: {tag_dir} does not exist", "not_found")
     return tag_dir
+
+
+def _pending_tag(folder: Path) -> str | None:
+    """The tag of a committed save not yet swapped in everywhere (runtime.checkpoint.commit's record, in
+    the save directory: `folder` itself or the one above a part folder)."""
+    for record_dir, part in ((folder, "."), (folder.parent, folder.name)):
+        try:
+            record = json.loads((record_dir / COMMIT_RECORD).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and part in (record.get("parts") or ()):
+            return record.get("tag")
+    return None
 
 
 def get_fp32_state_dict(

@@ -1,10 +1,10 @@
 """``deepspeed.utils.zero_to_fp32``: one fp32 state dict from a checkpoint folder, ours or DeepSpeed's
-(runtime.checkpoint.consolidate, runtime.checkpoint.portable_cli); ``python -m deepspeed.utils.zero_to_fp32
+(runtime.checkpoint.fp32_state, runtime.checkpoint.portable_cli); ``python -m deepspeed.utils.zero_to_fp32
 CHECKPOINT_DIR OUTPUT_DIR`` takes DeepSpeed's arguments and exits 1 on every error."""
 
 import sys
 
-from runtime.ds_utils import (
+from runtime.checkpoint.fp32_state import (
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
     load_state_dict_from_zero_checkpoint,

@@ -4,8 +4,8 @@
 The logger (DeepSpeed's is named "DeepSpeed"; Trainer sets its level), ``log_dist`` (log on chosen
 ranks only), ``set_random_seed`` (Python's, numpy's and torch's generators at once, as DeepSpeed seeds
 them; `PipelineModule(seed_layers=True)` seeds each layer with it), ``RepeatingLoader`` (restart a loader
-at its end), ``clone_tensors_for_torch_save`` (copies that do not drag a whole flat buffer into the file)
-and ``zero_to_fp32``'s functions over `runtime.checkpoint.consolidate`. They are ordinary runtime
+at its end) and ``clone_tensors_for_torch_save`` (copies that do not drag a whole flat buffer into the
+file); ``zero_to_fp32``'s functions live in `runtime.checkpoint.fp32_state`. They are ordinary runtime
 utilities; the compat package only gives them DeepSpeed's names.
 """
 
@@ -22,9 +22,6 @@ import torch.distributed as dist
 __all__ = [
     "RepeatingLoader",
     "clone_tensors_for_torch_save",
-    "convert_zero_checkpoint_to_fp32_state_dict",
-    "get_fp32_state_dict_from_zero_checkpoint",
-    "load_state_dict_from_zero_checkpoint",
     "log_dist",
     "logger",
     "print_rank_0",
@@ -118,33 +115,3 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     if isinstance(item, dict):
         return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
     return item
-
-
-# -- zero_to_fp32: a sharded checkpoint as one fp32 state dict (runtime.checkpoint.consolidate) ------------
-def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False
-) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict of a checkpoint directory (the tag `latest` names unless `tag`)."""
-    from runtime.checkpoint.consolidate import get_fp32_state_dict_from_checkpoint
-
-    return get_fp32_state_dict_from_checkpoint(checkpoint_dir, tag)
-
-
-def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: str, output_dir: str, tag: str | None = None, **kwargs: Any
-) -> None:
-    """Write the consolidated fp32 weights as `output_dir`/model.safetensors (or to `output_dir` when it
-    names a file). DeepSpeed's sharding and safe_serialization keywords are accepted: one file is written."""
-    from runtime.checkpoint.consolidate import consolidate_checkpoint
-
-    consolidate_checkpoint(checkpoint_dir, output_dir, tag)
-
-
-def load_state_dict_from_zero_checkpoint(
-    model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None
-) -> torch.nn.Module:
-    """Load the consolidated fp32 weights into `model` (on the CPU) and return it."""
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
-    model = model.cpu()
-    model.load_state_dict(state, strict=False)
-    return model

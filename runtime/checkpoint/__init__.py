@@ -13,6 +13,11 @@ Modules: `manifest` (on-disk layout and errors), `tensorfile` (safetensors-forma
 buffers, client state), `data_position` (resumable data loader), `commit` (staging folders and the
 atomic swap that makes a save the checkpoint), `save` / `load` (the collective procedures), `consolidate`
 (one state dict from a sharded checkpoint, streamed).
+
+DeepSpeed's own folders load and consolidate too: `deepspeed_layout` (its partitions as flat ranges, pure),
+`portable` (reads both formats with torch alone), `deepspeed_format` (its files as a manifest for `load`),
+`fp32_state` (the entry of DeepSpeed's `zero_to_fp32` names); `portable_cli` and `recovery_script` make
+the standalone `zero_to_fp32.py` every save writes beside `latest`.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ from runtime.checkpoint.manifest import (
     staging_name,
     tensor_name,
 )
+from runtime.checkpoint.recovery_script import write_recovery_script
 from runtime.checkpoint.shards import Piece, optimizer_state, saved_pieces
 from runtime.checkpoint.tensorfile import TensorFileWriter
 
@@ -141,6 +142,7 @@ def save_checkpoint(
     step(swap, committed=True)
     step(lambda: commit.clear_commit(root) if ranks.rank == 0 else None, committed=True)
     # files that go beside the checkpoints (once `latest` names the new one) are written from here on
+    step(lambda: write_recovery_script(part) if comm.rank == 0 else None, committed=True)  # zero_to_fp32.py
     return part / tag
 
 

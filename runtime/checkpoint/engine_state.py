@@ -286,7 +286,7 @@ def restore(
     rngs = state.get("rng") or []
     if saved_world == engine.comm.world_size and engine.comm.rank < len(rngs):
         restore_rng(rngs[engine.comm.rank], engine.device)
-    elif engine.comm.rank == 0:
+    elif rngs and engine.comm.rank == 0:  # none saved (a DeepSpeed checkpoint): nothing to warn about
         _log.warning(
             "RNG states were saved by %d ranks and are not restored on %d ranks (each rank keeps its own)",
             saved_world,

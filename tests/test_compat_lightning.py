@@ -8,7 +8,8 @@ ZeRO stages 2 and 3 at 2 processes train with the loss of every step equal to Li
 ModelCheckpoint saves every epoch through ``engine.save_checkpoint(..., exclude_frozen_parameters=...)``,
 and ``trainer.fit(..., ckpt_path=...)`` resumes from epoch 1 with the same curve as the run that went on
 (``engine.load_checkpoint`` with Lightning's arguments). A checkpoint saved without its frozen parameters
-holds none of them, and loads only non-strictly (DeepSpeed's rule; Lightning's ``strict_loading``).
+holds none of them, and loads only non-strictly (DeepSpeed's rule; Lightning's ``strict_loading``). A DDP
+run's one-file checkpoint loads into ZeRO-3 with ``load_full_weights=True`` (weights only, as Lightning says).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def assert_equal(got: list[float], want: list[float]) -> None:
 def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path) -> None:
     runs = run_all(
         {
-            "ddp": ["--strategy", "ddp"],
+            "ddp": ["--strategy", "ddp", "--save", "ddp"],
             "z2": ["--strategy", "z2", "--exclude_frozen", "--save", "z2"],
             "z3": ["--strategy", "z3", "--save", "z3"],
         },
@@ -81,11 +82,16 @@ def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path)
             "z2-resume": ["--strategy", "z2", "--exclude_frozen", "--resume", f"z2/{FIRST}"],
             "z3-resume": ["--strategy", "z3", "--resume", f"z3/{FIRST}"],
             "z2-strict": ["--strategy", "z2", "--resume", f"z2/{FIRST}"],
+            "z3-full": ["--strategy", "z3", "--load_full_weights", "--resume", f"ddp/{FIRST}"],
         },
         tmp_path,
     )
     for stage in ("z2", "z3"):
         assert_equal(losses(tmp_path, f"{stage}-resume", resumed), ddp[5:])
+    # DDP's one-file checkpoint into ZeRO-3 (load_full_weights): the weights, not the optimizer state,
+    # as Lightning warns: the first step's loss is DDP's, the curve then goes its own way.
+    full = losses(tmp_path, "z3-full", resumed)
+    assert len(full) == 5 and abs(full[0] - ddp[5]) <= 1e-5 * ddp[5] and full[1] != ddp[6]
     code, output = resumed["z2-strict"]
     assert code != 0
     assert "missing in the checkpoint: frozen.bias, frozen.weight" in output, output[-3000:]

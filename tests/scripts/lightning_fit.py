@@ -5,8 +5,9 @@
 Lightning starts the second process itself (its subprocess launcher re-runs this script). The model has a
 frozen input layer (requires_grad False), as a fine-tune has. ``--save DIR`` keeps a checkpoint at the end
 of every epoch (Lightning's ModelCheckpoint, which calls ``trainer.save_checkpoint``); ``--resume CKPT`` goes
-on from one (``trainer.fit(..., ckpt_path=CKPT)``). Rank 0 writes the loss of every step (averaged over the
-ranks) and the trainer's step count to ``--out``.
+on from one (``trainer.fit(..., ckpt_path=CKPT)``; with ``--load_full_weights`` CKPT is one file, a
+DDP run's, loaded into ZeRO-3 through Lightning's ``GatheredParameters(..., modifier_rank=0)``). Rank 0
+writes the loss of every step (averaged over the ranks) and the trainer's step count to ``--out``.
 
 Lightning's DeepSpeedStrategy refuses any accelerator but CUDA before DeepSpeed is reached; on a CPU host the
 test runs it through ``CPUDeepSpeedStrategy``, which lifts only those device checks (the code path after
@@ -77,6 +78,9 @@ def main() -> None:
     parser.add_argument("--exclude_frozen", action="store_true", help="save without the frozen parameters")
     parser.add_argument("--save")
     parser.add_argument("--resume")
+    parser.add_argument(
+        "--load_full_weights", action="store_true", help="--resume names one file (a DDP run's checkpoint)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -87,6 +91,7 @@ def main() -> None:
             stage=int(args.strategy[1]),
             process_group_backend="gloo",
             exclude_frozen_parameters=args.exclude_frozen,
+            load_full_weights=args.load_full_weights,
         )
     callbacks = [ModelCheckpoint(dirpath=args.save, save_top_k=-1, every_n_epochs=1)] if args.save else []
     trainer = pl.Trainer(

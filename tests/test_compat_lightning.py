@@ -97,18 +97,23 @@ def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path)
     assert "missing in the checkpoint: frozen.bias, frozen.weight" in output, output[-3000:]
 
 
-def test_lightnings_default_config_is_read_with_its_aio_section_and_nvme_still_refused() -> None:
-    from pytorch_lightning.strategies import DeepSpeedStrategy
+def test_every_lightning_deepspeed_strategy_config_is_read_and_nvme_still_refused() -> None:
+    from pytorch_lightning.strategies import StrategyRegistry
 
     from runtime.config import ConfigError, load_config
 
-    config = DeepSpeedStrategy(stage=3, offload_optimizer=True).config
-    assert "aio" in config  # Lightning writes it whatever is offloaded
-    # Lightning adds the micro-batch size before it calls deepspeed.initialize
-    read = load_config({**config, "train_micro_batch_size_per_gpu": 1}, world_size=2)
-    assert (read.zero_optimization.stage, read.zero_optimization.offload_optimizer.device) == (3, "cpu")
-    nvme = DeepSpeedStrategy(stage=3, offload_optimizer=True, offload_optimizer_device="nvme").config
-    with pytest.raises(
-        ConfigError, match=r'zero_optimization\.offload_optimizer\.device: "nvme" is not supported'
-    ):
-        load_config(nvme, world_size=2)
+    names = [name for name in StrategyRegistry.available_strategies() if name.startswith("deepspeed")]
+    assert "deepspeed_stage_3_offload_nvme" in names and len(names) == 7
+    for name in names:
+        config = StrategyRegistry.get(name).config
+        assert "aio" in config  # Lightning writes it whatever is offloaded
+        # Lightning adds the micro-batch size before it calls deepspeed.initialize
+        config = {**config, "train_micro_batch_size_per_gpu": 1}
+        if name.endswith("nvme"):
+            with pytest.raises(ConfigError, match=r'offload_optimizer\.device: "nvme" is not supported'):
+                load_config(config, world_size=2)
+            continue
+        read = load_config(config, world_size=2)
+        assert read.zero_optimization.stage == config["zero_optimization"]["stage"], name
+        offloaded = "offload" in name
+        assert (read.zero_optimization.offload_optimizer.device == "cpu") == offloaded, name

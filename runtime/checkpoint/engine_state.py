@@ -117,7 +117,8 @@ def module_extras(engine: Any) -> dict[str, Any]:
     """State-dict entries the flat groups do not hold: buffers, frozen parameters, extra state.
     (keep_vars: the trained parameters are not touched, ZeRO-3 keeps them sharded.)"""
     full = engine.module.state_dict(keep_vars=True)
-    extras = {key: full[key] for key, name in module_keys(engine) if name is None}
+    left_out = getattr(engine, "checkpoint_excluded_keys", frozenset())  # exclude_frozen_parameters
+    extras = {key: full[key] for key, name in module_keys(engine) if name is None and key not in left_out}
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
 
 

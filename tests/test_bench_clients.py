@@ -3,9 +3,9 @@ way the GPU run launches it (Lightning's own launcher, the real `accelerate laun
 reports what the GPU run is read for: tokens/s, the class that trained the model, the ratio of each
 DeepSpeed configuration to its unsharded twin.
 
-lightning-ds3 is left out here: at world 1 Lightning clears every parameter's .grad
-(`LightningModule.zero_grad()`) after `deepspeed.initialize`, which our one-rank ZeRO stage refuses
-(runtime.zero.replicated.GradientViewsReplaced); see the report of issue 29's Lightning part."""
+Lightning's DeepSpeed strategy runs here at world 1: Lightning clears every parameter's .grad
+(`LightningModule.zero_grad()`) right after `deepspeed.initialize`, which the one-rank ZeRO stage takes as
+"cleared" (runtime.zero.replicated) and trains on, with DDP's losses."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.test_bench_hf import bench_lines, cpu_env, needs_hf
 
@@ -23,7 +25,7 @@ BENCH = ROOT / "scripts" / "bench" / "clients.py"
 @needs_hf
 def test_clients_bench_runs_lightning_and_accelerate_launch_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "clients.jsonl"
-    configs = "lightning-ddp,accelerate,accelerate-ds3"
+    configs = "lightning-ddp,lightning-ds3,accelerate,accelerate-ds3"
     command = [sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--configs", configs, "--batch", "2",
                "--warmup", "1", "--steps", "2", "--timeout", "200", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(command, env=cpu_env(), capture_output=True, text=True, timeout=600)
@@ -41,6 +43,10 @@ def test_clients_bench_runs_lightning_and_accelerate_launch_on_cpu(tmp_path: Pat
     assert by["accelerate-ds3"]["trained_by"] == "runtime.engine.Engine"  # our engine, under DeepSpeed's name
     assert by["accelerate"]["distributed_type"] == "DistributedType.NO"
     assert by["lightning-ddp"]["strategy"] == "DDPStrategy"
+    assert by["lightning-ds3"]["trained_by"] == "runtime.engine.Engine"
+    # the same model, batches and seed: ZeRO-3 through Lightning follows DDP's curve
+    for key in ("first_loss", "last_loss"):
+        assert by["lightning-ds3"][key] == pytest.approx(by["lightning-ddp"][key], abs=1e-4), key
     assert summary["event"] == "summary" and summary["failed"] == []
     assert summary["ratio_to_unsharded"]["accelerate-ds3"] > 0
-    assert summary["ratio_to_unsharded"]["lightning-ds3"] is None  # not run here
+    assert summary["ratio_to_unsharded"]["lightning-ds3"] > 0

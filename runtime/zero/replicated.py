@@ -69,6 +69,7 @@ class ReplicatedGradStage(HookedStage):
         return self.stage >= 1 and self.comm.world_size > 1
 
     def begin_backward(self, *, boundary: bool) -> None:
+        self._restore_cleared_views()
         self._reducing = boundary and self._communicates
         if self._reducing:
             self.tracker.reset()
@@ -106,6 +107,16 @@ class ReplicatedGradStage(HookedStage):
             [group.piece(grad, bucket) for bucket in group.layout.buckets]
             for group, grad in zip(self.groups, self.grads, strict=True)
         ]
+
+    def _restore_cleared_views(self) -> None:
+        """A `.grad` set to None outside the engine before a backward (`model.zero_grad()`, which Lightning
+        calls after `initialize`) means "cleared": the parameter gets its zeroed view back, so the backward
+        accumulates into the engine's buffer instead of a tensor of autograd's own. Cleared between a
+        backward and the step, the gradients it held are gone: `check_grad_views` refuses that step."""
+        for param, view in self._views:
+            if param.grad is None:
+                view.zero_()
+                param.grad = view
 
     def check_grad_views(self) -> None:
         for param, view in self._views:

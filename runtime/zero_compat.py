@@ -19,10 +19,12 @@ from torch import nn
 
 from runtime.unsupported import unsupported
 from runtime.zero.gathered import is_sharded
+from runtime.zero.hook_control import add_external_parameter, external_parameters, remove_external_parameter
 
 __all__ = [
     "ZeroParamStatus",
     "_orig_torch_arange",
+    "external_parameters",
     "register_external_parameter",
     "unregister_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
@@ -61,9 +63,6 @@ def zero_wrapper_for_fp_tensor_constructor(
     return wrapped
 
 
-_EXTERNAL: dict[int, list[nn.Parameter]] = {}
-
-
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """Declare that `module`'s forward uses `parameter`, which another module owns.
 
@@ -83,17 +82,10 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
             "use the weight only inside the forward of the module that owns it (tie weights by sharing the "
             "module), or gather it explicitly with deepspeed.zero.GatheredParameters around the use",
         )
-    _EXTERNAL.setdefault(id(module), []).append(parameter)
+    add_external_parameter(module, parameter)
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """Undo `register_external_parameter`; a parameter never registered is a ValueError."""
-    registered = _EXTERNAL.get(id(module), [])
-    if not any(p is parameter for p in registered):
+    if not remove_external_parameter(module, parameter):
         raise ValueError("unregister_external_parameter: this parameter was not registered on this module")
-    _EXTERNAL[id(module)] = [p for p in registered if p is not parameter]
-
-
-def external_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters registered on `module` (for tests and debugging)."""
-    return list(_EXTERNAL.get(id(module), []))

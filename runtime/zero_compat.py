@@ -9,7 +9,6 @@ here (with DeepSpeed's semantics when called) rather than something Init depends
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from torch import nn
 from runtime.unsupported import unsupported
 from runtime.zero.gathered import is_sharded
 from runtime.zero.hook_control import add_external_parameter, external_parameters, remove_external_parameter
+from runtime.zero.stage3_param import ZeroParamStatus
 
 __all__ = [
     "ZeroParamStatus",
@@ -35,14 +35,6 @@ _orig_torch_empty = torch.empty
 _orig_torch_zeros = torch.zeros
 _orig_torch_ones = torch.ones
 _orig_torch_full = torch.full
-
-
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's status of a ZeRO-3 parameter."""
-
-    AVAILABLE = 1  # gathered: the full tensor is here
-    NOT_AVAILABLE = 2  # sharded: only this rank's slice is here
-    INFLIGHT = 3  # being gathered
 
 
 def zero_wrapper_for_fp_tensor_constructor(

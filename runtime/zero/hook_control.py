@@ -22,9 +22,11 @@ the `GatherScheduler` (stage3_hooks) that the engine trains with, not onto a sec
 
 and `attach_parameter_attributes` gives every parameter `ds_active_sub_modules` (DeepSpeed's set of
 running modules using it: ours counts those per unit inside the scheduler, so this set is always empty
-and clearing it changes nothing) and every module `ds_external_parameters()` (the parameters declared
-with `register_external_parameter`). With one rank stage 3 keeps every weight whole and has no
-scheduler: the object is there with no hooks, and removing or re-adding them does nothing.
+and clearing it changes nothing), `ds_status` (AVAILABLE / NOT_AVAILABLE / INFLIGHT, kept by stage3_param
+and the units as they gather and release), `ds_id`, `ds_numel` and `ds_shape`, and every module
+`ds_external_parameters()` (the parameters declared with `register_external_parameter`). With one rank
+stage 3 keeps every weight whole and has no scheduler: the object is there with no hooks, and removing
+or re-adding them does nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 from torch import nn
 
 from runtime.errors import UserError
+from runtime.zero.stage3_param import ZeroParamStatus
 
 __all__ = ["ParamCoordinator", "ZeroParamOffload", "attach_parameter_attributes", "external_parameters"]
 
@@ -70,9 +73,14 @@ def attach_parameter_attributes(model: nn.Module) -> None:
     for module in model.modules():
         if "ds_external_parameters" not in module.__dict__:
             module.ds_external_parameters = types.MethodType(_ds_external_parameters, module)
-    for param in model.parameters():
+    for index, param in enumerate(model.parameters()):
         if not isinstance(getattr(param, "ds_active_sub_modules", None), set):
             param.ds_active_sub_modules = set()
+        if not hasattr(param, "ds_status"):  # never released: whole on this rank (frozen, or one rank)
+            param.ds_status = ZeroParamStatus.AVAILABLE
+        param.ds_id = index
+        param.ds_numel = param.numel()
+        param.ds_shape = param.shape
 
 
 class ParamCoordinator:

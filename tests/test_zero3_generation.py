@@ -10,7 +10,8 @@ a config), with TRL's own `remove_hooks` / `add_hooks` and `deepspeed.zero.Gathe
   global batches (every step's loss within 1e-5);
 - an engine built without an optimizer over a frozen copy (TRL's `prepare_deepspeed` reference model)
   keeps its parameters sharded, gives the plain model's logits, and refuses backward and step in one
-  line each.
+  line each;
+- scripts/bench/generate.py's CPU smoke mode (--tiny) on the same two ranks gives its rows and summary.
 """
 
 from __future__ import annotations
@@ -129,13 +130,24 @@ def _worker(rank: int, world_size: int) -> dict:
         with pytest.raises(UserError) as error:
             call()
         out[f"ref_{name}_error"] = str(error.value)
+
+    # scripts/bench/generate.py's smoke mode on the same ranks (its imports are paid for already)
+    from scripts.bench import generate
+
+    args = generate.parse(["--device", "cpu", "--tiny", "--world", str(world_size), "--new_tokens", "8",
+                           "--repeats", "1", "--hooks", "runtime"])  # fmt: skip
+    out["bench"] = generate.worker(args)
     return out
 
 
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_worker, 2, timeout=240)
+
+
 @pytest.mark.filterwarnings("ignore")
-def test_trl_generation_pattern_and_reference_engine_under_zero3() -> None:
-    rank0, rank1 = run_distributed(_worker, 2, timeout=240)
-    for out in (rank0, rank1):
+def test_trl_generation_pattern_and_reference_engine_under_zero3(ranks: list[dict]) -> None:
+    for out in ranks:
         assert torch.equal(out["gathered_tokens"], out["plain_tokens"])
         assert torch.equal(out["hooked_tokens"], out["plain_tokens"])
         assert out["gathered_tokens"].shape == (ROWS, 4 + NEW)
@@ -150,3 +162,29 @@ def test_trl_generation_pattern_and_reference_engine_under_zero3() -> None:
         assert out["ref_logits_diff"] <= 1e-5
         assert out["ref_backward_error"].startswith("engine.backward(): this ZeRO-3 engine was built without")
         assert out["ref_step_error"].startswith("engine.step(): this engine was built without an optimizer")
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_generate_bench_smoke_on_cpu(ranks: list[dict]) -> None:
+    """The bench's rows: every mode gives the plain model's tokens, the gathered mode (TRL's steps through
+    engine.parameter_offload) gathers each unit once per call while per_layer gathers per token, and the
+    summary carries the ratios the issue's goals read. Rank 0 reports; the other rank returns nothing."""
+    rows, others = ranks[0]["bench"], ranks[1]["bench"]
+    assert others == []
+    by_mode = {row["mode"]: row for row in rows if "mode" in row}
+    assert list(by_mode) == ["plain", "gathered", "per_layer"]
+    for row in by_mode.values():
+        assert row["new_tokens"] == 8 and row["batch"] == 4 and row["world"] == 2
+        assert row["tokens_match_plain"] is True
+        assert row["seconds"] > 0 and row["per_token_ms"] == pytest.approx(1000 * row["seconds"] / 8)
+    assert by_mode["plain"]["unit_gathers_per_call"] == 0
+    assert by_mode["gathered"]["hooks"] == "runtime"
+    units = by_mode["gathered"]["unit_gathers_per_call"]
+    assert units > 0  # each unit once, for the whole generate()
+    assert by_mode["per_layer"]["unit_gathers_per_call"] >= 8 * units  # every unit, every token
+    summary = rows[-1]
+    assert summary["summary"] is True and summary["all_tokens_match"] is True
+    assert summary["gathered_over_plain"] > 0 and summary["per_layer_over_gathered"] > 0
+    assert (
+        summary["goal_gathered_over_plain_max"] == 1.1 and summary["goal_per_layer_over_gathered_min"] == 10
+    )

@@ -16,14 +16,16 @@ every row makes exactly that many):
                times fewer tokens when that is too slow (its row says so; per-token figures compare)
 
 The issue's goals: gathered <= 1.1x plain, per_layer >= 10x gathered (per token). With one rank stage 3
-keeps every weight whole (nothing to gather), so the per-layer row only means something with
-`--world 2` or more (one process per GPU, NCCL; spawned here, rank 0 reports). Every row also says
-whether its tokens equal the plain model's.
+keeps every weight whole (nothing to gather: per_layer then equals gathered), so the per-layer row means
+something with `--world 2` or more (one process per GPU, NCCL; spawned here, rank 0 reports), or with
+`--offload_param` (the shards live in host memory, so every gather uploads its unit; one GPU will do).
+Every row also says whether its tokens equal the plain model's.
 
 Output: JSON lines (common.emit: stdout, and --out FILE or a bare --out for
 results/<yyyymmdd>_<hw>_generate.jsonl), one per mode, then a summary with the ratios.
 
     python scripts/bench/generate.py --world 2                     # 2 GPUs: GPT-2 medium, 256 tokens
+    python scripts/bench/generate.py --offload_param               # 1 GPU, shards in host memory
     python scripts/bench/generate.py --device cpu --tiny --world 2 # smoke check (gloo)
 """
 
@@ -52,6 +54,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--world", type=int, default=1, help="ranks (one GPU each on cuda)")
+    parser.add_argument("--offload_param", action="store_true",
+                        help="ZeRO-3 parameter offload (shards in host memory, optimizer on the CPU): "
+                        "one rank then holds no whole weight, and a gather uploads it")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="a 2-layer GPT-2 (the CPU smoke check)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt_len", type=int, default=32)
@@ -143,6 +148,12 @@ def worker(args: argparse.Namespace) -> list[dict[str, Any]]:
         # the tiny model's weights all fall under DeepSpeed's default persistence threshold (1e5)
         "zero_optimization": {"stage": 3, **({"stage3_param_persistence_threshold": 0} if args.tiny else {})},
     }
+    if args.offload_param:
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        config["zero_optimization"]["offload_optimizer"] = {
+            "device": "cpu",
+            "pin_memory": device.type == "cuda",
+        }
     engine, *_ = runtime.initialize(model=model, config=config)
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
@@ -193,6 +204,7 @@ def worker(args: argparse.Namespace) -> list[dict[str, Any]]:
             "bench": "generate",
             "mode": name,
             "world": args.world,
+            "offload_param": args.offload_param,
             "model": "gpt2-tiny" if args.tiny else "gpt2-medium",
             "dtype": str(dtype).removeprefix("torch."),
             "batch": args.batch,
@@ -222,6 +234,7 @@ def worker(args: argparse.Namespace) -> list[dict[str, Any]]:
         "bench": "generate",
         "summary": True,
         "world": args.world,
+        "offload_param": args.offload_param,
         "gathered_over_plain": gathered_ms / rows["plain"]["per_token_ms"],
         "per_layer_over_gathered": rows["per_layer"]["per_token_ms"] / gathered_ms,
         "goal_gathered_over_plain_max": 1.1,

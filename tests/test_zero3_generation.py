@@ -10,7 +10,7 @@ a config), with TRL's own `remove_hooks` / `add_hooks` and `deepspeed.zero.Gathe
   global batches (every step's loss within 1e-5);
 - an engine built without an optimizer over a frozen copy (TRL's `prepare_deepspeed` reference model)
   keeps its parameters sharded, gives the plain model's logits, and refuses backward and step in one
-  line each;
+  line each (and a frozen model at stage 0, where TRL puts the reference model below ZeRO-3, runs);
 - scripts/bench/generate.py's CPU smoke mode (--tiny) on the same two ranks gives its rows and summary.
 """
 
@@ -125,6 +125,13 @@ def _worker(rank: int, world_size: int) -> dict:
         want = reference(_batch(7)).logits
         got = ref_engine(_batch(7)).logits
     out["ref_logits_diff"] = (got - want).abs().max().item()
+    # TRL below ZeRO-3 asks for stage 0: an all-frozen model was "no trainable parameters" before
+    stage0 = dict(_config(with_optimizer=False), zero_optimization={"stage": 0})
+    plain_engine, *_ = deepspeed.initialize(
+        model=copy.deepcopy(reference).requires_grad_(False), config=stage0
+    )
+    with torch.no_grad():
+        out["stage0_logits_diff"] = (plain_engine(_batch(7)).logits - want).abs().max().item()
     loss = ref_engine(_batch(7), labels=_batch(7)).loss
     for name, call in (("backward", lambda: ref_engine.backward(loss)), ("step", ref_engine.step)):
         with pytest.raises(UserError) as error:
@@ -159,7 +166,7 @@ def test_trl_generation_pattern_and_reference_engine_under_zero3(ranks: list[dic
             assert abs(got - want) <= 1e-5 * abs(want), (out["engine"], out["reference"])
         assert len(out["engine"]) == 4 and out["engine"][3] < out["engine"][0]
         assert out["ref_optimizer"] is None and out["ref_sharded"]
-        assert out["ref_logits_diff"] <= 1e-5
+        assert out["ref_logits_diff"] <= 1e-5 and out["stage0_logits_diff"] <= 1e-5
         assert out["ref_backward_error"].startswith("engine.backward(): this ZeRO-3 engine was built without")
         assert out["ref_step_error"].startswith("engine.step(): this engine was built without an optimizer")
 

@@ -32,6 +32,8 @@ Every line the agent writes to stdout is one of:
     one of ``worker_failed``, ``stdin_eof``, ``parent_died``, ``stdout_closed``, ``signal``,
     ``stop_command``, ``kill_command``, ``completed`` (all workers exited 0 but some left processes).
   - ``{"ev": "error", "message"}`` -- the agent could not run (bad spec); it exits 2.
+  - ``{"ev": "leftovers", "count", "commands"}`` -- before ``done``: how many processes the job left
+    behind (``launcher.leftovers``) the agent ended, and the first few command lines.
   - ``{"ev": "done", "code"}`` -- last line; ``code`` is the agent's exit code.
 
 Anything else on the stream (a Python traceback of a crashed agent, transport noise) is not from the
@@ -51,8 +53,10 @@ stdin from /dev/null, and ``DSLAUNCH_ERROR_FILE``/``TORCHELASTIC_ERROR_FILE`` se
 private directory that the agent removes when it ends. Stopping (``launcher.stop``) sends SIGTERM to
 every worker's process group, waits ``grace_period`` seconds, then sends SIGKILL to every group that
 still has members, including groups whose leader already exited (their children must not outlive the
-job). A ``stop`` command or a first signal while already stopping changes nothing: only ``kill``, a
-second signal or the end of the grace period kills. The agent exits with the first failing worker's code
+job). The agent is the child subreaper of everything its workers start, and the same two signals reach
+the job's processes outside those groups (``launcher.leftovers``). A ``stop`` command or a first signal
+while already stopping changes nothing: only ``kill``, a second signal or the end of the grace period
+kills. The agent exits with the first failing worker's code
 (128 + signal for a signal death); if no worker failed but the agent was stopped, with 128 + the signal
 number for a signal, 129 for a lost lifeline or closed stdout, 143 for a ``stop`` or ``kill`` command;
 otherwise 0.
@@ -72,13 +76,15 @@ import time
 from collections import deque
 
 from launcher.agentspec import PROTOCOL_VERSION, SpecError, decode_spec_arg, encode_spec_arg, load_spec
-from launcher.errorfile import error_file_env, read_error_file
+from launcher.errorfile import error_file_env, make_error_dir, read_error_file, traceback_block
+from launcher.leftovers import Leftovers
 from launcher.stop import StopAction, StopSequence, StopState
 
 __all__ = ["EVENT_PREFIX", "PROTOCOL_VERSION", "Agent", "decode_spec_arg", "encode_spec_arg", "main"]
 EVENT_PREFIX = b"@dslaunch "
 MAX_LINE = 64 * 1024
 _READ_SIZE = 64 * 1024
+_DRAIN_READS = 16  # x _READ_SIZE: a full pipe at Linux's default pipe-max-size (1 MiB)
 _POLL_S = 0.1  # SIGCHLD and the wake-up pipe make most reactions immediate; this bounds the rest
 
 EXIT_BAD_SPEC = 2
@@ -153,6 +159,7 @@ class Agent:
         self.stdout_ok = True
         self.omp_threads: int | None = None
         self.error_dir: str | None = None
+        self.leftovers = Leftovers()  # processes of the job outside the worker groups (launcher.leftovers)
         # Requests from signal handlers and the stdin thread, acted on by the main loop only. A deque,
         # not a lock: a signal handler runs in the main thread and must never wait for it.
         self._requests: deque[tuple[str, str, int]] = deque()
@@ -238,7 +245,7 @@ class Agent:
         log_dir = self.spec.get("log_dir")
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
-        self.error_dir = _make_private_dir()
+        self.error_dir = make_error_dir()
         default_cwd = self.spec.get("cwd")
         for ws in specs:
             w = _Worker(int(ws["rank"]), int(ws.get("local_rank", 0)))
@@ -274,12 +281,16 @@ class Agent:
                 break
             w.pid = w.proc.pid
             w.fd = w.proc.stdout.fileno()
+            os.set_blocking(w.fd, False)  # _reap drains it without waiting for a holder to close it
             self._sel.register(w.fd, selectors.EVENT_READ, w)
             self.event("started", rank=w.rank, local_rank=w.local_rank, pid=w.pid)
 
-    def _forward(self, w: _Worker) -> None:
+    def _forward(self, w: _Worker) -> bool:
+        """Forward what the worker's pipe holds now (one read); False when it held nothing."""
         try:
             data = os.read(w.fd, _READ_SIZE)
+        except BlockingIOError:
+            return False
         except OSError:
             data = b""
         if not data:
@@ -292,7 +303,7 @@ class Agent:
             if w.log:
                 w.log.close()
                 w.log = None
-            return
+            return False
         if w.log:
             w.log.write(data)
             w.log.flush()
@@ -304,8 +315,12 @@ class Agent:
         if lines:
             p = w.prefix
             self._out(b"".join([p + line + b"\n" for line in lines]))
+        return True
 
     def _reap(self) -> None:
+        # Workers found exited in one pass ended before this pass's stop, if any: the first may be a
+        # peer that only lost the second (the head sorts causes from consequences, launcher.summary).
+        stopped = self.stop.stopping
         for w in self.workers:
             if w.exited or w.proc is None:
                 continue
@@ -314,7 +329,11 @@ class Agent:
                 continue
             w.exited = True
             code, signame = exit_code_of(rc)
-            stopped = self.stop.stopping
+            # Its last output goes before its exit event (the head's tail of it). Bounded: what a pipe
+            # can hold (1 MiB at most), as a process it left behind may keep writing to the same pipe.
+            for _ in range(_DRAIN_READS):
+                if w.fd < 0 or not self._forward(w):
+                    break
             fields: dict[str, object] = {}
             if code != 0 and w.error_path:
                 w.error = read_error_file(w.error_path)
@@ -338,7 +357,8 @@ class Agent:
 
     # -- stopping -------------------------------------------------------------------------------
     def _signal_groups(self, sig: int) -> int:
-        """Send ``sig`` to every worker's process group; return how many groups still exist."""
+        """Send ``sig`` to every worker's process group and to every process of the job outside the
+        running workers' groups (``launcher.leftovers``); return how many groups and processes remain."""
         alive = 0
         for w in self.workers:
             if w.pid:
@@ -347,7 +367,8 @@ class Agent:
                     alive += 1
                 except (ProcessLookupError, PermissionError):
                     pass
-        return alive
+        running = {w.pid for w in self.workers if w.pid and not w.exited}
+        return alive + self.leftovers.signal(sig, {w.pid for w in self.workers}, running)
 
     def _begin_stop(self, reason: str, detail: str, code: int) -> None:
         """Every stop request goes through here; ``launcher.stop`` decides what it means."""
@@ -381,6 +402,7 @@ class Agent:
         signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the selector
         threading.Thread(target=self._stdin_loop, name="stdin-lifeline", daemon=True).start()
 
+        self.leftovers.adopt_orphans()
         self.start_workers()
         finish_by = None  # after every worker exited: bound the wait for leftover output
         while True:
@@ -396,6 +418,7 @@ class Agent:
             self._handle_requests()
             if "parent" in self.lifeline and os.getppid() != self._ppid:
                 self._begin_stop("parent_died", f"parent {self._ppid} is gone", EXIT_LIFELINE)
+            self.leftovers.reap({w.pid for w in self.workers if not w.exited})
             self._reap()
             now = time.monotonic()
             self._act(self.stop.tick(now))
@@ -410,6 +433,7 @@ class Agent:
                 if all(w.fd < 0 for w in self.workers) or now >= finish_by:
                     break
         self.stop.finish()
+        self._end_leftovers()
         for w in self.workers:  # output held by a process outside the group: flush what we have
             if w.fd >= 0 and w.partial:
                 self._out(w.prefix + w.partial + b"\n")
@@ -418,6 +442,19 @@ class Agent:
         self.event("done", code=code)
         return code
 
+    def _end_leftovers(self) -> None:
+        """Wait (briefly) for the processes ended as leftovers to be gone, then say how many there were."""
+        deadline = time.monotonic() + max(1.0, self.grace)
+        while True:  # reaped here, not by whatever adopts them after us (a container's init may not)
+            alive = self._signal_groups(0) if self.leftovers.ended else 0
+            self.leftovers.reap(set())  # after the count: one that died in between is reaped too
+            if not alive or time.monotonic() > deadline:
+                break
+            self._signal_groups(signal.SIGKILL)  # the job is over: anything still here is past its grace
+            time.sleep(0.02)
+        if self.leftovers.ended:
+            self.event("leftovers", count=len(self.leftovers.ended), commands=self.leftovers.commands)
+
     def _finish_error_files(self) -> None:
         """Append each failed worker's traceback to its agent-side log, then remove the error files."""
         log_dir = self.spec.get("log_dir")
@@ -425,30 +462,13 @@ class Agent:
             if log_dir and w.error is not None and w.error.traceback:
                 log_path = os.path.join(log_dir, f"rank_{w.rank}.log")
                 with contextlib.suppress(OSError), open(log_path, "ab") as f:
-                    f.write(_traceback_block(w.error.traceback))
+                    f.write(traceback_block(w.error.traceback))
             if w.error_path:
                 with contextlib.suppress(OSError):
                     os.unlink(w.error_path)
         if self.error_dir:
             with contextlib.suppress(OSError):
                 os.rmdir(self.error_dir)
-
-
-def _make_private_dir() -> str | None:
-    """A fresh directory only this user can read, for the workers' error files (None if none can be made)."""
-    base = os.environ.get("TMPDIR") or "/tmp"
-    path = os.path.join(base, f"dslaunch-{os.getpid()}-{os.urandom(4).hex()}")
-    try:
-        os.mkdir(path, 0o700)
-    except OSError:
-        return None
-    return path
-
-
-def _traceback_block(traceback: str) -> bytes:
-    """How a worker's traceback from its error file is appended to its log file."""
-    body = traceback if traceback.endswith("\n") else traceback + "\n"
-    return b"--- dslaunch: traceback from the worker's error file ---\n" + body.encode(errors="replace")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,13 +17,21 @@ from collections.abc import Sequence
 import click
 
 from launcher.errors import LaunchError
-from launcher.hostfile import HostEntry, Hostfile, SelectedHost, read_hostfile, select_hosts
+from launcher.hostfile import (
+    HostEntry,
+    Hostfile,
+    SelectedHost,
+    check_one_line_per_machine,
+    read_hostfile,
+    select_hosts,
+)
 from launcher.machine import (
     DEFAULT_MASTER_PORT,
     Devices,
     choose_master_port,
     default_slots,
     is_local_host,
+    machine_keys,
     this_machine_devices,
 )
 from launcher.plan import HostSlots, JobConfig, make_plan
@@ -58,6 +66,8 @@ def _resolve_hosts(
         entry = HostEntry("localhost", "localhost", slots, 0, f"localhost slots={slots}")
         hf = Hostfile(THIS_MACHINE, (entry,))
     selected = select_hosts(hf, include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus)
+    if len(selected) > 1:
+        check_one_line_per_machine(hf.path, selected, machine_keys([s.host for s in selected]))
     hosts = []
     for sel in selected:
         if is_local_host(sel.host):

@@ -9,10 +9,14 @@ Sources, later wins:
 
 1. the launcher's environment, for names matching :data:`FORWARD_PREFIXES` / :data:`FORWARD_NAMES`, minus
    :data:`NEVER_FORWARD` (per-host values: device lists, install paths);
-2. ``~/.dslaunch_env``, then ``./.dslaunch_env`` (the working directory): any variable, ``K=V`` lines;
+2. the env files, any variable, ``K=V`` lines: in the home directory, then in the working directory, and
+   in each DeepSpeed's ``.deepspeed_env`` (the name ``DS_ENV_FILE`` gives, as DeepSpeed reads it) before
+   our ``.dslaunch_env``;
 3. ``--env K=V`` on the command line (held by the plan as ``JobConfig.user_env``, applied per worker).
 
-The plan's own variables (RANK, MASTER_ADDR, ...) always win; an env file that sets one is an error.
+The plan's own variables (RANK, MASTER_ADDR, ...) always win. In ``.dslaunch_env`` setting one is an error;
+in ``.deepspeed_env`` it is skipped, as DeepSpeed's launcher overrides it: ``accelerate launch`` writes its
+whole environment into that file before starting ``deepspeed`` on several machines.
 
 Why these prefixes: DeepSpeed forwards NCCL*, PYTHON*, UCX*, MLFLOW*, MV2* only, so users lost
 ``CUDA_DEVICE_MAX_CONNECTIONS`` (Megatron needs the same value on every rank), ``TORCH_DISTRIBUTED_DEBUG``,
@@ -39,6 +43,14 @@ from launcher.errors import LaunchError
 from launcher.plan import PLAN_ENV_KEYS
 
 ENV_FILE_NAME = ".dslaunch_env"
+# DeepSpeed's env file; DeepSpeed lets DS_ENV_FILE rename it.
+DEEPSPEED_ENV_FILE_NAME = ".deepspeed_env"
+
+
+def deepspeed_env_file_name(environ: Mapping[str, str] = os.environ) -> str:
+    """The name of DeepSpeed's env file: ``$DS_ENV_FILE``, else ``.deepspeed_env``."""
+    return environ.get("DS_ENV_FILE") or DEEPSPEED_ENV_FILE_NAME
+
 
 FORWARD_PREFIXES: tuple[str, ...] = (
     "NCCL_", "UCX_", "FI_", "GLOO_", "MV2_",  # communication libraries
@@ -100,8 +112,9 @@ def _parse_value(raw: str) -> str:
     return re.split(r"\s+#", raw, maxsplit=1)[0].rstrip()
 
 
-def parse_env_file(path: Path) -> dict[str, tuple[str, int]]:
-    """Read an env file: name -> (value, line number). Raises :class:`EnvFileError` on a bad line."""
+def parse_env_file(path: Path, *, skip_plan_keys: bool = False) -> dict[str, tuple[str, int]]:
+    """Read an env file: name -> (value, line number). Raises :class:`EnvFileError` on a bad line.
+    A variable the plan sets is an error, or left out with `skip_plan_keys` (DeepSpeed's file)."""
     try:
         text = path.read_text()
     except UnicodeDecodeError as e:
@@ -122,6 +135,8 @@ def parse_env_file(path: Path) -> dict[str, tuple[str, int]]:
         if not _KEY.match(key):
             raise EnvFileError(path, n, line, f"{key!r} is not a valid variable name")
         if key in PLAN_ENV_KEYS:
+            if skip_plan_keys:
+                continue
             raise EnvFileError(path, n, line, f"{key} is set by dslaunch for every worker")
         try:
             out[key] = (_parse_value(raw), n)
@@ -130,22 +145,29 @@ def parse_env_file(path: Path) -> dict[str, tuple[str, int]]:
     return out
 
 
-def env_files(cwd: Path, home: Path) -> list[Path]:
-    """The env files that exist, in the order they apply (home first, working directory last)."""
+def env_files(cwd: Path, home: Path, deepspeed_name: str = DEEPSPEED_ENV_FILE_NAME) -> list[Path]:
+    """The env files that exist, in the order they apply: home first, working directory last, and in
+    each DeepSpeed's file (named `deepspeed_name`) before ours."""
     found: list[Path] = []
     for d in (home, cwd):
-        p = d / ENV_FILE_NAME
-        if p.is_file() and all(not p.samefile(q) for q in found):
-            found.append(p)
+        for name in (deepspeed_name, ENV_FILE_NAME):
+            p = d / name
+            if p.is_file() and all(not p.samefile(q) for q in found):
+                found.append(p)
     return found
+
+
+def is_deepspeed_file(path: Path) -> bool:
+    """Whether `path` is DeepSpeed's env file (its variables that the plan sets are skipped, not refused)."""
+    return path.name != ENV_FILE_NAME
 
 
 def collect(environ: Mapping[str, str], cwd: Path, home: Path) -> ForwardedEnv:
     """The variables remote workers get on top of the plan's (see the module docstring for the order)."""
     values = {k: v for k, v in environ.items() if is_forwarded(k)}
     sources = dict.fromkeys(values, "environment")
-    for path in env_files(cwd, home):
-        for key, (value, line) in parse_env_file(path).items():
+    for path in env_files(cwd, home, deepspeed_env_file_name(environ)):
+        for key, (value, line) in parse_env_file(path, skip_plan_keys=is_deepspeed_file(path)).items():
             values[key], sources[key] = value, f"{path}:{line}"
     return ForwardedEnv(MappingProxyType(values), MappingProxyType(sources))
 

@@ -11,12 +11,15 @@ exception hook writes it in torch's format, plus two fields of ours (``kind``, `
 
 When the worker exits non-zero the agent reads the file with ``read_error_file``, which tolerates a
 missing, empty or malformed file (the failure is then reported as before: exit code and last lines).
-Imports only the standard library: the node agent imports this module on every node.
+The private directory (``make_error_dir``) and the block a failed worker's traceback adds to its log
+(``traceback_block``) live here too. Imports only the standard library: the node agent imports this
+module on every node.
 """
 
 from __future__ import annotations
 
 import json
+import os
 
 ERROR_FILE_VARS = ("DSLAUNCH_ERROR_FILE", "TORCHELASTIC_ERROR_FILE")
 USER_INPUT = "user_input"  # the kind of an error in the user's input: one line and a hint, no traceback
@@ -76,7 +79,7 @@ def parse_error_file(data: bytes) -> WorkerError | None:
     first_line = message.splitlines()[0][:MAX_MESSAGE]
     return WorkerError(
         message=first_line,
-        hint=_text(extra.get("hint")).strip(),
+        hint=_text(extra.get("hint")).strip()[:MAX_MESSAGE],  # a hint too is one line, not a flood
         kind=_text(extra.get("kind")) or "exception",
         traceback=_tail(_text(extra.get("py_callstack"))),
     )
@@ -96,3 +99,20 @@ def read_error_file(path: str) -> WorkerError | None:
     except OSError:
         return None
     return parse_error_file(data)
+
+
+def make_error_dir() -> str | None:
+    """A fresh directory only this user can read, for the workers' error files (None if none can be made)."""
+    base = os.environ.get("TMPDIR") or "/tmp"
+    path = os.path.join(base, f"dslaunch-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        os.mkdir(path, 0o700)
+    except OSError:
+        return None
+    return path
+
+
+def traceback_block(traceback: str) -> bytes:
+    """How a worker's traceback from its error file is appended to its log file."""
+    body = traceback if traceback.endswith("\n") else traceback + "\n"
+    return b"--- dslaunch: traceback from the worker's error file ---\n" + body.encode(errors="replace")

@@ -19,13 +19,16 @@ what it names (a bare name drops the host). ``--num_nodes N`` keeps the first N 
 keeps slots 0..N-1 of every host. Filters and counts do not combine.
 
 Every problem raises ``HostfileError`` naming the file, the line and the offending text; nothing here
-starts anything.
+starts anything. Two lines naming one machine (``localhost`` and ``127.0.0.1``, a name and its address)
+are refused by ``check_one_line_per_machine``, given what identifies each host's machine (resolved by
+``launcher.machine.machine_keys``: this module does no I/O).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from launcher.errors import HostfileError
@@ -133,6 +136,28 @@ def parse_hostfile(text: str, path: str) -> Hostfile:
     if not entries:
         raise HostfileError(path, 0, "", "no hosts in the hostfile (expected lines like 'worker-0 slots=8')")
     return Hostfile(path, tuple(entries))
+
+
+def check_one_line_per_machine(
+    path: str, selected: Sequence[SelectedHost], keys: Mapping[str, frozenset[str]]
+) -> None:
+    """Refuse two selected hosts that are one machine (``keys``: host -> what identifies its machine,
+    from ``launcher.machine.machine_keys``): both would be nodes with LOCAL_RANK 0, on the same GPUs."""
+    seen: dict[str, SelectedHost] = {}
+    for sel in selected:
+        for key in sorted(keys.get(sel.host, ())):
+            first = seen.setdefault(key, sel)
+            if first is not sel:
+                what = key.rsplit(":", 1)[0]
+                a, b = first.entry, sel.entry
+                raise HostfileError(
+                    path,
+                    b.line,
+                    b.text,
+                    f"{b.name!r} is the same machine as {a.name!r} on line {a.line} ({path}:{a.line}: "
+                    f"{a.text!r}; both are {what}), so both would start at LOCAL_RANK 0 on the same "
+                    f"devices: list each machine once, with all its slots on one line",
+                )
 
 
 def read_hostfile(path: str) -> Hostfile:

@@ -1,5 +1,8 @@
 """This machine, as the launcher sees it before starting anything: its GPUs, its names, its ports.
 
+Names: ``machine_keys`` tells which hostfile hosts are one machine (a name and its address, ``localhost``
+and ``127.0.0.1``), so that the hostfile check refuses listing a machine twice.
+
 GPU counting never imports torch: ``CUDA_VISIBLE_DEVICES`` if set, else NVML (nvidia-ml-py) when the
 NVIDIA driver is present, else ``/proc/driver/nvidia/gpus``. ``DS_ACCELERATOR=cpu`` (DeepSpeed's name,
 which the runtime honours too) means CPU workers even where GPUs are: no slot becomes a
@@ -15,12 +18,15 @@ port are parameters), so tests run them against a socket they hold instead of ag
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from launcher.errors import LaunchError
+from launcher.hostfile import split_host
 
 ACCELERATOR_ENV = "DS_ACCELERATOR"
 DEFAULT_MASTER_PORT = 29500
@@ -90,9 +96,48 @@ def this_machine_devices() -> Devices:
 
 
 # -- names -----------------------------------------------------------------------------------------
+THIS_MACHINE = "this machine"
+_RESOLVE_THREADS = 16  # names resolve in parallel: a hostfile of 1000 DNS names must not take minutes
+
+
 def is_local_host(name: str) -> bool:
     hostname = socket.gethostname()
     return name in ("localhost", "127.0.0.1", hostname, hostname.split(".")[0])
+
+
+def addresses_of(name: str) -> frozenset[str]:
+    """The IP addresses a host name (or an address) stands for here; empty when it does not resolve."""
+    try:
+        return frozenset({str(ipaddress.ip_address(name))})
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return frozenset()
+    return frozenset(str(info[4][0]).split("%")[0] for info in infos)
+
+
+def machine_keys(hosts: Sequence[str]) -> dict[str, frozenset[str]]:
+    """hostfile host -> what identifies the machine it reaches (its addresses, with the SSH port).
+
+    ``localhost``, ``127.0.0.1``, ``::1`` and this machine's own name and addresses all stand for
+    ``this machine``; any other address stands for itself, exactly (the sshd testbed's 127.0.0.2,
+    127.0.0.3 ... are different hosts). The port counts: two ports of one address may be two containers.
+    A name that does not resolve here (an ssh_config alias) stands only for itself.
+    """
+    local = {"127.0.0.1", "::1"} | addresses_of(socket.gethostname())
+
+    def keys(host: str) -> frozenset[str]:
+        _user, name, port = split_host(host)
+        port_text = f":{port or 22}"
+        if is_local_host(host):
+            return frozenset({THIS_MACHINE + port_text})
+        found = addresses_of(name) or frozenset({name.lower()})
+        return frozenset((THIS_MACHINE if a in local else a) + port_text for a in found)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(_RESOLVE_THREADS, len(hosts)))) as pool:
+        return dict(zip(hosts, pool.map(keys, hosts), strict=True))
 
 
 # -- ports -----------------------------------------------------------------------------------------

@@ -1,10 +1,16 @@
 """Preflight: every host checked before anything starts, and the checked connections kept for the job.
 
-:func:`preflight` connects to all hosts in parallel with bounded concurrency (stock sshd drops bursts of
-more than 10 unauthenticated connections, MaxStartups 10:30:100) and runs a probe on each: change to the
+:func:`preflight` connects to all hosts in parallel with bounded concurrency and runs a probe on each:
+change to the
 job's working directory, find the interpreter, import the launcher, report the host's name and the
 address our connection reached it on. All-or-nothing: one failing host fails the preflight, with every
 failing host's own cause (:class:`launcher.ssh.SSHHostError`) in :class:`PreflightError`.
+
+Concurrency: stock sshd drops bursts of more than 10 unauthenticated connections (MaxStartups 10:30:100),
+but each sshd counts only its own. So at most ``SSHSettings.max_parallel`` connections are in flight to one
+*first hop* (the host's own sshd, or the jump host or proxy every connection passes; :class:`HopLimit`),
+and up to ``MAX_CONNECTING`` hosts connect at once: 1000 hosts that time out take a few timeouts, not
+1000 / 8 of them.
 
 With ``RemoteCheck.call`` the probe then *becomes* the named function (the node agent), so that checking
 a host and starting its agent cost one session and one interpreter start (:func:`start_checked`).
@@ -12,14 +18,50 @@ a host and starting its agent cost one session and one interpreter start (:func:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import socket
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from launcher.ssh import Cause, HostTarget, SSHHostError, SSHSettings, connect, load_ssh_config, resolve
 from launcher.sshlib import paramiko
+
+MAX_CONNECTING = 64  # hosts connecting at once (threads); each first hop still sees at most max_parallel
+
+
+def first_hop(target: HostTarget) -> str:
+    """The sshd that a connection to ``target`` reaches first: its jump host, its proxy, or its own."""
+    if target.proxy_jump:
+        return "jump " + target.proxy_jump.split(",")[0]
+    if target.proxy_command:
+        return "proxy"  # every ProxyCommand likely passes one bastion: count them together
+    return f"{target.hostname}:{target.port}"
+
+
+class HopLimit:
+    """At most ``per_hop`` connections in flight to one first hop (sshd's MaxStartups is per server)."""
+
+    def __init__(self, per_hop: int) -> None:
+        self.per_hop = max(1, per_hop)
+        self._sems: dict[str, threading.BoundedSemaphore] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def slot(self, target: HostTarget) -> Iterator[None]:
+        hop = first_hop(target)
+        with self._lock:
+            sem = self._sems.setdefault(hop, threading.BoundedSemaphore(self.per_hop))
+        with sem:
+            yield
+
+
+def pool_size(hosts: int) -> int:
+    """Threads for connecting to ``hosts`` hosts."""
+    return max(1, min(MAX_CONNECTING, hosts))
 
 
 @dataclass(frozen=True)
@@ -176,13 +218,47 @@ def check_host(conn_target: HostTarget, settings: SSHSettings, check: RemoteChec
 
 
 class PreflightError(Exception):
-    """One or more hosts failed the preflight; nothing was started. ``errors`` holds one per host."""
+    """One or more hosts failed the preflight; nothing was started. ``errors`` holds one per host.
+
+    The message folds hosts that failed for the same cause (1000 hosts down are one line and one fix,
+    not 2000 lines): see :func:`folded_lines`."""
 
     def __init__(self, errors: list[SSHHostError]) -> None:
         self.errors = errors
         lines = [f"{len(errors)} host(s) failed the SSH preflight; nothing was started:"]
-        lines += [f"  {e}" for e in errors]
+        lines += folded_lines(errors)
         super().__init__("\n".join(lines))
+
+
+NAMED_HOSTS = 3  # hosts named in a folded line; the rest are counted
+
+
+def folded_lines(errors: list[SSHHostError]) -> list[str]:
+    """Per-host errors -> the lines that show them, one group per cause in order of first appearance.
+
+    A cause with one host keeps that host's own line and fix. A cause with several hosts is one line,
+    ``hosts a, b, c ... and 997 more: connection refused``, with the first host's detail as an example
+    unless every host has the same detail, then one fix line (the first host's, said so when the fixes
+    differ by host, e.g. a known_hosts command naming the host)."""
+    groups: dict[Cause, list[SSHHostError]] = {}
+    for e in errors:
+        groups.setdefault(e.cause, []).append(e)
+    lines: list[str] = []
+    for cause, group in groups.items():
+        first = group[0]
+        if len(group) == 1:
+            lines.append(f"  {first}")
+            continue
+        names = ", ".join(e.host.split()[0] for e in group[:NAMED_HOSTS])  # the name, not "(user@addr)"
+        more = f" ... and {len(group) - NAMED_HOSTS} more" if len(group) > NAMED_HOSTS else ""
+        same_detail = all(e.detail == first.detail for e in group)
+        detail = first.detail if same_detail else f"e.g. {first.detail}"
+        lines.append(f"  hosts {names}{more}: {cause.value} ({detail})")
+        if first.hint:
+            same_hint = all(e.hint == first.hint for e in group)
+            for_whom = "" if same_hint else f" (for {first.host.split()[0]}; likewise for the others)"
+            lines.append(f"    fix{for_whom}: {first.hint}")
+    return lines
 
 
 def preflight(
@@ -199,16 +275,18 @@ def preflight(
     except SSHHostError as e:
         raise PreflightError([e]) from e
     results: dict[str, Connection | SSHHostError] = {}
+    limit = HopLimit(settings.max_parallel)
 
     def one(h: str) -> None:
         try:
-            results[h] = check_host(targets[h], settings, check)
+            with limit.slot(targets[h]):
+                results[h] = check_host(targets[h], settings, check)
         except SSHHostError as e:
             results[h] = e
         except Exception as e:  # never lose a host's failure to a thread
             results[h] = SSHHostError(str(targets[h]), Cause.DISCONNECTED, f"{type(e).__name__}: {e}")
 
-    with ThreadPoolExecutor(max_workers=max(1, min(settings.max_parallel, len(hosts)))) as pool:
+    with ThreadPoolExecutor(max_workers=pool_size(len(hosts))) as pool:
         list(pool.map(one, hosts))
     errors = [r for h in hosts if isinstance(r := results[h], SSHHostError)]
     conns = {h: r for h in hosts if isinstance(r := results[h], Connection)}

@@ -276,7 +276,13 @@ def _connect_once(t: HostTarget, settings: SSHSettings) -> paramiko.SSHClient:
             sock=sock,
         )
     except Exception as e:
+        # "No existing session" and the like hide the real story: the server never said its banner
+        # (paramiko gives up negotiating at the connect timeout and then fails to authenticate).
+        transport = client.get_transport()
+        silent = transport is not None and not getattr(transport, "remote_version", "?")
         client.close()
+        if silent and isinstance(e, paramiko.SSHException):
+            e = paramiko.SSHException(f"no SSH protocol banner within {t.connect_timeout:g}s")
         raise _explain(t, e) from e
     if sock is not None:
         client._dslaunch_jump = getattr(sock, "_dslaunch_client", None)  # keep the jump host open

@@ -8,6 +8,18 @@ hint; a user-input error (kind ``user_input``) needs nothing more, any other fai
 lines of the group's first rank. A failure without a message (a signal, ``sys.exit(7)``, a worker that
 could not start, a lost agent) keeps the per-rank form: rank, host, exit code or signal, last lines. The
 root cause (the first failure) comes first.
+
+Root cause and consequences: when one rank dies, its peers fail in their next collective ("Connection
+closed by peer" from gloo, "remote process exited" from NCCL, a broken pipe, a collective's timeout...),
+and on another node such a failure may reach the head before the real one. :func:`arrange_failures`
+makes the first failure that is *not* a lost peer (:func:`lost_peer`) the root cause, whatever the order
+of arrival; the ranks that only lost their peer are listed after it as its consequences, one line per
+cause, never as failures of their own.
+
+Size: the tail shown is capped in bytes as well as in lines (:func:`cap_tail`): a rank whose last output
+is one huge line without a newline (the agent cuts such a line into 64 KiB pieces) shows the start and
+the end of it, and says how much was cut. A message or hint is shown cut to ``MAX_MESSAGE_BYTES`` the
+same way.
 """
 
 from __future__ import annotations
@@ -18,6 +30,24 @@ from dataclasses import dataclass
 from launcher.errorfile import USER_INPUT
 
 MAX_OTHER_GROUPS = 4  # after the root cause: at most this many other groups, then a count
+MAX_TAIL_BYTES = 4096  # the whole tail of the root cause, as printed
+MAX_TAIL_LINE_BYTES = 400  # one line of it: the first and the last half are kept
+MAX_MESSAGE_BYTES = 1000  # an error file's message or hint as shown (the error file keeps 4096 chars)
+
+# Substrings (lower case) of what a rank says when it failed only because a peer was gone, and the words
+# the summary uses for it. Looked for in the error file's message, else in the rank's last lines.
+_LOST_PEER = (
+    ("connection closed by remote peer", "Connection closed by remote peer"),
+    ("connection closed by peer", "Connection closed by peer"),
+    ("connection reset by peer", "Connection reset by peer"),
+    ("remote process exited", "remote process exited"),
+    ("ncclremoteerror", "ncclRemoteError"),
+    ("communicator was aborted", "communicator aborted"),
+    ("broken pipe", "Broken pipe"),
+    ("watchdog caught collective operation timeout", "collective timed out"),
+    ("timed out waiting", "timed out waiting for a peer"),
+    ("failed to recv, got 0 bytes", "rendezvous store connection lost"),
+)
 
 _SIGNAL_HINTS = {
     "SIGKILL": "out of memory? (see `dmesg` or the cgroup's memory.events)",
@@ -68,6 +98,91 @@ def _run_text(run: list[int]) -> str:
     return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
 
 
+def lost_peer(failure: Failure) -> str | None:
+    """Why a failure is only a consequence of a peer's ("gloo: Connection closed by peer"), or None."""
+    text = failure.message or "\n".join(failure.tail[-5:])
+    low = text.lower()
+    for needle, words in _LOST_PEER:
+        if needle in low:
+            backend = "NCCL" if "nccl" in low else "gloo" if "gloo" in low else "torch.distributed"
+            return f"{backend}: {words}"
+    return None
+
+
+def arrange_failures(failures: Sequence[Failure]) -> list[Failure]:
+    """Failures in order of arrival -> the root cause first (the first that is not a lost peer, else
+    the first), then the others in order. A later failure without a message that did not lose its peer
+    is left out: it is most likely the stop's own doing."""
+    if not failures:
+        return []
+    root = next((f for f in failures if lost_peer(f) is None), failures[0])
+    rest = [f for f in failures if f is not root and (f.message or lost_peer(f) is not None)]
+    return [root, *rest]
+
+
+def _cut_line(line: str, limit: int) -> tuple[str, int]:
+    """A line cut to its first and last ``limit // 2`` bytes, and how many bytes were cut."""
+    data = line.encode(errors="replace")
+    if len(data) <= limit:
+        return line, 0
+    half = limit // 2
+    head = data[:half].decode(errors="ignore")
+    tail = data[-half:].decode(errors="ignore")
+    cut = len(data) - 2 * half
+    return f"{head} [... {cut} bytes cut ...] {tail}", cut
+
+
+def cap_tail(
+    tail: Sequence[str], max_bytes: int = MAX_TAIL_BYTES, max_line: int = MAX_TAIL_LINE_BYTES
+) -> tuple[list[str], int]:
+    """The last lines that fit ``max_bytes``, each cut to ``max_line``; and how many bytes were left out."""
+    kept: list[str] = []
+    used = cut = 0
+    full = False  # the budget is spent: every earlier line is cut whole (the tail stays contiguous)
+    for line in reversed(tail):
+        short, line_cut = _cut_line(line, max_line)
+        size = len(short.encode(errors="replace")) + 1
+        full = full or used + size > max_bytes
+        if full:
+            cut += len(line.encode(errors="replace")) + 1
+            continue
+        used += size
+        kept.append(short)
+        cut += line_cut
+    return kept[::-1], cut
+
+
+def _consequence_lines(root: Failure, consequences: Sequence[Failure]) -> list[str]:
+    """One line per cause: which ranks only lost their peer, and whose failure that followed."""
+    by_reason: dict[str, list[Failure]] = {}
+    for f in consequences:
+        by_reason.setdefault(lost_peer(f) or "", []).append(f)
+    root_lost = lost_peer(root) is not None
+    cause = "" if root_lost else f" -- a consequence of {_who(root)}'s failure"
+    lines = []
+    for reason, group in by_reason.items():
+        ranks = [f.rank for f in group if f.rank is not None]
+        who = f"rank {ranks[0]}: lost its" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)}: lost their"
+        lines.append(f"{who} peer ({reason}){cause}")
+    return lines
+
+
+def leftovers_line(ended: Sequence[tuple[str, int, Sequence[str]]]) -> str | None:
+    """One line for the processes the agents ended as left behind by the job: (host, count, commands)."""
+    total = sum(count for _, count, _ in ended)
+    if not total:
+        return None
+    noun = "process" if total == 1 else "processes"
+    where = ", ".join(f"{count} on {host}" for host, count, _ in ended if count)
+    commands = [_cut_line(c, 120)[0] for _, _, cs in ended for c in cs][:3]
+    shown = "; ".join(commands) + ("; ..." if total > len(commands) else "")
+    return f"ended {total} {noun} left behind by the job ({where}): {shown}"
+
+
+def _who(failure: Failure) -> str:
+    return f"rank {failure.rank}" if failure.rank is not None else failure.what
+
+
 def group_failures(failures: Sequence[Failure]) -> list[list[Failure]]:
     """Failures grouped by (kind, message), in order of first appearance; no message: alone."""
     groups: dict[object, list[Failure]] = {}
@@ -78,11 +193,15 @@ def group_failures(failures: Sequence[Failure]) -> list[list[Failure]]:
 
 
 def summary_lines(failures: Sequence[Failure], attempt: int, job_id: str) -> list[str]:
-    """The summary of a failed attempt; ``failures[0]`` is the root cause."""
+    """The summary of a failed attempt; ``failures[0]`` is the root cause (see :func:`arrange_failures`),
+    later failures that only lost their peer are its consequences."""
     if not failures:
         return []
     lines: list[str] = []
-    groups = group_failures(failures)
+    root = failures[0]
+    consequences = [f for f in failures[1:] if lost_peer(f) is not None and f.message != root.message]
+    apart = {id(f) for f in consequences}
+    groups = group_failures([f for f in failures if id(f) not in apart])
     for index, group in enumerate(groups):
         if index > MAX_OTHER_GROUPS:
             rest = [f.rank for g in groups[index:] for f in g if f.rank is not None]
@@ -92,13 +211,15 @@ def summary_lines(failures: Sequence[Failure], attempt: int, job_id: str) -> lis
         ranks = [f.rank for f in group if f.rank is not None]
         if len(group) > 1:
             prefix = "" if index == 0 else "also: "
-            head = f"ranks {rank_ranges(ranks)} failed the same way (exit code {first.code}): {first.message}"
+            message = _cut_line(first.message, MAX_MESSAGE_BYTES)[0]
+            head = f"ranks {rank_ranges(ranks)} failed the same way (exit code {first.code}): {message}"
         else:
             prefix = "FAILED: " if index == 0 else "also: "
-            head = f"{first.what} {first.how}" + (f": {first.message}" if first.message else "")
+            message = _cut_line(first.message, MAX_MESSAGE_BYTES)[0]
+            head = f"{first.what} {first.how}" + (f": {message}" if message else "")
         lines.append(prefix + head)
         if first.hint:
-            lines.append(f"  hint: {first.hint}")
+            lines.append(f"  hint: {_cut_line(first.hint, MAX_MESSAGE_BYTES)[0]}")
         if first.kind == USER_INPUT:
             continue  # the message and the hint are the whole story; the traceback is in the log
         if index == 0:
@@ -107,6 +228,15 @@ def summary_lines(failures: Sequence[Failure], attempt: int, job_id: str) -> lis
             )
             if first.tail:
                 who = f"rank {first.rank}" if first.rank is not None else "the agent"
-                lines.append(f"  last {len(first.tail)} line(s) of {who}:")
-                lines.extend(f"    {line}" for line in first.tail)
+                tail, cut = cap_tail(first.tail)
+                more = f" ({cut} more bytes cut; the whole output is above and in --log_dir)" if cut else ""
+                lines.append(f"  last {len(tail)} line(s) of {who}{more}:")
+                lines.extend(f"    {line}" for line in tail)
+    if consequences:
+        lines.extend(_consequence_lines(root, consequences))
+    if lost_peer(root) is not None:
+        lines.append(
+            "  hint: no rank failed by itself, each lost a peer: the first to go was likely killed from "
+            "outside (the OOM killer, a host or network going down); see dmesg and each host's logs"
+        )
     return lines

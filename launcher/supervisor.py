@@ -19,8 +19,10 @@ by ``_STOP_SLACK_S`` or on a second signal) is a ``launcher.stop.StopSequence``,
 The exit code is the root-cause worker's code (128 + signal number for a signal death), 130 after
 SIGINT, 143 after SIGTERM, 0 on success. After a failure a short summary (``launcher.summary``) names
 the rank, host, exit code or signal and shows the rank's last output lines; ranks that failed the same
-way (same exit code and error-file message) are folded into one line. A failed worker's traceback from
-its error file is appended to its log file.
+way (same exit code and error-file message) are folded into one line, and ranks that only lost their peer
+are consequences of the root cause, whichever reached the head first (``launcher.summary``). A failed
+worker's traceback from its error file is appended to its log file. Processes the job left behind (outside
+its workers' process groups), which each agent ended, are counted in one line at the end of the attempt.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from launcher.runners.base import (
     parse_agent_line,
 )
 from launcher.stop import StopAction, StopSequence, StopState
-from launcher.summary import Failure, status_text, summary_lines
+from launcher.summary import Failure, arrange_failures, leftovers_line, status_text, summary_lines
 
 # How long past the grace period an agent may take to report back before it is killed, and after the
 # kill, before the head gives up on it (a transport that hangs must not hang the launcher).
@@ -101,8 +103,9 @@ class _Attempt:
         self.node_tails: dict[int, deque[bytes]] = {n.node_rank: deque(maxlen=5) for n in plan.nodes}
         self.logs: dict[int, IO[bytes]] = {}
         self.done_nodes: set[int] = set()
-        self.failure: Failure | None = None
-        self.others: list[Failure] = []  # failures after the root cause that carry their own error
+        self.failure: Failure | None = None  # the first failure: it stopped the job
+        self.others: list[Failure] = []  # failures after it that carry their own error or lost a peer
+        self.leftovers: dict[int, tuple[str, int, list[str]]] = {}  # node -> (host, ended, commands)
         self.interrupt_code: int | None = None
         # Agents get their grace period and then some to report back before the head kills them.
         self.stop = StopSequence(options.grace_period + _STOP_SLACK_S)
@@ -163,8 +166,10 @@ class _Attempt:
                 failure = self._worker_failure(host, code, data)
                 if not (data.get("stopped") or self.failure is not None):
                     self.fail(failure)
-                elif failure.message:  # without a message, a later failure is most likely a consequence
+                else:  # arrange_failures decides: the root cause may arrive after its consequences
                     self.others.append(failure)
+        elif ev.kind == "leftovers":
+            self.leftovers[ev.node] = (host, int(data.get("count", 0)), list(data.get("commands") or ()))
         elif ev.kind == "error":
             self.fail(Failure(2, f"the agent on {host}", f"could not run: {data.get('message')}", None, ()))
         elif ev.kind == "stopping":
@@ -272,11 +277,14 @@ class _Attempt:
             self._log_tracebacks()
             for log in self.logs.values():
                 log.close()
-        failures = (self.failure, *self.others) if self.failure is not None else ()
+            line = leftovers_line([self.leftovers[n] for n in sorted(self.leftovers)])
+            if line:
+                self.say(line)
+        failures = tuple(arrange_failures([self.failure, *self.others])) if self.failure is not None else ()
         if self.interrupt_code is not None:
             return AttemptResult(Outcome.INTERRUPTED, self.interrupt_code, self.failure, failures)
-        if self.failure is not None:
-            return AttemptResult(Outcome.FAILED, self.failure.code, self.failure, failures)
+        if failures:
+            return AttemptResult(Outcome.FAILED, failures[0].code, failures[0], failures)
         return AttemptResult(Outcome.SUCCEEDED, 0)
 
 

@@ -138,7 +138,9 @@ def initialize(
             group options; its state is not carried over), or a callable ``param_groups -> optimizer``.
             None: the config's "optimizer" section.
         model_parameters: parameters or torch param-group dicts to train (default: all trainable).
-        training_data: a dataset; returns a DataLoader with a DistributedSampler and the micro batch size.
+        training_data: a dataset; returns a DataLoader with a DistributedSampler and the micro batch size
+            (over the data-parallel ranks with pipeline or tensor parallelism; a pipeline's is DeepSpeed's:
+            in order, and train_batch() / eval_batch() read it when given no iterator).
         lr_scheduler: a scheduler object or a callable ``optimizer -> scheduler``; None: the config's.
         config: a dict, a .json/.yaml path, or an already loaded ``runtime.config.Config``.
         collate_fn: passed to the DataLoader.
@@ -187,13 +189,10 @@ def initialize(
         engine = parallel(
             model, source, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
         )
+        loader = None
         if training_data is not None:
-            raise ValueError(
-                "runtime.initialize: training_data with pipeline or tensor parallelism: build the data "
-                "iterator yourself (every data-parallel group reads its own batches); engine.train_batch() "
-                "takes it"
-            )
-        return engine, engine.optimizer, None, engine.lr_scheduler
+            loader = _parallel_dataloader(engine, training_data, collate_fn)
+        return engine, engine.optimizer, loader, engine.lr_scheduler
     world_size = dist.get_world_size()
     cfg = source if isinstance(source, Config) else load_config(source, world_size=world_size, model=model)
     if cfg.world_size != world_size:
@@ -224,12 +223,41 @@ def _model_parallel_engine(model: nn.Module, source: Any) -> type[Engine] | None
     if isinstance(source, Config):
         return None
     raw = read_config_file(source) if isinstance(source, (str, os.PathLike)) else source
-    section = raw.get("tensor_parallel") if isinstance(raw, dict) else None
-    if isinstance(section, dict) and int(section.get("autotp_size", section.get("tp_size", 1)) or 1) > 1:
+    if not isinstance(raw, dict) or raw.get("tensor_parallel") is None:
+        return None
+    from runtime.config.parallel import read_tensor_parallel_section
+
+    if read_tensor_parallel_section(raw["tensor_parallel"]).autotp_size > 1:
         from runtime.tensor_parallel.engine import TensorParallelEngine
 
         return TensorParallelEngine
     return None
+
+
+def _parallel_dataloader(
+    engine: Engine, dataset: torch.utils.data.Dataset, collate_fn: Callable[..., Any] | None
+) -> torch.utils.data.DataLoader:
+    """The loader of `training_data` for a pipeline (DeepSpeed's: in order, over the grid's data ranks,
+    read by train_batch() / eval_batch() without an iterator) or a tensor-parallel engine (over the data
+    ranks: the model ranks of one data rank read the same samples)."""
+    from runtime.pipe.engine import PipelineEngine
+
+    if isinstance(engine, PipelineEngine):
+        from runtime.pipe.data import pipeline_dataloader
+
+        loader = pipeline_dataloader(dataset, engine.config, engine.grid, collate_fn=collate_fn)
+        engine.set_dataloader(loader)
+        return loader
+    grid = engine.grid
+    loader = build_dataloader(
+        dataset,
+        engine.config,
+        collate_fn=collate_fn,
+        replicas=grid.get_data_parallel_world_size(),
+        rank=grid.get_data_parallel_rank(),
+    )
+    engine.training_dataloader = loader
+    return loader
 
 
 def build_dataloader(

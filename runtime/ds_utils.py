@@ -1,10 +1,12 @@
-"""Small helpers DeepSpeed scripts import from ``deepspeed.utils`` and ``deepspeed.checkpoint.utils``.
+"""Small helpers DeepSpeed scripts import from ``deepspeed.utils``, ``deepspeed.runtime.utils`` and
+``deepspeed.checkpoint.utils``.
 
 The logger (DeepSpeed's is named "DeepSpeed"; Trainer sets its level), ``log_dist`` (log on chosen
-ranks only), ``RepeatingLoader`` (restart a loader at its end) and ``clone_tensors_for_torch_save``
-(copies that do not drag a whole flat buffer into the file) and ``zero_to_fp32``'s functions over
-`runtime.checkpoint.consolidate`. They are ordinary runtime utilities; the
-compat package only gives them DeepSpeed's names.
+ranks only), ``set_random_seed`` (Python's, numpy's and torch's generators at once, as DeepSpeed seeds
+them; `PipelineModule(seed_layers=True)` seeds each layer with it), ``RepeatingLoader`` (restart a loader
+at its end) and ``clone_tensors_for_torch_save`` (copies that do not drag a whole flat buffer into the
+file); ``zero_to_fp32``'s functions live in `runtime.checkpoint.fp32_state`. They are ordinary runtime
+utilities; the compat package only gives them DeepSpeed's names.
 """
 
 from __future__ import annotations
@@ -20,12 +22,10 @@ import torch.distributed as dist
 __all__ = [
     "RepeatingLoader",
     "clone_tensors_for_torch_save",
-    "convert_zero_checkpoint_to_fp32_state_dict",
-    "get_fp32_state_dict_from_zero_checkpoint",
-    "load_state_dict_from_zero_checkpoint",
     "log_dist",
     "logger",
     "print_rank_0",
+    "set_random_seed",
 ]
 
 
@@ -64,6 +64,23 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
+def set_random_seed(seed: int) -> None:
+    """Seed Python's `random`, numpy's global generator and torch's (every device's) with `seed`.
+
+    DeepSpeed's `deepspeed.runtime.utils.set_random_seed`: numpy takes the seed modulo 2**32 and torch
+    modulo 2**63 (what each accepts), so any Python int works."""
+    import random
+
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:  # numpy is optional for the runtime; nothing of ours draws from it
+        pass
+    else:
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed % 2**63)
+
+
 class RepeatingLoader:
     """Iterate over `loader` forever, starting it again (a new epoch) each time it runs out."""
 
@@ -98,33 +115,3 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") 
     if isinstance(item, dict):
         return type(item)((k, clone_tensors_for_torch_save(v, device)) for k, v in item.items())
     return item
-
-
-# -- zero_to_fp32: a sharded checkpoint as one fp32 state dict (runtime.checkpoint.consolidate) ------------
-def get_fp32_state_dict_from_zero_checkpoint(
-    checkpoint_dir: str, tag: str | None = None, exclude_frozen_parameters: bool = False
-) -> dict[str, torch.Tensor]:
-    """The full fp32 state dict of a checkpoint directory (the tag `latest` names unless `tag`)."""
-    from runtime.checkpoint.consolidate import get_fp32_state_dict_from_checkpoint
-
-    return get_fp32_state_dict_from_checkpoint(checkpoint_dir, tag)
-
-
-def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir: str, output_dir: str, tag: str | None = None, **kwargs: Any
-) -> None:
-    """Write the consolidated fp32 weights as `output_dir`/model.safetensors (or to `output_dir` when it
-    names a file). DeepSpeed's sharding and safe_serialization keywords are accepted: one file is written."""
-    from runtime.checkpoint.consolidate import consolidate_checkpoint
-
-    consolidate_checkpoint(checkpoint_dir, output_dir, tag)
-
-
-def load_state_dict_from_zero_checkpoint(
-    model: torch.nn.Module, checkpoint_dir: str, tag: str | None = None
-) -> torch.nn.Module:
-    """Load the consolidated fp32 weights into `model` (on the CPU) and return it."""
-    state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
-    model = model.cpu()
-    model.load_state_dict(state, strict=False)
-    return model

@@ -34,6 +34,7 @@ from runtime.engine_log import StepLog, Timers
 from runtime.monitor import TrainingMonitor
 from runtime.offload import GradMath, MasterPlacement, build_master_placement
 from runtime.offload.auto_ratio import with_auto_ratio
+from runtime.parallel.folders import data_parallel_root
 from runtime.precision.loss_scaler import LossScaler
 from runtime.precision.mixed import cast_floating, input_dtype_error, policy_from_config
 from runtime.precision.nonfinite import StepGuard, guard_from_config
@@ -379,10 +380,8 @@ class Engine(EngineAccessors, nn.Module):
         return out
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
-        """Save the working-dtype (bf16/fp16/fp32) weights as one plain state dict file, written by rank 0;
-        every rank must call it. ZeRO stage 3 gathers the shards unit by unit and needs
-        zero_optimization.stage3_gather_16bit_weights_on_model_save (else it raises rather than write a
-        file with empty tensors). Returns True on the rank that wrote the file."""
+        """The working-dtype weights as one state dict file, written by rank 0 (True there; every rank calls
+        it). ZeRO-3 gathers unit by unit, only with stage3_gather_16bit_weights_on_model_save (or raises)."""
         from runtime.zero.gathered import save_16bit_state_dict
 
         allow = self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
@@ -394,13 +393,15 @@ class Engine(EngineAccessors, nn.Module):
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
-        """Save the full training state under save_dir/<tag> (default "global_step<N>"); every rank must
-        call it. Returns the tag directory. See runtime.checkpoint."""
+        """Save the full training state under save_dir/<tag> (default "global_step<N>"), leaving frozen
+        parameters out with exclude_frozen_parameters; every rank must call it. Returns the tag directory."""
         from runtime.checkpoint import save_checkpoint
 
         self.masters.flush()
-        return str(save_checkpoint(self, self._checkpoint_root(save_dir), tag, client_state, save_latest))
+        with self.excluding_frozen(exclude_frozen_parameters):
+            return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))  # parts: see there
 
     def load_checkpoint(
         self,
@@ -438,7 +439,7 @@ class Engine(EngineAccessors, nn.Module):
 
         folder = self.checkpoint_folder()
         if folder is None:
-            return os.fspath(root)
+            return data_parallel_root(root) if loading else os.fspath(root)
         name, prefix, what = folder
         path = os.path.join(os.fspath(root), name)
         if loading and not os.path.isdir(path):

@@ -9,8 +9,9 @@ for DeepSpeed features dslaunch lacks raise `runtime.unsupported.UnsupportedFeat
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ class EngineAccessors:
     comm: Any
     module: torch.nn.Module
     device: torch.device
+    checkpoint_excluded_keys: frozenset[str] = frozenset()  # see excluding_frozen
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -123,6 +125,19 @@ class EngineAccessors:
 
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         return self.save_16bit_model(save_dir, save_filename)  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def excluding_frozen(self, exclude: bool) -> Iterator[None]:
+        """While a save runs: the state-dict keys of the frozen (requires_grad False) parameters, which
+        DeepSpeed's ``save_checkpoint(..., exclude_frozen_parameters=True)`` leaves out of the saved
+        module (runtime.checkpoint.engine_state reads them). Loading such a checkpoint then needs
+        ``load_module_strict=False``, as in DeepSpeed: the frozen parameters keep the model's values."""
+        frozen = (n for n, p in self.module.named_parameters() if not p.requires_grad)
+        self.checkpoint_excluded_keys = frozenset(frozen) if exclude else frozenset()
+        try:
+            yield
+        finally:
+            self.checkpoint_excluded_keys = frozenset()
 
     def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)

@@ -14,6 +14,11 @@ elsewhere ``error: <message>`` and ``hint: <hint>`` on stderr, labelled with the
 several. DSLAUNCH_TRACEBACK=1 adds the full traceback to the console; dslaunch's per-rank log files get it
 from the error file. Any other exception gets Python's usual traceback.
 
+A layer that raises inside a pipeline stage reaches the hook wrapped by torch.distributed.pipelining
+(``RuntimeError: [Stage 1] failed to run forward: args: ...``); `root_cause` unwraps it, so the error file
+names the user's own exception (``ValueError: bad shape in my layer (in pipeline stage 1, forward)``) and a
+UserError raised there still ends with its one line and exit code 2.
+
 torch's `init_process_group` labels this process's output with ``[rankN]:`` in two places: it wraps
 `sys.excepthook` in a hook that starts every line of a traceback with it, and it hands the rank to c10's
 C++ logger, which starts every warning and log line with it. Under dslaunch, whose agent already labels
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -61,16 +67,40 @@ def one_line(error: BaseException, *, with_type: bool = False) -> str:
     return text or type(error).__name__
 
 
+# torch.distributed.pipelining re-raises whatever a stage's layer raised as a RuntimeError of its own
+# ("[Stage 1] failed to run forward: args: ...", "Failed to run stage backward ...") chained to the original
+_PIPELINE_WRAPPER = re.compile(r"\s*(?:\[Stage (\d+)\]\s*)?failed to run (forward|stage backward)", re.I)
+
+
+def root_cause(error: BaseException) -> tuple[BaseException, str]:
+    """The exception the user's code raised behind torch's pipeline-stage wrappers, and where ("pipeline
+    stage 1, forward"; "" when `error` is not such a wrapper). Other chains are the user's and stay."""
+    where = ""
+    while isinstance(error, RuntimeError) and error.__cause__ is not None:
+        match = _PIPELINE_WRAPPER.match(str(error))
+        if match is None:
+            break
+        if not where:
+            stage = f"pipeline stage {match[1]}" if match[1] else "a pipeline stage"
+            where = f"{stage}, {'forward' if match[2].lower() == 'forward' else 'backward'}"
+        error = error.__cause__
+    return error, where
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def error_record(error: BaseException, callstack: str) -> dict[str, Any]:
-    """The error file's content: torch's layout (what torchelastic's `record` writes) plus kind and hint."""
+    """The error file's content: torch's layout (what torchelastic's `record` writes) plus kind and hint.
+    The message is the root cause's (see `root_cause`), with where it happened; the callstack keeps the
+    whole chain."""
+    error, where = root_cause(error)
     user = isinstance(error, UserError)
+    message = one_line(error, with_type=not user) + (f" (in {where})" if where else "")
     return {
         "message": {
-            "message": one_line(error, with_type=not user),
+            "message": message,
             "extraInfo": {
                 "py_callstack": callstack,
                 "timestamp": str(int(time.time())),
@@ -127,6 +157,9 @@ class ExceptHook:
         callstack = "".join(traceback.format_exception(etype, error, tb))
         write_error_file(error, callstack)
         label = _rank_label()
+        root, where = root_cause(error)
+        if isinstance(root, UserError):  # raised inside a pipeline stage: still the user's one line
+            error = root
         if not isinstance(error, UserError):
             if label and not _is_torch_prefixer(self.chained):
                 sys.stderr.write(_labelled(lambda: self.chained(etype, error, tb), label))
@@ -138,7 +171,7 @@ class ExceptHook:
         if _flag(TRACEBACK_ENV):
             lines.append(callstack.rstrip("\n"))
         if not os.environ.get(DSLAUNCH_ERROR_FILE_ENV):
-            lines.append(f"{label}error: {one_line(error)}")
+            lines.append(f"{label}error: {one_line(error)}" + (f" (in {where})" if where else ""))
             hint = getattr(error, "hint", "")
             if hint:
                 lines.append(f"{label}hint: {hint}")

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime
+from runtime.checkpoint import check_save_dir
 from runtime.data import DEFAULT_CORPUS, TokenBlockDataset, Tokenizer, load_tokenizer
 from runtime.distributed import accelerator
 from runtime.errors import UserError
@@ -125,7 +126,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--seed", type=int, default=1234)
     train.add_argument("--log_interval", type=int, default=10, help="print every N optimizer steps")
     ckpt = parser.add_argument_group("checkpoints")
-    ckpt.add_argument("--save_dir", type=Path, help="directory for engine.save_checkpoint")
+    ckpt.add_argument("--save_dir", type=check_save_dir, help="checkpoint folder (checked at start)")
     ckpt.add_argument("--save_interval", type=int, default=0, help="save every N steps and at the end")
     ckpt.add_argument("--resume", action="store_true", help="continue from the newest checkpoint there")
     ckpt.add_argument(

@@ -1,13 +1,13 @@
-"""A checkpoint is where nothing may be lost: crashes during a save, and damaged or mismatched files.
+"""A checkpoint is where nothing may be lost: damaged or mismatched files, misuse, and refused writes.
 
-- A real training process is SIGKILLed while it saves its second checkpoint: part-way through writing
-  its shard, before the manifest, and before `latest` moves. Every time `latest` still names the first
-  checkpoint, which loads (without a process group, and into a 2-rank engine that then saves over the
-  broken tag); the interrupted tag refuses to load with "did not finish", or, when only `latest` was
-  missing, loads by its tag.
+(A rank killed in the middle of a save: tests/test_checkpoint_swap.py.)
+
 - On 2 ranks, a flipped byte in one shard, a truncated engine state file, a deleted shard, a `latest`
   naming a deleted tag, and a model with a differently shaped layer each give the same clear error on
   every rank, naming the file or the parameter; nothing falls back to another tag.
+- A full filesystem, a read-only one, an immutable folder and a file where the folder should be each fail
+  the save with one line naming the path and the cause (ENOSPC, EROFS, EPERM, EEXIST/ENOTDIR), exit code 2
+  when uncaught, and the checkpoint saved before still loads.
 - Ranks passing different tags save under rank 0's (or fail with tag_validation FAIL); a client_state that
   would need code to load fails the save on every rank and leaves `latest` alone; save_latest=False,
   load_module_only and load_optimizer_states=False load what they say.
@@ -15,24 +15,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from runtime.checkpoint import (
-    CheckpointIncomplete,
-    get_fp32_state_dict_from_checkpoint,
-    read_latest,
-)
-from runtime.checkpoint.durable import FAULT_ENV, FAULT_MARKER_ENV
-from runtime.checkpoint.manifest import ENGINE_STATE, MANIFEST, shard_file_name
+from runtime.checkpoint import read_latest
+from runtime.checkpoint.manifest import ENGINE_STATE, shard_file_name
 from tests.dist import run_distributed
 from tests.models import loss_fn, make_model, param_groups, rank_batch
 
@@ -49,92 +43,6 @@ def _step(engine, rank: int = 0, world: int = 1) -> None:
     x, y = rank_batch(engine.global_steps, 0, 12, rank, world)
     engine.backward(loss_fn(engine(x), y))
     engine.step()
-
-
-def _child(save_dir: str, point: str, marker: str, expected: str) -> None:
-    """Run in a subprocess: save step 1 normally, then stop at `point` while saving step 2."""
-    import runtime
-
-    model = make_model(0)
-    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=CONFIG)
-    _step(engine)
-    engine.save_checkpoint(save_dir)
-    torch.save(engine.full_state_dict(), expected)
-    _step(engine)
-    os.environ[FAULT_ENV] = point
-    os.environ[FAULT_MARKER_ENV] = marker
-    engine.save_checkpoint(save_dir)  # never returns: the fault hook sleeps until the test kills us
-
-
-def _resume_after_crash(rank: int, world: int, save_dir: str) -> tuple[int, str | None]:
-    import runtime
-
-    model = make_model(0)
-    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=CONFIG)
-    engine.load_checkpoint(save_dir)
-    steps = engine.global_steps
-    _step(engine, rank, world)
-    engine.save_checkpoint(save_dir)  # global_step2 again: over the tag the crash left incomplete
-    return steps, read_latest(save_dir)
-
-
-POINTS = ("shard", "manifest", "latest")
-
-
-def test_sigkill_in_the_middle_of_a_save_leaves_latest_on_the_last_good_checkpoint(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    children = {}
-    for point in POINTS:
-        args = [
-            str(tmp_path / point),
-            point,
-            str(tmp_path / f"{point}.paused"),
-            str(tmp_path / f"{point}.pt"),
-        ]
-        code = f"from tests.test_checkpoint_faults import _child; _child(*{args!r})"
-        children[point] = subprocess.Popen(
-            [sys.executable, "-c", code], cwd=ROOT, env=env, stderr=subprocess.PIPE
-        )
-    try:
-        deadline = time.monotonic() + 120
-        for point, proc in children.items():
-            while not (tmp_path / f"{point}.paused").exists():
-                assert proc.poll() is None, (
-                    f"{point}: child exited early: {proc.stderr.read().decode()[-2000:]}"
-                )
-                assert time.monotonic() < deadline, f"{point}: the save never reached the fault point"
-                time.sleep(0.05)
-            os.kill(proc.pid, signal.SIGKILL)  # mid-save, no cleanup of any kind
-            assert proc.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        for proc in children.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-
-    for point in POINTS:
-        save_dir = tmp_path / point
-        assert read_latest(save_dir) == "global_step1", point
-        expected = torch.load(tmp_path / f"{point}.pt", weights_only=True)
-        state = get_fp32_state_dict_from_checkpoint(save_dir)
-        assert all(torch.equal(state[k], v) for k, v in expected.items()), point
-        broken = save_dir / "global_step2"
-        if point == "latest":  # everything but the pointer was written: the tag itself is complete
-            state2 = get_fp32_state_dict_from_checkpoint(save_dir, "global_step2")
-            assert not torch.equal(state2["out.weight"], state["out.weight"])
-            continue
-        assert not (broken / MANIFEST).exists()
-        with pytest.raises(CheckpointIncomplete, match="save of tag 'global_step2' did not finish"):
-            get_fp32_state_dict_from_checkpoint(save_dir, "global_step2")
-        if point == "shard":  # killed while the shard was half written, under its temporary name
-            assert [p.name.startswith(f".{shard_file_name(0)}.tmp-") for p in broken.iterdir()] == [True]
-
-    # a new job (2 ranks) resumes from the last good tag and saves over the broken one
-    steps, latest = run_distributed(_resume_after_crash, 2, str(tmp_path / "shard"))[0]
-    assert (steps, latest) == (1, "global_step2")
-    left = sorted(p.name for p in (tmp_path / "shard" / "global_step2").iterdir())
-    assert left == sorted([MANIFEST, ENGINE_STATE, shard_file_name(0), shard_file_name(1)])
 
 
 # ---------------------------------------------------------------------------------------- damaged files
@@ -297,3 +205,177 @@ def test_tag_agreement_unsaveable_client_state_and_partial_loads(tmp_path: Path)
         assert seen["no_optimizer"] == (2, 0, True)  # counters and weights, a fresh optimizer
         assert seen["no_optimizer_lr"] == seen["lr"] and seen["lr"][0] > 0
         assert seen["everything"] == (2, ["exp_avg", "exp_avg_sq", "step"], True)
+
+
+# ------------------------------------------------------------------------------------------ refused writes
+
+
+def _refused_writes(root: str) -> None:
+    """Run as root in a private mount namespace: save tag "last" into each folder, make the folder refuse
+    writes (a full tmpfs, a read-only bind mount, chattr +i), save "last" again and record the error and
+    whether the first checkpoint still loads; then a save left uncaught, for the exit code."""
+    import json
+
+    import runtime
+    from runtime.checkpoint import CheckpointError, check_save_dir
+
+    def early(folder: Path) -> str:  # what the check before training says about the folder
+        try:
+            check_save_dir(folder)
+        except CheckpointError as error:
+            return str(error)
+        return "fine"
+
+    base = Path(root)
+    model = make_model(0)
+    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=CONFIG)
+
+    def mount(*args: str) -> None:
+        subprocess.run(["mount", *args], check=True, capture_output=True)
+
+    def fill(folder: Path) -> None:  # a filler file that takes every free block
+        with open(folder / "filler", "wb") as out:
+            try:
+                while True:
+                    out.write(b"x" * 65536)
+                    out.flush()
+            except OSError:
+                pass
+
+    for name in ("full", "ro", "immutable"):
+        (base / name).mkdir()
+    mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(base / "full"))
+    (base / "afile").write_text("not a folder")
+    refuse = {
+        "full": lambda d: fill(d),
+        "ro": lambda d: (mount("--bind", str(d), str(d)), mount("-o", "remount,bind,ro", str(d))),
+        "immutable": lambda d: subprocess.run(["chattr", "+i", str(d)], check=True, capture_output=True),
+    }
+    seen: dict = {}
+    for name, spoil in refuse.items():
+        folder = base / name
+        _step(engine)
+        engine.save_checkpoint(str(folder), tag="last")
+        saved, steps = engine.full_state_dict(), engine.global_steps
+        _step(engine)  # what the refused save would have written
+        try:
+            spoil(folder)
+        except (subprocess.CalledProcessError, OSError) as error:
+            seen[name] = f"unsupported: {error}"
+            continue
+        try:
+            engine.save_checkpoint(str(folder), tag="last")
+            seen[name] = ["saved"]
+        except CheckpointError as error:
+            seen[name] = [type(error).__name__, str(error), error.hint]
+        other = make_model(0)
+        fresh, *_ = runtime.initialize(model=other, model_parameters=param_groups(other), config=CONFIG)
+        fresh.load_checkpoint(str(folder))
+        state = fresh.full_state_dict()
+        seen[name].append(fresh.global_steps == steps)
+        seen[name].append(all(torch.equal(state[k], v) for k, v in saved.items()))
+        seen[name].append(sorted(p.name for p in folder.iterdir() if p.name != "filler"))
+        seen[name].append(early(folder))
+        if name == "immutable":
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+    for name, save_dir in (("file", base / "afile"), ("under a file", base / "afile" / "ckpt")):
+        try:
+            engine.save_checkpoint(str(save_dir))
+            seen[name] = ["saved"]
+        except CheckpointError as error:
+            seen[name] = [type(error).__name__, str(error), error.hint]
+        seen[name].append(early(save_dir))
+    print(json.dumps(seen), flush=True)
+    engine.save_checkpoint(str(base / "ro"), tag="last")  # uncaught: the excepthook ends the process
+
+
+def test_a_full_read_only_or_immutable_folder_or_a_file_in_the_way_fails_the_save_in_one_line(
+    tmp_path: Path,
+) -> None:
+    namespace = ["unshare", "-m", "--propagation", "private"]
+    probe = subprocess.run([*namespace, "true"], capture_output=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("needs `unshare -m` (root, mount namespaces) to mount a full and a read-only filesystem")
+    code = f"from tests.test_checkpoint_faults import _refused_writes; _refused_writes({str(tmp_path)!r})"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    try:
+        proc = subprocess.run(
+            [*namespace, sys.executable, "-c", code],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:  # pytest must be able to remove the folder whatever happened
+        subprocess.run(["chattr", "-i", str(tmp_path / "immutable")], capture_output=True)
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    seen = json.loads(lines[-1])
+    root = str(tmp_path)
+    kept = "latest still names 'last', which is untouched"
+    expected = {
+        "full": f"in {root}/full: the filesystem is full (ENOSPC); {root}/full/{kept}",
+        "ro": f"in {root}/ro: {root}/ro/.last~new: the filesystem is mounted read-only (EROFS); "
+        f"{root}/ro/{kept}",
+        "immutable": f"in {root}/immutable: {root}/immutable/.last~new: operation not permitted (EPERM); "
+        f"{root}/immutable/{kept}",
+    }
+    early = {
+        "ro": "the filesystem is mounted read-only (EROFS)",
+        "immutable": "operation not permitted (EPERM)",
+    }
+    unsupported = []
+    for name, text in expected.items():
+        if isinstance(seen[name], str):
+            unsupported.append(f"{name}: {seen[name]}")
+            continue
+        kind, message, hint, same_steps, same_weights, left, check = seen[name]
+        assert kind == "CheckpointWriteError", (name, seen[name])
+        assert message.startswith("cannot save checkpoint 'last' ") and text in message, (name, message)
+        assert "\n" not in message and hint, (name, hint)
+        assert same_steps and same_weights, name  # the checkpoint saved before loads, whole
+        assert left == ["last", "latest", "zero_to_fp32.py"], (name, left)  # the refused save left nothing
+        # check_save_dir, before training, finds the same cause (a full disk shows only when a save writes)
+        if name == "full":
+            assert check == "fine"
+        else:
+            assert check.startswith(f"cannot save checkpoints in {root}/{name}: "), check
+            assert check.endswith(early[name]), check
+    assert seen["file"][:2] == [
+        "CheckpointWriteError",
+        f"cannot save checkpoint 'global_step6' in {root}/afile: {root}/afile is a file, where a folder is "
+        "needed (EEXIST); no earlier checkpoint was touched",
+    ], seen["file"]
+    assert seen["under a file"][1].endswith(
+        f"/ckpt: {root}/afile is a file, where a folder is needed (ENOTDIR); no earlier checkpoint was "
+        "touched"
+    ), seen["under a file"]
+    in_the_way = f"{root}/afile is a file, where a folder is needed"
+    assert seen["file"][3] == f"cannot save checkpoints in {root}/afile: {in_the_way} (EEXIST)"
+    assert seen["under a file"][3] == f"cannot save checkpoints in {root}/afile/ckpt: {in_the_way} (ENOTDIR)"
+    # uncaught: exit code 2, one error line and one hint line, no traceback
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(("error:", "hint:", "Traceback"))]
+    assert [line.split(":")[0] for line in errors] == ["error", "hint"], proc.stderr[-3000:]
+    assert "(EROFS)" in errors[0]
+    if unsupported:
+        pytest.skip(f"the other conditions passed; not available on this machine: {'; '.join(unsupported)}")
+
+
+def test_the_example_script_checks_its_save_dir_before_it_trains(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("not a folder")
+    args = ["--save_dir", str(tmp_path / "afile" / "ckpt"), "--save_interval", "1", "--steps", "2"]
+    args += ["--model_size", "tiny", "--seq_len", "32", "--deepspeed_config", "scripts/configs/zero2.json"]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "scripts/train_gpt.py", *args], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr[-3000:]  # nothing trained
+    assert proc.stderr.splitlines() == [
+        f"error: cannot save checkpoints in {tmp_path}/afile/ckpt: {tmp_path}/afile is a file, where a "
+        "folder is needed (ENOTDIR)",
+        "hint: remove or rename that file, or pass another save_dir",
+    ]

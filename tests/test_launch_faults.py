@@ -3,12 +3,17 @@ failure summary built from the workers' error files (folded when ranks fail the 
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.dist import free_port
-from tests.launching import SCRIPTS, run_dslaunch
+from tests.launching import CPU, DSLAUNCH, REPO, SCRIPTS, run_dslaunch
 from tests.sshd_testbed import Testbed
 
 
@@ -122,3 +127,96 @@ def test_a_script_using_torchs_record_reports_through_the_same_file(tmp_path):
     for rank in (0, 1):
         log = (logs / f"rank_{rank}.log").read_text()
         assert log.count(f"\n{msg}\n") == 2  # Python's traceback, then the one from the error file
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_only_lost_its_peer_is_a_consequence_of_the_real_failure(tmp_path):
+    # Rank 1 closes its gloo connections and raises 1.5 s later: rank 0's "Connection closed by peer"
+    # reaches the head first. It used to be named the root cause, and rank 1's error came as "also:".
+    env = {"FAIL_RANK": "1", "LATE": "1"}
+    args = ["--num_gpus", "2", "--master_port", str(free_port())]
+    result = run_dslaunch([*args, str(SCRIPTS / "peer_fails.py")], env, timeout=100)
+    assert result.returncode == 1, result.stderr
+    summary = result.stderr[result.stderr.index("dslaunch: FAILED") :].splitlines()
+    assert summary[0] == (
+        "dslaunch: FAILED: rank 1 (local rank 1) on localhost exited with code 1: "
+        "ValueError: shard 1 of data/train.bin is corrupt"
+    )
+    lost = "gloo: (Connection closed by peer|Connection reset by peer|Broken pipe)"  # as the peer left
+    assert re.fullmatch(
+        f"dslaunch: rank 0: lost its peer \\({lost}\\) -- a consequence of rank 1's failure", summary[-1]
+    )
+    assert not any(line.startswith("dslaunch: also:") for line in summary)
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_last_line_without_a_newline_is_cut_in_the_summary(tmp_path):
+    script = tmp_path / "huge.py"
+    script.write_text(
+        'import sys\nsys.stdout.write("x" * 1_000_000 + " the end")\nsys.stdout.flush()\nsys.exit(5)\n'
+    )
+    result = run_dslaunch(["--num_gpus", "1", str(script)])
+    assert result.returncode == 5, result.stderr
+    assert len(result.stdout) > 1_000_000  # the console still gets all of it
+    summary = result.stderr[result.stderr.index("dslaunch: FAILED") :]
+    assert len(summary.encode()) < 5000, summary[:300]  # was about 1 MB
+    head = summary.splitlines()[2]
+    assert head.startswith("dslaunch:   last ") and " more bytes cut; the whole output is above" in head
+    assert summary.rstrip().endswith("x the end")  # the end of the line survives the cut
+    assert "bytes cut ...] " in summary
+
+
+def _leftovers_job(tmp_path: Path, how: str, extra: dict[str, str]):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    args = ["--num_gpus", "2", "--grace_period", "0.5", "--master_port", str(free_port())]
+    result = run_dslaunch(
+        [*args, str(SCRIPTS / "leave_daemon.py")], {"PID_DIR": str(pids), "HOW": how, **extra}
+    )
+    daemons = [int(f.read_text()) for f in pids.iterdir() if not f.name.endswith(".tmp")]
+    alive = [pid for pid in daemons if Path(f"/proc/{pid}").exists()]
+    for pid in alive:  # clean up after a failing test
+        os.kill(pid, signal.SIGKILL)
+    return result, daemons, alive
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("how", "outcome", "stubborn"),
+    [("double_fork", "success", False), ("setsid", "failure", False), ("setsid", "success", True)],
+)
+def test_no_process_started_by_the_job_outlives_it(tmp_path, how, outcome, stubborn):
+    # Each rank starts a daemon in its own session (a double-forked orphan, or a setsid child of a rank
+    # still running when rank 1 fails): the stop of the worker groups never reached them, they lived on.
+    # A stubborn one (SIGTERM ignored) is killed after the grace period, and reaped, not left a zombie.
+    extra = {"FAIL_RANK": "1", "STAY": "1"} if outcome == "failure" else {}
+    result, daemons, alive = _leftovers_job(tmp_path, how, {**extra, "STUBBORN": str(int(stubborn))})
+    assert result.returncode == (3 if outcome == "failure" else 0), result.stderr
+    assert len(daemons) == 2 and alive == [], result.stderr
+    ended = next(line for line in result.stderr.splitlines() if line.startswith("dslaunch: ended"))
+    assert ended.startswith("dslaunch: ended 2 processes left behind by the job (2 on localhost): ")
+    assert ended.endswith(f"sleep(1000) {SCRIPTS / 'leave_daemon.py'}")  # each command on the one line
+
+
+@pytest.mark.timeout(60)
+def test_ctrl_c_ends_the_daemons_of_a_running_job_too(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {**os.environ, **CPU, "PID_DIR": str(pids), "HOW": "setsid", "STAY": "1"}
+    args = ["--num_gpus", "2", "--grace_period", "2", "--master_port", str(free_port())]
+    argv = [*DSLAUNCH, *args, str(SCRIPTS / "leave_daemon.py")]
+    proc = subprocess.Popen(
+        argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while len([f for f in pids.iterdir() if not f.name.endswith(".tmp")]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    daemons = [int(f.read_text()) for f in pids.iterdir() if not f.name.endswith(".tmp")]
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    alive = [pid for pid in daemons if Path(f"/proc/{pid}").exists()]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert len(daemons) == 2 and alive == [], err
+    assert "dslaunch: ended 2 processes left behind by the job (2 on localhost): " in err

@@ -3,7 +3,7 @@ real signals, real SSH failures. No mocks.
 
 Every job's worker script lives in the test's tmp dir, so its path is a marker: a process whose command
 line contains it belongs to this test's job, on whichever host, in whichever namespace. Workers also
-start a child (which must not outlive the job either).
+start a child in its own session, outside their process group (it must not outlive the job either).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests import sshd_testbed
-from tests.launching import DSLAUNCH, REPO
+from tests.launching import DSLAUNCH, REPO, SCRIPTS
 from tests.multinode import REPORT_WORKER, base_args, job_env, run_dslaunch, worker
 from tests.sshd_testbed import Testbed, find_processes
 
@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.ssh, pytest.mark.timeout(180)]
 
 SLEEP_WORKER = """
 import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", __file__])
+sleeper = [sys.executable, "-c", "import time; time.sleep(300)", __file__]
+child = subprocess.Popen(sleeper, start_new_session=True)
 rank = os.environ["RANK"]
 print(f"ready {rank}", flush=True)
 if rank == os.environ.get("FAIL_RANK"):
@@ -194,6 +195,23 @@ def test_sigkill_of_dslaunch_still_stops_every_worker(sshd_hosts: Testbed, tmp_p
     proc.wait()
     took = wait_no_job_processes(sshd_hosts, str(script), timeout=15)
     assert took < 15
+
+
+@pytest.mark.parametrize("outcome", ["success", "failure"])
+def test_no_process_started_by_the_job_outlives_it_on_any_host(
+    sshd_hosts: Testbed, tmp_path: Path, outcome: str
+) -> None:
+    # Every rank leaves a double-forked daemon in its own session (its command line names the script):
+    # the remote agents adopt them as subreapers and end them with the job; they used to live on.
+    script = worker(tmp_path, (SCRIPTS / "leave_daemon.py").read_text(), "leave_daemon.py")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = [f"PID_DIR={pids}", "HOW=double_fork", *(["FAIL_RANK=3", "STAY=1"] if outcome == "failure" else [])]
+    r = run_dslaunch([*base_args(sshd_hosts), *[a for e in env for a in ("--env", e)], str(script)])
+    assert r.returncode == (3 if outcome == "failure" else 0), r.stderr
+    assert len(list(pids.iterdir())) == 4  # every rank did start its daemon
+    assert job_processes(sshd_hosts, str(script)) == {}
+    assert "dslaunch: ended 4 processes left behind by the job (2 on worker1, 2 on worker2): " in r.stderr
 
 
 # --- a host that cannot be used: a clear cause, and nothing starts anywhere ------------------------------

@@ -104,24 +104,25 @@ def test_bad_schedule_input_names_the_numbers() -> None:
         return str(info.value)
 
     assert error({}, 4, 2, 9) == (
-        "pipeline.schedule 'interleaved_1f1b' with 4 stages runs the micro-batches in rounds "
-        "(max(1, 9 // 4) = 2 here), so gradient_accumulation_steps must be a multiple of 2; got 9 "
-        "(use 8 or 10)"
+        "gradient_accumulation_steps: 9 is not a multiple of 2: pipeline.schedule 'interleaved_1f1b' with 4 "
+        "stages runs the micro-batches in rounds of max(1, 9 // 4) = 2"
     )
-    assert error({"schedule": "interleaved_1f1b"}, 2, 2, 7).endswith("multiple of 3; got 7 (use 6 or 8)")
+    assert error({"schedule": "interleaved_1f1b"}, 2, 2, 7).startswith(
+        "gradient_accumulation_steps: 7 is not a multiple of 3"
+    )
     assert error({"schedule": "1f1b"}, 2, 2, 4) == (
-        "pipeline.schedule '1f1b' runs one chunk per stage but the PipelineModule holds 2 chunks per stage; "
+        "pipeline.schedule: '1f1b' runs one chunk per stage but the PipelineModule holds 2 chunks per stage; "
         "use one of ['interleaved_1f1b', 'looped_bfs']"
     )
     assert error({"schedule": "Interleaved_1F1B"}, 2, 1, 4) == (
-        "pipeline.schedule 'interleaved_1f1b' interleaves several chunks per stage but the PipelineModule "
+        "pipeline.schedule: 'interleaved_1f1b' interleaves several chunks per stage but the PipelineModule "
         "holds one; build it with PipelineModule(..., chunks_per_stage=2) or use '1f1b'"
     )
     assert error({"chunks_per_stage": 3}, 2, 2, 4) == (
-        "pipeline.chunks_per_stage is 3 but the PipelineModule was built with 2 chunks per stage: pass "
-        "PipelineModule(..., chunks_per_stage=3)"
+        "pipeline.chunks_per_stage: 3 but the PipelineModule was built with 2 chunks per stage: pass "
+        "PipelineModule(..., chunks_per_stage=3) or remove the key"
     )
-    with pytest.raises(ValueError, match=r"pipeline.chunks_per_stage: must be at least 1 or 'auto', got 0"):
+    with pytest.raises(ValueError, match=r"pipeline.chunks_per_stage: expected an integer >= 1, got 0"):
         read_pipeline_config({"chunks_per_stage": 0})
 
 
@@ -149,16 +150,21 @@ def _worker(rank: int, world_size: int) -> dict:
     from runtime.pipe import PipelineEngine, PipelineModule
 
     out: dict[str, Any] = {}
-    # each stage builds its own layers for real; the others only on meta (to count their parameters)
+    # unseeded, DeepSpeed's order: the "parameters" count builds every spec once, then the stage its own
     Recorded.built.clear()
     module = PipelineModule([LayerSpec(Recorded, i) for i in range(8)], num_stages=4, loss_fn=mse)
     out["stage"] = module.stage_id
-    out["real"] = sorted(i for i, device in Recorded.built if device != "meta")
+    out["real"] = [i for i, device in Recorded.built if device != "meta"]
     out["names"] = sorted(n for n, _ in module.named_parameters())
-    # two chunks per stage (pp2 x dp2): stage r builds parts r and r + 2 only, names unchanged
+    # seeded, each stage builds its own layers for real, the others only on meta (to count them); two
+    # chunks per stage (pp2 x dp2): stage r builds parts r and r + 2 only, names unchanged
     Recorded.built.clear()
     module = PipelineModule(
-        [LayerSpec(Recorded, i) for i in range(8)], num_stages=2, loss_fn=mse, chunks_per_stage=2
+        [LayerSpec(Recorded, i) for i in range(8)],
+        num_stages=2,
+        loss_fn=mse,
+        chunks_per_stage=2,
+        seed_layers=True,
     )
     out["chunk_real"] = sorted(i for i, device in Recorded.built if device != "meta")
     out["chunk_layers"] = [list(chunk.layers) for chunk in module.chunks]
@@ -205,6 +211,7 @@ def _worker(rank: int, world_size: int) -> dict:
     engine4 = PipelineEngine(module4, _config(4, 1))
     out["ran_out"] = _error(lambda: engine4.train_batch(data_iterator("mlp", 0, 2, 8, 0, 1)))
     # no iterator on the last stage (pp4 x dp1: rank 3): it says so, every other rank stops too
+    engine4.data_iterator = None  # forget the iterator the batch above was given (DeepSpeed keeps it)
     out["no_iterator"] = _error(
         lambda: engine4.train_batch(None if rank == 3 else data_iterator("mlp", 0, 4, 8, 0, 1))
     )
@@ -235,9 +242,10 @@ def results() -> list[dict]:
     return part("module")
 
 
-def test_each_stage_builds_only_its_layers(results: list[dict]) -> None:
+def test_each_stage_keeps_its_layers_built_in_deepspeeds_order(results: list[dict]) -> None:
     assert [r["stage"] for r in results] == [0, 1, 2, 3]
-    assert [r["real"] for r in results] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    everything = list(range(8))
+    assert [r["real"] for r in results] == [everything + own for own in ([0, 1], [2, 3], [4, 5], [6, 7])]
     # parameter names carry the global layer index, whatever the partition
     assert results[2]["names"] == ["4.weight", "5.weight"]
 
@@ -295,33 +303,31 @@ def test_eval_batch_matches_the_reference_forward(results: list[dict]) -> None:
 def test_bad_input_is_refused_before_training(results: list[dict]) -> None:
     for r in results:
         assert r["ran_out"] == (
-            "the data iterator ran out after 2 of 4 micro-batches (gradient_accumulation_steps) of this "
-            "batch; give every batch all of its micro-batches"
+            "the data iterator ran out after 2 of 4 micro-batches (gradient_accumulation_steps) of this batch"
         )
         assert r["bad_stages"] == (
-            "num_stages=3 does not divide the world size 4: every data-parallel replica needs one rank "
-            "per stage"
+            "PipelineModule(num_stages=3) does not divide the world size 4: every data-parallel replica "
+            "needs one rank per stage"
         )
         assert r["no_iterator"] == (
-            "stage 3: no data iterator was given (train_batch(data_iter) on the first and last stage)"
+            "stage 3: no data iterator: pass train_batch(data_iter) / eval_batch(data_iter) on the first and "
+            "last stage, or give runtime.initialize(training_data=...)"
             if r["stage"] == 3
-            else "train_batch: the first or last stage was given no data iterator"
+            else "the first or the last stage could not read this batch's micro-batches (its rank says why: "
+            "no data iterator, or not (inputs, labels) pairs)"
         )
         assert r["too_many_stages"].startswith("the pipeline has 4 stages but only 3 layers")
         assert r["zero3"].startswith(
-            "zero_optimization.stage 3 cannot be combined with pipeline parallelism (4 stages)"
+            "zero_optimization.stage: 3 cannot be combined with pipeline parallelism (4 stages)"
         )
-        assert r["bad_key"].startswith("pipeline: unknown keys ['stagez']")
+        assert r["bad_key"] == 'pipeline.stagez: unknown key; did you mean "stages"?'
         assert r["too_many_chunks"] == (
             "the pipeline has 4 stages x 3 chunks = 12 chunks but only 8 layers; every chunk needs at least "
-            "one layer (use fewer stages or chunks_per_stage)"
+            "one layer"
         )
-        assert r["zero_chunks"] == "chunks_per_stage must be at least 1, got 0"
+        assert r["zero_chunks"] == "PipelineModule(chunks_per_stage=0): must be at least 1"
         assert r["gpipe_chunks"] == (
-            "pipeline.schedule 'gpipe' runs one chunk per stage but the PipelineModule holds 2 chunks per "
+            "pipeline.schedule: 'gpipe' runs one chunk per stage but the PipelineModule holds 2 chunks per "
             "stage; use one of ['interleaved_1f1b', 'looped_bfs']"
         )
-        assert r["rounds"].startswith(
-            "pipeline.schedule 'interleaved_1f1b' with 4 stages runs the micro-batches in rounds "
-            "(max(1, 9 // 4) = 2 here), so gradient_accumulation_steps must be a multiple of 2; got 9"
-        )
+        assert r["rounds"].startswith("gradient_accumulation_steps: 9 is not a multiple of 2")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from launcher.errorfile import MAX_TRACEBACK, WorkerError, error_file_env, parse_error_file, read_error_file
-from launcher.summary import Failure, rank_ranges, summary_lines
+from launcher.summary import Failure, arrange_failures, cap_tail, lost_peer, rank_ranges, summary_lines
 
 
 @pytest.mark.parametrize(
@@ -116,3 +116,69 @@ def test_a_huge_traceback_keeps_its_end() -> None:
     err = parse_error_file(json.dumps(doc).encode())
     assert err is not None and err.traceback.endswith("\nValueError: the end\n")
     assert err.traceback.startswith(f"[... {len(stack) - MAX_TRACEBACK} characters cut ...]\n")
+
+
+GLOO_LOST = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
+
+
+def test_the_root_cause_is_the_first_failure_that_did_not_only_lose_its_peer() -> None:
+    # Arrival order: two ranks that lost their peer (one says so only in its output), then the real one.
+    lost_tail = Failure(1, "rank 2 (local rank 0) on w2", "exited with code 1", 2, ("x", "Broken pipe"))
+    real = _fail(1, 1, "ValueError: shard 1 is corrupt", "exception")
+    arranged = arrange_failures([_fail(0, 1, GLOO_LOST, "exception"), lost_tail, real, _fail(3, 7)])
+    assert [f.rank for f in arranged] == [1, 0, 2]  # rank 3: later, no message, no lost peer: the stop's
+    lines = summary_lines(arranged, 0, "j")
+    assert (
+        lines[0]
+        == "FAILED: rank 1 (local rank 1) on localhost exited with code 1: ValueError: shard 1 is corrupt"
+    )
+    assert lines[-2:] == [
+        "rank 0: lost its peer (gloo: Connection closed by peer) -- a consequence of rank 1's failure",
+        "rank 2: lost its peer (torch.distributed: Broken pipe) -- a consequence of rank 1's failure",
+    ]
+
+
+def test_when_every_rank_lost_a_peer_the_first_is_named_and_the_hint_says_what_to_check() -> None:
+    lines = summary_lines(arrange_failures([_fail(0, 1, GLOO_LOST), _fail(2, 1, GLOO_LOST + "3")]), 0, "j")
+    assert lines[0].startswith("FAILED: rank 0 (local rank 0) on localhost exited with code 1: RuntimeError")
+    assert lines[-2] == "rank 2: lost its peer (gloo: Connection closed by peer)"
+    assert lines[-1].startswith("  hint: no rank failed by itself, each lost a peer: ") and "OOM" in lines[-1]
+    alone = summary_lines([_fail(1, 1, GLOO_LOST)], 0, "j")  # its peer vanished without a trace
+    assert alone[0].startswith("FAILED: rank 1 ") and alone[-1] == lines[-1]
+
+
+def test_the_tail_is_capped_in_bytes_keeping_the_end_of_each_line() -> None:
+    tail = ["early line", "é" * 300 + "END", *["y" * 100] * 50]
+    kept, cut = cap_tail(tail, max_bytes=1000, max_line=60)
+    short = "y" * 30 + " [... 40 bytes cut ...] " + "y" * 30
+    assert kept == [short] * 11  # 11 x 85 bytes fit in 1000
+    assert cut == 11 * 40 + 39 * 101 + 604 + 11
+    kept, cut = cap_tail(tail[:2], max_bytes=1000, max_line=60)
+    assert kept == ["early line", "é" * 15 + " [... 543 bytes cut ...] " + "é" * 13 + "END"] and cut == 543
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        ("torch.distributed.DistBackendError: NCCL error in: ProcessGroupNCCL.cpp:1970, remote process "
+         "exited or there was a network error, NCCL version 2.21.5", "NCCL: remote process exited"),
+        ("RuntimeError: [Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+         "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out.", "NCCL: collective timed out"),
+        ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+         "1800000ms for recv operation to complete", "gloo: timed out waiting for a peer"),
+        ("DistNetworkError: Connection reset by peer", "torch.distributed: Connection reset by peer"),
+        ("ValueError: shard 3 is corrupt", None),
+    ],
+)  # fmt: skip
+def test_what_counts_as_a_lost_peer(message: str, reason: str | None) -> None:
+    assert lost_peer(_fail(0, 1, message)) == reason
+    huge_hint = {"message": {"message": "x", "extraInfo": {"hint": "h" * 100_000}}}
+    assert len(parse_error_file(json.dumps(huge_hint).encode()).hint) == 4096
+
+
+def test_a_runaway_message_and_hint_are_cut_in_the_summary() -> None:
+    lines = summary_lines(
+        [_fail(0, 1, "ValueError: " + "v" * 4000 + " end", "user_input", "h" * 4000)], 0, "j"
+    )
+    assert len(lines) == 2 and all(len(line.encode()) < 1200 for line in lines)
+    assert lines[0].endswith("v end") and "bytes cut ...]" in lines[0] and "bytes cut ...]" in lines[1]

@@ -316,7 +316,7 @@ def test_pipeline_with_tensor_parallel_matches_single_process(results: list[dict
 
 def test_degrees_that_do_not_divide_are_refused(results: list[dict]) -> None:
     for r in results:
-        assert r["odd_heads"] == "tensor-parallel degree 2 does not divide attn.num_heads = 1"
+        assert r["odd_heads"] == "tensor_parallel.autotp_size 2 does not divide attn.num_heads = 1"
         assert r["odd_degree"] == (
             "1 pipeline stages x tensor-parallel degree 3 = 3 ranks per replica does not divide the "
             "world size 4"

@@ -194,12 +194,14 @@ class SSHRunner(Runner):
         """Give every remote host a checked session whose agent waits for its spec on stdin.
 
         Connecting, checking the host and starting the agent are one step per host, all hosts in
-        parallel (bounded: stock sshd drops bursts). All-or-nothing: if a host fails, every waiting agent
-        is released (its stdin closes before a spec arrived: it exits without starting anything).
+        parallel (bounded per first hop, as stock sshd drops bursts: ``preflight.HopLimit``).
+        All-or-nothing: if a host fails, every waiting agent is released (its stdin closes before a spec
+        arrived: it exits without starting anything).
         """
         check = self._agent_check(cwd)
         todo = [h for h in hosts if not is_local_host(h) and not (h in self.conns and self.conns[h].session)]
         errors: dict[str, ssh.SSHHostError] = {}
+        limit = preflight.HopLimit(self.settings.max_parallel)
         if todo:
             try:
                 self.ssh_config()  # once, before the threads
@@ -215,14 +217,16 @@ class SSHRunner(Runner):
                     return
                 if conn is not None:  # lost between restart attempts: connect again
                     conn.close()
-                self.conns[host] = preflight.check_host(self.resolve(host), self.settings, check)
+                target = self.resolve(host)
+                with limit.slot(target):
+                    self.conns[host] = preflight.check_host(target, self.settings, check)
             except ssh.SSHHostError as e:
                 errors[host] = e
             except Exception as e:  # never lose a host's failure to a thread
                 errors[host] = ssh.SSHHostError(host, ssh.Cause.DISCONNECTED, f"{type(e).__name__}: {e}")
 
         if todo:
-            with ThreadPoolExecutor(max_workers=max(1, min(self.settings.max_parallel, len(todo)))) as pool:
+            with ThreadPoolExecutor(max_workers=preflight.pool_size(len(todo))) as pool:
                 list(pool.map(one, todo))
         if errors:
             self.release()

@@ -36,6 +36,7 @@ _ERRORS: dict[str, type[UserError]] = {
         _manifest.CheckpointCorrupted,
         _manifest.CheckpointMismatch,
         _manifest.CheckpointRefused,
+        _manifest.CheckpointWriteError,
         TensorFileError,
     )
 }

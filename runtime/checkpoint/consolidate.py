@@ -14,6 +14,9 @@ whole shard in memory), cast, written and dropped before the next one. Peak memo
 plus the engine state file's small entries, whatever the model size. The output is a safetensors file
 (written without the safetensors package), so any safetensors reader opens it too. Every file is
 checked against the manifest's CRC-32 first unless --no_verify.
+
+A folder written by DeepSpeed (ZeRO 1-3) is read too (`portable.DeepSpeedTag`: whole tensors, no
+checksums to verify); `fp32_state.fp32_state_dict` adds pipeline and tensor-parallel roots.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from pathlib import Path
 
 import torch
 
+from runtime.checkpoint.deepspeed_format import as_checkpoint_error
 from runtime.checkpoint.load import open_checkpoint, read_engine_state, verify_files
-from runtime.checkpoint.manifest import MASTER_KEY, CheckpointError, Manifest
+from runtime.checkpoint.manifest import MASTER_KEY, CheckpointError, Manifest, resolve_tag_dir
+from runtime.checkpoint.portable import DeepSpeedTag, RecoveryError, is_deepspeed_tag
 from runtime.checkpoint.reshard import Target, plan_copies, saved_shapes, source_index
 from runtime.checkpoint.shards import ShardReader
 from runtime.checkpoint.tensorfile import TensorFileError, TensorFileWriter, load_tensors
@@ -80,7 +85,13 @@ def iter_state_dict(
     verify: bool = True,
     stats: dict | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, tensor) in the module's state-dict order, one tensor in memory at a time."""
+    """(key, tensor) in the module's state-dict order, one tensor in memory at a time (a DeepSpeed folder:
+    read whole first)."""
+    deepspeed = deepspeed_state_dict(checkpoint_dir, tag)
+    if deepspeed is not None:
+        for key, value in deepspeed.items():
+            yield key, _cast(value, dtype)
+        return
     tag_dir, manifest = open_checkpoint(checkpoint_dir, tag)
     if verify:
         verify_files(tag_dir, manifest)
@@ -108,6 +119,19 @@ def iter_state_dict(
         reader.close()
 
 
+def deepspeed_state_dict(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None, *, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor] | None:
+    """The fp32 state dict when `checkpoint_dir`'s tag was written by DeepSpeed, else None."""
+    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
+    if not is_deepspeed_tag(tag_dir):
+        return None
+    try:
+        return DeepSpeedTag(tag_dir).fp32_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+    except RecoveryError as error:
+        raise as_checkpoint_error(error) from None
+
+
 def get_fp32_state_dict_from_checkpoint(
     checkpoint_dir: str | os.PathLike[str], tag: str | None = None, *, verify: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -129,6 +153,9 @@ def consolidate_checkpoint(
     output = Path(output)
     if output.is_dir():
         output = output / "model.safetensors"
+    deepspeed = deepspeed_state_dict(checkpoint_dir, tag)
+    if deepspeed is not None:
+        return _write_whole(deepspeed, output, resolve_tag_dir(checkpoint_dir, tag), dtype, start)
     tag_dir, manifest = open_checkpoint(checkpoint_dir, tag)
     extras = read_engine_state(tag_dir)["module_extras"]
     declared = _entries(manifest, extras, dtype)
@@ -150,6 +177,23 @@ def consolidate_checkpoint(
         record.size,
         stats.get("bytes_read", 0),
         time.perf_counter() - start,
+    )
+
+
+def _write_whole(
+    state: dict[str, torch.Tensor], output: Path, tag_dir: Path, dtype: torch.dtype, start: float
+) -> ConsolidateResult:
+    tensors = {key: _cast(value, dtype).contiguous() for key, value in state.items()}
+    declared = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
+    output.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt", "source": str(tag_dir), "tag": tag_dir.name}
+    with TensorFileWriter(output, declared, metadata) as writer:
+        for key, t in tensors.items():
+            writer.write(key, t)
+        record = writer.commit()
+    read = sum(t.numel() * 4 for t in state.values())
+    return ConsolidateResult(
+        output, tag_dir.name, len(declared), record.size, read, time.perf_counter() - start
     )
 
 

@@ -5,6 +5,9 @@ it writes, and on `commit()` flushes, fsyncs, renames onto the final name and fs
 after a crash a name either holds the complete file or does not exist. `file_crc32` re-reads a file to
 check it against the recorded checksum.
 
+`os_error_cause` turns the OSError of a refused write into words and a fix (ENOSPC, EROFS, EACCES/EPERM,
+ENOTDIR/EEXIST, ...), so a save can fail with one line instead of a traceback.
+
 `fault_point` is a test hook: with DSLAUNCH_CHECKPOINT_FAULT=<point> in the environment the process
 stops at that point of a save (touching the file named by DSLAUNCH_CHECKPOINT_FAULT_MARKER, if set) and
 sleeps until it is killed, so tests can SIGKILL a real process in the middle of writing a checkpoint.
@@ -13,6 +16,7 @@ sleeps until it is killed, so tests can SIGKILL a real process in the middle of 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import time
 import zlib
@@ -23,7 +27,8 @@ from typing import Any
 
 FAULT_ENV = "DSLAUNCH_CHECKPOINT_FAULT"
 FAULT_MARKER_ENV = "DSLAUNCH_CHECKPOINT_FAULT_MARKER"
-FAULT_POINTS = ("shard", "engine_state", "manifest", "latest")
+# in the order a save passes them (runtime.checkpoint.save and .commit say what each one follows)
+FAULT_POINTS = ("start", "shard", "engine_state", "manifest", "commit", "swap", "latest", "cleanup")
 _READ_CHUNK = 4 << 20
 
 
@@ -108,6 +113,50 @@ def file_crc32(path: str | os.PathLike[str]) -> tuple[int, int]:
             crc = zlib.crc32(view[:n], crc)
             size += n
     return size, crc
+
+
+_FULL = (
+    "free space there or pass another save_dir; overwriting a tag needs room for both copies until the new "
+    "one is complete"
+)
+_CAUSES: dict[int, tuple[str, str]] = {
+    errno.ENOSPC: ("the filesystem is full", _FULL),
+    errno.EDQUOT: ("the disk quota is exceeded", _FULL),
+    errno.EROFS: ("the filesystem is mounted read-only", "pass a save_dir on a writable filesystem"),
+    errno.EACCES: (
+        "permission denied",
+        "make the folder writable for this user (chmod/chown), or pass another save_dir",
+    ),
+    errno.EPERM: (
+        "operation not permitted",
+        "an immutable or append-only folder? `lsattr -d` shows it, `chattr -i` lifts it; or pass another "
+        "save_dir",
+    ),
+    errno.ENOTDIR: (
+        "is a file, where a folder is needed",
+        "remove or rename that file, or pass another save_dir",
+    ),
+    errno.EEXIST: (
+        "is a file, where a folder is needed",
+        "remove or rename that file, or pass another save_dir",
+    ),
+    errno.EISDIR: ("a folder stands where a file is needed", "remove or rename that folder"),
+}
+
+
+def os_error_cause(error: OSError) -> tuple[str, str]:
+    """(what happened, with the errno's name; what to do) for an OSError raised by a checkpoint write."""
+    name = errno.errorcode.get(error.errno or 0, "")
+    fallback = (error.strerror or str(error), "check the folder named above")
+    cause, hint = _CAUSES.get(error.errno or 0, fallback)
+    text = f"{cause} ({name})" if name else cause
+    if error.filename is None:
+        return text, hint
+    path = Path(os.fsdecode(error.filename))
+    if error.errno in (errno.ENOTDIR, errno.EEXIST):  # name the file in the way, not the folder wanted
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+        return f"{blocker} {text}", hint
+    return f"{path}: {text}", hint
 
 
 def fault_point(point: str) -> None:

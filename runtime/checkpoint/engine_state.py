@@ -117,7 +117,8 @@ def module_extras(engine: Any) -> dict[str, Any]:
     """State-dict entries the flat groups do not hold: buffers, frozen parameters, extra state.
     (keep_vars: the trained parameters are not touched, ZeRO-3 keeps them sharded.)"""
     full = engine.module.state_dict(keep_vars=True)
-    extras = {key: full[key] for key, name in module_keys(engine) if name is None}
+    left_out = getattr(engine, "checkpoint_excluded_keys", frozenset())  # exclude_frozen_parameters
+    extras = {key: full[key] for key, name in module_keys(engine) if name is None and key not in left_out}
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
 
 
@@ -285,7 +286,7 @@ def restore(
     rngs = state.get("rng") or []
     if saved_world == engine.comm.world_size and engine.comm.rank < len(rngs):
         restore_rng(rngs[engine.comm.rank], engine.device)
-    elif engine.comm.rank == 0:
+    elif rngs and engine.comm.rank == 0:  # none saved (a DeepSpeed checkpoint): nothing to warn about
         _log.warning(
             "RNG states were saved by %d ranks and are not restored on %d ranks (each rank keeps its own)",
             saved_world,

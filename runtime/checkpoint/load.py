@@ -2,7 +2,9 @@
 
 Order, and why:
 1. Check that every rank names the same directory and tag (`agree_on_location`), resolve the tag
-   (`latest` or the given one) and read the manifest: missing pieces are clear errors.
+   (`latest` or the given one) and read the manifest: missing pieces are clear errors. A folder written by
+   DeepSpeed (its files, no manifest of ours) is described as a manifest by `deepspeed_format` and
+   read through the same steps (it has no checksums: each file is checked as it is opened).
 2. Verify every file's size and CRC-32 against the manifest, spread over the ranks (file i on rank
    i mod world); all ranks learn the verdict, so a corrupted or truncated file is the same error,
    naming it, everywhere. Nothing falls back to another tag.
@@ -25,6 +27,7 @@ import torch
 
 from runtime.checkpoint import engine_state
 from runtime.checkpoint.agree import agree_on_location, agreed
+from runtime.checkpoint.deepspeed_format import is_deepspeed_tag, open_deepspeed
 from runtime.checkpoint.durable import file_crc32
 from runtime.checkpoint.manifest import (
     ENGINE_STATE,
@@ -96,14 +99,24 @@ def load_checkpoint(
     root, tag = agree_on_location(
         comm, load_dir, tag, policy=engine.config.checkpoint.tag_validation, what="load_checkpoint"
     )
-    tag_dir, manifest = agreed(comm, lambda: open_checkpoint(root, tag))
-    agreed(comm, lambda: verify_files(tag_dir, manifest, comm.rank, comm.world_size))
-    state = agreed(comm, lambda: read_engine_state(tag_dir))
+    tag_dir = agreed(comm, lambda: resolve_tag_dir(root, tag))
+    if is_deepspeed_tag(tag_dir):  # DeepSpeed's files: read through the same plan (deepspeed_format)
+        source = agreed(comm, lambda: open_deepspeed(tag_dir))
+        manifest, new_reader = source.manifest, source.reader
+        state = agreed(comm, lambda: source.engine_state(engine))
+        if comm.rank == 0:
+            version = source.tag.model_states.get("ds_version", "?")
+            _log.info("%s was written by DeepSpeed %s", tag_dir, version)
+    else:
+        manifest = agreed(comm, lambda: read_manifest(tag_dir))
+        agreed(comm, lambda: verify_files(tag_dir, manifest, comm.rank, comm.world_size))
+        state = agreed(comm, lambda: read_engine_state(tag_dir))
+        new_reader = lambda: ShardReader(tag_dir)  # noqa: E731
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
     plans, extras = agreed(
         comm, lambda: _plan(engine, manifest, state, strict=load_module_strict, with_optimizer=with_optimizer)
     )
-    agreed(comm, lambda: _fill(engine, tag_dir, manifest, state, plans, with_optimizer=with_optimizer))
+    agreed(comm, lambda: _fill(engine, new_reader(), manifest, state, plans, with_optimizer=with_optimizer))
     engine.zero.zero_grad()
     engine.zero.write_back()  # masters -> working weights, gathered across ranks
 
@@ -179,14 +192,14 @@ def _plan(
 
 def _fill(
     engine: Any,
-    tag_dir: Path,
+    reader: Any,
     manifest: Manifest,
     state: dict[str, Any],
     plans: list[list[Copy]],
     *,
     with_optimizer: bool,
 ) -> None:
-    reader = ShardReader(tag_dir)
+    """Fill every group's masters (and optimizer state) through `reader` (ShardReader, DeepSpeedReader)."""
     keys = manifest.optimizer_state_keys
     dtypes = {key: getattr(torch, name) for key, name in manifest.state_dtypes.items()}
     saved_scalars = state.get("optimizer_scalars") or []

@@ -6,6 +6,13 @@ A checkpoint directory looks like this (DeepSpeed's names where DeepSpeed has on
     save_dir/<tag>/manifest.json             `Manifest`; written last: no manifest, no checkpoint
     save_dir/<tag>/mp_rank_00_model_states.pt          engine state (torch.save, loaded with weights_only)
     save_dir/<tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.safetensors   one per saving rank
+    save_dir/.<tag>~new/                     a save in progress (staging); becomes <tag> when committed
+    save_dir/.<tag>~old/                     the checkpoint it replaces, during the swap only
+    save_dir/.checkpoint-commit.json         `PendingCommit`: a committed save still being swapped in
+
+Model-parallel engines keep one such folder per part (`pipe_stage_SS_of_NN/`, `mp_rank_RR_of_NN/`,
+`tp_rank_RR_of_NN/` inside save_dir), each with its own `latest`; the commit record stays in save_dir and
+lists the parts. See runtime.checkpoint.commit for the order of the swap and why it is safe.
 
 Layout, stage-independent: every flat group (a run of parameters laid out in one 1-D buffer, see
 runtime.zero.partition) has a coordinate system, "flat index", given by its parameters' names, shapes
@@ -78,6 +85,89 @@ class CheckpointMismatch(CheckpointError):
 
 class CheckpointRefused(CheckpointError):
     """A save that would write a useless checkpoint (non-finite weights, ranks disagreeing on the path)."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """The filesystem refused a save (full, read-only, immutable, not writable, a file in the way)."""
+
+
+# -- staging, and the commit record of a save being swapped in (runtime.checkpoint.commit writes them) ------
+COMMIT_RECORD = ".checkpoint-commit.json"
+COMMIT_FORMAT = "dslaunch-checkpoint-commit"
+# '~' is not allowed in a tag, so no tag's own folder can look like a staging folder
+_STAGED = re.compile(r"^\.(.+)~(new|old)$")
+
+
+def staging_name(tag: str) -> str:
+    """The folder a save of `tag` is written into before it is swapped in."""
+    return f".{tag}~new"
+
+
+def aside_name(tag: str) -> str:
+    """The name the replaced checkpoint of `tag` has between the two renames of the swap."""
+    return f".{tag}~old"
+
+
+def staged_tag(name: str) -> str | None:
+    """The tag of a staging or aside folder name; None for any other name."""
+    match = _STAGED.match(name)
+    return match.group(1) if match else None
+
+
+@dataclass(frozen=True)
+class PendingCommit:
+    """A save whose every file is complete on every rank, recorded before any part is swapped in: from
+    the moment this record exists the save is the checkpoint, whatever the swap has done so far."""
+
+    tag: str
+    latest: bool  # the save moves `latest` to `tag`
+    parts: tuple[str, ...]  # the part folders, relative to the save directory ("." for itself)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": COMMIT_FORMAT, **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> PendingCommit:
+        try:
+            raw = json.loads(text)
+            if raw.get("format") != COMMIT_FORMAT:
+                raise ValueError(f"format {raw.get('format')!r}")
+            return cls(check_tag(raw["tag"]), bool(raw["latest"]), tuple(str(p) for p in raw["parts"]))
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise CheckpointCorrupted(
+                f"{where}: malformed commit record ({type(error).__name__}: {error})"
+            ) from None
+
+
+def read_commit(root: str | Path) -> PendingCommit | None:
+    """The commit record in save directory `root`, None when there is none."""
+    path = Path(root) / COMMIT_RECORD
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return PendingCommit.from_json(text, str(path))
+
+
+def pending_commit(folder: str | Path) -> PendingCommit | None:
+    """The committed save that `folder` (a save directory, or a part folder inside one) is part of and
+    that is not swapped in everywhere yet; None when there is none."""
+    folder = Path(folder)
+    for record_dir, part in ((folder, "."), (folder.parent, folder.name)):
+        commit = read_commit(record_dir)
+        if commit is not None and part in commit.parts:
+            return commit
+    return None
+
+
+def current_tag_dir(folder: Path, tag: str, pending: PendingCommit | None) -> Path:
+    """Where the complete files of `tag` are: its own folder, or, while a committed save of it is being
+    swapped in and this part has not been swapped yet, that save's staging folder."""
+    if pending is not None and pending.tag == tag and (folder / staging_name(tag)).is_dir():
+        return folder / staging_name(tag)
+    return folder / tag
 
 
 @dataclass(frozen=True)
@@ -210,7 +300,11 @@ def check_tag(tag: str) -> str:
 
 
 def read_latest(save_dir: str | Path) -> str | None:
-    """The tag `latest` names, or None when there is no `latest` file."""
+    """The tag `latest` names, or None when there is no `latest` file. A committed save that a crash left
+    half swapped in (`pending_commit`) is `latest` already if it moves `latest`."""
+    pending = pending_commit(save_dir)
+    if pending is not None and pending.latest:
+        return pending.tag
     path = Path(save_dir) / LATEST
     try:
         return path.read_text(encoding="utf-8").strip()
@@ -219,10 +313,12 @@ def read_latest(save_dir: str | Path) -> str | None:
 
 
 def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
-    """The directory of `tag` (or of the tag `latest` names), with a clear error for each missing piece."""
+    """The directory of `tag` (or of the tag `latest` names), with a clear error for each missing piece.
+    A committed save that a crash left half swapped in counts as done (`pending_commit`)."""
     root = Path(load_dir)
     if not root.is_dir():
         raise CheckpointNotFound(f"checkpoint directory {root} does not exist")
+    pending = pending_commit(root)
     if tag is None:
         tag = read_latest(root)
         if tag is None:
@@ -232,13 +328,21 @@ def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
             )
         if not tag:
             raise CheckpointCorrupted(f"{root / LATEST} is empty")
-        tag_dir = root / check_tag(tag)
+        tag_dir = current_tag_dir(root, check_tag(tag), pending)
         if not tag_dir.is_dir():
             raise CheckpointNotFound(f"{root / LATEST} names tag {tag!r}, but {tag_dir} does not exist")
         return tag_dir
-    tag_dir = root / check_tag(str(tag))
+    tag_dir = current_tag_dir(root, check_tag(str(tag)), pending)
     if not tag_dir.is_dir():
-        available = sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file())
+        if (root / staging_name(tag_dir.name)).is_dir():
+            raise CheckpointIncomplete(
+                f"the save of tag {tag_dir.name!r} in {root} did not finish (the process stopped while "
+                f"writing it; its partial files are in {staging_name(tag_dir.name)}, which the next save "
+                "removes), so it cannot be loaded"
+            )
+        available = sorted(
+            p.name for p in root.iterdir() if (p / MANIFEST).is_file() and staged_tag(p.name) is None
+        )
         hint = f"; complete tags there: {', '.join(available)}" if available else ""
         raise CheckpointNotFound(f"checkpoint tag {tag!r} not found: {tag_dir} does not exist{hint}")
     return tag_dir
@@ -254,6 +358,6 @@ def read_manifest(tag_dir: Path) -> Manifest:
             "stopped while writing it), so it cannot be loaded"
         ) from None
     manifest = Manifest.from_json(text, str(path))
-    if manifest.tag != tag_dir.name:
+    if manifest.tag != (staged_tag(tag_dir.name) or tag_dir.name):
         raise CheckpointCorrupted(f"{path} describes tag {manifest.tag!r}, but sits in {tag_dir}")
     return manifest

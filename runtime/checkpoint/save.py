@@ -1,54 +1,66 @@
-"""engine.save_checkpoint: every rank writes its shard in parallel; the tag becomes `latest` only when
-every byte of it is durable and described by a manifest.
+"""engine.save_checkpoint: every rank writes its shard in parallel, beside the last complete checkpoint,
+and the new one replaces it only when every byte of it is durable, on every rank.
 
 Order, and why:
 1. All ranks agree on the directory and the tag (a rank saving elsewhere would split the checkpoint), and
    every rank's master weights are finite (a NaN checkpoint cannot be resumed and must not move `latest`);
    a disagreement or a NaN on any rank stops every rank before anything is written.
-2. Rank 0 removes the manifest of a previous save under the same tag (that tag is incomplete while it is
-   rewritten), then every rank writes its shard file: temporary name, fsync, rename, fsync directory.
-3. The file records (size, CRC-32, flat ranges) and per-rank RNG states are gathered on rank 0, which
-   writes the engine state file, then the manifest, then `latest`, each the same durable way.
-4. A final agreement: every rank returns only once `latest` names the new tag, or raises.
+2. World rank 0 finishes the swap of a committed save that a crash interrupted; the rank 0 of each part
+   (the save directory, or a pipeline stage's or tensor-parallel rank's folder in it) removes what
+   uncommitted saves left and creates the staging folder `.<tag>~new`.
+3. Every rank writes its shard file there: temporary name, fsync, rename, fsync directory. The file
+   records (size, CRC-32, flat ranges) and per-rank RNG states are gathered on the part's rank 0, which
+   writes the engine state file and then the manifest, each the same durable way.
+4. The commit (runtime.checkpoint.commit): world rank 0 writes the commit record, each part's rank 0
+   swaps its staging folder in under the tag's name and writes `latest`, world rank 0 removes the record.
 
-A process killed anywhere in 2-3 leaves `latest` naming the previous complete tag; the new tag has no
-manifest and refuses to load.
+Every step runs through `agreed`, over all ranks of the save, so a failure anywhere is the same error
+everywhere, before the next step; a refused write (full disk, read-only or immutable folder, a file in
+the way) is a `CheckpointWriteError` naming the path and the cause. A process killed before the commit
+record leaves the previous checkpoint untouched (a failed save removes its staging folder, the next save
+removes what a killed one left); killed after it, the new checkpoint loads.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from runtime.checkpoint import engine_state
+from runtime.checkpoint import commit, engine_state
 from runtime.checkpoint.agree import agree_on_location, agreed, all_gather_objects
-from runtime.checkpoint.durable import DurableFile, fault_point, fsync_dir, write_text_durably
+from runtime.checkpoint.durable import DurableFile, fault_point, os_error_cause, write_text_durably
 from runtime.checkpoint.manifest import (
+    COMMIT_RECORD,
     ENGINE_STATE,
     LATEST,
     MANIFEST,
     MASTER_KEY,
     CheckpointError,
     CheckpointRefused,
+    CheckpointWriteError,
     FileEntry,
     GroupEntry,
     Manifest,
     ModuleKey,
     ParamEntry,
+    PendingCommit,
     check_tag,
     read_latest,
     shard_file_name,
+    staging_name,
     tensor_name,
 )
+from runtime.checkpoint.recovery_script import write_recovery_script
 from runtime.checkpoint.shards import Piece, optimizer_state, saved_pieces
 from runtime.checkpoint.tensorfile import TensorFileWriter
 
 _log = logging.getLogger("runtime.checkpoint")
+T = TypeVar("T")
 
 
 def save_checkpoint(
@@ -58,8 +70,11 @@ def save_checkpoint(
     client_state: Mapping[str, Any] | None = None,
     save_latest: bool = True,
 ) -> Path:
-    """Save the engine's full training state under `save_dir/<tag>`; all ranks must call it."""
+    """Save the engine's full training state under `save_dir/<tag>` (under `save_dir/<part>/<tag>` for a
+    model-parallel engine: see `engine.checkpoint_folder`); all ranks must call it. Returns the tag
+    directory."""
     comm = engine.comm
+    ranks = commit.save_ranks(engine)
     if engine.config.checkpoint.use_node_local_storage:
         raise CheckpointError(
             "checkpoint.use_node_local_storage is not supported: save_dir must be one filesystem that "
@@ -67,50 +82,120 @@ def save_checkpoint(
         )
     given = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     root, agreed_tag = agree_on_location(
-        comm, save_dir, given, policy=engine.config.checkpoint.tag_validation, what="save_checkpoint"
+        ranks, save_dir, given, policy=engine.config.checkpoint.tag_validation, what="save_checkpoint"
     )
     tag = check_tag(str(agreed_tag))  # the same verdict on every rank
-    tag_dir = root / tag
+    name = commit.part_name(engine)
+    part = root / name
     if engine.micro_steps % engine.gradient_accumulation_steps() and comm.rank == 0:
         _log.warning(
             "save_checkpoint inside a gradient accumulation window: the gradients accumulated so far "
             "are not saved"
         )
 
+    def step(fn: Callable[[], T], *, committed: bool = False) -> T:
+        """`fn` on every rank, a failure anywhere raised everywhere; a refused write named in one line."""
+        return agreed(ranks, lambda: _named_write_errors(fn, root, part, tag, committed=committed))
+
     # refused before anything is written: a client_state that torch.load(weights_only=True) cannot read
-    agreed(comm, lambda: engine_state.check_loadable(dict(client_state or {}), "client_state"))
-    agreed(comm, lambda: refuse_non_finite(engine, root, tag))
-    agreed(comm, lambda: _prepare(root, tag_dir, comm.rank))
-    plan = [
-        (group, saved_pieces(group.layout, group.rank, comm.world_size, comm.rank)) for group in engine.groups
-    ]
-    states = agreed(comm, lambda: [optimizer_state(engine, group) for group in engine.groups])
-    shard = agreed(comm, lambda: _write_shard(tag_dir, tag, comm.rank, plan, states))
-    records = all_gather_objects(comm, (shard, engine_state.capture_rng(engine.device)))
+    step(lambda: engine_state.check_loadable(dict(client_state or {}), "client_state"))
+    step(lambda: refuse_non_finite(engine, part, tag))
+    fault_point("start")
+    step(lambda: _finish_interrupted(root) if ranks.rank == 0 else None)
+    step(lambda: commit.prepare_staging(part, tag) if comm.rank == 0 else None)
+    staging = part / staging_name(tag)
+    try:
+        plan = [
+            (group, saved_pieces(group.layout, group.rank, comm.world_size, comm.rank))
+            for group in engine.groups
+        ]
+        states = step(lambda: [optimizer_state(engine, group) for group in engine.groups])
+        shard = step(lambda: _write_shard(staging, tag, comm.rank, plan, states))
+        records = all_gather_objects(comm, (shard, engine_state.capture_rng(engine.device)))
 
-    def finish() -> None:
-        if comm.rank != 0:
-            return
-        state = engine_state.capture(
-            engine,
-            client_state=client_state or {},
-            rng_states=[rng for _, rng in records],
-            optimizer_scalars=[scalars for _, scalars in states],
-        )
-        with DurableFile(tag_dir / ENGINE_STATE) as out:
-            torch.save(state, out)
-            fault_point("engine_state")
-            engine_record = out.commit()
-        manifest = _manifest(engine, tag, [r for r, _ in records], engine_record, states)
-        fault_point("manifest")
-        write_text_durably(tag_dir / MANIFEST, manifest.to_json())
-        _remove_strays(tag_dir, manifest)
-        fault_point("latest")
-        if save_latest:
-            write_text_durably(root / LATEST, tag)
+        def finish_part() -> None:
+            if comm.rank != 0:
+                return
+            state = engine_state.capture(
+                engine,
+                client_state=client_state or {},
+                rng_states=[rng for _, rng in records],
+                optimizer_scalars=[scalars for _, scalars in states],
+            )
+            with DurableFile(staging / ENGINE_STATE) as out:
+                torch.save(state, out)
+                fault_point("engine_state")
+                engine_record = out.commit()
+            manifest = _manifest(engine, tag, [r for r, _ in records], engine_record, states)
+            fault_point("manifest")
+            write_text_durably(staging / MANIFEST, manifest.to_json())
 
-    agreed(comm, finish)
-    return tag_dir
+        step(finish_part)
+        parts = tuple(sorted(set(all_gather_objects(ranks, name))))
+        record = PendingCommit(tag, save_latest, parts)
+        step(lambda: commit.write_commit(root, record) if ranks.rank == 0 else None)
+    except BaseException:
+        if comm.rank == 0 and not (root / COMMIT_RECORD).exists():
+            commit.discard_staging(part, tag)  # every rank has left the failed step: nothing writes there
+        raise
+    swap = lambda: commit.swap_in(part, tag, move_latest=save_latest) if comm.rank == 0 else None  # noqa: E731
+    step(swap, committed=True)
+    step(lambda: commit.clear_commit(root) if ranks.rank == 0 else None, committed=True)
+    # files that go beside the checkpoints (once `latest` names the new one) are written from here on
+    step(lambda: write_recovery_script(part) if comm.rank == 0 else None, committed=True)  # zero_to_fp32.py
+    return part / tag
+
+
+def check_save_dir(save_dir: str | os.PathLike[str]) -> Path:
+    """Check, before training, that checkpoints can be saved in `save_dir`: it is a folder or can be made
+    one (no file in the way), and a file can be created in it (not read-only, immutable or someone
+    else's). Creates the folder; raises a one-line `CheckpointWriteError` naming the path and the cause.
+    A full disk shows only when a save writes; that save fails the same way and keeps the last checkpoint."""
+    root = Path(os.path.abspath(os.fspath(save_dir)))
+    probe = root / f".dslaunch-write-check-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as error:
+        cause, hint = os_error_cause(error)
+        raise CheckpointWriteError(f"cannot save checkpoints in {root}: {cause}", hint=hint) from None
+    return root
+
+
+def _finish_interrupted(root: Path) -> None:
+    if not root.is_dir():
+        return
+    done = commit.finish_interrupted(root)
+    if done:
+        _log.warning("%s", done)
+
+
+def _named_write_errors(fn: Callable[[], T], root: Path, part: Path, tag: str, *, committed: bool) -> T:
+    """Run `fn`; an OSError from the filesystem becomes a `CheckpointWriteError` naming the path, the
+    cause (ENOSPC, EROFS, ...) and what became of the last complete checkpoint."""
+    try:
+        return fn()
+    except OSError as error:
+        cause, hint = os_error_cause(error)
+        if committed:
+            kept = (
+                f"checkpoint {tag!r} is complete and committed: loading {root} uses it, and the next save "
+                "finishes swapping it in"
+            )
+        else:
+            try:
+                latest = read_latest(part)
+            except (OSError, CheckpointError):
+                latest = None
+            kept = (
+                f"{part / LATEST} still names {latest!r}, which is untouched"
+                if latest
+                else "no earlier checkpoint was touched"
+            )
+        raise CheckpointWriteError(
+            f"cannot save checkpoint {tag!r} in {root}: {cause}; {kept}", hint=hint
+        ) from None
 
 
 def refuse_non_finite(engine: Any, root: Path, tag: str) -> None:
@@ -134,23 +219,6 @@ def refuse_non_finite(engine: Any, root: Path, tag: str) -> None:
                     "rate or gradient_clipping set",
                 )
         # only the padding between parameters is non-finite: it is never read back
-
-
-def _prepare(root: Path, tag_dir: Path, rank: int) -> None:
-    if rank != 0:
-        return
-    root.mkdir(parents=True, exist_ok=True)
-    tag_dir.mkdir(exist_ok=True)
-    fsync_dir(root)  # the tag directory's own entry
-    old = tag_dir / MANIFEST
-    if old.exists():
-        if read_latest(root) == tag_dir.name:
-            _log.warning(
-                "overwriting tag %r, which %s names: until this save finishes there is no complete "
-                "checkpoint to resume from", tag_dir.name, root / LATEST,
-            )  # fmt: skip
-        old.unlink()
-        fsync_dir(tag_dir)
 
 
 def _write_shard(
@@ -226,12 +294,3 @@ def _manifest(
         optimizer_state_keys=tuple(state_keys),
         state_dtypes=state_dtypes,
     )
-
-
-def _remove_strays(tag_dir: Path, manifest: Manifest) -> None:
-    """Files of an earlier save under this tag that the new manifest does not list (e.g. more ranks)."""
-    keep = {f.name for f in manifest.files} | {MANIFEST}
-    for path in tag_dir.iterdir():
-        stray_shard = path.name.startswith("zero_pp_rank_") and path.name not in keep
-        if stray_shard or (path.name.startswith(".") and ".tmp-" in path.name):
-            path.unlink(missing_ok=True)

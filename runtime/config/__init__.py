@@ -1,7 +1,7 @@
 """The DeepSpeed-style training config as typed, frozen dataclasses: the front door of `runtime/config/`.
 
 Callers import from here (`from runtime.config import Config, ConfigError, load_config`); the modules
-behind it each own one part, and import one way (reader <- checks <- offload, sections, batch,
+behind it each own one part, and import one way (reader <- checks <- offload, sections, parallel, batch,
 optim <- zero <- load):
 
 - `reader`: strict reading of a mapping: files (JSON/YAML), key paths, "auto", unknown-key suggestions,
@@ -13,6 +13,8 @@ optim <- zero <- load):
 - `offload`: `OffloadSettings`, the typed `offload_optimizer` section (its keys, its internal knobs).
 - `optim`: the `optimizer` and `scheduler` sections.
 - `sections`: the small sections (fp16, bf16, activation_checkpointing, checkpoint, the monitors).
+- `parallel`: the model-parallel sections, `pipeline` and `tensor_parallel` (their engines check them
+  against the model).
 - `load`: the top-level `Config`, `load_config` and `render_config`.
 """
 

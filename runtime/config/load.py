@@ -28,6 +28,7 @@ import torch
 from runtime.config.batch import resolve_batch
 from runtime.config.checks import Bool, Choice, Float, Int
 from runtime.config.optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
+from runtime.config.parallel import read_tensor_parallel
 from runtime.config.reader import (
     ConfigError,
     FrozenDict,
@@ -105,13 +106,13 @@ class Config:
 
 
 # DeepSpeed top-level keys for features dslaunch does not have (yet), or not for this model: the value names
-# the feature. ("pipeline" and "tensor_parallel" are read by runtime.pipe / runtime.tensor_parallel, whose
-# engines runtime.initialize picks for a PipelineModule or an autotp_size above 1.)
+# the feature. ("pipeline" is read by runtime.pipe, whose engine runtime.initialize picks for a
+# PipelineModule; "tensor_parallel" is read below: its degree 1 is DeepSpeed's "none", a higher one has its
+# own engine.)
 _UNSUPPORTED_TOP_LEVEL = {
     "amp": "apex AMP",
     "pipeline": "a pipeline section for a model that is not a PipelineModule (runtime.pipe.PipelineModule, "
     "deepspeed.pipe.PipelineModule: pipeline parallelism)",
-    "tensor_parallel": "tensor_parallel with autotp_size 1 (no tensor parallelism: leave the section out)",
     "sequence_parallel_size": "sequence parallelism",
     "compression_training": "compression training",
     "compression": "compression",
@@ -120,7 +121,6 @@ _UNSUPPORTED_TOP_LEVEL = {
     "flops_profiler": "flops profiler",
     "comms_logger": "communication logger",
     "comet": "Comet monitor",
-    "aio": "async I/O for NVMe offload",
     "sparse_attention": "sparse attention",
     "data_efficiency": "data efficiency library",
     "curriculum_learning": "curriculum learning",
@@ -205,8 +205,12 @@ def load_config(
         "wandb": read_wandb(top.section("wandb")),
         "checkpoint": read_checkpoint(top.section("checkpoint")),
     }
+    tensor_parallel = read_tensor_parallel(top.section("tensor_parallel"))
     top.ignored("zero_force_ds_cpu_optimizer", True, "any torch optimizer runs on offloaded CPU shards")
     top.ignored("dump_state", False, "no state dump")
+    # Lightning's DeepSpeedStrategy always writes an "aio" section. It tunes NVMe offload only, which is
+    # refused by name where a section asks for it ("device": "nvme"), so without it aio changes nothing.
+    top.ignored("aio", None, "async I/O tunes NVMe offload only, and nothing is offloaded to NVMe")
     top.default_only("sparse_gradients", False, "sparse gradients")
     for batch_key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         top.has(batch_key)  # read later by resolve_batch; declared now so finish() knows them
@@ -223,6 +227,12 @@ def load_config(
     if fp16.enabled and bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled; keep one of them")
     _check_optimizer_with_zero(optimizer, zero, simple["zero_allow_untested_optimizer"])
+    if tensor_parallel.autotp_size > 1:  # the tensor-parallel engine reads the section before this
+        raise ConfigError(
+            "tensor_parallel.autotp_size",
+            f"{tensor_parallel.autotp_size} needs the tensor-parallel engine, which runtime.initialize "
+            "builds for such a config (runtime.tensor_parallel.TensorParallelEngine), not this one",
+        )
 
     config = Config(
         train_batch_size=train_batch_size,

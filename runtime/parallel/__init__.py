@@ -5,6 +5,7 @@ from runtime.parallel.topology import (
     PipeDataParallelTopology,
     PipeModelDataParallelTopology,
     ProcessTopology,
+    TopologyError,
     topology_for,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "PipeModelDataParallelTopology",
     "PipelineParallelGrid",
     "ProcessTopology",
+    "TopologyError",
     "topology_for",
 ]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from runtime.distributed import current_device
-from runtime.parallel.topology import DATA, MODEL, PIPE, ProcessTopology, topology_for
+from runtime.parallel.topology import DATA, MODEL, PIPE, ProcessTopology, TopologyError, topology_for
 
 MESH_AXES = (PIPE, DATA, MODEL)
 
@@ -25,7 +25,7 @@ def _mesh_dims(topology: ProcessTopology) -> tuple[int, int, int]:
     unknown = [axis for axis in axes if axis not in MESH_AXES]
     ordered = [axis for axis in MESH_AXES if axis in axes]
     if unknown or axes != ordered:
-        raise ValueError(f"the grid needs topology axes among {list(MESH_AXES)} in that order, got {axes}")
+        raise TopologyError(f"the grid needs topology axes among {list(MESH_AXES)} in that order, got {axes}")
     return tuple(topology.get_dim(axis) if axis in axes else 1 for axis in MESH_AXES)  # type: ignore[return-value]
 
 
@@ -36,7 +36,7 @@ class ParallelGrid:
         world = dist.get_world_size()
         topology = topology or topology_for(world)
         if topology.world_size() != world:
-            raise ValueError(
+            raise TopologyError(
                 f"the topology {topology} has {topology.world_size()} ranks but the job has {world}"
             )
         self._topo = topology
@@ -77,7 +77,9 @@ class ParallelGrid:
     def stage_to_global(self, stage_id: int) -> int:
         """The global rank holding `stage_id` in this rank's pipeline (same data and model coordinates)."""
         if not 0 <= stage_id < self.pipe_parallel_size:
-            raise ValueError(f"stage {stage_id} does not exist; there are {self.pipe_parallel_size} stages")
+            raise TopologyError(
+                f"stage {stage_id} does not exist; there are {self.pipe_parallel_size} stages"
+            )
         return self.pipe_ranks()[stage_id]
 
     def pipe_ranks(self) -> list[int]:

@@ -27,6 +27,20 @@ from typing import Any
 import torch
 
 from runtime.distributed import accelerator
+from runtime.errors import UserError
+
+
+class RngTrackerError(UserError, ValueError):
+    """A random stream used wrongly by the model's code (a seed or name twice, an unseeded stream)."""
+
+    hint = (
+        "give each stream its own name and seed; model_parallel_cuda_manual_seed(seed) seeds the usual ones"
+    )
+
+
+class UnseededStreamError(RngTrackerError, RuntimeError):
+    """fork() of a stream nobody seeded (a RuntimeError too, as before)."""
+
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # The model stream's seed is seed + offset + model rank (the offset is Megatron's: checkpoints and seeds
@@ -77,9 +91,11 @@ class RNGStatesTracker:
         """Start a stream `name` at `seed`. A seed or name already in use is an error: two streams with
         one seed would draw the same numbers, which is what separate streams are there to prevent."""
         if seed in self._seeds:
-            raise ValueError(f"RNG tracker: seed {seed} already starts another stream; give {name!r} its own")
+            raise RngTrackerError(
+                f"RNG tracker: seed {seed} already starts another stream; give {name!r} its own"
+            )
         if name in self._states:
-            raise ValueError(f"RNG tracker: a stream named {name!r} exists already (reset() forgets it)")
+            raise RngTrackerError(f"RNG tracker: a stream named {name!r} exists already (reset() forgets it)")
         generator = default_generator()
         outside = generator.get_state()
         generator.manual_seed(seed)
@@ -91,7 +107,7 @@ class RNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
         """Draw from stream `name` inside the block; the default stream resumes unchanged after it."""
         if name not in self._states:
-            raise RuntimeError(
+            raise UnseededStreamError(
                 f"RNG tracker: no stream named {name!r}; seed it first with "
                 "model_parallel_cuda_manual_seed(seed) (or get_cuda_rng_tracker().add(name, seed))"
             )

@@ -14,7 +14,19 @@ from collections import namedtuple
 from collections.abc import Sequence
 from typing import Any
 
+from runtime.errors import UserError
+
 PIPE, DATA, MODEL = "pipe", "data", "model"
+
+
+class TopologyError(UserError, ValueError):
+    """Degrees that do not lay out the job's ranks, or a coordinate outside them (a ValueError as before,
+    and a UserError: one line)."""
+
+    hint = (
+        "choose pipeline and tensor-parallel degrees whose product divides the number of ranks "
+        "(the data-parallel degree is what is left)"
+    )
 
 
 class ProcessTopology:
@@ -23,11 +35,11 @@ class ProcessTopology:
     def __init__(self, axes: Sequence[str], dims: Sequence[int]) -> None:
         axes, dims = list(axes), [int(d) for d in dims]
         if len(axes) != len(dims):
-            raise ValueError(f"ProcessTopology: {len(axes)} axes {axes} but {len(dims)} dims {dims}")
+            raise TopologyError(f"ProcessTopology: {len(axes)} axes {axes} but {len(dims)} dims {dims}")
         if len(set(axes)) != len(axes):
-            raise ValueError(f"ProcessTopology: axis names must be unique, got {axes}")
+            raise TopologyError(f"ProcessTopology: axis names must be unique, got {axes}")
         if any(d < 1 for d in dims):
-            raise ValueError(
+            raise TopologyError(
                 f"ProcessTopology: every dim must be at least 1, got {dict(zip(axes, dims, strict=True))}"
             )
         self.axes = axes
@@ -49,16 +61,16 @@ class ProcessTopology:
     def get_rank(self, **coord: int) -> int:
         """The global rank at a full coordinate, e.g. get_rank(pipe=1, data=0)."""
         if set(coord) != set(self.axes):
-            raise ValueError(f"get_rank needs a value for every axis {self.axes}, got {sorted(coord)}")
+            raise TopologyError(f"get_rank needs a value for every axis {self.axes}, got {sorted(coord)}")
         key = self.ProcessCoord(**coord)
         if key not in self._rank_of:
-            raise ValueError(f"coordinate {coord} is outside the topology {self._describe()}")
+            raise TopologyError(f"coordinate {coord} is outside the topology {self._describe()}")
         return self._rank_of[key]
 
     def get_coord(self, rank: int) -> Any:
         """The coordinate (a namedtuple with one field per axis) of a global rank."""
         if not 0 <= rank < self.world_size():
-            raise ValueError(f"rank {rank} is outside the topology {self._describe()}")
+            raise TopologyError(f"rank {rank} is outside the topology {self._describe()}")
         return self._coord_of[rank]
 
     def get_rank_repr(
@@ -84,7 +96,7 @@ class ProcessTopology:
         """The ranks matching every given axis=value, in rank order."""
         unknown = set(filter_kwargs) - set(self.axes)
         if unknown:
-            raise ValueError(f"filter_match: unknown axes {sorted(unknown)}; the axes are {self.axes}")
+            raise TopologyError(f"filter_match: unknown axes {sorted(unknown)}; the axes are {self.axes}")
         return [
             rank
             for rank, coord in enumerate(self._coord_of)
@@ -132,9 +144,9 @@ def topology_for(world_size: int, *, pp: int = 1, tp: int = 1) -> ProcessTopolog
     left); a clear error when they do not divide the world."""
     for name, degree in (("pipeline stages", pp), ("tensor-parallel degree", tp)):
         if degree < 1:
-            raise ValueError(f"the {name} must be at least 1, got {degree}")
+            raise TopologyError(f"the {name} must be at least 1, got {degree}")
     if world_size % (pp * tp) != 0:
-        raise ValueError(
+        raise TopologyError(
             f"{pp} pipeline stages x tensor-parallel degree {tp} = {pp * tp} ranks per replica does not "
             f"divide the world size {world_size}"
         )
@@ -148,5 +160,6 @@ __all__ = [
     "PipeDataParallelTopology",
     "PipeModelDataParallelTopology",
     "ProcessTopology",
+    "TopologyError",
     "topology_for",
 ]

@@ -18,7 +18,10 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint.consolidate import get_fp32_state_dict_from_checkpoint
+from runtime.pipe.config import PipelineError
 from runtime.pipe.module import PipelineModule
+
+_WHOLE = "give the root that PipelineEngine.save_checkpoint wrote, with every stage's folder"
 
 _STAGE_DIR = re.compile(r"^pipe_stage_(\d+)_of_(\d+)(?:_chunks_(\d+))?$")
 
@@ -34,15 +37,18 @@ def pipeline_stage_dirs(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
             found[int(match.group(1))] = child
             degrees.add((int(match.group(2)), int(match.group(3) or 1)))  # (stages, chunks per stage)
     if not found:
-        raise ValueError(f"{root} holds no pipeline stage directories (pipe_stage_SS_of_NN)")
+        raise PipelineError(f"{root} holds no pipeline stage directories (pipe_stage_SS_of_NN)", hint=_WHOLE)
     if len(degrees) > 1:
-        raise ValueError(
-            f"{root} mixes checkpoints of pipelines with {sorted(degrees)} (stages, chunks per stage)"
+        raise PipelineError(
+            f"{root} mixes checkpoints of pipelines with {sorted(degrees)} (stages, chunks per stage)",
+            hint="keep one pipeline's checkpoints per root (save_checkpoint's save_dir)",
         )
     stages = degrees.pop()[0]
     missing = sorted(set(range(stages)) - set(found))
     if missing:
-        raise ValueError(f"{root}: the checkpoint of a {stages}-stage pipeline lacks stages {missing}")
+        raise PipelineError(
+            f"{root}: the checkpoint of a {stages}-stage pipeline lacks stages {missing}", hint=_WHOLE
+        )
     return [found[s] for s in range(stages)]
 
 
@@ -54,7 +60,10 @@ def get_fp32_state_dict_from_pipeline_checkpoint(
     for stage_dir in pipeline_stage_dirs(checkpoint_dir):
         for key, value in get_fp32_state_dict_from_checkpoint(stage_dir, tag, verify=verify).items():
             if key in merged and not torch.equal(merged[key], value):
-                raise ValueError(f"{key} differs between the stages holding it (a tied weight out of step?)")
+                raise PipelineError(
+                    f"{key} differs between the stages holding it (a tied weight out of step?)",
+                    hint="save from one run: every stage's folder of the same step",
+                )
             merged[key] = value
     return merged
 
@@ -64,7 +73,10 @@ def load_stage_state_dict(module: PipelineModule, state_dict: dict[str, torch.Te
     own = module.state_dict()
     missing = sorted(set(own) - set(state_dict))
     if missing:
-        raise ValueError(f"stage {module.stage_id}: the state dict lacks {missing}")
+        raise PipelineError(
+            f"stage {module.stage_id}: the state dict lacks {missing}",
+            hint="build the PipelineModule with the same layers as the model the state dict was saved from",
+        )
     module.load_state_dict({key: state_dict[key] for key in own})
 
 

@@ -12,8 +12,10 @@ clip -> optimizer step on this rank's shard.
 
 The data-iterator contract is DeepSpeed's: each `next(data_iter)` is one micro-batch `(inputs, labels)`;
 the first stage reads inputs and the last stage labels (middle stages do not touch the iterator, which
-may be None there). All micro-batches are read before any compute, and every rank agrees they exist, so
-an iterator that runs out is an error before training, not a hang.
+may be None there). `runtime.pipe.data` reads them before any compute and makes every rank agree they
+are all there, of the micro-batch size, so bad data is an error before training, not a hang. As in
+DeepSpeed, an iterator given to `train_batch` is kept for the next call, and one built from
+`initialize(training_data=...)` is read when none is given.
 """
 
 from __future__ import annotations
@@ -35,11 +37,18 @@ from torch.distributed.pipelining import (
 
 from runtime import checkpointing
 from runtime.comm import Comm
-from runtime.config import load_config, read_config_file
+from runtime.config import ConfigError, load_config, read_config_file
 from runtime.engine import Engine
 from runtime.offload import GradMath
-from runtime.pipe.config import MULTI_CHUNK_SCHEDULES, PipelineConfig, check_schedule, read_pipeline_config
-from runtime.pipe.module import PipelineModule
+from runtime.pipe.config import (
+    MULTI_CHUNK_SCHEDULES,
+    PipelineConfig,
+    PipelineError,
+    check_schedule,
+    read_pipeline_config,
+)
+from runtime.pipe.data import read_micro_batches, stage_tensors
+from runtime.pipe.module import PipelineModule, check_every_stage_trains
 from runtime.pipe.tied import (
     all_reduce_tied_grads,
     broadcast_tied_weights,
@@ -61,7 +70,9 @@ def _read_config(config: Any) -> dict[str, Any]:
         return dict(read_config_file(config))
     if isinstance(config, dict):
         return dict(config)
-    raise TypeError(f"PipelineEngine needs the config as a dict or a file path, got {type(config).__name__}")
+    raise PipelineError(
+        f"PipelineEngine needs the config as a dict or a file path, got {type(config).__name__}"
+    )
 
 
 def _tensor_parallel_degree(section: Any, grid_tp: int) -> int:
@@ -70,31 +81,48 @@ def _tensor_parallel_degree(section: Any, grid_tp: int) -> int:
 
     asked = read_tensor_parallel_config(section).autotp_size
     if section and asked != grid_tp:
-        raise ValueError(
-            f"tensor_parallel.autotp_size is {asked} but the PipelineModule's topology has a model "
-            f"dimension of {grid_tp}: build it with PipeModelDataParallelTopology(num_pp, num_mp={asked}, "
-            "num_dp)"
+        raise ConfigError(
+            "tensor_parallel.autotp_size",
+            f"{asked} but the PipelineModule's topology has a model dimension of {grid_tp}",
+            hint=f"build the module with PipeModelDataParallelTopology(num_pp, num_mp={asked}, num_dp), or "
+            f"set autotp_size to {grid_tp}",
         )
     return grid_tp
 
 
-def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineModule) -> None:
-    """Refuse what the pipeline engine cannot do, before any training."""
-    stage = cfg.zero_optimization.stage
-    if stage >= 2:
-        raise ValueError(
-            f"zero_optimization.stage {stage} cannot be combined with pipeline parallelism "
-            f"({module.num_stages} stages): gradients accumulate over micro-batches in every stage, so "
-            "sharding them (stage 2) or the parameters (stage 3) does not fit; use stage 0 or 1"
+def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineModule) -> str:
+    """Refuse what the pipeline engine cannot do, before any training; returns the schedule to run."""
+    zero = cfg.zero_optimization
+    if zero.stage >= 2:
+        raise ConfigError(
+            "zero_optimization.stage",
+            f"{zero.stage} cannot be combined with pipeline parallelism ({module.num_stages} stages): "
+            "gradients accumulate over micro-batches in every stage, so sharding them (stage 2) or the "
+            "parameters (stage 3) does not fit, as in DeepSpeed",
+            hint="use ZeRO stage 0 or 1 with a PipelineModule",
         )
-    if cfg.zero_optimization.offload_optimizer.device != "none":
-        raise ValueError("zero_optimization.offload_optimizer is not supported with pipeline parallelism yet")
+    if zero.offload_optimizer.device != "none":
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.device",
+            f"{zero.offload_optimizer.device!r}: optimizer offload is not supported with pipeline "
+            "parallelism yet",
+            hint='remove offload_optimizer (or set "device": "none") when training a PipelineModule',
+        )
+    if zero.offload_param.device != "none":
+        raise ConfigError(
+            "zero_optimization.offload_param.device",
+            f"{zero.offload_param.device!r}: parameter offload is ZeRO-3's, which pipelines do not take",
+            hint='remove offload_param (or set "device": "none") when training a PipelineModule',
+        )
     if pipe_cfg.stages is not None and pipe_cfg.stages != module.num_stages:
-        raise ValueError(
-            f"pipeline.stages is {pipe_cfg.stages} but the PipelineModule was built with "
-            f"{module.num_stages} stages"
+        raise ConfigError(
+            "pipeline.stages",
+            f"{pipe_cfg.stages} but the PipelineModule was built with {module.num_stages} stages",
+            hint=f'set "stages": {module.num_stages} (or "auto"), or build the module with '
+            f"num_stages={pipe_cfg.stages}",
         )
-    check_schedule(pipe_cfg, module.num_stages, module.chunks_per_stage, cfg.gradient_accumulation_steps)
+    micro_batches = cfg.gradient_accumulation_steps
+    return check_schedule(pipe_cfg, module.num_stages, module.chunks_per_stage, micro_batches)
 
 
 class PipelineEngine(Engine):
@@ -110,13 +138,13 @@ class PipelineEngine(Engine):
         lr_scheduler: Any = None,
     ) -> None:
         if not isinstance(module, PipelineModule):
-            raise TypeError(f"PipelineEngine trains a PipelineModule, got {type(module).__name__}")
+            raise PipelineError(f"PipelineEngine trains a PipelineModule, got {type(module).__name__}")
         raw = _read_config(config)
         self_pipe = read_pipeline_config(raw.pop("pipeline", None))
         grid = module.grid
         tp = _tensor_parallel_degree(raw.pop("tensor_parallel", None), grid.model_parallel_size)
         cfg = load_config(raw, world_size=grid.data_parallel_size, model=module)
-        check_pipeline_config(cfg, self_pipe, module)
+        schedule_name = check_pipeline_config(cfg, self_pipe, module)
         if self_pipe.activation_checkpoint_interval is not None:
             module.activation_checkpoint_interval = self_pipe.activation_checkpoint_interval
         comm = Comm(
@@ -135,6 +163,8 @@ class PipelineEngine(Engine):
             )
         ties = build_ties(module)
         broadcast_tied_weights(ties, device)
+        if optimizer is None and model_parameters is None:
+            check_every_stage_trains(module, device)
         super().__init__(
             module,
             cfg,
@@ -159,15 +189,16 @@ class PipelineEngine(Engine):
         self._pipe_group = grid.get_pipe_parallel_group()
         self._last_stage_rank = grid.stage_to_global(self.num_stages - 1)
         self._duplicate_squares: torch.Tensor | None = None
-        self.schedule_name = self_pipe.schedule_for(module.chunks_per_stage)  # checked above
+        self.schedule_name = schedule_name
         # scale_grads=False: the ZeRO step divides by micro-batches x data-parallel ranks once
         self._schedule = self._make_schedule(self._torch_stages(), loss_fn=self._scaled_loss)
         # Evaluation runs its own torch stages over the same chunks (built on first use): a stage infers
         # its receive buffers on its first run, and buffers inferred under no_grad would then serve
         # training too (torch 2.11's interleaved runtime sent None input gradients after an eval_batch).
-        self._eval: dict[bool, Any] = {}  # compute_loss -> schedule
+        self._eval: dict[tuple[bool, int], Any] = {}  # (compute_loss, micro-batches) -> schedule
         self._eval_stages: list[PipelineStage] | None = None
         self._losses: list[torch.Tensor] = []
+        self.data_iterator: Iterator[Any] | None = None  # what train_batch() reads without an iterator
 
     def _torch_stages(self) -> list[PipelineStage]:
         """One torch stage per chunk, with its virtual stage index (r, r + p, ...) out of p * chunks."""
@@ -177,19 +208,29 @@ class PipelineEngine(Engine):
             for chunk in self.module.chunks
         ]
 
-    def _make_schedule(self, stages: list[PipelineStage], loss_fn: Any) -> Any:
-        """The configured torch schedule over `stages` (a single-chunk schedule takes the one)."""
-        schedule = _SCHEDULES[self.schedule_name]
-        chosen: Any = stages if self.schedule_name in MULTI_CHUNK_SCHEDULES else stages[0]
-        return schedule(chosen, self.micro_batches, loss_fn=loss_fn, scale_grads=False)
+    def _make_schedule(
+        self, stages: list[PipelineStage], loss_fn: Any, micro_batches: int | None = None, name: str = ""
+    ) -> Any:
+        """The configured torch schedule (or `name`) over `stages` (a single-chunk schedule takes the
+        one), for `micro_batches` (default: gradient_accumulation_steps)."""
+        name = name or self.schedule_name
+        chosen: Any = stages if name in MULTI_CHUNK_SCHEDULES else stages[0]
+        count = micro_batches or self.micro_batches
+        return _SCHEDULES[name](chosen, count, loss_fn=loss_fn, scale_grads=False)
 
-    def _eval_schedule(self, compute_loss: bool) -> Any:
-        if compute_loss not in self._eval:
+    def _eval_schedule(self, compute_loss: bool, micro_batches: int) -> Any:
+        key = (compute_loss, micro_batches)
+        if key not in self._eval:
             if self._eval_stages is None:
                 self._eval_stages = self._torch_stages()
             loss_fn = self._scaled_loss if compute_loss else None
-            self._eval[compute_loss] = self._make_schedule(self._eval_stages, loss_fn=loss_fn)
-        return self._eval[compute_loss]
+            name = self.schedule_name
+            if micro_batches != self.micro_batches:  # the schedule that runs this count (GPipe below p)
+                name = check_schedule(
+                    self.pipeline, self.num_stages, self.module.chunks_per_stage, micro_batches
+                )
+            self._eval[key] = self._make_schedule(self._eval_stages, loss_fn, micro_batches, name)
+        return self._eval[key]
 
     # -- stages ----------------------------------------------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -199,56 +240,54 @@ class PipelineEngine(Engine):
         return self.stage_id == self.num_stages - 1
 
     # -- data ------------------------------------------------------------------------------------------
-    def _read_micro_batches(self, data_iter: Iterator[Any] | None) -> tuple[tuple[Any, ...], Any]:
-        """Read this batch's micro-batches (first and last stage), check on every rank that they were
-        all there, and return (stage inputs, labels) as whole batches for the schedule to split."""
-        wants = self.is_first_stage() or self.is_last_stage()
-        batches: list[Any] = []
-        problem = ""
-        if wants:
-            if data_iter is None:
-                data_iter = iter(self.training_dataloader) if self.training_dataloader is not None else None
-            if data_iter is None:
-                problem = "no data iterator was given (train_batch(data_iter) on the first and last stage)"
-            else:
-                for _ in range(self.micro_batches):
-                    try:
-                        batches.append(next(data_iter))
-                    except StopIteration:
-                        break
-        read = torch.tensor(  # on the device: NCCL reduces only device tensors
-            [-1 if problem else len(batches) if wants else self.micro_batches],
-            dtype=torch.int64,
+    def set_dataloader(self, loader: Any) -> None:
+        """Train from `loader` (first and last stage): `train_batch()` and `eval_batch()` without an
+        iterator draw from one iterator over it, kept between batches and restarted at the end of the
+        data (DeepSpeed's method; a checkpoint saves the loader's position)."""
+        from runtime.ds_utils import RepeatingLoader
+
+        self.training_dataloader = loader
+        reads = self.is_first_stage() or self.is_last_stage()
+        self.data_iterator = RepeatingLoader(loader) if reads else None
+
+    def set_dataiterator(self, iterator: Iterator[Any] | None) -> None:
+        """Train from `iterator`: later `train_batch()` calls without one continue it (DeepSpeed's)."""
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = iterator
+
+    def _read_micro_batches(
+        self, data_iter: Iterator[Any] | None, micro_batch_size: int | None = None, count: int = 0
+    ) -> tuple[tuple[Any, ...], Any]:
+        """This batch's (stage inputs, labels) as whole batches for the schedule to split (first and last
+        stage; `runtime.pipe.data` checks them on every rank first)."""
+        first, last = self.is_first_stage(), self.is_last_stage()
+        batches = read_micro_batches(
+            data_iter,
+            count=count or self.micro_batches,
+            reads=first or last,
+            stage_id=self.stage_id,
             device=self.device,
+            micro_batch_size=micro_batch_size,
         )
-        dist.all_reduce(read, op=dist.ReduceOp.MIN)  # every rank learns it before any compute starts
-        if problem:
-            raise ValueError(f"stage {self.stage_id}: {problem}")
-        if int(read) < 0:
-            raise ValueError("train_batch: the first or last stage was given no data iterator")
-        if int(read) < self.micro_batches:
-            raise ValueError(
-                f"the data iterator ran out after {int(read)} of {self.micro_batches} micro-batches "
-                "(gradient_accumulation_steps) of this batch; give every batch all of its micro-batches"
-            )
-        if not wants:
+        if not (first or last):
             return (), None
-        inputs, labels = zip(*(_split_batch(b) for b in batches), strict=True)
-        stage_inputs = _concat(inputs, self.device) if self.is_first_stage() else None
-        if stage_inputs is not None and self.policy.cast_inputs:
-            stage_inputs = tuple(
-                t.to(self.policy.param_dtype) if t.is_floating_point() else t for t in stage_inputs
-            )
-        targets = _concat(labels, self.device) if self.is_last_stage() else None
-        if targets is not None and len(targets) == 1:
-            targets = targets[0]
-        return stage_inputs or (), targets
+        cast = self.policy.param_dtype if self.policy.cast_inputs else None
+        return stage_tensors(batches, first=first, last=last, device=self.device, cast=cast)
+
+    def _next_iterator(self, data_iter: Iterator[Any] | None) -> Iterator[Any] | None:
+        """The iterator a batch reads: the one given, else the engine's (from set_dataiterator or the
+        loader that runtime.initialize(training_data=...) built)."""
+        if data_iter is not None:
+            return data_iter
+        if self.data_iterator is None and self.training_dataloader is not None:
+            self.set_dataloader(self.training_dataloader)
+        return self.data_iterator
 
     # -- training --------------------------------------------------------------------------------------
     def _scaled_loss(self, outputs: Any, labels: Any) -> torch.Tensor:
         module = self.module
         if module.loss_fn is None:
-            raise ValueError("the last stage needs a loss: PipelineModule(..., loss_fn=...)")
+            raise PipelineError("the last stage needs a loss: PipelineModule(..., loss_fn=...)")
         loss = module.loss_fn(outputs, labels)
         self._losses.append(loss.detach().float())
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
@@ -257,9 +296,15 @@ class PipelineEngine(Engine):
         """Run one global batch through the pipeline and step; returns the loss averaged over the
         micro-batches and data-parallel ranks, on every rank."""
         if self.optimizer is None:
-            raise RuntimeError("train_batch: no optimizer; configure one or pass optimizer=")
+            raise PipelineError(
+                "train_batch: no optimizer",
+                hint='configure one (the config\'s "optimizer" section) or pass optimizer= to initialize',
+            )
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
         self.module.train()
-        inputs, targets = self._read_micro_batches(data_iter)
+        micro = self.config.train_micro_batch_size_per_gpu
+        inputs, targets = self._read_micro_batches(self._next_iterator(None), micro)
         self._losses = []
         self._schedule.step(*inputs, target=targets, return_outputs=False)
         all_reduce_tied_grads(self.ties)
@@ -333,29 +378,37 @@ class PipelineEngine(Engine):
     # -- evaluation ------------------------------------------------------------------------------------
     def eval_batch(
         self,
-        data_iter: Iterator[Any] | None,
+        data_iter: Iterator[Any] | None = None,
         return_logits: bool = False,
         compute_loss: bool = True,
         reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
     ) -> Any:
         """Forward `gradient_accumulation_steps` micro-batches. Returns the loss (reduce_output="avg": the
         mean over micro-batches and data ranks; None: one value per micro-batch, averaged over data ranks)
         on every rank, or None without compute_loss; with return_logits, (loss, outputs) where outputs are
-        the last stage's (None on other stages)."""
+        the last stage's (None on other stages). Without `data_iter`, the micro-batches come from the
+        engine's training iterator (ours: DeepSpeed's eval_batch needs one), which they advance.
+        `num_micro_batches`: how many to read instead (DeepSpeed's keyword); `bcast_loss` is accepted, and
+        every rank gets the loss either way."""
         if reduce_output not in ("avg", None):
-            raise ValueError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+            raise PipelineError(f"eval_batch: reduce_output must be 'avg' or None, got {reduce_output!r}")
+        count = self.micro_batches if num_micro_batches is None else int(num_micro_batches)
+        if count < 1:
+            raise PipelineError(f"eval_batch(num_micro_batches={num_micro_batches}): must be at least 1")
         self.module.eval()
-        inputs, targets = self._read_micro_batches(data_iter)
+        inputs, targets = self._read_micro_batches(self._next_iterator(data_iter), count=count)
         self._losses = []
         with torch.no_grad():
-            schedule = self._eval_schedule(compute_loss)
+            schedule = self._eval_schedule(compute_loss, count)
             outputs = schedule.eval(*inputs, target=targets) if compute_loss else schedule.eval(*inputs)
         self.module.train()
         loss = None
         if compute_loss:
-            loss = torch.zeros(self.micro_batches, dtype=torch.float32, device=self.device)
+            loss = torch.zeros(count, dtype=torch.float32, device=self.device)
             if self.is_last_stage():
-                loss = torch.stack(self._losses[-self.micro_batches :]).to(self.device)
+                loss = torch.stack(self._losses[-count:]).to(self.device)
                 if self.comm.world_size > 1:
                     dist.all_reduce(loss, group=self.comm.group)
                     loss /= self.comm.world_size
@@ -419,36 +472,17 @@ class PipelineEngine(Engine):
         state = dict(state or {})
         parts = state.pop(_PARTS_KEY, None)
         if parts is not None and list(parts) != list(self.module.parts):
-            raise ValueError(
+            raise PipelineError(
                 f"the checkpoint's stages hold layers {parts} (boundaries) but this module's hold "
                 f"{list(self.module.parts)}: build the PipelineModule with the same partition_method"
             )
         return path, state
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a PipelineEngine runs whole batches: call train_batch() or eval_batch()")
+        raise PipelineError("a PipelineEngine runs whole batches: call train_batch() or eval_batch()")
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a PipelineEngine runs whole batches: call train_batch(), not backward()")
-
-
-def _split_batch(batch: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise ValueError(
-            f"each micro-batch must be a pair (inputs, labels), got {type(batch).__name__}"
-            + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
-        )
-    inputs, labels = batch
-    as_tuple = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,)  # noqa: E731
-    return as_tuple(inputs), as_tuple(labels)
-
-
-def _concat(parts: tuple[tuple[torch.Tensor, ...], ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Micro-batches -> one batch per tensor position (the schedule splits it back into equal chunks)."""
-    sizes = {t.shape[0] for part in parts for t in part}
-    if len(sizes) > 1:
-        raise ValueError(f"micro-batches must have the same size along dim 0, got sizes {sorted(sizes)}")
-    return tuple(torch.cat(column).to(device) for column in zip(*parts, strict=True))
+        raise PipelineError("a PipelineEngine runs whole batches: call train_batch(), not backward()")
 
 
 __all__ = ["PipelineEngine", "check_pipeline_config"]

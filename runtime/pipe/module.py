@@ -25,8 +25,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runtime.ds_utils import set_random_seed
 from runtime.parallel.grid import ParallelGrid
 from runtime.parallel.topology import PipeDataParallelTopology, ProcessTopology
+from runtime.pipe.config import PipelineError
 from runtime.pipe.partition import check_partition_method, partition_layers, virtual_stages
 
 
@@ -35,7 +37,11 @@ class LayerSpec:
 
     def __init__(self, typename: type[nn.Module], *module_args: Any, **module_kwargs: Any) -> None:
         if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
-            raise TypeError(f"LayerSpec needs an nn.Module subclass, got {typename!r}")
+            raise PipelineError(
+                f"LayerSpec needs an nn.Module subclass, got {typename!r}",
+                hint="pass the class and its arguments, LayerSpec(nn.Linear, 4, 8); put a plain function "
+                "in the layer list as it is",
+            )
         self.typename = typename
         self.module_args = module_args
         self.module_kwargs = module_kwargs
@@ -82,9 +88,13 @@ def layer_type_name(layer: Any) -> str:
     return getattr(layer, "__name__", type(layer).__name__)
 
 
-def count_trainable_params(layer: Any) -> int:
-    """Trainable parameters of a layer; specs are built on the meta device to count them."""
+def count_trainable_params(layer: Any, *, build_for_real: bool = False) -> int:
+    """Trainable parameters of a layer; specs are built on the meta device to count them, or for real
+    (where the layer builds by default) when `build_for_real`: what DeepSpeed does, which draws each
+    layer's initial weights from the random generator once before the stage builds its own."""
     if isinstance(layer, LayerSpec):
+        if build_for_real:
+            return sum(p.numel() for p in layer.build().parameters() if p.requires_grad)
         with torch.device("meta"):
             module = layer.build()
     elif isinstance(layer, nn.Module):
@@ -164,8 +174,11 @@ class PipelineModule(nn.Module):
         num_stages: pipeline degree (the data-parallel degree is the world size / num_stages); or give
             `topology` (a PipeDataParallelTopology or PipeModelDataParallelTopology).
         loss_fn: `loss_fn(outputs, labels)` on the last stage.
-        seed_layers: seed the RNG with `base_seed + layer index` before building each layer, so a layer's
-            initial weights do not depend on the partition.
+        seed_layers: seed the random generators (`set_random_seed`: Python's, numpy's, torch's; or
+            `seed_fn`) with `base_seed + layer index` before building each layer, so a layer's initial
+            weights do not depend on the partition. Without it the layers draw from the generator as it
+            stands, after the "parameters" partition built every spec once to count its parameters:
+            DeepSpeed's order, so a seed gives DeepSpeed's initial weights either way (see `_build`).
         partition_method: "parameters" (default), "uniform" or "type:REGEX".
         activation_checkpoint_interval: checkpoint every this many layers of a chunk (0: off).
         chunks_per_stage: chunks (virtual stages) per stage, for the interleaved schedules (our
@@ -191,30 +204,38 @@ class PipelineModule(nn.Module):
     ) -> None:
         super().__init__()
         if not dist.is_initialized():
-            raise RuntimeError(
-                "PipelineModule needs torch.distributed; call runtime.init_distributed() first"
+            raise PipelineError(
+                "PipelineModule needs torch.distributed, and no process group exists yet",
+                hint="call runtime.init_distributed() (deepspeed.init_distributed()) before building it",
             )
         self._layer_specs = list(layers)
         if not self._layer_specs:
-            raise ValueError("PipelineModule needs at least one layer")
+            raise PipelineError("PipelineModule(layers=...) is empty: a pipeline needs at least one layer")
         check_partition_method(partition_method)
         if activation_checkpoint_interval < 0:
-            raise ValueError(
-                f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}"
+            raise PipelineError(
+                f"PipelineModule(activation_checkpoint_interval={activation_checkpoint_interval}): must be "
+                ">= 0 (0: no activation checkpointing)"
             )
         world = dist.get_world_size()
         if topology is None:
             if num_stages is None:
-                raise ValueError("PipelineModule needs num_stages or topology")
+                raise PipelineError(
+                    "PipelineModule needs num_stages=... or topology=...",
+                    hint="PipelineModule(layers, num_stages=2) splits the layers over 2 stages",
+                )
             if num_stages < 1 or world % num_stages != 0:
-                raise ValueError(
-                    f"num_stages={num_stages} does not divide the world size {world}: every data-parallel "
-                    "replica needs one rank per stage"
+                raise PipelineError(
+                    f"PipelineModule(num_stages={num_stages}) does not divide the world size {world}: every "
+                    "data-parallel replica needs one rank per stage",
+                    hint=f"use a num_stages that divides {world}, or launch a multiple of {num_stages} ranks",
                 )
             topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
         elif num_stages is not None and num_stages != topology.get_dim("pipe"):
-            raise ValueError(
-                f"num_stages={num_stages} but the topology has {topology.get_dim('pipe')} stages"
+            raise PipelineError(
+                f"PipelineModule(num_stages={num_stages}) but the topology has {topology.get_dim('pipe')} "
+                "stages",
+                hint="give one of num_stages and topology",
             )
         self.grid = ParallelGrid(topology)
         self.num_stages = self.grid.pipe_parallel_size
@@ -227,19 +248,23 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
         if chunks_per_stage < 1:
-            raise ValueError(f"chunks_per_stage must be at least 1, got {chunks_per_stage}")
+            raise PipelineError(f"PipelineModule(chunks_per_stage={chunks_per_stage}): must be at least 1")
         self.chunks_per_stage = chunks_per_stage
         self.num_virtual_stages = self.num_stages * chunks_per_stage
         if chunks_per_stage > 1 and len(self._layer_specs) < self.num_virtual_stages:
-            raise ValueError(
+            raise PipelineError(
                 f"the pipeline has {self.num_stages} stages x {chunks_per_stage} chunks = "
                 f"{self.num_virtual_stages} chunks but only {len(self._layer_specs)} layers; every chunk "
-                "needs at least one layer (use fewer stages or chunks_per_stage)"
+                "needs at least one layer",
+                hint="use fewer stages or chunks_per_stage",
             )
 
         counts = None
         if partition_method == "parameters":
-            counts = [count_trainable_params(layer) for layer in self._layer_specs]
+            # Unseeded layers take their weights from the generator as it stands; DeepSpeed counts by
+            # building every spec for real first, so do the same draws to start the build where it does.
+            real = not seed_layers
+            counts = [count_trainable_params(layer, build_for_real=real) for layer in self._layer_specs]
         # boundaries of all num_stages * chunks_per_stage parts; part s is virtual stage s
         self.parts = partition_layers(
             partition_method,
@@ -257,11 +282,17 @@ class PipelineModule(nn.Module):
         if self.seed_fn is not None:
             self.seed_fn(self.base_seed + index)
         else:
-            torch.manual_seed(self.base_seed + index)
+            set_random_seed(self.base_seed + index)
 
     def _build(self) -> None:
-        # a tied module is seeded by its key's first layer in the whole model, so every stage holding
-        # the key builds the same initial weight (whichever of its layers comes first on that stage)
+        """Build this stage's layers in order, DeepSpeed's way, so one seed gives DeepSpeed's weights:
+        with seed_layers, the generators are seeded with base_seed + index before every layer (specs,
+        modules and functions alike); without, each spec draws from the generator as it stands (after
+        the "parameters" count built every spec once, as DeepSpeed's does).
+
+        A tied module is built where its key first appears on this stage, seeded (with seed_layers) by
+        the key's first layer in the whole model: the weight DeepSpeed's copies hold after its broadcast
+        from the lowest stage, here before the engine's broadcast too."""
         first_use: dict[str, int] = {}
         for index, layer in enumerate(self._layer_specs):
             if isinstance(layer, TiedLayerSpec):
@@ -280,10 +311,12 @@ class PipelineModule(nn.Module):
                     self._seed(first_use[layer.key])
                 self.tied_modules[layer.key] = layer.build()
                 self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-            return _TiedCall(self, layer)
-        if isinstance(layer, LayerSpec):
-            if self.seed_layers:
+            elif self.seed_layers:
                 self._seed(index)
+            return _TiedCall(self, layer)
+        if self.seed_layers:
+            self._seed(index)
+        if isinstance(layer, LayerSpec):
             module = layer.build()
             self.add_module(str(index), module)
             return module
@@ -292,7 +325,10 @@ class PipelineModule(nn.Module):
             return layer
         if callable(layer):
             return layer
-        raise TypeError(f"layer {index} is {type(layer).__name__}: not a LayerSpec, nn.Module or callable")
+        raise PipelineError(
+            f"PipelineModule layer {index} is a {type(layer).__name__}: not a LayerSpec, nn.Module or "
+            "callable"
+        )
 
     def virtual_stages(self, stage: int | None = None) -> list[int]:
         """The parts (virtual stage indices) a stage holds, one per chunk; this rank's by default."""
@@ -341,11 +377,33 @@ class PipelineModule(nn.Module):
         return [index for chunk in self.chunks for index in chunk.layers]
 
 
+def check_every_stage_trains(module: PipelineModule, device: torch.device) -> None:
+    """A stage whose layers hold no trainable parameter (only functions, activations, frozen layers)
+    has nothing for its optimizer: every rank learns the first such stage and says which, with its
+    layers, instead of the optimizer's complaint on that rank alone (and the others waiting for it)."""
+    trains = any(p.requires_grad for p in module.parameters())
+    empty = torch.tensor([module.num_stages if trains else module.stage_id], dtype=torch.int64, device=device)
+    dist.all_reduce(empty, op=dist.ReduceOp.MIN)
+    stage = int(empty)
+    if stage == module.num_stages:
+        return
+    layers = [
+        i for part in module.virtual_stages(stage) for i in range(module.parts[part], module.parts[part + 1])
+    ]
+    names = ", ".join(f"{i}: {layer_type_name(module._layer_specs[i])}" for i in layers)
+    raise PipelineError(
+        f"pipeline stage {stage} holds layers {names} and no trainable parameter",
+        hint="every stage needs something to train: use partition_method='parameters' (the default), "
+        "fewer stages, or a layer list whose parameters spread over the stages",
+    )
+
+
 __all__ = [
     "LayerSpec",
     "PipelineModule",
     "StageChunk",
     "TiedLayerSpec",
+    "check_every_stage_trains",
     "count_trainable_params",
     "layer_type_name",
 ]

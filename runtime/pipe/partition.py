@@ -18,16 +18,19 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from runtime.pipe.config import PipelineError
+
 PARTITION_METHODS = ("parameters", "uniform", "type:REGEX")
 
 
 def _check(num_items: int, num_stages: int) -> None:
     if num_stages < 1:
-        raise ValueError(f"a pipeline needs at least 1 stage, got {num_stages}")
+        raise PipelineError(f"a pipeline needs at least 1 stage, got {num_stages}")
     if num_items < num_stages:
-        raise ValueError(
+        raise PipelineError(
             f"the pipeline has {num_stages} stages but only {num_items} layers; every stage needs at "
-            "least one layer (use fewer stages)"
+            "least one layer",
+            hint="use fewer stages (PipelineModule(num_stages=...), or the topology's num_pp) or more layers",
         )
 
 
@@ -63,7 +66,7 @@ def partition_balanced(weights: Sequence[int], num_stages: int) -> list[int]:
     """
     _check(len(weights), num_stages)
     if any(w < 0 for w in weights):
-        raise ValueError(f"layer weights must be non-negative, got {list(weights)}")
+        raise PipelineError(f"layer weights must be non-negative, got {list(weights)}")
     low, high = max(weights, default=0), sum(weights)
     while low < high:
         mid = (low + high) // 2
@@ -90,10 +93,12 @@ def type_weights(type_names: Sequence[str], pattern: str) -> list[int]:
     try:
         regex = re.compile(pattern, re.IGNORECASE)
     except re.error as error:
-        raise ValueError(f"partition_method 'type:{pattern}': not a regular expression ({error})") from None
+        raise PipelineError(
+            f"partition_method 'type:{pattern}': not a regular expression ({error})"
+        ) from None
     weights = [1 if regex.search(name) else 0 for name in type_names]
     if not any(weights):
-        raise ValueError(
+        raise PipelineError(
             f"partition_method 'type:{pattern}' matches none of the layer types {sorted(set(type_names))}"
         )
     return weights
@@ -109,7 +114,7 @@ def check_partition_method(method: str) -> None:
     """Raise a clear error for a method that is none of PARTITION_METHODS."""
     if method in ("parameters", "uniform") or method.lower().startswith("type:"):
         return
-    raise ValueError(
+    raise PipelineError(
         f"unknown partition_method {method!r}; use one of 'parameters', 'uniform' or 'type:REGEX' "
         "(e.g. 'type:TransformerBlock')"
     )
@@ -129,7 +134,7 @@ def partition_layers(
         return partition_uniform(len(type_names), num_stages)
     if method == "parameters":
         if param_counts is None:
-            raise ValueError("partition_method 'parameters' needs the layers' parameter counts")
+            raise PipelineError("partition_method 'parameters' needs the layers' parameter counts")
         return partition_balanced(param_counts, num_stages)
     return partition_balanced(type_weights(type_names, method.split(":", 1)[1]), num_stages)
 

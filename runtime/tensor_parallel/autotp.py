@@ -29,11 +29,22 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from runtime.errors import UserError
+
 COLWISE_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc")
 ROWWISE_NAMES = ("o_proj", "down_proj", "c_proj")
 FUSED_QKV_NAMES = ("c_attn",)
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "n_head", "split_size")
 _PERMUTED = "_autotp_fused_qkv"  # attribute on a fused projection: the degree its columns were reordered for
+
+
+class TensorParallelError(UserError, ValueError):
+    """A model the tensor-parallel degree cannot split (heads or widths not divisible, nothing to shard)."""
+
+    hint = (
+        'choose a "tensor_parallel": {"autotp_size": N} that divides the heads and the projection widths '
+        "the message names (a ValueError as before)"
+    )
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -120,8 +131,9 @@ def _fused_order(total: int, tp_size: int) -> torch.Tensor:
 def _reorder_fused(module: nn.Module, tp_size: int) -> None:
     total = module.weight.shape[1] if is_conv1d(module) else module.weight.shape[0]
     if total % (3 * tp_size):
-        raise ValueError(
-            f"fused q|k|v width {total} is not divisible by 3 x tensor-parallel degree {tp_size}"
+        raise TensorParallelError(
+            f"tensor_parallel.autotp_size {tp_size}: the fused q|k|v width {total} is not divisible by "
+            f"3 x {tp_size}"
         )
     order = _fused_order(total, tp_size)
     with torch.no_grad():
@@ -142,8 +154,8 @@ def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp_size: i
             value = getattr(module, attr, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 if value % tp_size:
-                    raise ValueError(
-                        f"tensor-parallel degree {tp_size} does not divide {name}.{attr} = {value}"
+                    raise TensorParallelError(
+                        f"tensor_parallel.autotp_size {tp_size} does not divide {name}.{attr} = {value}"
                     )
                 setattr(module, attr, value // tp_size)
 
@@ -155,9 +167,9 @@ def _check_divisible(model: nn.Module, plan: dict[str, ParallelStyle], tp_size: 
         colwise = isinstance(style, (ColwiseParallel, Conv1DColwise))
         dim = (1 if colwise else 0) if is_conv1d(module) else (0 if colwise else 1)
         if shape[dim] % tp_size:
-            raise ValueError(
-                f"tensor-parallel degree {tp_size} does not divide dim {dim} ({shape[dim]}) of the weight "
-                f"{name} of shape {shape}"
+            raise TensorParallelError(
+                f"tensor_parallel.autotp_size {tp_size} does not divide dim {dim} ({shape[dim]}) of the "
+                f"weight {name} of shape {shape}"
             )
 
 
@@ -178,7 +190,7 @@ def tp_model_init(
         mesh: the 1-D model mesh; default: `ParallelGrid(topology_for(world, tp=tp_size)).mesh["model"]`.
     """
     if tp_size < 1:
-        raise ValueError(f"tensor-parallel degree must be at least 1, got {tp_size}")
+        raise TensorParallelError(f"tensor-parallel degree must be at least 1, got {tp_size}")
     if dtype is not None:
         model.to(dtype)
     if mesh is None:
@@ -186,10 +198,10 @@ def tp_model_init(
 
         mesh = ParallelGrid(topology_for(dist.get_world_size(), tp=tp_size)).mesh["model"]
     if mesh.size() != tp_size:
-        raise ValueError(f"the model mesh has {mesh.size()} ranks but tp_size is {tp_size}")
+        raise TensorParallelError(f"the model mesh has {mesh.size()} ranks but tp_size is {tp_size}")
     plan = tp_plan(model)
     if not plan:
-        raise ValueError(
+        raise TensorParallelError(
             "tp_model_init found no projection to shard; it knows Linear layers named "
             f"{COLWISE_NAMES[:5] + ROWWISE_NAMES[:2]} and Conv1D layers named c_attn, c_fc, c_proj"
         )
@@ -235,6 +247,7 @@ def local_numel(model: nn.Module) -> int:
 __all__ = [
     "Conv1DColwise",
     "Conv1DRowwise",
+    "TensorParallelError",
     "full_state_dict",
     "is_conv1d",
     "local_numel",

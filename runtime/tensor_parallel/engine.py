@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
-from runtime.config import read_config_file
+from runtime.config import ConfigError, read_config_file
 from runtime.parallel import ParallelGrid, topology_for
 from runtime.parallel.mpu_engine import MpuEngine, replicated_squares
 from runtime.tensor_parallel import read_tensor_parallel_config
@@ -123,7 +123,14 @@ class TensorParallelEngine(MpuEngine):
     ) -> None:
         raw = dict(read_config_file(config) if isinstance(config, (str, os.PathLike)) else config)
         tp = read_tensor_parallel_config(raw.pop("tensor_parallel", None)).autotp_size
-        grid = ParallelGrid(topology_for(dist.get_world_size(), tp=tp))
+        world = dist.get_world_size()
+        if world % tp:
+            raise ConfigError(
+                "tensor_parallel.autotp_size",
+                f"{tp} does not divide the world size {world}: each data-parallel replica needs {tp} ranks",
+                hint=f"launch a multiple of {tp} ranks, or choose an autotp_size that divides {world}",
+            )
+        grid = ParallelGrid(topology_for(world, tp=tp))
         # the user's parameters (a client optimizer's groups, model_parameters) by name, before AutoTP
         # replaces them with their shards
         names = {param: name for name, param in model.named_parameters()}

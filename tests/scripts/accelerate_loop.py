@@ -2,7 +2,9 @@
 
     deepspeed --num_gpus 2 accelerate_loop.py --zero_stage 2 --out losses.json
 
-``--zero_stage 0`` runs without DeepSpeed (Accelerate's CPU DDP). Rank 0 writes the loss of every step
+``--zero_stage 0`` runs without DeepSpeed (Accelerate's CPU DDP). Without ``--zero_stage`` the script is
+what ``accelerate launch`` runs: a plain ``Accelerator()`` that takes DeepSpeed (or not) from the
+launcher's environment. Rank 0 writes the loss of every step
 (averaged over the ranks) and the loss over the whole data set before and after training to ``--out``
 as JSON.
 """
@@ -23,14 +25,16 @@ CLIP = 1.0
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--zero_stage", type=int, required=True)
+    parser.add_argument("--zero_stage", type=int, help="none: whatever `accelerate launch` chose")
     parser.add_argument("--out", required=True)
     parser.add_argument("--offload", action="store_true", help="offload the optimizer to the CPU")
     parser.add_argument("--local_rank", type=int, default=-1)  # the launcher's; Accelerate reads the env
     args = parser.parse_args()
 
     plugin = None
-    if args.zero_stage:
+    if args.zero_stage is None:  # accelerate launch: DeepSpeed, its stage and clipping from the environment
+        accelerator = Accelerator()
+    elif args.zero_stage:
         plugin = DeepSpeedPlugin(
             zero_stage=args.zero_stage,
             gradient_accumulation_steps=1,
@@ -38,8 +42,9 @@ def main() -> None:
             # Accelerate then swaps the torch AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam
             offload_optimizer_device="cpu" if args.offload else "none",
         )
-    # Without DeepSpeed a CPU-only machine needs Accelerate's CPU mode for DDP.
-    accelerator = Accelerator(deepspeed_plugin=plugin, cpu=plugin is None)
+    if args.zero_stage is not None:  # without DeepSpeed a CPU-only host needs Accelerate's CPU mode for DDP
+        accelerator = Accelerator(deepspeed_plugin=plugin, cpu=plugin is None)
+    ds = accelerator.state.deepspeed_plugin
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
@@ -57,7 +62,7 @@ def main() -> None:
     for xb, yb in loader:
         loss = nn.functional.mse_loss(model(xb), yb)
         accelerator.backward(loss)
-        if plugin is None:
+        if ds is None:
             accelerator.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
@@ -70,6 +75,7 @@ def main() -> None:
         "final_loss": final,
         "num_processes": accelerator.num_processes,
         "type": str(accelerator.distributed_type),
+        "zero_stage": ds.zero_stage if ds is not None else 0,
     }
     if accelerator.is_main_process:
         with open(args.out, "w") as f:
@@ -77,7 +83,9 @@ def main() -> None:
     # What Accelerate's examples end with: it destroys the process group, without which the DDP run (the
     # group is Accelerate's own there, not dslaunch's) can abort in interpreter shutdown while a gloo thread
     # frees its last collective (SIGABRT, "terminate called without an active exception"; seen on the
-    # 16-core GPU host)
+    # 16-core GPU host); the barrier first: a rank that destroys the group while the other still runs its
+    # last collective aborts the same way (seen 1 in 4 under torchrun on the 2-core CPU host)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

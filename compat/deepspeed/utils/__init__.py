@@ -1,6 +1,6 @@
 """``deepspeed.utils``: logging, the repeating loader and ZeRO's full-parameter accessors."""
 
-from deepspeed.utils import groups, zero_to_fp32
+from deepspeed.utils import groups, logging, zero_to_fp32
 from runtime.ds_utils import RepeatingLoader, log_dist, logger, print_rank_0
 from runtime.param_access import (
     safe_get_full_fp32_param,
@@ -16,6 +16,7 @@ __all__ = [
     "groups",
     "log_dist",
     "logger",
+    "logging",
     "print_rank_0",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",

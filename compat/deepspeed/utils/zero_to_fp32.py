@@ -1,12 +1,26 @@
-"""``deepspeed.utils.zero_to_fp32``: one fp32 state dict from a sharded checkpoint
-(runtime.checkpoint.consolidate; the ``ds_consolidate`` command)."""
+"""``deepspeed.utils.zero_to_fp32``: one fp32 state dict from a checkpoint folder, ours or DeepSpeed's
+(runtime.checkpoint.fp32_state, runtime.checkpoint.portable_cli); ``python -m deepspeed.utils.zero_to_fp32
+CHECKPOINT_DIR OUTPUT_DIR`` takes DeepSpeed's arguments and exits 1 on every error."""
 
-from runtime.checkpoint.consolidate import main
-from runtime.ds_utils import (
+import sys
+
+from runtime.checkpoint.fp32_state import (
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
     load_state_dict_from_zero_checkpoint,
 )
+
+
+def main(argv=None) -> int:
+    from runtime.checkpoint.fp32_state import fp32_state_dict
+    from runtime.checkpoint.portable_cli import main as command
+
+    return command(
+        argv,
+        prog="zero_to_fp32",
+        reader=lambda d, t, x: fp32_state_dict(d, t, exclude_frozen_parameters=x),
+    )
+
 
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
@@ -16,4 +30,4 @@ __all__ = [
 ]
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

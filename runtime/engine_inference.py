@@ -35,8 +35,9 @@ def is_inference_only(optimizer: Any, config: Any) -> bool:
 
 
 def group_specs(engine: Any, model: nn.Module, optimizer: Any, model_parameters: Any) -> list[GroupSpec]:
-    """The engine's param groups: the user's (runtime.zero.optimizer), or an inference engine's."""
-    if engine.inference_only and model_parameters is None:
+    """The engine's param groups: the user's (runtime.zero.optimizer), or an inference engine's, where
+    `model_parameters` chooses nothing (no optimizer is built; Lightning passes [] for evaluation)."""
+    if engine.inference_only:
         return inference_param_groups(model, shard_frozen=engine.config.zero_optimization.stage == 3)
     return collect_param_groups(model, optimizer, model_parameters)
 

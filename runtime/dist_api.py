@@ -134,7 +134,12 @@ def _tell_accelerate_the_cpu_backend(requested: str | None) -> None:
 
 
 def is_initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        # A second Accelerate state in one process (each TrainingArguments resets it: a second Trainer)
+        # asks this instead of calling init_distributed once the group exists; hand it the backend too.
+        _tell_accelerate_the_cpu_backend(None)
+    return initialized
 
 
 def is_available() -> bool:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime import checkpointing
+from runtime import checkpointing, engine_inference
 from runtime.comm import Comm
 from runtime.config import Config
 from runtime.distributed import current_device
@@ -43,7 +43,6 @@ from runtime.zero.optimizer import (
     GroupSpec,
     OptimizerSource,
     build_shard_optimizer,
-    collect_param_groups,
     rebuild_client_optimizer,
 )
 
@@ -110,6 +109,7 @@ class Engine(EngineAccessors, nn.Module):
         self.training_dataloader: Any = None  # set by runtime.initialize; its position is checkpointed
         self._engine_mpu: Any = None  # model-parallel groups this engine lent to checkpointing (subclasses)
 
+        self.inference_only = engine_inference.is_inference_only(optimizer, config)  # DeepSpeed's kind
         specs = self._param_group_specs(model, optimizer, model_parameters)
         # "ratio": "auto" becomes a number before the stage splits its groups by it
         config = self.config = with_auto_ratio(config, model, self.comm, self.device, self.policy.param_dtype)
@@ -148,6 +148,7 @@ class Engine(EngineAccessors, nn.Module):
             config, rank=self.comm.rank, world_size=self.comm.world_size, device=self.device, model=model
         )
         checkpointing.apply_engine_config(config)
+        self.parameter_offload = engine_inference.parameter_offload(self)
 
     # -- construction helpers -------------------------------------------------------------------------
     def _param_group_specs(
@@ -155,7 +156,7 @@ class Engine(EngineAccessors, nn.Module):
     ) -> list[GroupSpec]:
         """The user's param groups. Model-parallel engines override it: they map the user's parameters
         onto the model's sharded ones, or split groups by how the parameters are shared."""
-        return collect_param_groups(model, optimizer, model_parameters)
+        return engine_inference.group_specs(self, model, optimizer, model_parameters)
 
     def _build_optimizer(self, source: OptimizerSource | None, sharded: bool) -> tuple[Any, bool]:
         if source is None and self.config.optimizer is None:
@@ -219,6 +220,7 @@ class Engine(EngineAccessors, nn.Module):
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
     ) -> torch.Tensor:
         """Backpropagate `loss` (this rank's micro-batch mean); gradients are reduced as they appear."""
+        engine_inference.check_backward(self)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
         boundary = self.is_gradient_accumulation_boundary()
@@ -245,9 +247,7 @@ class Engine(EngineAccessors, nn.Module):
             self.micro_steps += 1
             return
         if self.optimizer is None:
-            raise RuntimeError(
-                "engine.step(): no optimizer; configure one or pass optimizer= to runtime.initialize"
-            )
+            engine_inference.refuse_step()
         with self._timers("step"):
             self._step_applied = self._apply_step(lr_kwargs)
             self.zero.zero_grad()

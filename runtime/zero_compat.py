@@ -9,7 +9,6 @@ here (with DeepSpeed's semantics when called) rather than something Init depends
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -19,10 +18,13 @@ from torch import nn
 
 from runtime.unsupported import unsupported
 from runtime.zero.gathered import is_sharded
+from runtime.zero.hook_control import add_external_parameter, external_parameters, remove_external_parameter
+from runtime.zero.stage3_param import ZeroParamStatus
 
 __all__ = [
     "ZeroParamStatus",
     "_orig_torch_arange",
+    "external_parameters",
     "register_external_parameter",
     "unregister_external_parameter",
     "zero_wrapper_for_fp_tensor_constructor",
@@ -33,14 +35,6 @@ _orig_torch_empty = torch.empty
 _orig_torch_zeros = torch.zeros
 _orig_torch_ones = torch.ones
 _orig_torch_full = torch.full
-
-
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's status of a ZeRO-3 parameter."""
-
-    AVAILABLE = 1  # gathered: the full tensor is here
-    NOT_AVAILABLE = 2  # sharded: only this rank's slice is here
-    INFLIGHT = 3  # being gathered
 
 
 def zero_wrapper_for_fp_tensor_constructor(
@@ -59,9 +53,6 @@ def zero_wrapper_for_fp_tensor_constructor(
         return tensor
 
     return wrapped
-
-
-_EXTERNAL: dict[int, list[nn.Parameter]] = {}
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
@@ -83,17 +74,10 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
             "use the weight only inside the forward of the module that owns it (tie weights by sharing the "
             "module), or gather it explicitly with deepspeed.zero.GatheredParameters around the use",
         )
-    _EXTERNAL.setdefault(id(module), []).append(parameter)
+    add_external_parameter(module, parameter)
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """Undo `register_external_parameter`; a parameter never registered is a ValueError."""
-    registered = _EXTERNAL.get(id(module), [])
-    if not any(p is parameter for p in registered):
+    if not remove_external_parameter(module, parameter):
         raise ValueError("unregister_external_parameter: this parameter was not registered on this module")
-    _EXTERNAL[id(module)] = [p for p in registered if p is not parameter]
-
-
-def external_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters registered on `module` (for tests and debugging)."""
-    return list(_EXTERNAL.get(id(module), []))

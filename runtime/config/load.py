@@ -214,6 +214,10 @@ def load_config(
     top.default_only("sparse_gradients", False, "sparse gradients")
     for batch_key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         top.has(batch_key)  # read later by resolve_batch; declared now so finish() knows them
+    dotted = [k for k in top.data if isinstance(k, str) and "." in k]
+    for key in [k for k in dotted if k.split(".")[0] in _DOTTED_PREFIXES]:
+        # TRL's prepare_deepspeed adds "zero_optimization.reduce_bucket_size" etc. at the top level
+        top.ignored(key, object(), "a dotted top-level key is not a nested one; DeepSpeed ignores it too")
     top.finish(unsupported=_UNSUPPORTED_TOP_LEVEL)
     ctx.raise_pending()  # typos first: they often explain the errors that would follow
 
@@ -245,6 +249,9 @@ def load_config(
         **sections,
     )
     return _with_raw(config)
+
+
+_DOTTED_PREFIXES = frozenset({"zero_optimization", "optimizer", "scheduler", "fp16", "bf16"})
 
 
 def _check_optimizer_with_zero(

@@ -114,6 +114,17 @@ def collect_param_groups(
     return groups
 
 
+def inference_param_groups(model: nn.Module, *, shard_frozen: bool) -> list[GroupSpec]:
+    """The groups of an engine built without an optimizer (DeepSpeed's inference engine: a frozen
+    reference model through `initialize(model=..., config=...)`). At ZeRO stage 3 (`shard_frozen`) every
+    parameter, frozen or not, is sharded and gathered for forward, as DeepSpeed does; at stages 0-2 the
+    trainable ones form one group and frozen ones stay plain tensors on the device. No optimizer is
+    built over them, so an empty list (all frozen, stages 0-2) is fine here."""
+    params = list(model.parameters())  # each shared parameter once
+    chosen = params if shard_frozen else [p for p in params if p.requires_grad]
+    return [GroupSpec(chosen)] if chosen else []
+
+
 def _as_list(params: Any) -> list[nn.Parameter]:
     return [params] if isinstance(params, torch.Tensor) else list(params)
 

@@ -96,8 +96,12 @@ class ParamShardedStage:
         self._reduced: set[int] = set()  # units reduce-scattered in this backward
         self._in_flight: list[InFlight] = []
         self._has_grads = False
+        # frozen parameters are sharded too in an engine without an optimizer (DeepSpeed's inference
+        # engine, e.g. TRL's reference model); they never produce a gradient, so they get no hook
         self._hooks: list[RemovableHandle] = [
-            param.register_post_accumulate_grad_hook(self._on_grad) for param in self._where
+            param.register_post_accumulate_grad_hook(self._on_grad)
+            for param in self._where
+            if param.requires_grad
         ]
 
     @property

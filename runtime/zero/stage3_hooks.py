@@ -89,12 +89,40 @@ class GatherScheduler:
         self._stack: list[nn.Module] = []
         self._tracing = False  # the current forward started at the model, so the trace applies
         self._prefetched: set[int] = set()
-        self._hooks: list[RemovableHandle] = []
-        for module in self._users:
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(module.register_forward_hook(self._post_forward, always_call=True))
+        self.module_hooks: list[RemovableHandle] = []
+        self.add_module_hooks()
         for param in self._unit_of:
             stage3_param.register(param, self)
+
+    # -- the module hooks (TRL removes them around generate(); runtime.zero.hook_control) -----------
+    def add_module_hooks(self) -> None:
+        """(Re-)register the pre- and post-forward hooks on every module that uses a unit. Hooks still
+        registered are removed first, so calling this twice never gathers twice."""
+        self.remove_module_hooks()
+        for module in self._users:
+            self.module_hooks.append(module.register_forward_pre_hook(self._pre_forward))
+            self.module_hooks.append(module.register_forward_hook(self._post_forward, always_call=True))
+
+    def remove_module_hooks(self) -> None:
+        """Stop gathering and releasing around module calls. Until `add_module_hooks`, a forward reads
+        whatever is gathered now (GatheredParameters) and a released parameter raises ParamNotGathered."""
+        for handle in self.module_hooks:
+            handle.remove()
+        self.module_hooks.clear()
+
+    @property
+    def hooked(self) -> bool:
+        return bool(self.module_hooks)
+
+    def invalidate_traces(self) -> None:
+        """Forget the recorded forward and backward orders; the next passes record them again (until
+        then nothing is prefetched). Only between passes."""
+        if self.state is not TrainingState.IDLE:
+            raise RuntimeError(
+                "ZeRO-3 traces can only be reset between passes, not during a forward or backward"
+            )
+        self.forward_trace = ExecutionTrace()
+        self.backward_trace = ExecutionTrace()
 
     # -- forward ----------------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -250,6 +278,4 @@ class GatherScheduler:
 
     def close(self) -> None:
         """Stop gathering around module calls (the owner registration dies with this object)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        self.remove_module_hooks()

@@ -19,6 +19,7 @@ reads a released parameter's data without going through torch functions, it read
 from __future__ import annotations
 
 import contextlib
+import enum
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -27,6 +28,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's `param.ds_status`, which RL code reads (TRL gathers a head only when it is not
+    AVAILABLE): kept on every parameter that `release` or `materialize` touched."""
+
+    AVAILABLE = 1  # gathered: the full tensor is here
+    NOT_AVAILABLE = 2  # sharded: only this rank's slice is here
+    INFLIGHT = 3  # being gathered
 
 
 class ParamNotGathered(RuntimeError):
@@ -179,6 +189,7 @@ def release(
         _CLASSES[param] = type(param)
     param.data = sentinel(param.shape, dtype or param.dtype, device or param.device)
     param.__class__ = ShardedParameter
+    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def materialize(param: nn.Parameter, data: torch.Tensor) -> None:
@@ -186,6 +197,7 @@ def materialize(param: nn.Parameter, data: torch.Tensor) -> None:
     if type(param) is ShardedParameter:
         param.__class__ = _gathered_class(param)
     param.data = data
+    param.ds_status = ZeroParamStatus.AVAILABLE
 
 
 @contextlib.contextmanager

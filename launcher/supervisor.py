@@ -79,6 +79,7 @@ class AttemptResult:
     code: int
     failure: Failure | None = None  # the root cause
     failures: tuple[Failure, ...] = ()  # the root cause first, then every other worker that failed by itself
+    finished: tuple[int, ...] = ()  # ranks that had exited with code 0 before the first failure
 
 
 class _Attempt:
@@ -105,6 +106,7 @@ class _Attempt:
         self.done_nodes: set[int] = set()
         self.failure: Failure | None = None  # the first failure: it stopped the job
         self.others: list[Failure] = []  # failures after it that carry their own error or lost a peer
+        self.finished: list[int] = []  # ranks that exited 0 while the job ran: the cause if a peer lost them
         self.leftovers: dict[int, tuple[str, int, list[str]]] = {}  # node -> (host, ended, commands)
         self.interrupt_code: int | None = None
         # Agents get their grace period and then some to report back before the head kills them.
@@ -160,6 +162,8 @@ class _Attempt:
                 )
         elif ev.kind == "exited":
             code = int(data.get("code", 1))
+            if code == 0 and self.failure is None and not self.stop.stopping:
+                self.finished.append(int(data["rank"]))
             # A worker that exits non-zero while the node is stopping is a consequence of the stop,
             # unless its error file says it failed by itself (ranks failing the same way, at once).
             if code != 0 and (not data.get("stopped") or data.get("message")):
@@ -284,7 +288,8 @@ class _Attempt:
         if self.interrupt_code is not None:
             return AttemptResult(Outcome.INTERRUPTED, self.interrupt_code, self.failure, failures)
         if failures:
-            return AttemptResult(Outcome.FAILED, failures[0].code, failures[0], failures)
+            finished = tuple(self.finished)
+            return AttemptResult(Outcome.FAILED, failures[0].code, failures[0], failures, finished)
         return AttemptResult(Outcome.SUCCEEDED, 0)
 
 
@@ -325,8 +330,8 @@ def _read_stream(index: int, handle: AgentHandle, inbox: queue.SimpleQueue) -> N
     inbox.put((index, ("eof", status)))
 
 
-def print_summary(failures: tuple[Failure, ...], plan: JobPlan, say: Callable[[str], None]) -> None:
-    for line in summary_lines(failures, plan.attempt, plan.job_id):
+def print_summary(result: AttemptResult, plan: JobPlan, say: Callable[[str], None]) -> None:
+    for line in summary_lines(result.failures, plan.attempt, plan.job_id, finished=result.finished):
         say(line)
 
 
@@ -350,7 +355,7 @@ def run_job(
                 say(f"interrupted: all workers stopped (exit {result.code})")
                 return result.code
             assert result.failure is not None
-            print_summary(result.failures, plan, say)
+            print_summary(result, plan, say)
             if attempt < options.max_restarts:
                 say(f"restarting all workers (restart {attempt + 1} of {options.max_restarts})")
         return result.code

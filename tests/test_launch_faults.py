@@ -149,6 +149,24 @@ def test_a_rank_that_only_lost_its_peer_is_a_consequence_of_the_real_failure(tmp
     assert not any(line.startswith("dslaunch: also:") for line in summary)
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_that_exited_0_while_its_peers_ran_collectives_is_named_as_the_peer_they_lost(tmp_path):
+    # Rank 1 returns after the first all-reduce; rank 0's next one fails with "Connection closed by peer".
+    # The hint used to blame something outside the job (the OOM killer, the network).
+    args = ["--num_gpus", "2", "--master_port", str(free_port())]
+    result = run_dslaunch(
+        [*args, str(SCRIPTS / "peer_fails.py")], {"FAIL_RANK": "1", "FINISH": "1"}, timeout=100
+    )
+    assert result.returncode == 1, result.stderr
+    summary = result.stderr[result.stderr.index("dslaunch: FAILED") :].splitlines()
+    assert summary[0].startswith("dslaunch: FAILED: rank 0 (local rank 0) on localhost exited with code 1")
+    assert summary[-1] == (
+        "dslaunch:   hint: rank 1 had already exited with code 0 while the others still ran collectives "
+        "with it: every rank must reach the same collectives (a branch on the rank, an early return or "
+        "sys.exit(0), more data on some ranks than on others?)"
+    )
+
+
 @pytest.mark.timeout(60)
 def test_a_huge_last_line_without_a_newline_is_cut_in_the_summary(tmp_path):
     script = tmp_path / "huge.py"

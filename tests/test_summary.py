@@ -145,6 +145,9 @@ def test_when_every_rank_lost_a_peer_the_first_is_named_and_the_hint_says_what_t
     assert lines[-1].startswith("  hint: no rank failed by itself, each lost a peer: ") and "OOM" in lines[-1]
     alone = summary_lines([_fail(1, 1, GLOO_LOST)], 0, "j")  # its peer vanished without a trace
     assert alone[0].startswith("FAILED: rank 1 ") and alone[-1] == lines[-1]
+    # ...unless the peer was a rank that had exited 0 while the others still ran collectives with it
+    finished = summary_lines([_fail(0, 1, GLOO_LOST)], 0, "j", finished=[1, 2, 3])
+    assert finished[-1].startswith("  hint: ranks 1-3 had already exited with code 0 while the others still ")
 
 
 def test_the_tail_is_capped_in_bytes_keeping_the_end_of_each_line() -> None:

@@ -24,6 +24,7 @@ same way.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -183,11 +184,17 @@ def _who(failure: Failure) -> str:
     return f"rank {failure.rank}" if failure.rank is not None else failure.what
 
 
+# A memory address in a message ("<function f at 0x7f3a...>") differs per process: ranks that failed the
+# same way must still fold into one line.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def group_failures(failures: Sequence[Failure]) -> list[list[Failure]]:
-    """Failures grouped by (kind, message), in order of first appearance; no message: alone."""
+    """Failures grouped by (kind, message), in order of first appearance, memory addresses in the message
+    ignored; no message: alone."""
     groups: dict[object, list[Failure]] = {}
     for i, f in enumerate(failures):
-        key: object = (f.kind, f.message) if f.message else i
+        key: object = (f.kind, _ADDRESS.sub("", f.message)) if f.message else i
         groups.setdefault(key, []).append(f)
     return list(groups.values())
 

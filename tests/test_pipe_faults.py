@@ -92,6 +92,24 @@ def test_degrees_and_layer_counts_that_cannot_be_laid_out() -> None:
     assert check_schedule(read_pipeline_section({}), 4, 1, 2) == "gpipe"
 
 
+def test_layer_specs_are_checked_when_written_with_names_the_same_on_every_rank() -> None:
+    from runtime.pipe import LayerSpec
+
+    # the arguments against the class's constructor: it used to be a TypeError when a stage built it
+    assert _message(lambda: LayerSpec(nn.Linear, 4)) == (
+        "LayerSpec(Linear, ...): the arguments do not fit Linear(in_features: int, out_features: int, "
+        "bias: bool = True, device=None, dtype=None): missing a required argument: 'out_features'"
+    )
+    # no memory address (it differs per rank, so the launcher could not fold the ranks' errors)
+    assert (
+        _message(lambda: LayerSpec(torch.tanh))
+        == "LayerSpec needs an nn.Module subclass, got function torch.tanh"
+    )
+    assert _message(lambda: LayerSpec(lambda x: x)) == (
+        "LayerSpec needs an nn.Module subclass, got function tests.test_pipe_faults.<lambda>"
+    )
+
+
 def test_a_pipeline_checkpoint_root_and_the_random_streams_refuse_in_one_line(tmp_path: Path) -> None:
     from runtime.parallel.rng import RNGStatesTracker
     from runtime.pipe.checkpoint import pipeline_stage_dirs
@@ -173,7 +191,18 @@ def _engine_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     )
     out["no_params"] = _message(lambda: PipelineEngine(no_params, pipe()))
     engine = PipelineEngine(module, pipe())
+    out["stage"] = engine.stage_id
     out["micro_size"] = _message(lambda: engine.train_batch(batches(rows=3)))  # on every rank, no hang
+    out["a_list"] = _message(lambda: engine.train_batch(list(batches(rows=4))))
+    # PipelineModule's arguments, checked on every rank before anything is built (a layer that is no
+    # layer used to fail only on the stage owning it; wrong types deep inside, as AttributeError etc.)
+    specs = [LayerSpec(nn.Linear, 4, 8), LayerSpec(nn.Linear, 8, 2)]
+    out["arguments"] = [
+        _message(lambda: PipelineModule(specs, num_stages="2")),
+        _message(lambda: PipelineModule(specs, num_stages=2, partition_method=3)),
+        _message(lambda: PipelineModule(specs, num_stages=2, loss_fn="mse")),
+        _message(lambda: PipelineModule([*specs, 3], num_stages=2)),
+    ]
     # fewer micro-batches than stages: trains (GPipe), the loss is the forward's
     engine = PipelineEngine(mlp(), pipe(gradient_accumulation_steps=1, train_batch_size=4))
     out["one_micro_eval"] = float(engine.eval_batch(batches(4, 1)))
@@ -236,6 +265,17 @@ def test_pipeline_engine_input_errors_are_one_line_on_every_rank(faults: list[di
         assert r["micro_size"] == (
             "the data iterator gave a micro-batch of 3 samples, but train_micro_batch_size_per_gpu is 4"
         )
+        assert r["a_list"] == (
+            f"stage {r['stage']}: the data iterator is a list, not an iterator: pass iter(...) of it (each "
+            "next() is one micro-batch), or deepspeed.utils.RepeatingLoader(...) to go round it again"
+        )
+        assert r["arguments"] == [
+            "PipelineModule(num_stages='2'): expected an integer >= 1, got str '2'",
+            "PipelineModule(partition_method=...): expected a string ('parameters', 'uniform' or "
+            "'type:REGEX'), got int 3",
+            "PipelineModule(loss_fn=...): expected a function (or None), got str 'mse'",
+            "PipelineModule layer 2 is int 3: not a LayerSpec, nn.Module or callable",
+        ]
         assert r["one_micro_schedule"] == "gpipe"
         assert r["one_micro_train"] == pytest.approx(r["one_micro_eval"], rel=1e-6)
 

@@ -218,6 +218,9 @@ def _engine_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
 
     out["heads"] = _message(lambda: runtime.initialize(model=lm(heads=1), config=tp(2)))
     out["width"] = _message(lambda: runtime.initialize(model=_OddMLP(), config=tp(2)))
+    # nothing AutoTP knows by name: it used to train with every weight whole on every rank
+    plain_mlp = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    out["no_projection"] = _message(lambda: runtime.initialize(model=plain_mlp, config=tp(2)))
     out["tp_world"] = _message(lambda: runtime.initialize(model=lm(), config=tp(4)))
     # autotp_size 1 is the plain engine: the same loss as without the section
     losses = []
@@ -285,6 +288,11 @@ def test_tensor_parallel_input_errors_are_one_line_naming_the_degree(faults: lis
         assert r["heads"] == "tensor_parallel.autotp_size 2 does not divide h.0.attn.num_heads = 1"
         assert r["width"] == (
             "tensor_parallel.autotp_size 2 does not divide dim 0 (3) of the weight up_proj of shape (3, 4)"
+        )
+        assert r["no_projection"] == (
+            "tensor_parallel.autotp_size 2: AutoTP finds no projection to shard in Sequential: it knows "
+            "Linear layers named q_proj, k_proj, v_proj, gate_proj, up_proj, o_proj, down_proj and Conv1D "
+            "layers named c_attn, c_fc, c_proj; its layers with weights to split are 0 (Linear), 2 (Linear)"
         )
         assert r["tp_world"] == (
             "tensor_parallel.autotp_size: 4 does not divide the world size 2: each data-parallel replica "

@@ -5,11 +5,15 @@ folder of the checkpoint root whose name carries the degree (`pipe_stage_SS_of_N
 `mp_rank_RR_of_NN`; the engines' `checkpoint_folder`), so the root itself has no `latest`. A plain
 engine given such a root would only say that there is no `latest` file; `data_parallel_root` names the
 degree the checkpoint was saved with instead, as the model-parallel engines do for a degree mismatch.
+A path that is one tag's folder (it holds a manifest, as `<root>/<tag>` does) is refused naming the root
+and the tag to give instead; a file named like a model-parallel folder (DeepSpeed's
+`mp_rank_00_model_states.pt` in a tag folder) is not one.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 # folder prefix -> (what it was saved with, what this engine lacks, how to resume); {} is the degree
 _FAMILIES = (
@@ -24,18 +28,36 @@ _FAMILIES = (
 )
 
 
+_FOLDER = re.compile(r"(\d+)_of_(\d+)")  # after the prefix: this rank's index and the degree
+
+
 def data_parallel_root(root: str | os.PathLike) -> str:
     """`root`, for a data-parallel engine to load from; a root holding only model-parallel folders (no
-    `latest` of its own) is refused, naming the degree it was saved with."""
+    `latest` of its own) is refused, naming the degree it was saved with, and so is one tag's folder."""
     from runtime.checkpoint import CheckpointNotFound
+    from runtime.checkpoint.manifest import MANIFEST
 
     path = os.fspath(root)
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, "latest")):
         return path
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        parent, tag = os.path.split(os.path.normpath(path))
+        raise CheckpointNotFound(
+            f"{path} is the folder of one checkpoint (tag {tag!r}), not a checkpoint directory: "
+            "load_checkpoint takes the directory save_checkpoint was given",
+            hint=f"load_checkpoint({parent!r}, tag={tag!r}), or load_checkpoint({parent!r}) for its "
+            "latest tag",
+        )
     for prefix, saved_with, lacks, resume in _FAMILIES:
-        saved = sorted(name for name in os.listdir(path) if name.startswith(prefix))
+        saved = sorted(
+            name
+            for name in os.listdir(path)
+            if name.startswith(prefix)
+            and _FOLDER.fullmatch(name[len(prefix) :])
+            and os.path.isdir(os.path.join(path, name))
+        )
         if saved:
-            degree = saved[0].split("_of_")[1][:2].lstrip("0") or "?"
+            degree = str(int(_FOLDER.fullmatch(saved[0][len(prefix) :]).group(2)))
             more = ", ..." if len(saved) > 4 else ""
             raise CheckpointNotFound(
                 f"{path} holds a checkpoint saved with {saved_with.format(degree)} "

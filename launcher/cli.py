@@ -32,6 +32,7 @@ from launcher.machine import (
     default_slots,
     is_local_host,
     machine_keys,
+    master_addr_problem,
     this_machine_devices,
 )
 from launcher.plan import HostSlots, JobConfig, make_plan
@@ -237,6 +238,13 @@ def cli(
     if master_addr.startswith("[") and master_addr.endswith("]"):
         master_addr = master_addr[1:-1]  # [IPv6] as in the hostfile; torch's rendezvous wants it bare
     master_is_here = hosts[0].local or (bool(master_addr) and is_local_host(master_addr))
+    if master_addr and hosts[0].local:  # rank 0 starts here: it must be able to serve the rendezvous
+        problem = master_addr_problem(master_addr)
+        if problem:
+            raise LaunchError(
+                f"--master_addr {master_addr}: rank 0 runs on this machine, but {problem}; the ranks would "
+                "wait 30 minutes for a rendezvous nobody serves (leave --master_addr out on one machine)"
+            )
     if not master_addr:
         master_addr = "127.0.0.1" if single_local else runner.master_addr(hosts[0].host)
     _check_script(user_script, module, no_python)

@@ -223,6 +223,12 @@ BAD_CONFIGS = [
         ['both "auto"'],
         id="batch-all-auto",
     ),
+    pytest.param(  # was "neither is given", which the key plainly there contradicts
+        {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2},
+        "train_micro_batch_size_per_gpu",
+        ['"auto" is derived from train_batch_size, which is not given; set one of the two to a number'],
+        id="batch-one-auto-other-missing",
+    ),
     pytest.param(
         {**MICRO, "gradient_clipp1ng": 1.0},
         "gradient_clipp1ng",

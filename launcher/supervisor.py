@@ -51,7 +51,14 @@ from launcher.runners.base import (
     parse_agent_line,
 )
 from launcher.stop import StopAction, StopSequence, StopState
-from launcher.summary import Failure, arrange_failures, leftovers_line, status_text, summary_lines
+from launcher.summary import (
+    Failure,
+    arrange_failures,
+    leftovers_line,
+    rank_ranges,
+    status_text,
+    summary_lines,
+)
 
 # How long past the grace period an agent may take to report back before it is killed, and after the
 # kill, before the head gives up on it (a transport that hangs must not hang the launcher).
@@ -71,6 +78,9 @@ class SuperviseOptions:
     log_dir: str | None = None
     max_restarts: int = 0
     tail_lines: int = 15
+    # Ranks that exited 0 while others still run this long get one note naming both: a rank waiting in
+    # a collective for a finished one waits for the collective's timeout (NCCL's: 10-30 minutes) silently.
+    finished_note_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,8 @@ class _Attempt:
         self.failure: Failure | None = None  # the first failure: it stopped the job
         self.others: list[Failure] = []  # failures after it that carry their own error or lost a peer
         self.finished: list[int] = []  # ranks that exited 0 while the job ran: the cause if a peer lost them
+        self.finished_at: float | None = None  # when the first of them did
+        self.exited: set[int] = set()
         self.leftovers: dict[int, tuple[str, int, list[str]]] = {}  # node -> (host, ended, commands)
         self.interrupt_code: int | None = None
         # Agents get their grace period and then some to report back before the head kills them.
@@ -162,8 +174,10 @@ class _Attempt:
                 )
         elif ev.kind == "exited":
             code = int(data.get("code", 1))
+            self.exited.add(int(data["rank"]))
             if code == 0 and self.failure is None and not self.stop.stopping:
                 self.finished.append(int(data["rank"]))
+                self.finished_at = self.finished_at or time.monotonic()
             # A worker that exits non-zero while the node is stopping is a consequence of the stop,
             # unless its error file says it failed by itself (ranks failing the same way, at once).
             if code != 0 and (not data.get("stopped") or data.get("message")):
@@ -212,6 +226,21 @@ class _Attempt:
         elif lost:
             self.done_nodes.update(lost)
 
+    def _note_finished(self, now: float) -> None:
+        """Once: some ranks exited 0 a while ago and others still run (see finished_note_s)."""
+        since = self.finished_at
+        if since is None or now - since < self.options.finished_note_s or self.failure or self.stop.stopping:
+            return
+        self.finished_at = float("inf")  # said once
+        running = sorted(set(self.workers) - self.exited)
+        if not running:
+            return
+        self.say(
+            f"rank(s) {rank_ranges(self.finished)} exited with code 0 {now - since:.0f} s ago and rank(s) "
+            f"{rank_ranges(running)} still run: if those wait in a collective for the finished ones, they "
+            "wait until its timeout; every rank must reach the same collectives (Ctrl-C stops the job)"
+        )
+
     # -- the loop -------------------------------------------------------------------------------
     def _open_logs(self) -> None:
         log_dir = self.options.log_dir
@@ -247,6 +276,7 @@ class _Attempt:
                 while not signals.empty():
                     self.on_signal(signals.get())
                 now = time.monotonic()
+                self._note_finished(now)
                 action = self.stop.tick(now)
                 if action is StopAction.KILL:
                     self.say("agents did not stop within the grace period: killing")

@@ -7,11 +7,16 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from launcher.plan import HostSlots, JobConfig, make_plan
+from launcher.runners import get_runner
+from launcher.runners.base import RunnerOptions
+from launcher.supervisor import SuperviseOptions, run_job
 from tests.dist import free_port
 from tests.launching import CPU, DSLAUNCH, REPO, SCRIPTS, run_dslaunch
 from tests.sshd_testbed import Testbed
@@ -238,3 +243,24 @@ def test_ctrl_c_ends_the_daemons_of_a_running_job_too(tmp_path):
     assert proc.returncode == 130, err
     assert len(daemons) == 2 and alive == [], err
     assert "dslaunch: ended 2 processes left behind by the job (2 on localhost): " in err
+
+
+@pytest.mark.timeout(60)
+def test_ranks_still_running_long_after_others_exited_0_get_one_note(tmp_path):
+    # Rank 0 exits 0 at once, rank 1 runs on (as a rank waiting in a collective for it would, silently,
+    # until NCCL's timeout): one note names both, after finished_note_s; the job still succeeds.
+    script = tmp_path / "uneven.py"
+    script.write_text('import os, time\nif os.environ["RANK"] == "1":\n    time.sleep(2.5)\n')
+    job = JobConfig(script=str(script), python=sys.executable, master_port=free_port(), cwd=str(tmp_path))
+    plan = make_plan([HostSlots("localhost", (0, 1), gpus=False, local=True)], job, 0)
+    said: list[str] = []
+    runner = get_runner("local")(RunnerOptions(python=sys.executable, grace_period=1.0))
+    code = run_job(lambda _: plan, runner, SuperviseOptions(finished_note_s=1.0), said.append)
+    assert code == 0, said
+    notes = [line for line in said if "exited with code 0" in line]
+    assert len(notes) == 1 and re.fullmatch(
+        r"rank\(s\) 0 exited with code 0 \d s ago and rank\(s\) 1 still run: if those wait in a collective "
+        r"for the finished ones, they wait until its timeout; every rank must reach the same collectives "
+        r"\(Ctrl-C stops the job\)",
+        notes[0],
+    ), said

@@ -205,6 +205,9 @@ class _Attempt:
         worker = self.workers.get(rank)
         local = f" (local rank {worker.local_rank})" if worker else ""
         how = status_text(code, data.get("signal"))
+        if data.get("stopped") and data.get("message"):
+            # it wrote its own error and was exiting when the stop reached it: a failure, not a victim
+            how = f"failed as well (the stop reached it while it exited: exit code {code})"
         if data.get("error"):
             how = f"could not start: {data['error']} (exit code {code})"
         tail = tuple(t.decode(errors="replace") for t in self.tails.get(rank, ()))

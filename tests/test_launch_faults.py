@@ -264,3 +264,32 @@ def test_ranks_still_running_long_after_others_exited_0_get_one_note(tmp_path):
         r"\(Ctrl-C stops the job\)",
         notes[0],
     ), said
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_while_exiting_after_its_own_error_is_not_called_killed(tmp_path):
+    # Rank 1 fails; rank 0 has raised its own error (the error file is written) and is still exiting (an
+    # atexit handler) when the stop reaches it. It was listed as "was killed by SIGKILL (exit code 137);
+    # out of memory?", a victim, with its own error after that.
+    script = tmp_path / "both_fail.py"
+    script.write_text(
+        "import atexit, os, signal, time\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "    atexit.register(time.sleep, 10)\n"
+        "import runtime\n"
+        "from runtime.errors import UserError\n"
+        "time.sleep(1.5 if os.environ['RANK'] == '0' else 0)\n"
+        "raise UserError(f\"shard {os.environ['RANK']} is corrupt\")\n"
+    )
+    args = ["--num_gpus", "2", "--grace_period", "3", "--master_port", str(free_port()), str(script)]
+    result = run_dslaunch(args, timeout=50)
+    assert result.returncode == 2, result.stderr
+    lines = [
+        line for line in result.stderr.splitlines() if line.startswith(("dslaunch: FAILED", "dslaunch: also"))
+    ]
+    assert lines == [
+        "dslaunch: FAILED: rank 1 (local rank 1) on localhost exited with code 2: shard 1 is corrupt",
+        "dslaunch: also: rank 0 (local rank 0) on localhost failed as well (the stop reached it while it "
+        "exited: exit code 137): shard 0 is corrupt",
+    ], result.stderr

@@ -205,7 +205,7 @@ class _Attempt:
         worker = self.workers.get(rank)
         local = f" (local rank {worker.local_rank})" if worker else ""
         how = status_text(code, data.get("signal"))
-        if data.get("stopped") and data.get("message"):
+        if data.get("stopped") and data.get("message") and data.get("signal"):
             # it wrote its own error and was exiting when the stop reached it: a failure, not a victim
             how = f"failed as well (the stop reached it while it exited: exit code {code})"
         if data.get("error"):

@@ -128,6 +128,20 @@ def test_a_pipeline_checkpoint_root_and_the_random_streams_refuse_in_one_line(tm
     )
 
 
+def test_a_stage_folder_given_as_the_checkpoint_directory_names_the_directory(tmp_path: Path) -> None:
+    from runtime.parallel.folders import data_parallel_root, misplaced_root
+
+    stage = tmp_path / "pipe_stage_01_of_04"
+    stage.mkdir()
+    (stage / "latest").write_text("t1")  # a stage folder is a ZeRO checkpoint of its own: it used to load
+    expected = (
+        f"{stage} is one rank's part of a checkpoint saved with 4 pipeline stages, not a checkpoint "
+        "directory: load_checkpoint takes the directory save_checkpoint was given"
+    )
+    assert _message(lambda: data_parallel_root(stage)) == expected
+    assert str(misplaced_root(stage)) == expected and misplaced_root(tmp_path) is None
+
+
 def test_the_error_file_names_the_exception_behind_a_pipeline_stage() -> None:
     try:
         try:

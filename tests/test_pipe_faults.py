@@ -177,7 +177,7 @@ class _OddMLP(nn.Module):
 
 def _engine_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     import runtime
-    from runtime.pipe import LayerSpec, PipelineEngine, PipelineModule
+    from runtime.pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
     from tests.tp_models import GPT2Block, TinyLM, lm_batch, lm_loss
 
     def pipe(**extra: Any) -> dict[str, Any]:
@@ -216,6 +216,14 @@ def _engine_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
         _message(lambda: PipelineModule(specs, num_stages=2, partition_method=3)),
         _message(lambda: PipelineModule(specs, num_stages=2, loss_fn="mse")),
         _message(lambda: PipelineModule([*specs, 3], num_stages=2)),
+        # a misspelt tied attribute left the copies untied, silently
+        _message(
+            lambda: PipelineModule(
+                [TiedLayerSpec("e", nn.Linear, 4, 4, tied_weight_attr="wieght"), nn.Tanh()] * 2,
+                num_stages=2,
+                partition_method="uniform",
+            )
+        ),
     ]
     # fewer micro-batches than stages: trains (GPipe), the loss is the forward's
     engine = PipelineEngine(mlp(), pipe(gradient_accumulation_steps=1, train_batch_size=4))
@@ -292,6 +300,8 @@ def test_pipeline_engine_input_errors_are_one_line_on_every_rank(faults: list[di
             "'type:REGEX'), got int 3",
             "PipelineModule(loss_fn=...): expected a function (or None), got str 'mse'",
             "PipelineModule layer 2 is int 3: not a LayerSpec, nn.Module or callable",
+            "TiedLayerSpec('e', Linear, tied_weight_attr='wieght'): Linear has no parameter 'wieght' "
+            "(its own: weight, bias)",
         ]
         assert r["one_micro_schedule"] == "gpipe"
         assert r["one_micro_train"] == pytest.approx(r["one_micro_eval"], rel=1e-6)

@@ -177,6 +177,19 @@ class StageChunk(nn.Module):
         return x
 
 
+def _check_tied_attrs(spec: TiedLayerSpec, module: nn.Module) -> None:
+    """Each tied_weight_attr must name a parameter of the built module: a misspelt one would leave the
+    copies on the stages untied, silently (or fail deep inside the engine's broadcast)."""
+    for attr in spec.tied_weight_attr:
+        if not isinstance(getattr(module, attr, None), nn.Parameter):
+            kind = type(module).__name__
+            own = ", ".join(name for name, _ in module.named_parameters(recurse=False)) or "none"
+            raise PipelineError(
+                f"TiedLayerSpec({spec.key!r}, {kind}, tied_weight_attr={attr!r}): {kind} has no parameter "
+                f"{attr!r} (its own: {own})"
+            )
+
+
 class PipelineModule(nn.Module):
     """A sequence of layers split into pipeline stages; this rank holds only its stage's layers.
 
@@ -320,7 +333,9 @@ class PipelineModule(nn.Module):
             if layer.key not in self.tied_modules:
                 if self.seed_layers:
                     self._seed(first_use[layer.key])
-                self.tied_modules[layer.key] = layer.build()
+                module = layer.build()
+                _check_tied_attrs(layer, module)
+                self.tied_modules[layer.key] = module
                 self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
             elif self.seed_layers:
                 self._seed(index)

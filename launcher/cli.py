@@ -32,6 +32,7 @@ from launcher.machine import (
     default_slots,
     is_local_host,
     machine_keys,
+    master_addr_problem,
     this_machine_devices,
 )
 from launcher.plan import HostSlots, JobConfig, make_plan
@@ -205,6 +206,11 @@ def cli(
         raise LaunchError(f"--max_restarts {max_restarts}: must be 0 or more")
     if grace_period < 0:
         raise LaunchError(f"--grace_period {grace_period}: must be 0 or more")
+    for flag, port_number in (("--master_port", master_port), ("--ssh_port", ssh_port)):
+        if port_number is not None and not 1 <= port_number <= 65535:
+            raise LaunchError(f"{flag} {port_number}: not a TCP port (1-65535)")
+    if log_dir:
+        _check_log_dir(log_dir)
     if module and no_python:
         raise LaunchError("--module and --no_python cannot be used together")
     try:
@@ -232,6 +238,13 @@ def cli(
     if master_addr.startswith("[") and master_addr.endswith("]"):
         master_addr = master_addr[1:-1]  # [IPv6] as in the hostfile; torch's rendezvous wants it bare
     master_is_here = hosts[0].local or (bool(master_addr) and is_local_host(master_addr))
+    if master_addr and hosts[0].local:  # rank 0 starts here: it must be able to serve the rendezvous
+        problem = master_addr_problem(master_addr)
+        if problem:
+            raise LaunchError(
+                f"--master_addr {master_addr}: rank 0 runs on this machine, but {problem}; the ranks would "
+                "wait 30 minutes for a rendezvous nobody serves (leave --master_addr out on one machine)"
+            )
     if not master_addr:
         master_addr = "127.0.0.1" if single_local else runner.master_addr(hosts[0].host)
     _check_script(user_script, module, no_python)
@@ -257,6 +270,19 @@ def cli(
             say(line)
     options = SuperviseOptions(grace_period=grace_period, log_dir=log_dir, max_restarts=max_restarts)
     return run_job(lambda a: first if a == 0 else make_plan(hosts, job, a), runner, options, say)
+
+
+def _check_log_dir(log_dir: str) -> None:
+    """--log_dir is created (or found writable) before any worker starts: a file in the way or a folder
+    that cannot be made fails the launch in one line, not the head after the job started."""
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except FileExistsError:
+        raise LaunchError(f"--log_dir {log_dir}: is a file, not a folder") from None
+    except OSError as exc:
+        raise LaunchError(f"--log_dir {log_dir}: cannot create it ({exc.strerror or exc})") from None
+    if not os.access(log_dir, os.W_OK | os.X_OK):
+        raise LaunchError(f"--log_dir {log_dir}: cannot write in it (permission denied)")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

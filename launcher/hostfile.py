@@ -162,7 +162,7 @@ def check_one_line_per_machine(
 
 def read_hostfile(path: str) -> Hostfile:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark (Windows editors) is not a host
             text = f.read()
     except OSError as exc:
         raise HostfileError(path, 0, "", f"cannot read the hostfile ({exc.strerror})") from None

@@ -118,6 +118,25 @@ def addresses_of(name: str) -> frozenset[str]:
     return frozenset(str(info[4][0]).split("%")[0] for info in infos)
 
 
+def master_addr_problem(master_addr: str) -> str | None:
+    """Why rank 0, started on this machine, could not serve the rendezvous at `master_addr` (the other
+    ranks would retry for torch's 30 minutes): the name does not resolve, or none of its addresses is
+    one of this machine's (binding a socket to it is the test). None: it can."""
+    addresses = addresses_of(master_addr)
+    if not addresses:
+        return f"{master_addr} does not resolve here"
+    for address in addresses:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((address, 0))
+            return None
+        except OSError:
+            continue
+    shown = "" if addresses == {master_addr} else f" ({', '.join(sorted(addresses))})"
+    return f"{master_addr}{shown} is not an address of this machine"
+
+
 def machine_keys(hosts: Sequence[str]) -> dict[str, frozenset[str]]:
     """hostfile host -> what identifies the machine it reaches (its addresses, with the SSH port).
 

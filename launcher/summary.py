@@ -24,6 +24,7 @@ same way.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -183,18 +184,28 @@ def _who(failure: Failure) -> str:
     return f"rank {failure.rank}" if failure.rank is not None else failure.what
 
 
+# A memory address in a message ("<function f at 0x7f3a...>") differs per process: ranks that failed the
+# same way must still fold into one line.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def group_failures(failures: Sequence[Failure]) -> list[list[Failure]]:
-    """Failures grouped by (kind, message), in order of first appearance; no message: alone."""
+    """Failures grouped by (kind, message), in order of first appearance, memory addresses in the message
+    ignored; no message: alone."""
     groups: dict[object, list[Failure]] = {}
     for i, f in enumerate(failures):
-        key: object = (f.kind, f.message) if f.message else i
+        key: object = (f.kind, _ADDRESS.sub("", f.message)) if f.message else i
         groups.setdefault(key, []).append(f)
     return list(groups.values())
 
 
-def summary_lines(failures: Sequence[Failure], attempt: int, job_id: str) -> list[str]:
+def summary_lines(
+    failures: Sequence[Failure], attempt: int, job_id: str, *, finished: Sequence[int] = ()
+) -> list[str]:
     """The summary of a failed attempt; ``failures[0]`` is the root cause (see :func:`arrange_failures`),
-    later failures that only lost their peer are its consequences."""
+    later failures that only lost their peer are its consequences. ``finished``: the ranks that had
+    exited with code 0 before the first failure (when every failure only lost a peer, they are the
+    peer: a rank that ended while the others still ran collectives with it)."""
     if not failures:
         return []
     lines: list[str] = []
@@ -234,7 +245,15 @@ def summary_lines(failures: Sequence[Failure], attempt: int, job_id: str) -> lis
                 lines.extend(f"    {line}" for line in tail)
     if consequences:
         lines.extend(_consequence_lines(root, consequences))
-    if lost_peer(root) is not None:
+    if lost_peer(root) is not None and finished:
+        ranks = sorted(set(finished))
+        who = f"rank {ranks[0]} had" if len(ranks) == 1 else f"ranks {rank_ranges(ranks)} had"
+        lines.append(
+            f"  hint: {who} already exited with code 0 while the others still ran collectives with "
+            f"{'it' if len(ranks) == 1 else 'them'}: every rank must reach the same collectives (a branch "
+            "on the rank, an early return or sys.exit(0), more data on some ranks than on others?)"
+        )
+    elif lost_peer(root) is not None:
         lines.append(
             "  hint: no rank failed by itself, each lost a peer: the first to go was likely killed from "
             "outside (the OOM killer, a host or network going down); see dmesg and each host's logs"

@@ -51,7 +51,14 @@ from launcher.runners.base import (
     parse_agent_line,
 )
 from launcher.stop import StopAction, StopSequence, StopState
-from launcher.summary import Failure, arrange_failures, leftovers_line, status_text, summary_lines
+from launcher.summary import (
+    Failure,
+    arrange_failures,
+    leftovers_line,
+    rank_ranges,
+    status_text,
+    summary_lines,
+)
 
 # How long past the grace period an agent may take to report back before it is killed, and after the
 # kill, before the head gives up on it (a transport that hangs must not hang the launcher).
@@ -71,6 +78,9 @@ class SuperviseOptions:
     log_dir: str | None = None
     max_restarts: int = 0
     tail_lines: int = 15
+    # Ranks that exited 0 while others still run this long get one note naming both: a rank waiting in
+    # a collective for a finished one waits for the collective's timeout (NCCL's: 10-30 minutes) silently.
+    finished_note_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,7 @@ class AttemptResult:
     code: int
     failure: Failure | None = None  # the root cause
     failures: tuple[Failure, ...] = ()  # the root cause first, then every other worker that failed by itself
+    finished: tuple[int, ...] = ()  # ranks that had exited with code 0 before the first failure
 
 
 class _Attempt:
@@ -105,6 +116,9 @@ class _Attempt:
         self.done_nodes: set[int] = set()
         self.failure: Failure | None = None  # the first failure: it stopped the job
         self.others: list[Failure] = []  # failures after it that carry their own error or lost a peer
+        self.finished: list[int] = []  # ranks that exited 0 while the job ran: the cause if a peer lost them
+        self.finished_at: float | None = None  # when the first of them did
+        self.exited: set[int] = set()
         self.leftovers: dict[int, tuple[str, int, list[str]]] = {}  # node -> (host, ended, commands)
         self.interrupt_code: int | None = None
         # Agents get their grace period and then some to report back before the head kills them.
@@ -160,6 +174,10 @@ class _Attempt:
                 )
         elif ev.kind == "exited":
             code = int(data.get("code", 1))
+            self.exited.add(int(data["rank"]))
+            if code == 0 and self.failure is None and not self.stop.stopping:
+                self.finished.append(int(data["rank"]))
+                self.finished_at = self.finished_at or time.monotonic()
             # A worker that exits non-zero while the node is stopping is a consequence of the stop,
             # unless its error file says it failed by itself (ranks failing the same way, at once).
             if code != 0 and (not data.get("stopped") or data.get("message")):
@@ -187,6 +205,9 @@ class _Attempt:
         worker = self.workers.get(rank)
         local = f" (local rank {worker.local_rank})" if worker else ""
         how = status_text(code, data.get("signal"))
+        if data.get("stopped") and data.get("message") and data.get("signal"):
+            # it wrote its own error and was exiting when the stop reached it: a failure, not a victim
+            how = f"failed as well (the stop reached it while it exited: exit code {code})"
         if data.get("error"):
             how = f"could not start: {data['error']} (exit code {code})"
         tail = tuple(t.decode(errors="replace") for t in self.tails.get(rank, ()))
@@ -207,6 +228,21 @@ class _Attempt:
             self.fail(Failure(code, f"the agent on {handle.name}", how, None, tail))
         elif lost:
             self.done_nodes.update(lost)
+
+    def _note_finished(self, now: float) -> None:
+        """Once: some ranks exited 0 a while ago and others still run (see finished_note_s)."""
+        since = self.finished_at
+        if since is None or now - since < self.options.finished_note_s or self.failure or self.stop.stopping:
+            return
+        self.finished_at = float("inf")  # said once
+        running = sorted(set(self.workers) - self.exited)
+        if not running:
+            return
+        self.say(
+            f"rank(s) {rank_ranges(self.finished)} exited with code 0 {now - since:.0f} s ago and rank(s) "
+            f"{rank_ranges(running)} still run: if those wait in a collective for the finished ones, they "
+            "wait until its timeout; every rank must reach the same collectives (Ctrl-C stops the job)"
+        )
 
     # -- the loop -------------------------------------------------------------------------------
     def _open_logs(self) -> None:
@@ -243,6 +279,7 @@ class _Attempt:
                 while not signals.empty():
                     self.on_signal(signals.get())
                 now = time.monotonic()
+                self._note_finished(now)
                 action = self.stop.tick(now)
                 if action is StopAction.KILL:
                     self.say("agents did not stop within the grace period: killing")
@@ -284,7 +321,8 @@ class _Attempt:
         if self.interrupt_code is not None:
             return AttemptResult(Outcome.INTERRUPTED, self.interrupt_code, self.failure, failures)
         if failures:
-            return AttemptResult(Outcome.FAILED, failures[0].code, failures[0], failures)
+            finished = tuple(self.finished)
+            return AttemptResult(Outcome.FAILED, failures[0].code, failures[0], failures, finished)
         return AttemptResult(Outcome.SUCCEEDED, 0)
 
 
@@ -325,8 +363,8 @@ def _read_stream(index: int, handle: AgentHandle, inbox: queue.SimpleQueue) -> N
     inbox.put((index, ("eof", status)))
 
 
-def print_summary(failures: tuple[Failure, ...], plan: JobPlan, say: Callable[[str], None]) -> None:
-    for line in summary_lines(failures, plan.attempt, plan.job_id):
+def print_summary(result: AttemptResult, plan: JobPlan, say: Callable[[str], None]) -> None:
+    for line in summary_lines(result.failures, plan.attempt, plan.job_id, finished=result.finished):
         say(line)
 
 
@@ -350,7 +388,7 @@ def run_job(
                 say(f"interrupted: all workers stopped (exit {result.code})")
                 return result.code
             assert result.failure is not None
-            print_summary(result.failures, plan, say)
+            print_summary(result, plan, say)
             if attempt < options.max_restarts:
                 say(f"restarting all workers (restart {attempt + 1} of {options.max_restarts})")
         return result.code

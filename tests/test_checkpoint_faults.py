@@ -87,6 +87,11 @@ def _damage_and_load(rank: int, world: int, root: str) -> dict[str, str]:
         errors["other model"] = "loaded"
     except Exception as error:
         errors["other model"] = f"{type(error).__name__}: {error}"
+    try:  # one tag's folder where the directory save_checkpoint was given belongs (was an IndexError)
+        engine.load_checkpoint(str(tag))
+        errors["tag folder"] = "loaded"
+    except Exception as error:
+        errors["tag folder"] = f"{type(error).__name__}: {error}"
     errors["tag"] = str(tag)
     return errors
 
@@ -117,6 +122,11 @@ def test_damaged_or_mismatched_checkpoints_fail_the_same_way_on_every_rank(tmp_p
         "other model": (
             "CheckpointMismatch",
             "parameter 'hidden.weight': shape [31, 24] in the checkpoint, [31, 25]",
+        ),
+        "tag folder": (
+            "CheckpointNotFound",
+            "good/global_step1 is the folder of one checkpoint (tag 'global_step1'), not a checkpoint "
+            "directory: load_checkpoint takes the directory save_checkpoint was given",
         ),
     }
     for name in expected:  # the same words on every rank, so the launcher folds them into one line

@@ -223,6 +223,12 @@ BAD_CONFIGS = [
         ['both "auto"'],
         id="batch-all-auto",
     ),
+    pytest.param(  # was "neither is given", which the key plainly there contradicts
+        {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2},
+        "train_micro_batch_size_per_gpu",
+        ['"auto" is derived from train_batch_size, which is not given; set one of the two to a number'],
+        id="batch-one-auto-other-missing",
+    ),
     pytest.param(
         {**MICRO, "gradient_clipp1ng": 1.0},
         "gradient_clipp1ng",
@@ -469,6 +475,60 @@ def test_missing_file_and_bad_json_name_the_file_and_position(tmp_path):
     bad.write_text('{\n  "train_micro_batch_size_per_gpu": 2,\n  "steps_per_print": 10,,\n}\n')
     with pytest.raises(ConfigError, match=r"bad\.json: not valid JSON: line 3 column 25"):
         load_config(bad, world_size=1)
+
+
+# Every way a config file can be unreadable is one ConfigError naming the file, with a hint about the text
+# (not the key-level hint): a trailing comma, a comment, single quotes, YAML in a .json, bad YAML on one line,
+# a directory, an empty file, UTF-16. A UTF-8 byte-order mark (Windows editors write one) is read past.
+@pytest.mark.parametrize(
+    ("name", "data", "message", "hint"),
+    [
+        (
+            "comma.json",
+            b'{\n "train_micro_batch_size_per_gpu": 2,\n}\n',
+            "not valid JSON: line 3 column 1",
+            "remove the trailing comma",
+        ),
+        (
+            "comment.json",
+            b'// ours\n{"train_micro_batch_size_per_gpu": 2}',
+            "not valid JSON",
+            "remove the comment",
+        ),
+        ("quotes.json", b"{'train_micro_batch_size_per_gpu': 2}", "not valid JSON", "use double quotes"),
+        ("yaml.json", b"train_micro_batch_size_per_gpu: 2\n", "not valid JSON", "the text is YAML"),
+        (
+            "bad.yaml",
+            b"train_micro_batch_size_per_gpu: [2\n",
+            "not valid YAML: line 2 column 1: expected ','",
+            "fix the file's text at that line",
+        ),
+        ("empty.json", b"  \n", "the config file is empty", "write the config"),
+        ("empty.yaml", b"# nothing\n", "the config file is empty", "write the config"),
+        (
+            "utf16.json",
+            '{"train_micro_batch_size_per_gpu": 2}'.encode("utf-16"),
+            "not UTF-8 text (byte 0 is 0xff): it is UTF-16",
+            "save the file as UTF-8",
+        ),
+        ("adir", None, "is a directory, not a config file", "name the file in it"),
+    ],
+)
+def test_unreadable_config_files_are_one_line_naming_the_file_and_the_cause(
+    tmp_path, name, data, message, hint
+):
+    path = tmp_path / name
+    path.mkdir() if data is None else path.write_bytes(data)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, world_size=1)
+    assert str(err.value).startswith(f"{path}: {message}") and "\n" not in str(err.value)
+    assert err.value.hint.startswith(hint)
+
+
+def test_a_utf8_byte_order_mark_is_read_past(tmp_path):
+    path = tmp_path / "bom.json"
+    path.write_bytes(b'\xef\xbb\xbf{"train_micro_batch_size_per_gpu": 2}')
+    assert load_config(path, world_size=1).train_micro_batch_size_per_gpu == 2
 
 
 @pytest.mark.parametrize(

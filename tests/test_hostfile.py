@@ -165,3 +165,10 @@ def test_bad_filters_are_located(filters, line, message):
 def test_missing_hostfile(tmp_path):
     with pytest.raises(HostfileError, match="cannot read the hostfile"):
         read_hostfile(str(tmp_path / "nope"))
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_host(tmp_path):
+    # Windows editors write one; it used to make the first line "bad host '\ufeffworker-0'"
+    path = tmp_path / "hostfile"
+    path.write_bytes(b"\xef\xbb\xbfworker-0 slots=2\r\nworker-1 slots=2\r\n")
+    assert [(e.name, e.slots) for e in read_hostfile(str(path)).entries] == [("worker-0", 2), ("worker-1", 2)]

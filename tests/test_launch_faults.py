@@ -7,11 +7,16 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from launcher.plan import HostSlots, JobConfig, make_plan
+from launcher.runners import get_runner
+from launcher.runners.base import RunnerOptions
+from launcher.supervisor import SuperviseOptions, run_job
 from tests.dist import free_port
 from tests.launching import CPU, DSLAUNCH, REPO, SCRIPTS, run_dslaunch
 from tests.sshd_testbed import Testbed
@@ -149,6 +154,24 @@ def test_a_rank_that_only_lost_its_peer_is_a_consequence_of_the_real_failure(tmp
     assert not any(line.startswith("dslaunch: also:") for line in summary)
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_that_exited_0_while_its_peers_ran_collectives_is_named_as_the_peer_they_lost(tmp_path):
+    # Rank 1 returns after the first all-reduce; rank 0's next one fails with "Connection closed by peer".
+    # The hint used to blame something outside the job (the OOM killer, the network).
+    args = ["--num_gpus", "2", "--master_port", str(free_port())]
+    result = run_dslaunch(
+        [*args, str(SCRIPTS / "peer_fails.py")], {"FAIL_RANK": "1", "FINISH": "1"}, timeout=100
+    )
+    assert result.returncode == 1, result.stderr
+    summary = result.stderr[result.stderr.index("dslaunch: FAILED") :].splitlines()
+    assert summary[0].startswith("dslaunch: FAILED: rank 0 (local rank 0) on localhost exited with code 1")
+    assert summary[-1] == (
+        "dslaunch:   hint: rank 1 had already exited with code 0 while the others still ran collectives "
+        "with it: every rank must reach the same collectives (a branch on the rank, an early return or "
+        "sys.exit(0), more data on some ranks than on others?)"
+    )
+
+
 @pytest.mark.timeout(60)
 def test_a_huge_last_line_without_a_newline_is_cut_in_the_summary(tmp_path):
     script = tmp_path / "huge.py"
@@ -220,3 +243,53 @@ def test_ctrl_c_ends_the_daemons_of_a_running_job_too(tmp_path):
     assert proc.returncode == 130, err
     assert len(daemons) == 2 and alive == [], err
     assert "dslaunch: ended 2 processes left behind by the job (2 on localhost): " in err
+
+
+@pytest.mark.timeout(60)
+def test_ranks_still_running_long_after_others_exited_0_get_one_note(tmp_path):
+    # Rank 0 exits 0 at once, rank 1 runs on (as a rank waiting in a collective for it would, silently,
+    # until NCCL's timeout): one note names both, after finished_note_s; the job still succeeds.
+    script = tmp_path / "uneven.py"
+    script.write_text('import os, time\nif os.environ["RANK"] == "1":\n    time.sleep(2.5)\n')
+    job = JobConfig(script=str(script), python=sys.executable, master_port=free_port(), cwd=str(tmp_path))
+    plan = make_plan([HostSlots("localhost", (0, 1), gpus=False, local=True)], job, 0)
+    said: list[str] = []
+    runner = get_runner("local")(RunnerOptions(python=sys.executable, grace_period=1.0))
+    code = run_job(lambda _: plan, runner, SuperviseOptions(finished_note_s=1.0), said.append)
+    assert code == 0, said
+    notes = [line for line in said if "exited with code 0" in line]
+    assert len(notes) == 1 and re.fullmatch(
+        r"rank\(s\) 0 exited with code 0 \d s ago and rank\(s\) 1 still run: if those wait in a collective "
+        r"for the finished ones, they wait until its timeout; every rank must reach the same collectives "
+        r"\(Ctrl-C stops the job\)",
+        notes[0],
+    ), said
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_stopped_while_exiting_after_its_own_error_is_not_called_killed(tmp_path):
+    # Rank 1 fails; rank 0 has raised its own error (the error file is written) and is still exiting (an
+    # atexit handler) when the stop reaches it. It was listed as "was killed by SIGKILL (exit code 137);
+    # out of memory?", a victim, with its own error after that.
+    script = tmp_path / "both_fail.py"
+    script.write_text(
+        "import atexit, os, signal, time\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "    atexit.register(time.sleep, 10)\n"
+        "import runtime\n"
+        "from runtime.errors import UserError\n"
+        "time.sleep(1.5 if os.environ['RANK'] == '0' else 0)\n"
+        "raise UserError(f\"shard {os.environ['RANK']} is corrupt\")\n"
+    )
+    args = ["--num_gpus", "2", "--grace_period", "3", "--master_port", str(free_port()), str(script)]
+    result = run_dslaunch(args, timeout=50)
+    assert result.returncode == 2, result.stderr
+    lines = [
+        line for line in result.stderr.splitlines() if line.startswith(("dslaunch: FAILED", "dslaunch: also"))
+    ]
+    assert lines == [
+        "dslaunch: FAILED: rank 1 (local rank 1) on localhost exited with code 2: shard 1 is corrupt",
+        "dslaunch: also: rank 0 (local rank 0) on localhost failed as well (the stop reached it while it "
+        "exited: exit code 137): shard 0 is corrupt",
+    ], result.stderr

@@ -345,6 +345,25 @@ BAD_CASES = [
     ("negative-restarts", None, ["--num_gpus", "1", "--max_restarts", "-1"], ["--max_restarts -1"]),
     ("unknown-launcher", None, ["--num_gpus", "1", "--launcher", "carrier-pigeon"], ["unknown launcher"]),
     ("unknown-flag", None, ["--num_gpu", "1"], ["--num_gpu"]),
+    # checked with the other flags, before a port is bound or the head writes a log (were tracebacks)
+    ("port-too-big", None, ["--num_gpus", "1", "--master_port", "70000"], ["--master_port 70000: not a TCP"]),
+    ("port-negative", None, ["--num_gpus", "1", "--master_port", "-5"], ["--master_port -5: not a TCP port"]),
+    ("ssh-port", None, ["--num_gpus", "1", "--ssh_port", "0"], ["--ssh_port 0: not a TCP port"]),
+    ("log-dir-a-file", None, ["--num_gpus", "1", "--log_dir", "/dev/null"], ["/dev/null: is a file"]),
+    # rank 0 starts here and cannot serve the rendezvous there: the ranks waited 30 minutes
+    (
+        "master-addr-unresolvable",
+        None,
+        ["--num_gpus", "1", "--master_addr", "nosuchhost.invalid"],
+        ["nosuchhost.invalid does not resolve here"],
+    ),
+    (
+        "master-addr-elsewhere",
+        None,
+        ["--num_gpus", "1", "--master_addr", "192.0.2.1"],  # TEST-NET-1: never this machine's
+        ["rank 0 runs on this machine, but 192.0.2.1 is not an address of this machine"],
+    ),
+    ("log-dir-under-a-file", None, ["--num_gpus", "1", "--log_dir", "/dev/null/x"], ["cannot create it"]),
 ]
 
 

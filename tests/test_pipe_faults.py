@@ -92,6 +92,24 @@ def test_degrees_and_layer_counts_that_cannot_be_laid_out() -> None:
     assert check_schedule(read_pipeline_section({}), 4, 1, 2) == "gpipe"
 
 
+def test_layer_specs_are_checked_when_written_with_names_the_same_on_every_rank() -> None:
+    from runtime.pipe import LayerSpec
+
+    # the arguments against the class's constructor: it used to be a TypeError when a stage built it
+    assert _message(lambda: LayerSpec(nn.Linear, 4)) == (
+        "LayerSpec(Linear, ...): the arguments do not fit Linear(in_features: int, out_features: int, "
+        "bias: bool = True, device=None, dtype=None): missing a required argument: 'out_features'"
+    )
+    # no memory address (it differs per rank, so the launcher could not fold the ranks' errors)
+    assert (
+        _message(lambda: LayerSpec(torch.tanh))
+        == "LayerSpec needs an nn.Module subclass, got function torch.tanh"
+    )
+    assert _message(lambda: LayerSpec(lambda x: x)) == (
+        "LayerSpec needs an nn.Module subclass, got function tests.test_pipe_faults.<lambda>"
+    )
+
+
 def test_a_pipeline_checkpoint_root_and_the_random_streams_refuse_in_one_line(tmp_path: Path) -> None:
     from runtime.parallel.rng import RNGStatesTracker
     from runtime.pipe.checkpoint import pipeline_stage_dirs
@@ -108,6 +126,20 @@ def test_a_pipeline_checkpoint_root_and_the_random_streams_refuse_in_one_line(tm
     assert _message(lambda: tracker.add("b", 7)) == (
         "RNG tracker: seed 7 already starts another stream; give 'b' its own"
     )
+
+
+def test_a_stage_folder_given_as_the_checkpoint_directory_names_the_directory(tmp_path: Path) -> None:
+    from runtime.parallel.folders import data_parallel_root, misplaced_root
+
+    stage = tmp_path / "pipe_stage_01_of_04"
+    stage.mkdir()
+    (stage / "latest").write_text("t1")  # a stage folder is a ZeRO checkpoint of its own: it used to load
+    expected = (
+        f"{stage} is one rank's part of a checkpoint saved with 4 pipeline stages, not a checkpoint "
+        "directory: load_checkpoint takes the directory save_checkpoint was given"
+    )
+    assert _message(lambda: data_parallel_root(stage)) == expected
+    assert str(misplaced_root(stage)) == expected and misplaced_root(tmp_path) is None
 
 
 def test_the_error_file_names_the_exception_behind_a_pipeline_stage() -> None:
@@ -145,7 +177,7 @@ class _OddMLP(nn.Module):
 
 def _engine_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     import runtime
-    from runtime.pipe import LayerSpec, PipelineEngine, PipelineModule
+    from runtime.pipe import LayerSpec, PipelineEngine, PipelineModule, TiedLayerSpec
     from tests.tp_models import GPT2Block, TinyLM, lm_batch, lm_loss
 
     def pipe(**extra: Any) -> dict[str, Any]:
@@ -173,7 +205,26 @@ def _engine_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     )
     out["no_params"] = _message(lambda: PipelineEngine(no_params, pipe()))
     engine = PipelineEngine(module, pipe())
+    out["stage"] = engine.stage_id
     out["micro_size"] = _message(lambda: engine.train_batch(batches(rows=3)))  # on every rank, no hang
+    out["a_list"] = _message(lambda: engine.train_batch(list(batches(rows=4))))
+    # PipelineModule's arguments, checked on every rank before anything is built (a layer that is no
+    # layer used to fail only on the stage owning it; wrong types deep inside, as AttributeError etc.)
+    specs = [LayerSpec(nn.Linear, 4, 8), LayerSpec(nn.Linear, 8, 2)]
+    out["arguments"] = [
+        _message(lambda: PipelineModule(specs, num_stages="2")),
+        _message(lambda: PipelineModule(specs, num_stages=2, partition_method=3)),
+        _message(lambda: PipelineModule(specs, num_stages=2, loss_fn="mse")),
+        _message(lambda: PipelineModule([*specs, 3], num_stages=2)),
+        # a misspelt tied attribute left the copies untied, silently
+        _message(
+            lambda: PipelineModule(
+                [TiedLayerSpec("e", nn.Linear, 4, 4, tied_weight_attr="wieght"), nn.Tanh()] * 2,
+                num_stages=2,
+                partition_method="uniform",
+            )
+        ),
+    ]
     # fewer micro-batches than stages: trains (GPipe), the loss is the forward's
     engine = PipelineEngine(mlp(), pipe(gradient_accumulation_steps=1, train_batch_size=4))
     out["one_micro_eval"] = float(engine.eval_batch(batches(4, 1)))
@@ -189,6 +240,9 @@ def _engine_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
 
     out["heads"] = _message(lambda: runtime.initialize(model=lm(heads=1), config=tp(2)))
     out["width"] = _message(lambda: runtime.initialize(model=_OddMLP(), config=tp(2)))
+    # nothing AutoTP knows by name: it used to train with every weight whole on every rank
+    plain_mlp = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    out["no_projection"] = _message(lambda: runtime.initialize(model=plain_mlp, config=tp(2)))
     out["tp_world"] = _message(lambda: runtime.initialize(model=lm(), config=tp(4)))
     # autotp_size 1 is the plain engine: the same loss as without the section
     losses = []
@@ -236,6 +290,19 @@ def test_pipeline_engine_input_errors_are_one_line_on_every_rank(faults: list[di
         assert r["micro_size"] == (
             "the data iterator gave a micro-batch of 3 samples, but train_micro_batch_size_per_gpu is 4"
         )
+        assert r["a_list"] == (
+            f"stage {r['stage']}: the data iterator is a list, not an iterator: pass iter(...) of it (each "
+            "next() is one micro-batch), or deepspeed.utils.RepeatingLoader(...) to go round it again"
+        )
+        assert r["arguments"] == [
+            "PipelineModule(num_stages='2'): expected an integer >= 1, got str '2'",
+            "PipelineModule(partition_method=...): expected a string ('parameters', 'uniform' or "
+            "'type:REGEX'), got int 3",
+            "PipelineModule(loss_fn=...): expected a function (or None), got str 'mse'",
+            "PipelineModule layer 2 is int 3: not a LayerSpec, nn.Module or callable",
+            "TiedLayerSpec('e', Linear, tied_weight_attr='wieght'): Linear has no parameter 'wieght' "
+            "(its own: weight, bias)",
+        ]
         assert r["one_micro_schedule"] == "gpipe"
         assert r["one_micro_train"] == pytest.approx(r["one_micro_eval"], rel=1e-6)
 
@@ -245,6 +312,11 @@ def test_tensor_parallel_input_errors_are_one_line_naming_the_degree(faults: lis
         assert r["heads"] == "tensor_parallel.autotp_size 2 does not divide h.0.attn.num_heads = 1"
         assert r["width"] == (
             "tensor_parallel.autotp_size 2 does not divide dim 0 (3) of the weight up_proj of shape (3, 4)"
+        )
+        assert r["no_projection"] == (
+            "tensor_parallel.autotp_size 2: AutoTP finds no projection to shard in Sequential: it knows "
+            "Linear layers named q_proj, k_proj, v_proj, gate_proj, up_proj, o_proj, down_proj and Conv1D "
+            "layers named c_attn, c_fc, c_proj; its layers with weights to split are 0 (Linear), 2 (Linear)"
         )
         assert r["tp_world"] == (
             "tensor_parallel.autotp_size: 4 does not divide the world size 2: each data-parallel replica "

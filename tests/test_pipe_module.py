@@ -325,7 +325,7 @@ def test_bad_input_is_refused_before_training(results: list[dict]) -> None:
             "the pipeline has 4 stages x 3 chunks = 12 chunks but only 8 layers; every chunk needs at least "
             "one layer"
         )
-        assert r["zero_chunks"] == "PipelineModule(chunks_per_stage=0): must be at least 1"
+        assert r["zero_chunks"] == "PipelineModule(chunks_per_stage=0): expected an integer >= 1, got int 0"
         assert r["gpipe_chunks"] == (
             "pipeline.schedule: 'gpipe' runs one chunk per stage but the PipelineModule holds 2 chunks per "
             "stage; use one of ['interleaved_1f1b', 'looped_bfs']"

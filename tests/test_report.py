@@ -206,6 +206,27 @@ def test_bad_usage_exits_2_with_a_clear_message(tmp_path: Path) -> None:
         assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+def test_many_hosts_failing_the_same_way_are_one_row_and_one_fix(tmp_path: Path) -> None:
+    # 12 names that never resolve (RFC 6761's .invalid), through the real SSH code: one row per cause as
+    # the launcher's preflight prints them. It used to print 12 rows with the same fix each, and a verdict
+    # naming all 12.
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"node{i}.invalid slots=1\n" for i in range(12)))
+    proc = run_report("--hostfile", str(hostfile), env={"NO_COLOR": "1"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    hosts = proc.stdout[proc.stdout.index("\nhosts ") + 1 :].splitlines()
+    assert re.fullmatch(
+        r"hosts +12 hosts +FAIL +ssh: node0\.invalid, node1\.invalid, node2\.invalid \.\.\. and 9 more: "
+        r"host name does not resolve \(e\.g\. 'node0\.invalid': .*\)",
+        hosts[0],
+    ), hosts[0]
+    assert re.fullmatch(r" +fix: fix the name in the hostfile, .*", hosts[1]), hosts[1]
+    assert hosts[3].startswith(
+        "NOT READY: 12 check(s) failed: node0.invalid:ssh, node1.invalid:ssh, node2.invalid:ssh ... and 9 "
+        "more (see FAIL rows)"
+    )
+
+
 # --- the check runner (in process) ---------------------------------------------------------------------
 
 

@@ -68,6 +68,14 @@ def test_a_rank_caught_by_the_stop_while_exiting_with_the_same_error_is_folded()
     )
 
 
+def test_messages_differing_only_in_a_memory_address_are_folded() -> None:
+    # repr() of a function or object differs per process: the ranks still failed the same way
+    failures = [_fail(r, 2, f"TypeError: got <function f at 0x7f{r}a0>", "user_input") for r in (0, 1)]
+    assert summary_lines(failures, 0, "j")[0] == (
+        "ranks 0-1 failed the same way (exit code 2): TypeError: got <function f at 0x7f0a0>"
+    )
+
+
 def test_failures_without_a_message_are_never_folded() -> None:
     lines = summary_lines([_fail(0, 7), _fail(1, 7)], 0, "j")
     assert lines[0] == "FAILED: rank 0 (local rank 0) on localhost exited with code 7"
@@ -145,6 +153,9 @@ def test_when_every_rank_lost_a_peer_the_first_is_named_and_the_hint_says_what_t
     assert lines[-1].startswith("  hint: no rank failed by itself, each lost a peer: ") and "OOM" in lines[-1]
     alone = summary_lines([_fail(1, 1, GLOO_LOST)], 0, "j")  # its peer vanished without a trace
     assert alone[0].startswith("FAILED: rank 1 ") and alone[-1] == lines[-1]
+    # ...unless the peer was a rank that had exited 0 while the others still ran collectives with it
+    finished = summary_lines([_fail(0, 1, GLOO_LOST)], 0, "j", finished=[1, 2, 3])
+    assert finished[-1].startswith("  hint: ranks 1-3 had already exited with code 0 while the others still ")
 
 
 def test_the_tail_is_capped_in_bytes_keeping_the_end_of_each_line() -> None:

@@ -53,7 +53,8 @@ def ssh_runner(ssh_config: Path | None = None, ssh_port: int | None = None) -> R
             return ssh.run(ssh.resolve(host, settings, config), command, settings, timeout=timeout)
         except ssh.SSHHostError as error:
             hint = f" (fix: {error.hint})" if error.hint else ""
-            raise HostUnreachable(f"{error.cause.value}: {error.detail}{hint}") from error
+            message = f"{error.cause.value}: {error.detail}{hint}"
+            raise HostUnreachable(message, error.cause.value, error.hint) from error
 
     return run_on_host
 

@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from launcher.report.runner import CheckResult, Status, one_line_reason
@@ -31,7 +31,12 @@ _NO_PYTHON_RC = 102
 
 
 class HostUnreachable(Exception):
-    """The transport could not run the command on the host; ``str()`` is the cause and the fix."""
+    """The transport could not run the command on the host; ``str()`` is the cause and the fix, also
+    kept apart (``cause``, ``fix``) so that hosts failing the same way can be shown as one."""
+
+    def __init__(self, message: str, cause: str = "", fix: str = "") -> None:
+        super().__init__(message)
+        self.cause, self.fix = cause, fix
 
 
 # (host, shell command, timeout seconds) -> (exit code, stdout, stderr). Raises HostUnreachable.
@@ -170,6 +175,8 @@ class HostAnswer:
     seconds: float = 0.0
     received: float = 0.0  # time.time() here when the answer arrived
     unreachable: str | None = None  # why the command could not run at all
+    cause: str = ""  # ... and its cause and fix apart (HostUnreachable's)
+    fix: str = ""
 
 
 def ask_host(host: HostSpec, run_on_host: RunOnHost, python: str) -> HostAnswer:
@@ -178,7 +185,7 @@ def ask_host(host: HostSpec, run_on_host: RunOnHost, python: str) -> HostAnswer:
     try:
         rc, out, err = run_on_host(host.name, facts_command(python), REMOTE_TIMEOUT_S)
     except HostUnreachable as error:
-        return HostAnswer(host, unreachable=str(error))
+        return HostAnswer(host, unreachable=str(error), cause=error.cause, fix=error.fix)
     except Exception as error:
         return HostAnswer(host, unreachable=one_line_reason(error))
     return HostAnswer(host, rc, out, err, time.perf_counter() - started, time.time())
@@ -205,7 +212,8 @@ def judge_host(answer: HostAnswer, local: LocalFacts) -> list[CheckResult]:
     """One host's checks from its answer; never raises."""
     name = answer.host.name
     if answer.unreachable is not None:
-        return [_result(name, "ssh", Status.FAIL, answer.unreachable)]
+        failed = _result(name, "ssh", Status.FAIL, answer.unreachable)
+        return [replace(failed, cause=answer.cause, fix=answer.fix)]
     reached = _result(name, "ssh", Status.OK, f"answered in {answer.seconds:.1f} s")
     if answer.rc == _NO_PYTHON_RC:
         missing = (

@@ -65,9 +65,13 @@ class CheckResult:
     # None for this machine; the hostfile's host name for remote checks.
     host: str | None = None
     seconds: float = 0.0
+    # A failure's cause in words that hosts failing the same way share ("connection refused"), and its
+    # fix: the table shows such hosts as one row and one fix. Empty: the detail is the whole story.
+    cause: str = ""
+    fix: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "name": self.name,
             "section": self.section,
             "status": self.status.value,
@@ -75,6 +79,7 @@ class CheckResult:
             "host": self.host,
             "seconds": round(self.seconds, 3),
         }
+        return out | ({"cause": self.cause, "fix": self.fix} if self.cause else {})
 
 
 class CheckTimeout(Exception):

@@ -80,6 +80,13 @@ def resolve_batch(r: SectionReader, world_size: int) -> tuple[int, int, int]:
         return total.value // denominator  # type: ignore[operator]
 
     if tbs.value is None and micro.value is None:
+        auto = [t.name for t in (tbs, micro) if t.source == '"auto"']
+        if len(auto) == 1:  # the other one is missing: "neither is given" would deny what is plainly there
+            other = "train_batch_size" if auto[0] != "train_batch_size" else "train_micro_batch_size_per_gpu"
+            raise BatchSizeError(
+                auto[0],
+                f'"auto" is derived from {other}, which is not given; set one of the two to a number',
+            )
         if tbs.source == micro.source == '"auto"':
             raise BatchSizeError(
                 "train_batch_size",

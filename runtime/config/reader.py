@@ -122,27 +122,94 @@ _StrictYamlLoader.add_implicit_resolver(
 )
 
 
+# A file that cannot be parsed has no key to fix: its own hint says what to fix in the text.
+FILE_HINT = (
+    "fix the file's text (a JSON config is one object in double quotes, without comments or trailing commas)"
+)
+YAML_HINT = "fix the file's text at that line (a YAML config is one mapping of keys to values)"
+
+
+def _syntax_hint(text: str, line: int, column: int) -> str:
+    """A hint naming the usual cause of a JSON syntax error at (line, column), from the text around it."""
+    lines = text.splitlines() or [""]
+    current = lines[min(line, len(lines)) - 1]
+    before = "\n".join([*lines[: line - 1], current[: column - 1]]).rstrip()
+    here = current[column - 1 :].lstrip()
+    if before.endswith(",") and here[:1] in ("}", "]", ""):
+        return "remove the trailing comma before it: JSON allows none after a list's or object's last item"
+    if here.startswith(("//", "/*", "#")):
+        return "remove the comment: JSON has none (a .yaml config may have # comments)"
+    if here.startswith("'"):
+        return "use double quotes: JSON strings and keys take no single quotes"
+    if line == 1 and column == 1 and _is_yaml_mapping(text):
+        return "the text is YAML: name the file .yaml (or .yml) to read it as YAML"
+    return FILE_HINT
+
+
+def _is_yaml_mapping(text: str) -> bool:
+    try:
+        return isinstance(yaml.safe_load(text), Mapping)
+    except yaml.YAMLError:
+        return False
+
+
+def _read_text(file: Path, path: str | os.PathLike) -> str:
+    """The file's text as UTF-8 (a leading byte-order mark, as some Windows editors write, is skipped)."""
+    if file.is_dir():
+        raise ConfigError(str(path), "is a directory, not a config file", hint="name the file in it")
+    if not file.exists():
+        where = f"check the path (a relative one starts at the current directory, {os.getcwd()})"
+        raise ConfigError(str(path), "config file not found", hint=where)
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(str(path), f"cannot be read: {reason}", hint="check its permissions") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        utf16 = ": it is UTF-16" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise ConfigError(
+            str(path),
+            f"not UTF-8 text (byte {exc.start} is 0x{data[exc.start]:02x}){utf16}",
+            hint="save the file as UTF-8",
+        ) from None
+
+
 def read_config_file(path: str | os.PathLike) -> Any:
-    """Parse a .json / .yaml / .yml config file; other suffixes are read as JSON."""
+    """Parse a .json / .yaml / .yml config file; other suffixes are read as JSON. Every way the file can be
+    unreadable (missing, a directory, not UTF-8, not parseable, empty) is one ConfigError naming it."""
     file = Path(path)
-    if not file.is_file():
-        raise ConfigError(str(path), "config file not found")
-    text = file.read_text()
+    text = _read_text(file, path)
+    if not text.strip():
+        raise ConfigError(str(path), "the config file is empty", hint="write the config's JSON object in it")
     if file.suffix.lower() in (".yaml", ".yml"):
         try:
             loader = _StrictYamlLoader(text)
             loader.name = str(file)
             try:
-                return loader.get_single_data()
+                data = loader.get_single_data()
             finally:
                 loader.dispose()
+        except yaml.MarkedYAMLError as exc:
+            # PyYAML's own text spans several lines with a drawing of the spot; one line names the same
+            mark = exc.problem_mark or exc.context_mark
+            where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
+            problem = f"not valid YAML: {where}{exc.problem or exc.context}"
+            raise ConfigError(str(path), problem, hint=YAML_HINT) from None
         except yaml.YAMLError as exc:
-            raise ConfigError(str(path), f"not valid YAML: {exc}") from None
+            problem = f"not valid YAML: {' '.join(str(exc).split())}"
+            raise ConfigError(str(path), problem, hint=YAML_HINT) from None
+        if data is None:
+            raise ConfigError(str(path), "the config file is empty", hint="write the config's keys in it")
+        return data
     try:
         return json.loads(text, object_pairs_hook=_no_duplicate_pairs(str(path)))
     except json.JSONDecodeError as exc:
         raise ConfigError(
-            str(path), f"not valid JSON: line {exc.lineno} column {exc.colno}: {exc.msg}"
+            str(path),
+            f"not valid JSON: line {exc.lineno} column {exc.colno}: {exc.msg}",
+            hint=_syntax_hint(text, exc.lineno, exc.colno),
         ) from None
 
 

@@ -47,6 +47,13 @@ def read_micro_batches(
                 "no data iterator: pass train_batch(data_iter) / eval_batch(data_iter) on the first and "
                 "last stage, or give runtime.initialize(training_data=...)"
             )
+        elif not hasattr(data_iter, "__next__"):
+            # DeepSpeed calls next() on it too; a list or a DataLoader would start over at every batch
+            what = type(data_iter).__name__
+            problem = (
+                f"the data iterator is a {what}, not an iterator: pass iter(...) of it (each next() is one "
+                "micro-batch), or deepspeed.utils.RepeatingLoader(...) to go round it again"
+            )
         else:
             for _ in range(count):
                 try:

@@ -17,6 +17,7 @@ activation checkpointing of every `activation_checkpoint_interval` layers of the
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from runtime.ds_utils import set_random_seed
 from runtime.parallel.grid import ParallelGrid
 from runtime.parallel.topology import PipeDataParallelTopology, ProcessTopology
-from runtime.pipe.config import PipelineError
+from runtime.pipe.config import PipelineError, check_module_arguments, describe_object
 from runtime.pipe.partition import check_partition_method, partition_layers, virtual_stages
 
 
@@ -38,10 +39,20 @@ class LayerSpec:
     def __init__(self, typename: type[nn.Module], *module_args: Any, **module_kwargs: Any) -> None:
         if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
             raise PipelineError(
-                f"LayerSpec needs an nn.Module subclass, got {typename!r}",
+                f"LayerSpec needs an nn.Module subclass, got {describe_object(typename)}",
                 hint="pass the class and its arguments, LayerSpec(nn.Linear, 4, 8); put a plain function "
                 "in the layer list as it is",
             )
+        try:  # arguments that cannot reach the constructor fail here, on every rank, not when a stage builds
+            inspect.signature(typename).bind(*module_args, **module_kwargs)
+        except TypeError as error:
+            raise PipelineError(
+                f"LayerSpec({typename.__name__}, ...): the arguments do not fit {typename.__name__}"
+                f"{str(inspect.signature(typename)).removesuffix(' -> None')}: {error}",
+                hint="LayerSpec(cls, *args, **kwargs) builds cls(*args, **kwargs) on the stage that owns it",
+            ) from None
+        except ValueError:  # no signature to check (a class implemented in C): the build will tell
+            pass
         self.typename = typename
         self.module_args = module_args
         self.module_kwargs = module_kwargs
@@ -166,6 +177,19 @@ class StageChunk(nn.Module):
         return x
 
 
+def _check_tied_attrs(spec: TiedLayerSpec, module: nn.Module) -> None:
+    """Each tied_weight_attr must name a parameter of the built module: a misspelt one would leave the
+    copies on the stages untied, silently (or fail deep inside the engine's broadcast)."""
+    for attr in spec.tied_weight_attr:
+        if not isinstance(getattr(module, attr, None), nn.Parameter):
+            kind = type(module).__name__
+            own = ", ".join(name for name, _ in module.named_parameters(recurse=False)) or "none"
+            raise PipelineError(
+                f"TiedLayerSpec({spec.key!r}, {kind}, tied_weight_attr={attr!r}): {kind} has no parameter "
+                f"{attr!r} (its own: {own})"
+            )
+
+
 class PipelineModule(nn.Module):
     """A sequence of layers split into pipeline stages; this rank holds only its stage's layers.
 
@@ -211,12 +235,14 @@ class PipelineModule(nn.Module):
         self._layer_specs = list(layers)
         if not self._layer_specs:
             raise PipelineError("PipelineModule(layers=...) is empty: a pipeline needs at least one layer")
+        check_module_arguments(locals())
         check_partition_method(partition_method)
-        if activation_checkpoint_interval < 0:
-            raise PipelineError(
-                f"PipelineModule(activation_checkpoint_interval={activation_checkpoint_interval}): must be "
-                ">= 0 (0: no activation checkpointing)"
-            )
+        for index, layer in enumerate(self._layer_specs):  # every rank checks every layer, not only its own
+            if not (isinstance(layer, (LayerSpec, nn.Module)) or callable(layer)):
+                raise PipelineError(
+                    f"PipelineModule layer {index} is {describe_object(layer)}: not a LayerSpec, nn.Module "
+                    "or callable"
+                )
         world = dist.get_world_size()
         if topology is None:
             if num_stages is None:
@@ -247,8 +273,6 @@ class PipelineModule(nn.Module):
         self.partition_method = partition_method
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.checkpointable_layers = list(checkpointable_layers) if checkpointable_layers else None
-        if chunks_per_stage < 1:
-            raise PipelineError(f"PipelineModule(chunks_per_stage={chunks_per_stage}): must be at least 1")
         self.chunks_per_stage = chunks_per_stage
         self.num_virtual_stages = self.num_stages * chunks_per_stage
         if chunks_per_stage > 1 and len(self._layer_specs) < self.num_virtual_stages:
@@ -309,7 +333,9 @@ class PipelineModule(nn.Module):
             if layer.key not in self.tied_modules:
                 if self.seed_layers:
                     self._seed(first_use[layer.key])
-                self.tied_modules[layer.key] = layer.build()
+                module = layer.build()
+                _check_tied_attrs(layer, module)
+                self.tied_modules[layer.key] = module
                 self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
             elif self.seed_layers:
                 self._seed(index)

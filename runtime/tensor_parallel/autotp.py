@@ -173,6 +173,28 @@ def _check_divisible(model: nn.Module, plan: dict[str, ParallelStyle], tp_size: 
             )
 
 
+def nothing_to_shard(model: nn.Module, tp_size: int) -> TensorParallelError:
+    """The error for a model none of whose layers AutoTP knows by name: it names the ones it saw, since
+    training on would keep every weight whole on every rank (tensor parallelism in name only)."""
+    seen = [
+        f"{name} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Conv1d)) or is_conv1d(module)
+    ]
+    found = (
+        f"its layers with weights to split are {', '.join(seen[:6])}" if seen else "it has no Linear layer"
+    )
+    more = f" and {len(seen) - 6} more" if len(seen) > 6 else ""
+    known = ", ".join(COLWISE_NAMES[:5] + ROWWISE_NAMES[:2])
+    return TensorParallelError(
+        f"tensor_parallel.autotp_size {tp_size}: AutoTP finds no projection to shard in "
+        f"{type(model).__name__}: it knows Linear layers named {known}"
+        f" and Conv1D layers named c_attn, c_fc, c_proj; {found}{more}",
+        hint='use "autotp_size": 1 (no tensor parallelism) for this model, or name its projections as '
+        "Hugging Face's Llama or GPT-2 blocks do",
+    )
+
+
 def tp_model_init(
     model: nn.Module,
     tp_size: int,
@@ -201,10 +223,7 @@ def tp_model_init(
         raise TensorParallelError(f"the model mesh has {mesh.size()} ranks but tp_size is {tp_size}")
     plan = tp_plan(model)
     if not plan:
-        raise TensorParallelError(
-            "tp_model_init found no projection to shard; it knows Linear layers named "
-            f"{COLWISE_NAMES[:5] + ROWWISE_NAMES[:2]} and Conv1D layers named c_attn, c_fc, c_proj"
-        )
+        raise nothing_to_shard(model, tp_size)
     if tp_size == 1:
         return model
     _check_divisible(model, plan, tp_size)

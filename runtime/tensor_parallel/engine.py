@@ -134,10 +134,8 @@ class TensorParallelEngine(MpuEngine):
         # the user's parameters (a client optimizer's groups, model_parameters) by name, before AutoTP
         # replaces them with their shards
         names = {param: name for name, param in model.named_parameters()}
-        from runtime.tensor_parallel.autotp import tp_plan
-
-        if tp_plan(model):
-            tp_model_init(model, tp, mesh=grid.mesh["model"])
+        # the whole model: nothing to shard is an error (a pipeline stage may hold none, see above)
+        tp_model_init(model, tp, mesh=grid.mesh["model"])
         sharded = localize_parameters(model)
         now = {_plain_name(name): param for name, param in model.named_parameters()}
         super().__init__(

@@ -3,8 +3,9 @@
 Forward values and gradients (input and parameters) against the plain module and against
 ``F.cross_entropy(hidden @ W.T, labels, ignore_index=-100)``, over several tile counts with an uneven last
 tile, more tiles than tokens, fp32 and bf16; DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` call
-signatures; a tiny HF Llama trained 4 steps with both tiled equal to the plain model, in one process and
-at ZeRO-3 over 2 gloo ranks (parameters sharded, so the tiles must run on gathered weights); bad input.
+signatures; a tiny HF Llama trained 4 steps with both tiled (and its layers checkpointed) equal to the plain
+model, in one process and at ZeRO-3 over 2 gloo ranks (parameters sharded, so the tiles must run on
+gathered weights); bad input.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime
+from runtime.checkpointing import hf_checkpointing
 from runtime.errors import UserError
 from runtime.sequence import (
     loss_tiles,
@@ -218,6 +220,7 @@ def _train_llama(rank: int, stage: int, tiled: bool) -> dict[str, Any]:
     if tiled:
         assert tile_llama_mlps(model, tiles=3) == 2
         tile_causal_lm_loss(model, tiles=4)
+        hf_checkpointing(model)  # as ALST runs: every layer recomputed, its MLP tiles recomputed again
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 0,

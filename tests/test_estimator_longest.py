@@ -56,7 +56,7 @@ def test_longest_sequence_is_the_edge_and_names_what_stops_it() -> None:
     on_gpu = longest_sequence(LLAMA_8B, H200, LongSequenceSetup(cpu_checkpointing=False))
     plain = LongSequenceSetup(tiled_mlp=False, tiled_loss=False, cpu_checkpointing=False)
     assert on_gpu.seq_len > 3 * found.seq_len
-    assert longest_sequence(LLAMA_8B, H200, plain).seq_len < on_gpu.seq_len / 4
+    assert longest_sequence(LLAMA_8B, H200, plain).seq_len < on_gpu.seq_len / 3
 
 
 def test_command_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,10 +14,11 @@ GPU, per token of the sequence (w = bytes of the working dtype, h = hidden size,
   elements in w bytes, plus RMSNorm's fp32 upcasts of the two normed inputs (2 x 4 h);
 - the MLP: untiled, gate/up/act/product (4 x I) and their gradients (4 x I) per token; tiled, only its
   input, output and their gradients (4 h) per token, and one tile (ceil(seq / h) tiles, so about h tokens)
-  of 8 x I elements: a constant;
+  of 8 x I elements and the layer's weight gradients summed in fp32 (3 h I x 4): constants;
 - the loss: untiled, the logits (w), their fp32 copy and its gradient (4 + 4) per vocabulary entry per
   token; tiled, the final hidden states and their gradient (2 h w) per token, and one tile of logits (at
-  most ``LOGITS_TILE_BYTES`` in fp32) about ``LOSS_TILE_COPIES`` times: a constant;
+  most ``LOGITS_TILE_BYTES`` in fp32) about ``LOSS_TILE_COPIES`` times and the head's weight gradient
+  summed in fp32 (vocab x h x 4): constants;
 - the residual stream and its gradient between layers (2 h w).
 
 Host, per token: ``L x h x w`` with ``cpu_checkpointing`` (pinned, as the side-stream copies need).
@@ -123,11 +124,13 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
     if setup.tiled_mlp:
         per_token += 4 * h * w
         fixed += min(seq, math.ceil(seq / mlp_tiles(seq, h))) * 8 * i * w
+        fixed += 3 * h * i * FP32 if w < FP32 else 0  # one layer's weight gradients summed in fp32
     else:
         per_token += 8 * i * w
     if setup.tiled_loss:
         per_token += 2 * h * w
         fixed += int(min(seq * shape.vocab_size * FP32, LOGITS_TILE_BYTES) * LOSS_TILE_COPIES)
+        fixed += shape.vocab_size * h * FP32  # the head's weight gradient, summed over tiles in fp32
     else:
         per_token += shape.vocab_size * (w + FP32 + FP32)
     gpu = (

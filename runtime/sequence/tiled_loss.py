@@ -183,8 +183,13 @@ def tiled_causal_lm_loss(
     count = tiles if tiles != "auto" else loss_tiles(tokens, weight.shape[0])
     count = check_tiles(count, "tiled_causal_lm_loss(tiles=...)")
 
+    # which tiles count any label, read with one device synchronization for all of them (the tiles are
+    # visited once each, in order, by the forward or the no-grad path)
+    flags = torch.stack([(t != ignore_index).any() for t in labels.reshape(-1).chunk(count)])
+    counting = iter(flags.tolist())
+
     def tile_loss(x: torch.Tensor, y: torch.Tensor, _mask: Any) -> torch.Tensor | None:
-        if not bool((y != ignore_index).any()):
+        if not next(counting):
             return None  # nothing counts here: no logits at all
         logits = F.linear(x, weight, bias).float()
         return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum")

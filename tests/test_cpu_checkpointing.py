@@ -98,6 +98,9 @@ def test_hf_layers_checkpoint_through_runtime_with_cpu_checkpointing_on() -> Non
     kept_on_host = _losses_and_grads("cpu", checkpoint=True, cpu=True)
     _assert_same(kept_on_host, plain)
     assert kept_on_host["recomputed"] == 2 * 3  # every layer of both steps went through our checkpoint
+    # what the host copies would take on a GPU: exactly the three layers' inputs (on the CPU they stay put)
+    layer_input = 2 * SEQ * 32 * 4  # [batch, seq, hidden] fp32
+    assert [k.device_bytes_kept for k in kept_on_host["kept"]] == [3 * layer_input] * 2
 
 
 @pytest.mark.gpu

@@ -169,10 +169,16 @@ def test_deepspeed_names_keep_their_signatures_and_ulysses_is_refused() -> None:
     assert torch.allclose(h.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
     assert torch.allclose(head.weight.grad, ref_head.weight.grad, rtol=1e-5, atol=1e-6)
 
-    with pytest.raises(NotImplementedError) as refused:
-        ulysses_sp.UlyssesSPAttentionHF()
-    assert "sequence parallelism (Ulysses)" in str(refused.value)
-    assert "planned, issue 34" in str(refused.value)
+    # constructed, or registered as Accelerate's sp_backend="deepspeed" does: refused by name
+    for refuse in (
+        ulysses_sp.UlyssesSPAttentionHF,
+        ulysses_sp.UlyssesSPDataLoaderAdapter,
+        lambda: ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=None),
+    ):
+        with pytest.raises(NotImplementedError) as refused:
+            refuse()
+        assert "sequence parallelism (Ulysses)" in str(refused.value)
+        assert "planned, issue 34" in str(refused.value)
 
 
 def test_bad_input_is_one_line_naming_the_argument() -> None:

@@ -23,7 +23,7 @@ from runtime.errors import UserError
 from runtime.sequence.tiled_loss import tiled_loss
 from runtime.sequence.tiled_mlp import tiled_mlp, trainable_params
 from runtime.sequence.tiles import check_tiles
-from runtime.unsupported import unsupported_class
+from runtime.unsupported import unsupported_callable, unsupported_class
 
 __all__ = ["TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
 
@@ -34,6 +34,11 @@ _ULYSSES_ALTERNATIVE = (
 )
 
 UlyssesSPAttentionHF = unsupported_class("UlyssesSPAttentionHF", _ULYSSES, _ULYSSES_ALTERNATIVE)
+# Accelerate's sp_backend="deepspeed" path calls this class method (after reading its signature) rather
+# than constructing the class: it must exist and refuse by name, not fail as an AttributeError
+UlyssesSPAttentionHF.register_with_transformers = staticmethod(  # type: ignore[attr-defined]
+    unsupported_callable("register_with_transformers", _ULYSSES, _ULYSSES_ALTERNATIVE)
+)
 UlyssesSPDataLoaderAdapter = unsupported_class("UlyssesSPDataLoaderAdapter", _ULYSSES, _ULYSSES_ALTERNATIVE)
 
 

@@ -41,7 +41,7 @@ def test_stash_returns_the_values_from_host_copies_and_prefetches_backwards() ->
     assert torch.equal(stash.take(copies[2]), inputs[2])
     assert torch.equal(stash.take(copies[1]), inputs[1])
     assert torch.equal(stash.take(copies[0]), inputs[0])
-    assert stash.prefetches == 3  # every take but the first found its tensor already on the way
+    assert stash.prefetched == 3  # every take but the first found its tensor already on the way
     assert torch.equal(stash.take(copies[2]), inputs[2])  # taken again (retain_graph): still there
 
 

@@ -54,7 +54,7 @@ class HostStash:
     def __init__(self) -> None:
         self._streams: dict[torch.device, Any] = {}
         self._order: list[weakref.ref[HostCopy]] = []  # kept copies in the order they were put
-        self.prefetches = 0  # how many copies were brought back ahead of need (a counter for tests)
+        self.prefetched = 0  # takes that found their copy already on the way (the overlap's count)
 
     def _stream(self, device: torch.device) -> Any:
         if device.type != "cuda":
@@ -93,7 +93,6 @@ class HostStash:
                 copy.prefetched = copy.host.to(copy.device, non_blocking=True)
                 copy.ready = torch.cuda.Event()
                 copy.ready.record(stream)
-        self.prefetches += 1
 
     def take(self, copy: HostCopy) -> torch.Tensor:
         """The tensor back on its device (usable on the current stream); prefetches the copy put just
@@ -104,10 +103,9 @@ class HostStash:
             earlier = self._order[position - 1]() if position > 0 else None
         else:
             earlier = None  # taken again (retain_graph): no order to follow
-        was_prefetched = copy.prefetched is not None
-        self._prefetch(copy)
-        if not was_prefetched:
-            self.prefetches -= 1  # needed now: not ahead of need
+        if copy.prefetched is not None:
+            self.prefetched += 1
+        self._prefetch(copy)  # a no-op when it is on the way already
         data = copy.prefetched
         assert data is not None
         if copy.ready is not None:

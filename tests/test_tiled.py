@@ -110,6 +110,8 @@ def test_tiled_loss_equals_cross_entropy_with_ignored_tiles_and_the_shift() -> N
     got = _grads(halved, h, w)
     for a, b in zip(got, expected, strict=True):
         assert torch.allclose(a * 2, b, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():  # evaluation: the same value, nothing kept for backward
+        assert torch.allclose(tiled_causal_lm_loss(h, w, labels, tiles=3), expected[0], rtol=1e-6)
     # every label ignored: loss 0 and zero gradients, not the NaN of the plain mean
     none = torch.full_like(labels, -100)
     loss, gh, gw = _grads(lambda h, w: tiled_causal_lm_loss(h, w, none, tiles=2), h, w)

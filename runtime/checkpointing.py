@@ -15,8 +15,10 @@ called first):
   copies of a block's input; each keeps 1/mp of it and the pieces are all-gathered before recomputation.
   With pure data parallelism (no ``mpu``, or a model-parallel group of one rank) it does nothing: data
   parallel ranks hold different activations, so there is nothing to split.
-- ``cpu_checkpointing``: inputs are copied to host memory (pinned when CUDA exists) during the forward and
-  back to the device for recomputation. No effect when the model runs on the CPU.
+- ``cpu_checkpointing``: inputs are copied to pinned host memory on a side stream during the forward and
+  back for recomputation, each one prefetched while the block after it runs its backward
+  (runtime.sequence.host_stash). No effect when the model runs on the CPU. ``hf_checkpointing(model)``
+  routes a HF model's gradient-checkpointed layers through ``checkpoint``, so these options apply there.
 - ``contiguous_memory_optimization``: inputs are copied into ``number_checkpoints`` preallocated slots of
   one buffer per (size, dtype, device), so a long run's saved inputs do not fragment the allocator. A slot
   is free again once autograd drops the saved input (after backward); more live inputs than slots is an
@@ -61,6 +63,7 @@ from runtime.parallel.rng import (
     model_parallel_cuda_manual_seed,
     set_default_mpu,
 )
+from runtime.sequence.host_stash import HostCopy, HostStash
 
 __all__ = [
     "CheckpointSettings",
@@ -71,6 +74,7 @@ __all__ = [
     "configure",
     "configured_mpu",
     "get_cuda_rng_tracker",
+    "hf_checkpointing",
     "is_configured",
     "model_parallel_cuda_manual_seed",
     "release_engine_mpu",
@@ -112,6 +116,7 @@ class _State:
     arena: _Arena | None = None
     stats: CheckpointStats = field(default_factory=CheckpointStats)
     depth: int = 0  # > 0 while a checkpointed forward or a recomputation runs (nested calls)
+    stash: HostStash = field(default_factory=HostStash)  # cpu_checkpointing's host copies
 
 
 _state = _State()
@@ -322,7 +327,7 @@ class _Arena:
 class _Packed:
     """A checkpointed input as kept for backward: flat data (a piece of it when partitioned)."""
 
-    __slots__ = ("__weakref__", "comm", "data", "device", "numel", "shape")
+    __slots__ = ("__weakref__", "comm", "data", "device", "numel", "shape", "stashed")
 
     def __init__(self, shape: torch.Size, device: torch.device, numel: int) -> None:
         self.shape = shape
@@ -330,6 +335,7 @@ class _Packed:
         self.numel = numel
         self.comm: Comm | None = None  # the model-parallel group it was split over, if partitioned
         self.data: torch.Tensor | None = None
+        self.stashed: HostCopy | None = None  # kept in host memory (cpu_checkpointing)
 
 
 def _pack(tensor: torch.Tensor) -> Any:
@@ -348,16 +354,14 @@ def _pack(tensor: torch.Tensor) -> Any:
         data = data.narrow(0, rank * chunk, chunk).clone()  # a copy, so the full input can be freed
         packed.comm = comm
     if chosen.cpu_checkpointing and data.device.type != "cpu":
-        host = torch.empty(data.shape, dtype=data.dtype, pin_memory=accelerator() == "cuda")
-        host.copy_(data, non_blocking=True)
-        data = host
+        # to pinned host memory on the stash's own stream, prefetched back one block ahead in backward;
+        # not into the contiguous slots, which guard the device allocator, not the host's
+        packed.stashed = _state.stash.put(data)
+        _state.stats.host_bytes_kept += data.numel() * data.element_size()
+        return packed
     if _state.arena is not None:
         data = _state.arena.store(data, packed)
-    nbytes = data.numel() * data.element_size()
-    if data.device.type == "cpu" and tensor.device.type != "cpu":
-        _state.stats.host_bytes_kept += nbytes
-    else:
-        _state.stats.device_bytes_kept += nbytes
+    _state.stats.device_bytes_kept += data.numel() * data.element_size()
     if data.data_ptr() == tensor.data_ptr() and packed.comm is None:
         return tensor  # nothing to change: keep the tensor itself (no copy)
     packed.data = data
@@ -367,7 +371,10 @@ def _pack(tensor: torch.Tensor) -> Any:
 def _unpack(packed: Any) -> torch.Tensor:
     if not isinstance(packed, _Packed):
         return packed
-    data = packed.data.to(packed.device, non_blocking=True)
+    if packed.stashed is not None:
+        data = _state.stash.take(packed.stashed)
+    else:
+        data = packed.data.to(packed.device, non_blocking=True)
     comm = packed.comm
     if comm is not None:
         full = torch.empty(data.numel() * comm.world_size, dtype=data.dtype, device=data.device)
@@ -470,3 +477,14 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         _state.stats.forward_calls += 1
         _state.stats.forward_seconds += time.perf_counter() - start
     return out
+
+
+def hf_checkpointing(model: nn.Module) -> nn.Module:
+    """Turn on a Hugging Face model's gradient checkpointing with ``checkpoint`` (this module's, so the
+    ``activation_checkpointing`` options, ``cpu_checkpointing`` included, apply) instead of torch's."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    for module in model.modules():
+        if hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = checkpoint
+    return model

@@ -211,7 +211,7 @@ def test_cli_table_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model_size", "huge"], "unknown model size 'huge'"),
         (["--params", "1e9", "--num_gpus", "0"], "expected a positive integer"),
         (["--params", "1e9", "--stages", "0,4"], "--stages"),
-        ([], "one of the arguments --params --model_size --largest --gpt is required"),
+        ([], "one of the arguments --params --model_size --largest --gpt --longest_seq is required"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

@@ -92,7 +92,10 @@ def test_ds_estimate_says_why_a_size_does_not_fit() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--largest", "--gpu_memory", "139"], "--largest and --gpt need --gpu_memory and --host_memory"),
+        (
+            ["--largest", "--gpu_memory", "139"],
+            "--largest, --gpt and --longest_seq need --gpu_memory and --host_memory",
+        ),
         (
             ["--largest", "--gpu_memory", "139", "--host_memory", "9", "--ratio", "1.5"],
             "from 0 to 1, or auto",

@@ -23,7 +23,7 @@ from dataclasses import asdict
 from torch import nn
 
 from runtime.estimator.fit import gpt_sizes
-from runtime.estimator.fit_cli import fit_options, run_fit
+from runtime.estimator.fit_cli import fit_options, llama_shape, run_fit
 from runtime.estimator.model_states import (
     DEFAULT_BUCKET,
     DTYPE_BYTES,
@@ -232,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument(
         "--gpt", type=_gpt_shape, help="does this GPT (n_embd:n_head:n_layer) train on the machine"
     )
+    what.add_argument(
+        "--longest_seq",
+        type=llama_shape,
+        metavar="1b|8b|H:I:L:HEADS:KV:VOCAB",
+        help="the longest sequence this Llama-shaped model trains on the machine, with the tiled MLP and "
+        "loss and CPU activation checkpoints (runtime.estimator.longest)",
+    )
     parser.add_argument(
         "--largest_layer_params", type=_number, help="the largest layer's parameter count (for stage 3)"
     )
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     fit_options(parser)
     args = parser.parse_args(argv)
-    if args.largest or args.gpt is not None:
+    if args.largest or args.gpt is not None or args.longest_seq is not None:
         return run_fit(parser, args)
     try:
         stages = tuple(int(s) for s in args.stages.split(","))

@@ -1,20 +1,23 @@
-"""``ds_estimate --largest`` and ``ds_estimate --gpt E:H:L``: the machine-fit questions on the command line.
+"""``ds_estimate --largest``, ``--gpt E:H:L``, ``--longest_seq``: the machine-fit questions, as commands.
 
     ds_estimate --largest --gpu_memory 139 --host_memory 125                # ratio "auto", ZeRO-2
     ds_estimate --largest --gpu_memory 139 --host_memory 125 --ratio 1      # full optimizer offload
     ds_estimate --gpt 5120:40:48 --gpu_memory 139 --host_memory 125 --stage 3 --offload_param
+    ds_estimate --longest_seq 8b --gpu_memory 139 --host_memory 125         # tiled MLP and loss
 
-The arithmetic is runtime.estimator.fit's; this module reads the flags, builds the GPT family the search
-walks (head size 128, widths 2048-12288, depths in steps of 2), and prints one line per verdict, or JSON.
+The arithmetic is runtime.estimator.fit's (``--longest_seq``: runtime.estimator.longest's); this module
+reads the flags, builds the GPT family the search walks (head size 128, widths 2048-12288, depths in steps
+of 2), and prints one line per verdict, or JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from runtime.estimator.fit import GIB, Fit, Machine, Workload, fit_gpt, largest_gpt
+from runtime.estimator.longest import LLAMA_SHAPES, LlamaShape, LongSequenceSetup, longest_sequence
 
 WIDTHS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, 10240, 12288)
 
@@ -64,6 +67,27 @@ def fit_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no_activation_checkpointing", action="store_true", help="keep every block's activations"
     )
+    group.add_argument("--no_tiled_mlp", action="store_true", help="--longest_seq: the plain MLP")
+    group.add_argument("--no_tiled_loss", action="store_true", help="--longest_seq: the full logits")
+    group.add_argument(
+        "--no_cpu_checkpointing", action="store_true", help="--longest_seq: layer inputs stay on the GPU"
+    )
+
+
+def llama_shape(text: str) -> LlamaShape:
+    """A ``--longest_seq`` value: a preset (``1b``, ``8b``) or ``H:INTERMEDIATE:LAYERS:HEADS:KV:VOCAB``."""
+    if text.lower() in LLAMA_SHAPES:
+        return LLAMA_SHAPES[text.lower()]
+    try:
+        numbers = [int(part) for part in text.split(":")]
+    except ValueError:
+        numbers = []
+    if len(numbers) != 6 or min(numbers) < 1 or numbers[0] % numbers[3] or numbers[3] % numbers[4]:
+        raise argparse.ArgumentTypeError(
+            f"expected {' or '.join(LLAMA_SHAPES)}, or HIDDEN:INTERMEDIATE:LAYERS:HEADS:KV_HEADS:VOCAB with "
+            f"heads dividing hidden and kv heads dividing heads, got {text!r}"
+        )
+    return LlamaShape(*numbers)
 
 
 def _line(fit: Fit | None, label: str) -> str:
@@ -75,7 +99,7 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from runtime.models.gpt import GPTConfig
 
     if args.gpu_memory is None or args.host_memory is None:
-        parser.error("--largest and --gpt need --gpu_memory and --host_memory (GiB)")
+        parser.error("--largest, --gpt and --longest_seq need --gpu_memory and --host_memory (GiB)")
     if args.offload_param and args.stage != 3:
         parser.error("--offload_param needs --stage 3")
     machine = Machine(gpu_bytes=args.gpu_memory, host_bytes=args.host_memory, gpus_per_node=args.num_gpus)
@@ -93,6 +117,33 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "ratio": args.ratio,
         "host_step": args.host_step,
     }
+    if args.longest_seq is not None:
+        setup = LongSequenceSetup(
+            tiled_mlp=not args.no_tiled_mlp,
+            tiled_loss=not args.no_tiled_loss,
+            cpu_checkpointing=not args.no_cpu_checkpointing,
+            dtype=args.dtype,
+            stage=args.stage,
+            offload_optimizer=not args.no_offload,
+            offload_param=args.offload_param,
+        )
+        found = longest_sequence(args.longest_seq, machine, setup)
+        # host checkpoints trade host memory for GPU memory: where the host is what fills (a large model
+        # with its optimizer state offloaded), keeping them on the GPU can train longer; show both
+        other = replace(setup, cpu_checkpointing=not setup.cpu_checkpointing)
+        alternative = longest_sequence(args.longest_seq, machine, other)
+        label = "without" if setup.cpu_checkpointing else "with"
+        if args.json:
+            print(
+                json.dumps(
+                    asdict(found)
+                    | {"setup": asdict(setup), f"{label}_cpu_checkpointing": asdict(alternative)}
+                )
+            )
+        else:
+            print(found.reason)
+            print(f"{label} cpu_checkpointing: {alternative.reason}")
+        return 0 if found.seq_len else 1
     if args.gpt is not None:
         n_embd, n_head, n_layer = args.gpt
         try:

@@ -1,9 +1,27 @@
 """``deepspeed.runtime``: DeepSpeed's runtime module names over dslaunch's ``runtime`` package."""
 
-from deepspeed.runtime import activation_checkpointing, config, engine, lr_schedules, pipe, utils, zero
+from deepspeed.runtime import (
+    activation_checkpointing,
+    config,
+    engine,
+    lr_schedules,
+    pipe,
+    sequence_parallel,
+    utils,
+    zero,
+)
 from runtime.unsupported import missing_names
 
-__all__ = ["activation_checkpointing", "config", "engine", "lr_schedules", "pipe", "utils", "zero"]
+__all__ = [
+    "activation_checkpointing",
+    "config",
+    "engine",
+    "lr_schedules",
+    "pipe",
+    "sequence_parallel",
+    "utils",
+    "zero",
+]
 
 
 __getattr__ = missing_names(

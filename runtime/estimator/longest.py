@@ -1,0 +1,181 @@
+"""The longest sequence a Llama-shaped model trains on one machine, with the long-sequence parts counted.
+
+``ds_estimate --longest_seq --llama 8b --gpu_memory 139 --host_memory 125`` answers with a token count
+and what stops the next length. The model is given by its config numbers (``LlamaShape``); the parts of
+runtime.sequence and runtime.checkpointing change which terms grow with the sequence:
+
+GPU, per token of the sequence (w = bytes of the working dtype, h = hidden size, kv = key/value width):
+
+- checkpointed layer inputs: ``L x h x w`` kept for backward, or 2 x h x w with ``cpu_checkpointing``
+  (the input being recomputed and the one prefetched; the rest are in host memory);
+- one decoder layer's recomputation and backward (the working set, alive one layer at a time):
+  attention with flash/SDPA kernels (no seq x seq scores) keeps its input, normed input, q, k, v, the
+  attention output and its projection, and as many gradients: ``ATTENTION_ELEMENTS`` = 2 x (5 h + 2 kv)
+  elements in w bytes, plus RMSNorm's fp32 upcasts of the two normed inputs (2 x 4 h);
+- the MLP: untiled, gate/up/act/product (4 x I) and their gradients (4 x I) per token; tiled, only its
+  input, output and their gradients (4 h) per token, and one tile (ceil(seq / h) tiles, so about h tokens)
+  of 8 x I elements and the layer's weight gradients summed in fp32 (3 h I x 4): constants;
+- the loss: untiled, the logits (w), their fp32 copy and its gradient (4 + 4) per vocabulary entry per
+  token; tiled, the final hidden states and their gradient (2 h w) per token, and one tile of logits (at
+  most ``LOGITS_TILE_BYTES`` in fp32) about ``LOSS_TILE_COPIES`` times and the head's weight gradient
+  summed in fp32 (vocab x h x 4): constants;
+- the residual stream and its gradient between layers (2 h w).
+
+Host, per token: ``L x h x w`` with ``cpu_checkpointing`` (pinned, as the side-stream copies need).
+
+Fixed terms: the model states (``model_states.estimate``: stage, offload), the CUDA context, the
+allocator's slack, the host process: the same named constants as ``fit``. These are estimates, calibrated
+once measured: BENCHMARKS.md will record the estimate against ``scripts/bench/long_context.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from runtime.estimator.fit import (
+    ALLOCATOR_SLACK,
+    CUDA_CONTEXT_BYTES,
+    GIB,
+    HOST_PROCESS_BYTES,
+    Machine,
+)
+from runtime.estimator.model_states import DTYPE_BYTES, ModelSizes, estimate
+from runtime.sequence.tiles import LOGITS_TILE_BYTES, mlp_tiles
+
+LOSS_TILE_COPIES = 3.5  # fp32 logits, their log-softmax, their gradient, and the 16-bit logits (half)
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama-style decoder's config numbers (HF ``LlamaConfig`` names)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+
+    @property
+    def kv_size(self) -> int:
+        return self.hidden_size // self.num_attention_heads * self.num_key_value_heads
+
+    def num_params(self) -> int:
+        h, i, kv = self.hidden_size, self.intermediate_size, self.kv_size
+        layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q, o, k, v, gate/up/down, two norms
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h
+
+    def sizes(self) -> ModelSizes:
+        h = self.hidden_size
+        layer = 2 * h * h + 2 * h * self.kv_size + 3 * h * self.intermediate_size + 2 * h
+        return ModelSizes(
+            total_params=self.num_params(), largest_layer_params=max(layer, self.vocab_size * h)
+        )
+
+
+# Presets: the published configs' numbers (random weights are built from them; no download)
+LLAMA_SHAPES = {
+    "1b": LlamaShape(2048, 8192, 16, 32, 8, 128256, tie_word_embeddings=True),  # Llama-3.2-1B
+    "8b": LlamaShape(4096, 14336, 32, 32, 8, 128256),  # Llama-3.1-8B
+}
+
+
+@dataclass(frozen=True)
+class LongSequenceSetup:
+    """Which long-sequence parts are on, and where the model states live."""
+
+    tiled_mlp: bool = True
+    tiled_loss: bool = True
+    cpu_checkpointing: bool = True
+    dtype: str = "bf16"
+    stage: int = 3
+    offload_optimizer: bool = True
+    offload_param: bool = False
+
+
+@dataclass(frozen=True)
+class SequenceFit:
+    seq_len: int
+    gpu_need: int
+    host_need: int
+    reason: str  # for the longest: what stops the next length (GPU or host)
+
+
+def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Machine) -> tuple[int, int]:
+    """(GPU bytes, host bytes) one training step at sequence length `seq` (micro-batch 1) needs."""
+    w = DTYPE_BYTES[setup.dtype]
+    h, i, kv, layers = shape.hidden_size, shape.intermediate_size, shape.kv_size, shape.num_hidden_layers
+    states = estimate(
+        shape.sizes(),
+        stage=setup.stage,
+        offload_optimizer=setup.offload_optimizer,
+        offload_param=setup.offload_param,
+        dtype=setup.dtype,
+    )
+    kept_layers = 2 if setup.cpu_checkpointing else layers
+    per_token = kept_layers * h * w  # checkpointed layer inputs on the GPU
+    per_token += 2 * (5 * h + 2 * kv) * w + 2 * h * FP32  # one layer's attention working set
+    per_token += 2 * h * w  # the residual stream and its gradient
+    fixed = 0
+    if setup.tiled_mlp:
+        per_token += 4 * h * w
+        fixed += min(seq, math.ceil(seq / mlp_tiles(seq, h))) * 8 * i * w
+        fixed += 3 * h * i * FP32 if w < FP32 else 0  # one layer's weight gradients summed in fp32
+    else:
+        per_token += 8 * i * w
+    if setup.tiled_loss:
+        per_token += 2 * h * w
+        fixed += int(min(seq * shape.vocab_size * FP32, LOGITS_TILE_BYTES) * LOSS_TILE_COPIES)
+        fixed += shape.vocab_size * h * FP32  # the head's weight gradient, summed over tiles in fp32
+    else:
+        per_token += shape.vocab_size * (w + FP32 + FP32)
+    gpu = (
+        states.gpu.total
+        + states.gpu_transient
+        + fixed
+        + seq * per_token
+        + CUDA_CONTEXT_BYTES
+        + int(ALLOCATOR_SLACK * machine.gpu_bytes)
+    )
+    host_states = states.host_per_rank.total
+    host = HOST_PROCESS_BYTES + max(host_states, states.host_init_per_rank)
+    if setup.cpu_checkpointing:
+        host += seq * layers * h * w
+    return gpu, host
+
+
+def longest_sequence(
+    shape: LlamaShape, machine: Machine, setup: LongSequenceSetup = LongSequenceSetup(), multiple: int = 1024
+) -> SequenceFit:
+    """The longest sequence (a multiple of `multiple` tokens) whose step fits both sides of `machine`;
+    ``seq_len`` 0 when not even `multiple` tokens fit. Both needs grow with the length, so a bisection."""
+
+    def fits(seq: int) -> bool:
+        gpu, host = memory_at(shape, seq, setup, machine)
+        return gpu <= machine.gpu_bytes and host <= machine.host_bytes
+
+    low, high = 0, 1
+    while fits(high * multiple):
+        low, high = high, high * 2
+        if high > 1 << 24:  # 16M x multiple tokens: no real machine; stop the walk
+            break
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid * multiple) else (low, mid)
+    seq = low * multiple
+    gpu, host = memory_at(shape, seq, setup, machine)
+    next_gpu, next_host = memory_at(shape, seq + multiple, setup, machine)
+    stops = []
+    if next_gpu > machine.gpu_bytes:
+        stops.append(f"the GPU ({next_gpu / GIB:.1f} of {machine.gpu_bytes / GIB:.1f} GiB)")
+    if next_host > machine.host_bytes:
+        stops.append(f"the host ({next_host / GIB:.1f} of {machine.host_bytes / GIB:.1f} GiB)")
+    reason = (
+        f"{seq} tokens fit: GPU {gpu / GIB:.1f} GiB, host {host / GIB:.1f} GiB; {seq + multiple} tokens "
+        f"overflow " + " and ".join(stops or ["nothing (the walk's bound)"])
+    )
+    return SequenceFit(seq_len=seq, gpu_need=gpu, host_need=host, reason=reason)

@@ -1,0 +1,32 @@
+"""Long sequences on one GPU: the parts of ALST (Arctic Long Sequence Training) that need no second GPU.
+
+- ``tiles``: how many tiles a sequence is cut into (pure rules);
+- ``tiled_mlp``: a per-token MLP over sequence tiles, recomputed tile by tile in backward
+  (``tiled_mlp``, ``tile_mlp``, ``tile_llama_mlps`` for HF Llama-style models);
+- ``tiled_loss``: the LM head and cross-entropy over token tiles, never the full logits
+  (``tiled_causal_lm_loss``, the generic ``tiled_loss``); ``hf_loss``: the same inside a HF causal LM's
+  forward (``tile_causal_lm_loss``);
+- ``deepspeed_api``: DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` signatures, and the Ulysses names
+  refused until the sequence axis exists.
+
+Activation checkpoints kept in host memory are ``activation_checkpointing.cpu_checkpointing``
+(runtime.checkpointing); the memory these parts save is counted by ``ds_estimate --longest-seq``.
+"""
+
+from runtime.sequence.hf_loss import tile_causal_lm_loss
+from runtime.sequence.tiled_loss import tiled_causal_lm_loss, tiled_loss
+from runtime.sequence.tiled_mlp import TileCount, tile_llama_mlps, tile_mlp, tiled_mlp
+from runtime.sequence.tiles import LOGITS_TILE_BYTES, loss_tiles, mlp_tiles
+
+__all__ = [
+    "LOGITS_TILE_BYTES",
+    "TileCount",
+    "loss_tiles",
+    "mlp_tiles",
+    "tile_causal_lm_loss",
+    "tile_llama_mlps",
+    "tile_mlp",
+    "tiled_causal_lm_loss",
+    "tiled_loss",
+    "tiled_mlp",
+]

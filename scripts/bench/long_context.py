@@ -1,0 +1,223 @@
+"""The longest sequence a Llama-shaped model trains on this machine with the long-sequence parts on.
+
+    python scripts/bench/long_context.py --model 8b --out            # on the H200; JSON lines
+    python scripts/bench/long_context.py --model 256:512:2:4:2:1000 --device cpu --start 256 --max 2048
+
+The model is built from its config numbers (``--model``: ``1b``, ``8b`` or
+HIDDEN:INTERMEDIATE:LAYERS:HEADS:KV_HEADS:VOCAB; random bf16 weights, no download) as a HF
+``LlamaForCausalLM`` with SDPA attention (flash kernels on the GPU), the tiled MLP
+(``tile_llama_mlps``), the tiled loss (``tile_causal_lm_loss``) and its layers checkpointed through
+runtime.checkpointing (``hf_checkpointing``), keeping their inputs on the host unless
+``--no_cpu_checkpointing``; each ``--no_tiled_*`` flag turns a part off. It trains through
+``runtime.initialize`` at ZeRO ``--stage`` (3) with the Adam state offloaded to the host (unless
+``--no_offload``), micro-batch 1.
+
+The walk: each length runs ``--steps`` steps (one warm-up, then timed) in its own process (an
+out-of-memory error ends only that process), doubling from ``--start`` until one fails or ``--max`` is
+reached, then bisecting between the longest that trained and the shortest that failed down to
+``--resolution`` (5% of the length). One JSON line per try (seq_len, ok, step_s, tokens_per_s, TFLOP/s,
+mfu, peak GPU GiB, host RSS GiB, the error's last line) and a summary with the longest length and what
+``ds_estimate --longest_seq`` predicts for this machine (GPU memory and the host's available memory read
+once), and the estimate's error (issue 34 asks for 5%).
+
+FLOPs a token: 6 x parameters (forward and backward) + 6 x layers x hidden x seq (causal attention's
+score and value products, half the square); the recomputations (checkpointing, tiles) are not counted,
+as MFU conventionally does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from runtime.estimator.fit import Machine  # noqa: E402
+from runtime.estimator.fit_cli import llama_shape  # noqa: E402
+from runtime.estimator.longest import LlamaShape, LongSequenceSetup, longest_sequence  # noqa: E402
+from scripts.bench.common import add_out_argument, emit, mfu, out_file, run_isolated  # noqa: E402
+
+
+def setup_from(args: argparse.Namespace) -> LongSequenceSetup:
+    return LongSequenceSetup(
+        tiled_mlp=not args.no_tiled_mlp,
+        tiled_loss=not args.no_tiled_loss,
+        cpu_checkpointing=not args.no_cpu_checkpointing,
+        stage=args.stage,
+        offload_optimizer=not args.no_offload,
+    )
+
+
+def train_one(shape: LlamaShape, setup: LongSequenceSetup, seq: int, steps: int, device_name: str) -> dict:
+    """Train `steps` steps at length `seq` in this process; the measurements as a dict."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import runtime
+    from runtime import checkpointing
+    from runtime.sequence import tile_causal_lm_loss, tile_llama_mlps
+    from scripts.bench.common import init_single_process_group
+
+    device = torch.device(device_name)
+    init_single_process_group(device)
+    config = LlamaConfig(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        vocab_size=shape.vocab_size,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        max_position_embeddings=max(seq, 2048),
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if setup.tiled_mlp:
+        tile_llama_mlps(model)
+    if setup.tiled_loss:
+        tile_causal_lm_loss(model)
+    checkpointing.configure(checkpoint_in_cpu=setup.cpu_checkpointing)
+    checkpointing.hf_checkpointing(model)
+    zero: dict[str, Any] = {"stage": setup.stage}
+    if setup.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "steps_per_print": 0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
+        "zero_optimization": zero,
+    }
+    engine, _, _, _ = runtime.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> float:
+        ids = torch.randint(0, shape.vocab_size, (1, seq), generator=gen).to(engine.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    losses = [step()]  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(steps - 1):
+        losses.append(step())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    step_s = (time.perf_counter() - start) / max(1, steps - 1)
+    flops = seq * (6 * shape.num_params() + 6 * shape.num_hidden_layers * shape.hidden_size * seq)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "losses": losses,
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(seq / step_s, 1),
+        "tflops": round(flops / step_s / 1e12, 2),
+        "mfu": mfu(flops / step_s, name),
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if name else None,
+        "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+    }
+
+
+def try_length(args: argparse.Namespace, seq: int) -> dict:
+    """One length in a fresh process: its measurements, or ok=False and the error's last line."""
+    command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--one", str(seq)]
+    done = run_isolated(command, args.timeout, cwd=ROOT)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return {"seq_len": seq, "ok": True, **json.loads(lines[-1])}
+    tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+    error = "timeout" if done.returncode is None else tail[-300:]
+    return {"seq_len": seq, "ok": False, "error": error}
+
+
+def machine_facts(device_name: str) -> Machine:
+    """This machine's GPU memory and the host's available memory, read once (in a child for the GPU, so
+    this process holds no CUDA context while the tries run)."""
+    from runtime.memory import host_available_bytes
+
+    gpu = 0
+    if device_name.startswith("cuda"):
+        code = "import json, torch; print(json.dumps(torch.cuda.mem_get_info(0)[1]))"
+        gpu = int(run_isolated([sys.executable, "-c", code], 180).stdout.strip().splitlines()[-1])
+    return Machine(gpu_bytes=gpu, host_bytes=host_available_bytes())
+
+
+def walk(args: argparse.Namespace, shape: LlamaShape, setup: LongSequenceSetup, out: Path | None) -> dict:
+    tried: dict[int, dict] = {}
+
+    def attempt(seq: int) -> bool:
+        record = try_length(args, seq)
+        tried[seq] = record
+        emit({"bench": "long_context", "model": args.model, "setup": asdict(setup), **record}, out)
+        return record["ok"]
+
+    good, bad = 0, None
+    seq = args.start
+    while seq <= args.max:
+        if not attempt(seq):
+            bad = seq
+            break
+        good, seq = seq, seq * 2
+    while bad is not None and good and bad - good > max(args.multiple, int(args.resolution * good)):
+        mid = (good + bad) // 2 // args.multiple * args.multiple
+        if mid in (good, bad):
+            break
+        good, bad = (mid, bad) if attempt(mid) else (good, mid)
+    summary: dict[str, Any] = {"bench": "long_context", "summary": True, "model": args.model, "longest": good}
+    summary |= (
+        {k: tried[good].get(k) for k in ("tokens_per_s", "tflops", "mfu", "peak_gpu_gib")} if good else {}
+    )
+    if args.device.startswith("cuda"):
+        estimate = longest_sequence(shape, machine_facts(args.device), setup)
+        summary["estimate"] = estimate.seq_len
+        summary["estimate_reason"] = estimate.reason
+        summary["estimate_error"] = round(estimate.seq_len / good - 1, 4) if good else None
+    emit(summary, out)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="8b", help="1b, 8b, or HIDDEN:INTERMEDIATE:LAYERS:HEADS:KV:VOCAB")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--start", type=int, default=16384)
+    parser.add_argument("--max", type=int, default=4 << 20)
+    parser.add_argument("--multiple", type=int, default=1024, help="lengths are multiples of this")
+    parser.add_argument("--resolution", type=float, default=0.05, help="stop bisecting within this share")
+    parser.add_argument("--steps", type=int, default=3, help="steps a length (the first is a warm-up)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a length may take")
+    parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
+    parser.add_argument("--no_offload", action="store_true", help="the Adam state stays on the GPU")
+    parser.add_argument("--no_tiled_mlp", action="store_true")
+    parser.add_argument("--no_tiled_loss", action="store_true")
+    parser.add_argument("--no_cpu_checkpointing", action="store_true")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: train this length only
+    add_out_argument(parser, "long_context")
+    args = parser.parse_args(argv)
+    try:
+        shape = llama_shape(args.model)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--model: {error}")
+    setup = setup_from(args)
+    if args.one is not None:
+        print(json.dumps(train_one(shape, setup, args.one, args.steps, args.device)), flush=True)
+        return 0
+    summary = walk(args, shape, replace(setup), out_file(args.out, "long_context"))
+    return 0 if summary["longest"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Activation checkpoints kept in host memory (``activation_checkpointing.cpu_checkpointing``).
+
+The stash (runtime.sequence.host_stash) gives back exactly what it was given, from separate host memory,
+and prefetches in backward order; a tiny HF Llama whose layers checkpoint through runtime.checkpointing
+(``hf_checkpointing``) trains like the plain model; on CUDA (``gpu``) the checkpointed inputs really live
+in pinned host memory, the GPU keeps less, and losses and gradients equal on-device checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from runtime import checkpointing
+from runtime.sequence.host_stash import HostStash
+
+VOCAB, SEQ = 64, 24
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings() -> Any:
+    """Checkpointing options are process-wide: start and end with the defaults."""
+    checkpointing.configure()
+    checkpointing.take_profile()
+    yield
+    checkpointing.configure()
+
+
+def test_stash_returns_the_values_from_host_copies_and_prefetches_backwards() -> None:
+    stash = HostStash()
+    inputs = [torch.randn(3, 5) * i for i in range(4)]
+    copies = [stash.put(t) for t in inputs]
+    for t, c in zip(inputs, copies, strict=True):
+        assert c.host.device.type == "cpu" and c.host.data_ptr() != t.data_ptr()  # a copy, not the tensor
+        assert torch.equal(c.host, t)
+    # backward takes the last first; each take starts bringing back the one before it
+    assert torch.equal(stash.take(copies[3]), inputs[3])
+    assert copies[2].prefetched is not None and copies[1].prefetched is None
+    assert torch.equal(stash.take(copies[2]), inputs[2])
+    assert torch.equal(stash.take(copies[1]), inputs[1])
+    assert torch.equal(stash.take(copies[0]), inputs[0])
+    assert stash.prefetched == 3  # every take but the first found its tensor already on the way
+    assert torch.equal(stash.take(copies[2]), inputs[2])  # taken again (retain_graph): still there
+
+
+def _llama(device: str) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device)
+
+
+def _losses_and_grads(device: str, checkpoint: bool, cpu: bool) -> dict[str, Any]:
+    model = _llama(device)
+    if checkpoint:
+        checkpointing.configure(checkpoint_in_cpu=cpu, profile=True)
+        checkpointing.hf_checkpointing(model)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    losses, kept = [], []
+    for _ in range(2):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        kept.append(checkpointing.take_profile())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    recomputed = sum(k.recompute_calls for k in kept) + checkpointing.take_profile().recompute_calls
+    return {
+        "losses": losses,
+        "weights": [p.detach().cpu() for p in model.parameters()],
+        "kept": kept,
+        "recomputed": recomputed,
+    }
+
+
+def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+    for x, y in zip(a["weights"], b["weights"], strict=True):
+        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_hf_layers_checkpoint_through_runtime_with_cpu_checkpointing_on() -> None:
+    plain = _losses_and_grads("cpu", checkpoint=False, cpu=False)
+    kept_on_host = _losses_and_grads("cpu", checkpoint=True, cpu=True)
+    _assert_same(kept_on_host, plain)
+    assert kept_on_host["recomputed"] == 2 * 3  # every layer of both steps went through our checkpoint
+    # what the host copies would take on a GPU: exactly the three layers' inputs (on the CPU they stay put)
+    layer_input = 2 * SEQ * 32 * 4  # [batch, seq, hidden] fp32
+    assert [k.device_bytes_kept for k in kept_on_host["kept"]] == [3 * layer_input] * 2
+
+
+@pytest.mark.gpu
+def test_checkpointed_inputs_live_in_pinned_host_memory_on_cuda() -> None:
+    on_device = _losses_and_grads("cuda", checkpoint=True, cpu=False)
+    taken: list[Any] = []
+    put = HostStash.put
+
+    def spy(self: HostStash, data: torch.Tensor) -> Any:
+        copy = put(self, data)
+        taken.append(copy)
+        return copy
+
+    HostStash.put = spy  # type: ignore[method-assign]
+    try:
+        on_host = _losses_and_grads("cuda", checkpoint=True, cpu=True)
+    finally:
+        HostStash.put = put  # type: ignore[method-assign]
+    _assert_same(on_host, on_device)
+    assert len(taken) == 2 * 3  # one input per layer and step
+    assert all(c.host.device.type == "cpu" and c.host.is_pinned() for c in taken)
+    layer_input = 2 * SEQ * 32 * 4  # [batch, seq, hidden] fp32
+    assert on_host["kept"][0].host_bytes_kept == 3 * layer_input
+    assert on_device["kept"][0].host_bytes_kept == 0

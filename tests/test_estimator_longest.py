@@ -1,0 +1,72 @@
+"""``ds_estimate --longest_seq``: the per-token terms of runtime.estimator.longest, part by part, and the
+longest sequence found is the edge of what fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.estimator import main
+from runtime.estimator.fit import GIB, Machine
+from runtime.estimator.longest import LLAMA_SHAPES, LongSequenceSetup, longest_sequence, memory_at
+
+H200 = Machine(gpu_bytes=139 * GIB, host_bytes=125 * GIB)
+LLAMA_8B = LLAMA_SHAPES["8b"]
+
+
+def _per_token(setup: LongSequenceSetup) -> tuple[float, float]:
+    """GPU and host bytes one more token costs (lengths that are multiples of the hidden size, so the tiled
+    MLP's tile stays exactly hidden_size tokens)."""
+    h = LLAMA_8B.hidden_size
+    gpu_a, host_a = memory_at(LLAMA_8B, 16 * h, setup, H200)
+    gpu_b, host_b = memory_at(LLAMA_8B, 32 * h, setup, H200)
+    return (gpu_b - gpu_a) / (16 * h), (host_b - host_a) / (16 * h)
+
+
+def test_presets_have_the_published_parameter_counts() -> None:
+    assert LLAMA_SHAPES["8b"].num_params() == 8_030_261_248  # Llama-3.1-8B
+    assert LLAMA_SHAPES["1b"].num_params() == 1_235_814_400  # Llama-3.2-1B (tied embeddings)
+
+
+def test_each_part_moves_its_own_term() -> None:
+    h, i, kv, layers, vocab = 4096, 14336, 1024, 32, 128256
+    w = 2  # bf16
+    common = 2 * (5 * h + 2 * kv) * w + 2 * h * 4 + 2 * h * w  # attention working set, norms, residual
+    everything = LongSequenceSetup()
+    gpu, host = _per_token(everything)
+    assert gpu == common + 2 * h * w + 4 * h * w + 2 * h * w  # 2 kept inputs, tiled MLP, tiled loss edges
+    assert host == layers * h * w  # every layer's input, in pinned host memory
+    gpu, host = _per_token(LongSequenceSetup(cpu_checkpointing=False))
+    assert (gpu, host) == (common + layers * h * w + 4 * h * w + 2 * h * w, 0)
+    gpu, _ = _per_token(LongSequenceSetup(tiled_mlp=False))
+    assert gpu == common + 2 * h * w + 8 * i * w + 2 * h * w  # gate, up, act, product and their gradients
+    gpu, _ = _per_token(LongSequenceSetup(tiled_loss=False))
+    assert gpu == common + 2 * h * w + 4 * h * w + vocab * (w + 4 + 4)  # logits, fp32 copy, gradient
+
+
+def test_longest_sequence_is_the_edge_and_names_what_stops_it() -> None:
+    found = longest_sequence(LLAMA_8B, H200)
+    assert found.seq_len % 1024 == 0 and found.seq_len > 0
+    gpu, host = memory_at(LLAMA_8B, found.seq_len, LongSequenceSetup(), H200)
+    assert gpu <= H200.gpu_bytes and host <= H200.host_bytes
+    gpu, host = memory_at(LLAMA_8B, found.seq_len + 1024, LongSequenceSetup(), H200)
+    assert gpu > H200.gpu_bytes or host > H200.host_bytes
+    # 8B with its Adam state offloaded: the host fills first (checkpoints of 32 layers x 8 KiB a token)
+    assert found.reason.endswith(f"overflow the host ({host / GIB:.1f} of 125.0 GiB)")
+    # there, layer inputs kept on the GPU train longer; without the tiled MLP and loss, far shorter
+    on_gpu = longest_sequence(LLAMA_8B, H200, LongSequenceSetup(cpu_checkpointing=False))
+    plain = LongSequenceSetup(tiled_mlp=False, tiled_loss=False, cpu_checkpointing=False)
+    assert on_gpu.seq_len > 3 * found.seq_len
+    assert longest_sequence(LLAMA_8B, H200, plain).seq_len < on_gpu.seq_len / 3
+
+
+def test_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--longest_seq", "1b", "--gpu_memory", "139", "--host_memory", "125"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    expected = longest_sequence(LLAMA_SHAPES["1b"], H200, LongSequenceSetup(stage=2))
+    other = longest_sequence(LLAMA_SHAPES["1b"], H200, LongSequenceSetup(stage=2, cpu_checkpointing=False))
+    assert lines == [expected.reason, f"without cpu_checkpointing: {other.reason}"]
+    assert lines[0].startswith(f"{expected.seq_len} tokens fit")
+    with pytest.raises(SystemExit) as exited:
+        main(["--longest_seq", "4096:1:2", "--gpu_memory", "139", "--host_memory", "125"])
+    assert exited.value.code == 2
+    assert "argument --longest_seq: expected 1b or 8b, or HIDDEN:INTERMEDIATE" in capsys.readouterr().err

@@ -126,6 +126,10 @@ def save_checkpoint(
                 torch.save(state, out)
                 fault_point("engine_state")
                 engine_record = out.commit()
+            for rank in range(comm.world_size):  # DeepSpeed's per-rank file names, for its tools
+                with DurableFile(staging / engine_state.deepspeed_optim_name(rank)) as out:
+                    torch.save(engine_state.deepspeed_descriptor(engine, rank), out)
+                    out.commit()
             manifest = _manifest(engine, tag, [r for r, _ in records], engine_record, states)
             fault_point("manifest")
             write_text_durably(staging / MANIFEST, manifest.to_json())

@@ -16,6 +16,7 @@ Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` turns a ZeRO-3 folder
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -119,6 +120,11 @@ def assert_converts_as_ddp_saved(tmp_path: Path) -> None:
     assert got["state_dict"].keys() == ddp["state_dict"].keys()  # frozen parameters included
     for key, want in ddp["state_dict"].items():
         torch.testing.assert_close(got["state_dict"][key], want, rtol=1e-5, atol=1e-6, msg=key)
+    spec = importlib.util.spec_from_file_location("lightning_fit", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    loaded = script.Regression.load_from_checkpoint(out)  # Lightning's loader, its default weights_only
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in got["state_dict"].items())
 
 
 def test_every_lightning_deepspeed_strategy_config_is_read_and_nvme_still_refused() -> None:

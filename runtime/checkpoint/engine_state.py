@@ -5,6 +5,9 @@ Rank 0 writes it with torch.save into the engine state file; every rank reads it
 ``torch.load(weights_only=True)``, which unpickles only tensors and plain containers and numbers. So
 everything stored here must be such a value: `check_loadable` walks it at save time and names the
 first key that is not (a client_state holding an arbitrary object fails the save, not the resume).
+
+For DeepSpeed's tools the file also holds the client's keys at its top level, as DeepSpeed's model-states
+file does, and `deepspeed_descriptor` is what each rank's `*_optim_states.pt` holds (stage, partition count).
 """
 
 from __future__ import annotations

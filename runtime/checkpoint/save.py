@@ -10,7 +10,8 @@ Order, and why:
    uncommitted saves left and creates the staging folder `.<tag>~new`.
 3. Every rank writes its shard file there: temporary name, fsync, rename, fsync directory. The file
    records (size, CRC-32, flat ranges) and per-rank RNG states are gathered on the part's rank 0, which
-   writes the engine state file and then the manifest, each the same durable way.
+   writes the engine state file, a tensor-free `zero_pp_rank_R_mp_rank_00_optim_states.pt` per rank for
+   DeepSpeed's tools (engine_state.deepspeed_descriptor), and then the manifest, each the same durable way.
 4. The commit (runtime.checkpoint.commit): world rank 0 writes the commit record, each part's rank 0
    swaps its staging folder in under the tag's name and writes `latest`, world rank 0 removes the record.
 

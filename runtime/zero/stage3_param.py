@@ -2,14 +2,17 @@
 
 A *released* parameter keeps its Python object, shape, dtype, device and requires_grad, but holds no
 memory: its data is a stride-0 view of one shared NaN element, and its class is switched to
-`ShardedParameter` (a subclass of `nn.Parameter`). The class does two things:
+`ShardedParameter` (a subclass of `nn.Parameter`). The class does three things:
 
 - metadata (shape, numel, dtype, device, requires_grad, grad, hooks, ...) keeps working, so code that only
   counts or inspects parameters is unaffected;
 - any computation on it asks the parameter's *owner* (the engine's gather unit, or `zero.Init`) whether it
   can be gathered right here (inside a module forward driven by the engine, or inside zero.Init); if not,
   it raises `ParamNotGathered` with the parameter's name and what to do, instead of computing on empty
-  data (DeepSpeed users get silently empty saved weights and shape-[0] surprises there).
+  data (DeepSpeed users get silently empty saved weights and shape-[0] surprises there);
+- `module.to(...)`, `.cpu()`, `.float()`... that change neither dtype nor device keep the parameter as it
+  is (Lightning's precision plugin and teardown apply them to every model); one that would change them is
+  refused in one line: the shards keep the dtype and device they were made with.
 
 Gathering switches the class back and points the data at the real values. Owners are kept in a
 weak-identity dictionary (parameter -> owner), not as attributes stuck on the tensor. If code somehow

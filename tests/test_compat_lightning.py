@@ -4,16 +4,19 @@ lightning_fit.py says what it lifts of Lightning's CUDA-only checks): Lightning'
 (its "aio" section included), ``deepspeed.utils.logging``, ``init_distributed``, ``zero.Init`` around
 ``configure_model``, the engine's backward and step through Lightning's precision plugin.
 
-ZeRO stages 2 and 3 at 2 processes train with the loss of every step equal to Lightning's DDP strategy.
+ZeRO stages 2 and 3 at 2 processes train with the loss of every step equal to Lightning's DDP strategy, at
+stage 3 also with the model built in ``configure_model`` (inside ``zero.Init``, then ``module.to(dtype)``).
 ModelCheckpoint saves every epoch through ``engine.save_checkpoint(..., exclude_frozen_parameters=...)``,
 and ``trainer.fit(..., ckpt_path=...)`` resumes from epoch 1 with the same curve as the run that went on
 (``engine.load_checkpoint`` with Lightning's arguments). A checkpoint saved without its frozen parameters
 holds none of them, and loads only non-strictly (DeepSpeed's rule; Lightning's ``strict_loading``). A DDP
 run's one-file checkpoint loads into ZeRO-3 with ``load_full_weights=True`` (weights only, as Lightning says).
+Lightning's ``convert_zero_checkpoint_to_fp32_state_dict`` turns a ZeRO-3 folder into the file DDP saved.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -62,12 +65,15 @@ def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path)
             "ddp": ["--strategy", "ddp", "--save", "ddp"],
             "z2": ["--strategy", "z2", "--exclude_frozen", "--save", "z2"],
             "z3": ["--strategy", "z3", "--save", "z3"],
+            # built in configure_model, inside zero.Init; Lightning's precision plugin's module.to(dtype)
+            # and its teardown's module.cpu() then meet sharded parameters (no-op conversions)
+            "z3-configure": ["--strategy", "z3", "--configure_model"],
         },
         tmp_path,
     )
     ddp = losses(tmp_path, "ddp", runs)
     assert ddp[-1] < ddp[0] and len(ddp) == 10
-    for stage in ("z2", "z3"):
+    for stage in ("z2", "z3", "z3-configure"):
         assert_equal(losses(tmp_path, stage, runs), ddp)
 
     def frozen_saved(stage: str) -> set[str]:
@@ -76,6 +82,7 @@ def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path)
 
     assert frozen_saved("z2") == set()  # exclude_frozen_parameters=True
     assert frozen_saved("z3") == {"frozen.weight", "frozen.bias"}
+    assert_converts_as_ddp_saved(tmp_path)
 
     resumed = run_all(
         {
@@ -95,6 +102,29 @@ def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path)
     code, output = resumed["z2-strict"]
     assert code != 0
     assert "missing in the checkpoint: frozen.bias, frozen.weight" in output, output[-3000:]
+
+
+def assert_converts_as_ddp_saved(tmp_path: Path) -> None:
+    """Lightning's one-file recipe for a ZeRO checkpoint folder (its DeepSpeed docs): the file holds the
+    same weights and Lightning state as DDP's checkpoint of the same epoch, and loads as Lightning's own."""
+    import torch
+    from pytorch_lightning.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    ddp = torch.load(tmp_path / "ddp" / FIRST, weights_only=False)
+    out = tmp_path / "z3.pt"
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "z3" / FIRST, out)
+    got = torch.load(out, weights_only=False)
+    assert (got["epoch"], got["global_step"]) == (ddp["epoch"], ddp["global_step"]) == (0, 5)
+    assert got["pytorch-lightning_version"] == ddp["pytorch-lightning_version"]
+    assert got["loops"]["fit_loop"]["epoch_progress"] == ddp["loops"]["fit_loop"]["epoch_progress"]
+    assert got["state_dict"].keys() == ddp["state_dict"].keys()  # frozen parameters included
+    for key, want in ddp["state_dict"].items():
+        torch.testing.assert_close(got["state_dict"][key], want, rtol=1e-5, atol=1e-6, msg=key)
+    spec = importlib.util.spec_from_file_location("lightning_fit", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    loaded = script.Regression.load_from_checkpoint(out)  # Lightning's loader, its default weights_only
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in got["state_dict"].items())
 
 
 def test_every_lightning_deepspeed_strategy_config_is_read_and_nvme_still_refused() -> None:

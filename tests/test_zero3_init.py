@@ -11,9 +11,10 @@ Then, against the same GPT built without Init from the same seed:
 - GatheredParameters reads an Init-sharded weight, and a change made on one rank (modifier_rank) reaches
   every rank's shard;
 - stage 3 training gives the same losses and weights for both;
-- a released parameter touched outside a gather names itself in the error; a config asking for stage 2
-  is refused; the same model built under Init trains with stage 1 too (the engine gathers it whole), and
-  GatheredParameters(modifier_rank=...) updates stage 1's fp32 master shards.
+- a released parameter touched outside a gather names itself in the error; `module.to(dtype)` / `.cpu()`
+  that change nothing keep the sharded parameters, `module.half()` is refused naming what to do; a config
+  asking for stage 2 is refused; the same model built under Init trains with stage 1 too (the engine
+  gathers it whole), and GatheredParameters(modifier_rank=...) updates stage 1's fp32 master shards.
 """
 
 from __future__ import annotations
@@ -121,6 +122,21 @@ def _run(rank: int, world_size: int) -> dict:
     except ParamNotGathered as error:
         if "Linear.weight" not in str(error) or "GatheredParameters" not in str(error):
             problems.append(f"unclear error: {error}")
+
+    # a conversion that changes nothing returns the sharded parameters (Lightning's precision plugin and
+    # teardown); one that changes their dtype is refused in one line saying what to do instead
+    weight = model.blocks[3].mlp.fc.weight
+    converted = model.to(dtype=torch.float32).cpu().float()
+    if converted is not model or model.blocks[3].mlp.fc.weight is not weight:
+        problems.append("a no-op conversion replaced the sharded parameters")
+    try:
+        model.half()
+        problems.append("module.half() on Init-sharded parameters did not raise")
+    except ParamNotGathered as error:
+        if "bf16/fp16 section" not in str(error) or "torch.float16" not in str(error):
+            problems.append(f"unclear error: {error}")
+    if not runtime.zero.stage3_param.is_released(weight) or weight.dtype != torch.float32:
+        problems.append("a refused conversion changed the parameter")
 
     # read, then modify on the last rank, before the engine exists
     with GatheredParameters([model.tok_emb.weight, model.pos_emb.weight]):

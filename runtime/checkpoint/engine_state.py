@@ -5,6 +5,9 @@ Rank 0 writes it with torch.save into the engine state file; every rank reads it
 ``torch.load(weights_only=True)``, which unpickles only tensors and plain containers and numbers. So
 everything stored here must be such a value: `check_loadable` walks it at save time and names the
 first key that is not (a client_state holding an arbitrary object fails the save, not the resume).
+
+For DeepSpeed's tools the file also holds the client's keys at its top level, as DeepSpeed's model-states
+file does, and `deepspeed_descriptor` is what each rank's `*_optim_states.pt` holds (stage, partition count).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 import torch
 
-from runtime.checkpoint.manifest import CheckpointError, CheckpointMismatch
+from runtime.checkpoint.manifest import CheckpointError, CheckpointMismatch, shard_file_name
 
 _log = logging.getLogger("runtime.checkpoint")
 
@@ -178,7 +181,33 @@ def capture(
     }
     for key, value in state.items():
         check_loadable(value, "client_state" if key == "client_state" else f"engine state {key!r}")
+    # DeepSpeed's model-states file holds the client's keys at its top level, and tools read them there
+    # (Lightning's convert_zero_checkpoint_to_fp32_state_dict keeps every key that is not DeepSpeed's).
+    # The same objects: pickle's memo writes each value once, so this costs references, not a copy. A
+    # client key named like one of ours stays only under "client_state" (ours is not overwritten).
+    state.update({k: v for k, v in client_state.items() if isinstance(k, str) and k not in state})
     return state
+
+
+def deepspeed_optim_name(rank: int) -> str:
+    """DeepSpeed's name for rank `rank`'s optimizer file; ours holds only `deepspeed_descriptor`."""
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def deepspeed_descriptor(engine: Any, rank: int) -> dict[str, Any]:
+    """What a DeepSpeed tool reads first from rank `rank`'s `*_optim_states.pt`: the ZeRO stage and
+    partition count (Lightning's convert_zero_checkpoint_to_fp32_state_dict reads
+    ["optimizer_state_dict"]["zero_stage"]). Our optimizer state itself is in that rank's
+    `.safetensors` shard, which the manifest lists and checksums; this file holds no tensors."""
+    return {
+        "optimizer_state_dict": {
+            "zero_stage": engine.zero_stage,
+            "partition_count": engine.comm.world_size,
+            "dslaunch_shard": shard_file_name(rank),
+        },
+        "dp_world_size": engine.comm.world_size,
+        "ds_config": engine.config.to_dict(),
+    }
 
 
 def _optimizer_groups(engine: Any) -> list[dict[str, Any]]:

@@ -4,13 +4,17 @@ Ours or DeepSpeed's (runtime.checkpoint.consolidate), or a pipeline checkpoint's
 (`pipe_stage_SS_of_NN/`, merged by runtime.pipe.checkpoint); a tensor-parallel root (`tp_rank_RR_of_NN/`)
 is refused with its degree named. DeepSpeed's three functions (`get_fp32_state_dict_from_zero_checkpoint`,
 `convert_zero_checkpoint_to_fp32_state_dict`, `load_state_dict_from_zero_checkpoint`) are here, for
-compat's `deepspeed.utils.zero_to_fp32` to name. It sits above consolidate and runtime.pipe (which imports
-consolidate), so nothing in runtime.pipe or runtime.ds_utils may import it.
+compat's `deepspeed.utils.zero_to_fp32` to name, with the two file finders Lightning's converter calls
+(`get_optim_files`, `get_model_state_file`): in our folders they find the per-rank `*_optim_states.pt`
+descriptors (stage and partition count, no tensors) and the model-states file (client keys at its top).
+It sits above consolidate and runtime.pipe (which imports consolidate), so nothing in runtime.pipe or
+runtime.ds_utils may import it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +86,35 @@ def load_state_dict_from_zero_checkpoint(
     model = model.cpu()
     model.load_state_dict(state, strict=False)
     return model
+
+
+def _natural_key(path: Path) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
+
+
+def get_optim_files(checkpoint_dir: str | os.PathLike[str]) -> list[str]:
+    """Every rank's `*_optim_states.pt` in a tag folder, in rank order (rank 10 after rank 9). In our
+    folders each holds ["optimizer_state_dict"]["zero_stage"] and "partition_count"; the state itself
+    is in the rank's .safetensors shard."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a checkpoint tag folder")
+    files = sorted(folder.glob("*_optim_states.pt"), key=_natural_key)
+    if not files:
+        raise FileNotFoundError(f"{folder} has no *_optim_states.pt files")
+    return [str(f) for f in files]
+
+
+def get_model_state_file(checkpoint_dir: str | os.PathLike[str], zero_stage: int) -> str:
+    """The tag folder's model-states file (DeepSpeed's name at ZeRO stage 3 is rank 0's
+    `zero_pp_rank_0_mp_rank_00_model_states.pt`; ours is `mp_rank_00_model_states.pt` at every stage)."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a checkpoint tag folder")
+    names = ["mp_rank_00_model_states.pt"]
+    if zero_stage >= 3:
+        names.insert(0, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    for name in names:
+        if (folder / name).is_file():
+            return str(folder / name)
+    raise FileNotFoundError(f"{folder / names[0]} does not exist")

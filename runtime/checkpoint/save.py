@@ -10,7 +10,8 @@ Order, and why:
    uncommitted saves left and creates the staging folder `.<tag>~new`.
 3. Every rank writes its shard file there: temporary name, fsync, rename, fsync directory. The file
    records (size, CRC-32, flat ranges) and per-rank RNG states are gathered on the part's rank 0, which
-   writes the engine state file and then the manifest, each the same durable way.
+   writes the engine state file, a tensor-free `zero_pp_rank_R_mp_rank_00_optim_states.pt` per rank for
+   DeepSpeed's tools (engine_state.deepspeed_descriptor), and then the manifest, each the same durable way.
 4. The commit (runtime.checkpoint.commit): world rank 0 writes the commit record, each part's rank 0
    swaps its staging folder in under the tag's name and writes `latest`, world rank 0 removes the record.
 
@@ -126,6 +127,10 @@ def save_checkpoint(
                 torch.save(state, out)
                 fault_point("engine_state")
                 engine_record = out.commit()
+            for rank in range(comm.world_size):  # DeepSpeed's per-rank file names, for its tools
+                with DurableFile(staging / engine_state.deepspeed_optim_name(rank)) as out:
+                    torch.save(engine_state.deepspeed_descriptor(engine, rank), out)
+                    out.commit()
             manifest = _manifest(engine, tag, [r for r, _ in records], engine_record, states)
             fault_point("manifest")
             write_text_durably(staging / MANIFEST, manifest.to_json())

@@ -2,14 +2,17 @@
 
 A *released* parameter keeps its Python object, shape, dtype, device and requires_grad, but holds no
 memory: its data is a stride-0 view of one shared NaN element, and its class is switched to
-`ShardedParameter` (a subclass of `nn.Parameter`). The class does two things:
+`ShardedParameter` (a subclass of `nn.Parameter`). The class does three things:
 
 - metadata (shape, numel, dtype, device, requires_grad, grad, hooks, ...) keeps working, so code that only
   counts or inspects parameters is unaffected;
 - any computation on it asks the parameter's *owner* (the engine's gather unit, or `zero.Init`) whether it
   can be gathered right here (inside a module forward driven by the engine, or inside zero.Init); if not,
   it raises `ParamNotGathered` with the parameter's name and what to do, instead of computing on empty
-  data (DeepSpeed users get silently empty saved weights and shape-[0] surprises there).
+  data (DeepSpeed users get silently empty saved weights and shape-[0] surprises there);
+- `module.to(...)`, `.cpu()`, `.float()`... that change neither dtype nor device keep the parameter as it
+  is (Lightning's precision plugin and teardown apply them to every model); one that would change them is
+  refused in one line: the shards keep the dtype and device they were made with.
 
 Gathering switches the class back and points the data at the real values. Owners are kept in a
 weak-identity dictionary (parameter -> owner), not as attributes stuck on the tensor. If code somehow
@@ -69,6 +72,7 @@ _METADATA = frozenset(
         "is_complex", "get_device", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
         "_is_view", "data_ptr", "untyped_storage", "storage_offset", "stride", "is_contiguous",
         "__hash__", "__len__", "__format__", "_typed_storage", "is_shared", "is_pinned",
+        "_has_compatible_shallow_copy_type",
     }
 )  # fmt: skip
 _METADATA_SETTERS = frozenset({"requires_grad", "grad", "_backward_hooks", "_post_accumulate_grad_hooks"})
@@ -83,6 +87,44 @@ def _func_name(func: Callable[..., Any]) -> tuple[str, bool]:
     return name, False
 
 
+# Tensor conversions that nn.Module.to / .cpu / .float (and Lightning's precision plugin) apply to every
+# parameter, and the dtype each implies.
+_CONVERSIONS = {
+    "to": None, "cpu": None, "float": torch.float32, "double": torch.float64, "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}  # fmt: skip
+_NOT_A_CONVERSION = object()
+
+
+def _conversion(name: str, is_setter: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A conversion of a sharded parameter that changes nothing returns the parameter itself, and
+    nn.Module._apply's `param.data = param` that follows is a no-op; one that changes the dtype or device
+    is refused in one line (the shards keep the dtype and device they were made with)."""
+    param = args[0] if args else None
+    if type(param) is not ShardedParameter:
+        return _NOT_A_CONVERSION
+    if is_setter:  # `param.data = value`
+        return None if len(args) == 2 and args[1] is param else _NOT_A_CONVERSION
+    device, dtype = param.device, _CONVERSIONS[name]
+    if name == "to":
+        with torch._C.DisableTorchFunctionSubclass():
+            parsed_device, parsed_dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+        if parsed_device is not None:
+            device = torch.device(parsed_device)
+        dtype = parsed_dtype
+    elif name == "cpu":
+        device = torch.device("cpu")
+    same_device = device.type == param.device.type and device.index in (None, param.device.index)
+    if same_device and dtype in (None, param.dtype):
+        return param
+    raise ParamNotGathered(
+        f"{describe(param)} is sharded by ZeRO stage 3 (zero.Init or the engine) as {param.dtype} on "
+        f"{param.device}; converting it to {dtype or param.dtype} on {device} after sharding is not "
+        "supported: build the model in the dtype you train in (zero.Init(dtype=...), or the config's "
+        "bf16/fp16 section, which the engine applies), on the engine's device"
+    )
+
+
 class ShardedParameter(nn.Parameter):
     """The class of a parameter whose values are sharded across ranks and not gathered here."""
 
@@ -93,6 +135,10 @@ class ShardedParameter(nn.Parameter):
         if (name in _METADATA and not is_setter) or (is_setter and name in _METADATA_SETTERS):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if name in _CONVERSIONS or (name == "data" and is_setter):
+            converted = _conversion(name, is_setter, args, kwargs)
+            if converted is not _NOT_A_CONVERSION:
+                return converted
         released = [a for a in tree_flatten((args, kwargs))[0] if type(a) is ShardedParameter]
         with contextlib.ExitStack() as stack:
             for param in released:

@@ -42,13 +42,23 @@ class CPUDeepSpeedStrategy(DeepSpeedStrategy):
 
 
 class Regression(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, configure_model: bool = False) -> None:
         super().__init__()
+        self.losses: list[float] = []
+        self.built = False
+        if not configure_model:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        # Lightning's way for big models: built here, under ZeRO-3 inside deepspeed.zero.Init (sharded
+        # as each layer is made), then converted by the precision plugin (module.to(dtype=...)).
+        if self.built:
+            return
+        self.built = True
         torch.manual_seed(0)
         self.frozen = nn.Linear(8, 8)
         self.frozen.requires_grad_(False)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
-        self.losses: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self.frozen(x))
@@ -81,6 +91,7 @@ def main() -> None:
     parser.add_argument(
         "--load_full_weights", action="store_true", help="--resume names one file (a DDP run's checkpoint)"
     )
+    parser.add_argument("--configure_model", action="store_true", help="build the layers in configure_model")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -106,7 +117,7 @@ def main() -> None:
         enable_model_summary=False,
         logger=False,
     )
-    model = Regression()
+    model = Regression(configure_model=args.configure_model)
     # Saved without its frozen parameters, a checkpoint loads only non-strictly (DeepSpeed's rule).
     model.strict_loading = not args.exclude_frozen
     trainer.fit(model, data(), ckpt_path=args.resume)

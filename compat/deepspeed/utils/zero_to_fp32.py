@@ -7,6 +7,8 @@ import sys
 from runtime.checkpoint.fp32_state import (
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
+    get_model_state_file,
+    get_optim_files,
     load_state_dict_from_zero_checkpoint,
 )
 
@@ -25,6 +27,8 @@ def main(argv=None) -> int:
 __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
+    "get_model_state_file",
+    "get_optim_files",
     "load_state_dict_from_zero_checkpoint",
     "main",
 ]

@@ -38,14 +38,26 @@ from runtime.checkpoint.manifest import (
     read_manifest,
     resolve_tag_dir,
 )
+from runtime.checkpoint.misplaced import misplaced_root
 from runtime.checkpoint.reshard import Copy, plan_copies, saved_shapes, source_index
 from runtime.checkpoint.shards import ShardReader, load_optimizer_state, optimizer_params, shard_targets
 
 _log = logging.getLogger("runtime.checkpoint")
 
 
-def open_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, Manifest]:
-    tag_dir = resolve_tag_dir(load_dir, tag)
+def locate_tag_dir(load_dir: str | os.PathLike[str], tag: str | None, call: str = "load_checkpoint") -> Path:
+    """The tag's folder (`resolve_tag_dir`), after refusing a `load_dir` one level too deep (a tag's or a
+    model-parallel rank's folder) naming the directory to give `call` instead."""
+    misplaced = misplaced_root(load_dir, call)
+    if misplaced is not None:
+        raise misplaced
+    return resolve_tag_dir(load_dir, tag)
+
+
+def open_checkpoint(
+    load_dir: str | os.PathLike[str], tag: str | None, call: str = "load_checkpoint"
+) -> tuple[Path, Manifest]:
+    tag_dir = locate_tag_dir(load_dir, tag, call)
     return tag_dir, read_manifest(tag_dir)
 
 
@@ -99,7 +111,7 @@ def load_checkpoint(
     root, tag = agree_on_location(
         comm, load_dir, tag, policy=engine.config.checkpoint.tag_validation, what="load_checkpoint"
     )
-    tag_dir = agreed(comm, lambda: resolve_tag_dir(root, tag))
+    tag_dir = agreed(comm, lambda: locate_tag_dir(root, tag))
     if is_deepspeed_tag(tag_dir):  # DeepSpeed's files: read through the same plan (deepspeed_format)
         source = agreed(comm, lambda: open_deepspeed(tag_dir))
         manifest, new_reader = source.manifest, source.reader
@@ -158,13 +170,20 @@ def _plan(
         for g, grp in enumerate(manifest.groups)
         for p in grp.params
     }
-    ours = {
-        name: (param, group)
-        for group in engine.groups
-        for name, param in zip(engine_state.param_names(engine, group), group.params, strict=True)
-    }
-    missing = sorted(set(ours) - set(shapes))
-    unexpected = sorted(set(shapes) - set(ours))
+    # in the model's order, so that every message names the first parameter that differs
+    order = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
+    ours = dict(
+        sorted(
+            (
+                (name, (param, group))
+                for group in engine.groups
+                for name, param in zip(engine_state.param_names(engine, group), group.params, strict=True)
+            ),
+            key=lambda item: order.get(item[0], len(order)),
+        )
+    )
+    missing = [name for name in ours if name not in shapes]
+    unexpected = [name for name in shapes if name not in ours]
     if strict and (missing or unexpected):
         parts = []
         if missing:
@@ -172,12 +191,19 @@ def _plan(
         if unexpected:
             parts.append(f"checkpoint parameters not in the model: {_few(unexpected)}")
         raise CheckpointMismatch("; ".join(parts) + " (load_module_strict=False skips them)")
-    for name, (param, group) in ours.items():
-        if name in shapes and tuple(param.shape) != shapes[name]:
-            raise CheckpointMismatch(
-                f"parameter {name!r}: shape {list(shapes[name])} in the checkpoint, "
-                f"{list(param.shape)} in the model"
-            )
+    differ = [
+        name for name, (param, _) in ours.items() if name in shapes and tuple(param.shape) != shapes[name]
+    ]
+    if differ:
+        name, more = differ[0], len(differ) - 1
+        raise CheckpointMismatch(
+            f"parameter {name!r}: shape {list(shapes[name])} in the checkpoint, "
+            f"{list(ours[name][0].shape)} in the model"
+            + (f" ({more} more parameters differ)" if more else ""),
+            hint="the checkpoint was saved from a model of other sizes: build the model with the sizes it "
+            "was saved with",
+        )
+    for name, (_param, group) in ours.items():
         spec = engine_state.spec_index(group)
         if with_optimizer and name in saved_group and saved_group[name] != spec:
             raise CheckpointMismatch(

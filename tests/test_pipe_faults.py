@@ -142,6 +142,25 @@ def test_a_stage_folder_given_as_the_checkpoint_directory_names_the_directory(tm
     assert str(misplaced_root(stage)) == expected and misplaced_root(tmp_path) is None
 
 
+def test_a_pipeline_engine_given_a_stage_or_tag_folder_names_the_directory(tmp_path: Path) -> None:
+    from runtime.checkpoint.manifest import MANIFEST
+    from runtime.parallel.folders import part_root
+
+    ours = ("pipe_stage_01_of_02", "pipe_stage_", "pipeline stage 1 of 2")  # the engine's checkpoint_folder
+    stage = tmp_path / "pipe_stage_00_of_02"
+    tag = stage / "global_step3"
+    tag.mkdir(parents=True)
+    (tag / MANIFEST).write_text("{}")
+    assert _message(lambda: part_root(stage, ours, loading=True)) == (
+        f"{stage} is one rank's part of a checkpoint saved with 2 pipeline stages, not a checkpoint "
+        "directory: load_checkpoint takes the directory save_checkpoint was given"
+    )
+    assert _message(lambda: part_root(tag, ours, loading=True)).startswith(
+        f"{tag} is the folder of one checkpoint (tag 'global_step3'), not a checkpoint directory"
+    )
+    assert part_root(tmp_path, ours, loading=False) == str(tmp_path / "pipe_stage_01_of_02")
+
+
 def test_the_error_file_names_the_exception_behind_a_pipeline_stage() -> None:
     try:
         try:

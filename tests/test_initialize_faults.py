@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,6 @@ from torch import nn
 import runtime
 from tests.dist import run_distributed
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,
     "steps_per_print": 0,
@@ -151,39 +148,30 @@ def test_a_checkpoint_of_other_sizes_names_the_first_layer_that_differs(one_rank
     kind, message, hint = one_rank[0]["other_shape"]
     assert kind == "CheckpointMismatch"
     assert message == (
-        "parameter '0.weight': shape [8, 4] in the checkpoint, [16, 4] in the model "
-        "(2 more parameters differ)"
+        "parameter '0.weight': shape [8, 4] in the checkpoint, [16, 4] in the model (2 more differ)"
     )
     assert "option named above" not in hint and "sizes it was saved with" in hint
 
 
-def _consolidate(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'compat'}"}
-    return subprocess.run(
-        [sys.executable, "-m", "runtime.checkpoint.consolidate", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+def _consolidate(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """ds_consolidate's exit code and stderr (its main, run in this process)."""
+    from runtime.checkpoint.consolidate import main
+
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
 def test_ds_consolidate_names_a_misplaced_input_and_an_unwritable_output(
-    one_rank: tuple[dict, Path], tmp_path: Path
+    one_rank: tuple[dict, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     _, root = one_rank
-    done = _consolidate(str(root / "t1"), str(tmp_path / "out.safetensors"))
-    assert done.returncode == 1
-    assert f"error: {root}/t1 is the folder of one checkpoint (tag 't1')" in done.stderr
-    assert f"hint: ds_consolidate {root} --tag t1" in done.stderr
-    done = _consolidate(str(root / "afile"), str(tmp_path / "out.safetensors"))
-    assert (
-        done.returncode == 1 and f"error: {root}/afile is a file, not a checkpoint directory" in done.stderr
-    )
+    code, err = _consolidate(capsys, str(root / "t1"), str(tmp_path / "out.safetensors"))
+    assert code == 1
+    assert f"error: {root}/t1 is the folder of one checkpoint (tag 't1')" in err
+    assert f"hint: ds_consolidate {root} --tag t1" in err
+    code, err = _consolidate(capsys, str(root / "afile"), str(tmp_path / "out.safetensors"))
+    assert code == 1 and f"error: {root}/afile is a file, not a checkpoint directory" in err
     output = root / "afile" / "out.safetensors"  # a file where its folder should be
-    done = _consolidate(str(root), str(output))
-    assert done.returncode == 1
-    assert (
-        done.stderr.splitlines()[0]
-        == f"ds_consolidate: error: cannot write {output}: File exists ({root}/afile)"
-    )
+    code, err = _consolidate(capsys, str(root), str(output))
+    assert code == 1
+    assert err.splitlines()[0] == f"ds_consolidate: error: cannot write {output}: File exists ({root}/afile)"

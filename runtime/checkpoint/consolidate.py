@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from runtime.checkpoint.deepspeed_format import as_checkpoint_error
-from runtime.checkpoint.load import locate_tag_dir, open_checkpoint, read_engine_state, verify_files
+from runtime.checkpoint.load import open_checkpoint, read_engine_state, verify_files
 from runtime.checkpoint.manifest import (
     MASTER_KEY,
     CheckpointError,
@@ -131,7 +131,7 @@ def deepspeed_state_dict(
     checkpoint_dir: str | os.PathLike[str], tag: str | None, *, exclude_frozen_parameters: bool = False
 ) -> dict[str, torch.Tensor] | None:
     """The fp32 state dict when `checkpoint_dir`'s tag was written by DeepSpeed, else None."""
-    tag_dir = locate_tag_dir(checkpoint_dir, tag, "get_fp32_state_dict_from_checkpoint")
+    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
     if not is_deepspeed_tag(tag_dir):
         return None
     try:

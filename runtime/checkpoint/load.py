@@ -38,26 +38,14 @@ from runtime.checkpoint.manifest import (
     read_manifest,
     resolve_tag_dir,
 )
-from runtime.checkpoint.misplaced import misplaced_root
 from runtime.checkpoint.reshard import Copy, plan_copies, saved_shapes, source_index
 from runtime.checkpoint.shards import ShardReader, load_optimizer_state, optimizer_params, shard_targets
 
 _log = logging.getLogger("runtime.checkpoint")
 
 
-def locate_tag_dir(load_dir: str | os.PathLike[str], tag: str | None, call: str = "load_checkpoint") -> Path:
-    """The tag's folder (`resolve_tag_dir`), after refusing a `load_dir` one level too deep (a tag's or a
-    model-parallel rank's folder) naming the directory to give `call` instead."""
-    misplaced = misplaced_root(load_dir, call)
-    if misplaced is not None:
-        raise misplaced
-    return resolve_tag_dir(load_dir, tag)
-
-
-def open_checkpoint(
-    load_dir: str | os.PathLike[str], tag: str | None, call: str = "load_checkpoint"
-) -> tuple[Path, Manifest]:
-    tag_dir = locate_tag_dir(load_dir, tag, call)
+def open_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path, Manifest]:
+    tag_dir = resolve_tag_dir(load_dir, tag)
     return tag_dir, read_manifest(tag_dir)
 
 
@@ -111,7 +99,7 @@ def load_checkpoint(
     root, tag = agree_on_location(
         comm, load_dir, tag, policy=engine.config.checkpoint.tag_validation, what="load_checkpoint"
     )
-    tag_dir = agreed(comm, lambda: locate_tag_dir(root, tag))
+    tag_dir = agreed(comm, lambda: resolve_tag_dir(root, tag))
     if is_deepspeed_tag(tag_dir):  # DeepSpeed's files: read through the same plan (deepspeed_format)
         source = agreed(comm, lambda: open_deepspeed(tag_dir))
         manifest, new_reader = source.manifest, source.reader
@@ -199,7 +187,7 @@ def _plan(
         raise CheckpointMismatch(
             f"parameter {name!r}: shape {list(shapes[name])} in the checkpoint, "
             f"{list(ours[name][0].shape)} in the model"
-            + (f" ({more} more parameters differ)" if more else ""),
+            + (f" ({more} more differ)" if more else ""),
             hint="the checkpoint was saved from a model of other sizes: build the model with the sizes it "
             "was saved with",
         )

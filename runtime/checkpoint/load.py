@@ -186,8 +186,7 @@ def _plan(
         name, more = differ[0], len(differ) - 1
         raise CheckpointMismatch(
             f"parameter {name!r}: shape {list(shapes[name])} in the checkpoint, "
-            f"{list(ours[name][0].shape)} in the model"
-            + (f" ({more} more differ)" if more else ""),
+            f"{list(ours[name][0].shape)} in the model" + (f" ({more} more differ)" if more else ""),
             hint="the checkpoint was saved from a model of other sizes: build the model with the sizes it "
             "was saved with",
         )

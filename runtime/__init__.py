@@ -98,23 +98,6 @@ def _add_local_rank(parser: argparse.ArgumentParser, group: argparse._ArgumentGr
         container.conflict_handler = "resolve"
 
 
-def _config_source(args: Any, config: Any) -> Any:
-    from_args = None
-    if args is not None:
-        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    if config is not None and from_args is not None:
-        raise ValueError(
-            "runtime.initialize got a config twice: config=... and args.deepspeed_config "
-            f"({from_args!r}); pass only one of them"
-        )
-    if config is None and from_args is None:
-        raise ValueError(
-            "runtime.initialize needs a config: pass config=<dict or path> or --deepspeed_config <path> "
-            "(parsed into args with runtime.add_config_arguments)"
-        )
-    return config if config is not None else from_args
-
-
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -154,12 +137,11 @@ def initialize(
         (engine, optimizer, dataloader or None, lr_scheduler or None). The optimizer is the torch optimizer
         over the master shards: read or set its lr, but call engine.step(), not optimizer.step().
     """
-    if model is None:
-        raise ValueError("runtime.initialize needs model=<torch.nn.Module>")
+    from runtime.initialize_args import check_arguments, config_source
     from runtime.initialize_compat import deepspeed_keywords
 
-    config = deepspeed_keywords(config, config_params, distributed_port)
-    source = _config_source(args, config)
+    model_parameters = check_arguments(model, optimizer, model_parameters, training_data, lr_scheduler)
+    source = deepspeed_keywords(config_source(args, config, config_params), None, distributed_port)
     if not dist.is_initialized() and dist_init_required is False:
         raise RuntimeError(
             "dist_init_required=False but no process group exists; call runtime.init_distributed()"

@@ -31,10 +31,11 @@ from runtime.config import Config
 from runtime.distributed import current_device
 from runtime.engine_compat import EngineAccessors
 from runtime.engine_log import StepLog, Timers
+from runtime.initialize_args import checkpoint_dir
 from runtime.monitor import TrainingMonitor
 from runtime.offload import GradMath, MasterPlacement, build_master_placement
 from runtime.offload.auto_ratio import with_auto_ratio
-from runtime.parallel.folders import data_parallel_root
+from runtime.parallel.folders import part_root
 from runtime.precision.loss_scaler import LossScaler
 from runtime.precision.mixed import cast_floating, input_dtype_error, policy_from_config
 from runtime.precision.nonfinite import StepGuard, guard_from_config
@@ -400,6 +401,7 @@ class Engine(EngineAccessors, nn.Module):
         from runtime.checkpoint import save_checkpoint
 
         self.masters.flush()
+        save_dir = checkpoint_dir(save_dir, "save_dir")
         with self.excluding_frozen(exclude_frozen_parameters):
             return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))  # parts: see there
 
@@ -419,7 +421,7 @@ class Engine(EngineAccessors, nn.Module):
         self.masters.flush()
         return load_checkpoint(
             self,
-            self._checkpoint_root(load_dir, loading=True),
+            self._checkpoint_root(checkpoint_dir(load_dir, "load_dir"), loading=True),
             tag,
             load_module_strict=load_module_strict,
             load_optimizer_states=load_optimizer_states,
@@ -435,20 +437,7 @@ class Engine(EngineAccessors, nn.Module):
         return None
 
     def _checkpoint_root(self, root: str | os.PathLike, *, loading: bool = False) -> str:
-        from runtime.checkpoint import CheckpointNotFound
-
-        folder = self.checkpoint_folder()
-        if folder is None:
-            return data_parallel_root(root) if loading else os.fspath(root)
-        name, prefix, what = folder
-        path = os.path.join(os.fspath(root), name)
-        if loading and not os.path.isdir(path):
-            saved = sorted(n for n in os.listdir(root) if n.startswith(prefix)) if os.path.isdir(root) else []
-            raise CheckpointNotFound(
-                f"{os.fspath(root)} has no checkpoint for {what} ({name}); it holds {saved or 'none'}",
-                hint="resume with the pipeline and tensor-parallel degrees the checkpoint was saved with",
-            )
-        return path
+        return part_root(root, self.checkpoint_folder(), loading=loading)
 
     def destroy(self) -> None:
         """Remove the engine's gradient hooks from the model; flush and close the monitors; stop lending its

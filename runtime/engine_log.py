@@ -113,8 +113,16 @@ class StepLog:
                 update.new_scale,
             )
 
-    def nonfinite(self, step: int, norm: float, consecutive: int, limit: int) -> None:
-        """A bf16/fp32 step was skipped for a non-finite gradient norm (every rank calls this)."""
+    def nonfinite(
+        self,
+        step: int,
+        norm: float,
+        consecutive: int,
+        limit: int,
+        key: str = "bf16.max_consecutive_nonfinite_steps",
+    ) -> None:
+        """A bf16/fp32 step was skipped for a non-finite gradient norm (every rank calls this); `key` is the
+        config key of `limit`, as this precision's messages name it."""
         self._overflows += 1
         if self.rank != 0:
             return
@@ -122,11 +130,12 @@ class StepLog:
         _log.warning(
             "step %d: the global gradient norm is %s; the step was skipped on every rank (weights, optimizer "
             "state and LR schedule unchanged); %d consecutive skipped step(s), %s "
-            "(bf16.max_consecutive_nonfinite_steps)",
+            "(%s)",
             step,
             norm,
             consecutive,
             stop,
+            key,
         )
 
     def after_step(self, engine: Any) -> None:

@@ -218,11 +218,17 @@ def test_a_nonfinite_step_is_skipped_on_every_rank(grid: list[dict], case: Case,
         assert not torch.isfinite(torch.tensor(got["skipped_norm"])), where
         assert got["loss_scale"][0] == got["loss_scale"][1], where
     warnings = grid[0][(case.name, poison)]["warnings"]
-    if case.dtype == "fp16":  # the loss scaler's overflows are summarized in the periodic report instead
-        assert warnings == []
+    if case.dtype == "fp16":  # the skip is said, with the scale (hysteresis 2: it stays)
+        assert warnings == [
+            f"step {BAD_STEP}: fp16 gradients overflowed; the step was skipped on every rank (loss scale "
+            "stays 256: 1 overflow(s) of hysteresis left)"
+        ]
     else:
         assert len(warnings) == 1 and warnings[0].startswith(f"step {BAD_STEP}: the global gradient norm is ")
         assert "skipped on every rank" in warnings[0] and "1 consecutive skipped step(s)" in warnings[0]
+        # the key that limits them, named for what governs this precision (no fp32 section exists)
+        key = "(bf16.max_consecutive_nonfinite_steps, which governs fp32 runs too)"
+        assert warnings[0].endswith(key if case.dtype == "fp32" else "(bf16.max_consecutive_nonfinite_steps)")
     assert grid[1][(case.name, poison)]["warnings"] == []  # rank 0 only
 
 
@@ -272,7 +278,7 @@ def test_a_clean_step_resets_the_count_and_zero_means_no_limit() -> None:
         def __init__(self) -> None:
             self.calls: list[tuple] = []
 
-        def nonfinite(self, step: int, norm: float, consecutive: int, limit: int) -> None:
+        def nonfinite(self, step: int, norm: float, consecutive: int, limit: int, key: str = "") -> None:
             self.calls.append((step, str(norm), consecutive, limit))
 
         def overflow(self, *args: Any) -> None:
@@ -291,6 +297,45 @@ def test_a_clean_step_resets_the_count_and_zero_means_no_limit() -> None:
     for step in range(100):
         never.skipped(step=step, norm=torch.tensor(float("nan")), log=log)
     assert never.consecutive == 100
+
+
+def test_every_skipped_fp16_step_is_said_and_fp32_names_the_key_that_governs_it() -> None:
+    from runtime.precision.errors import LossScaleError
+    from runtime.precision.loss_scaler import DynamicLossScaler
+    from runtime.precision.nonfinite import LossScaling, NonfiniteGradientsError, SkipNonfinite
+    from tests.logs import captured_log
+
+    class Log:
+        def overflow(self, *args: Any) -> None:
+            pass
+
+        def nonfinite(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    # a scale of 2**18 that overflows every step reaches min_loss_scale at the 18th skip, hysteresis 1:
+    # every skip was silent with steps_per_print 0
+    guard = LossScaling(DynamicLossScaler(initial_scale_power=18, hysteresis=1))
+    with captured_log("runtime", logging.WARNING) as said:
+        for step in range(1, 19):
+            guard.skipped(step=step, norm=None, log=Log())
+        with pytest.raises(LossScaleError):
+            guard.skipped(step=19, norm=None, log=Log())
+    assert len(said) == 18
+    assert said[0] == (
+        "step 1: fp16 gradients overflowed; the step was skipped on every rank (loss scale 262144 -> 131072)"
+    )
+    # a long run of overflows is reported one in a hundred after the first twenty
+    guard = LossScaling(DynamicLossScaler(initial_scale_power=16, hysteresis=1, min_scale=2.0**-300))
+    with captured_log("runtime", logging.WARNING) as said:
+        for step in range(1, 251):
+            guard.skipped(step=step, norm=None, log=Log())
+    assert len(said) == 22
+    assert said[19].endswith("; further skipped steps are reported once every 100")
+    assert said[20].startswith("step 100: ") and said[21].endswith("(200 skipped steps so far)")
+    fp32 = SkipNonfinite(limit=1, precision="fp32")
+    with pytest.raises(NonfiniteGradientsError) as info:
+        fp32.skipped(step=4, norm=torch.tensor(float("nan")), log=Log())
+    assert str(info.value).endswith("(bf16.max_consecutive_nonfinite_steps=1, which governs fp32 runs too)")
 
 
 def test_config_keys_and_defaults() -> None:

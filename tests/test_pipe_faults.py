@@ -10,6 +10,7 @@ dslaunch runs for what a user sees (the folded one-line summary, the stage's roo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,25 @@ def test_a_stage_folder_given_as_the_checkpoint_directory_names_the_directory(tm
     assert str(misplaced_root(stage)) == expected and misplaced_root(tmp_path) is None
 
 
+def test_a_pipeline_engine_given_a_stage_or_tag_folder_names_the_directory(tmp_path: Path) -> None:
+    from runtime.checkpoint.manifest import MANIFEST
+    from runtime.parallel.folders import part_root
+
+    ours = ("pipe_stage_01_of_02", "pipe_stage_", "pipeline stage 1 of 2")  # the engine's checkpoint_folder
+    stage = tmp_path / "pipe_stage_00_of_02"
+    tag = stage / "global_step3"
+    tag.mkdir(parents=True)
+    (tag / MANIFEST).write_text("{}")
+    assert _message(lambda: part_root(stage, ours, loading=True)) == (
+        f"{stage} is one rank's part of a checkpoint saved with 2 pipeline stages, not a checkpoint "
+        "directory: load_checkpoint takes the directory save_checkpoint was given"
+    )
+    assert _message(lambda: part_root(tag, ours, loading=True)).startswith(
+        f"{tag} is the folder of one checkpoint (tag 'global_step3'), not a checkpoint directory"
+    )
+    assert part_root(tmp_path, ours, loading=False) == str(tmp_path / "pipe_stage_01_of_02")
+
+
 def test_the_error_file_names_the_exception_behind_a_pipeline_stage() -> None:
     try:
         try:
@@ -230,6 +250,17 @@ def _engine_faults(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     out["one_micro_eval"] = float(engine.eval_batch(batches(4, 1)))
     out["one_micro_train"] = float(engine.train_batch(batches(4, 1)))
     out["one_micro_schedule"] = engine.schedule_name
+    # a checkpoint loaded into wider layers names each stage's FIRST parameter that differs (it named the
+    # stage's last); a stage's folder given as the directory names the directory to give
+    stages_dir = os.path.join(save_dir, "pipe")
+    engine.save_checkpoint(stages_dir, tag="t1")
+    torch.manual_seed(0)
+    wide = [LayerSpec(nn.Linear, 4, 16), torch.tanh, LayerSpec(nn.Linear, 16, 2)]
+    wider = PipelineEngine(PipelineModule(wide, num_stages=2, loss_fn=nn.functional.mse_loss), pipe())
+    out["wider"] = _message(lambda: wider.load_checkpoint(stages_dir))
+    out["stage_dir"] = _message(
+        lambda: engine.load_checkpoint(os.path.join(stages_dir, "pipe_stage_00_of_02"))
+    )
 
     def lm(heads: int = 4) -> nn.Module:
         torch.manual_seed(0)
@@ -271,6 +302,15 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 def test_pipeline_engine_input_errors_are_one_line_on_every_rank(faults: list[dict]) -> None:
     for r in faults:
+        assert r["wider"] == (
+            "parameter '0.weight': shape [8, 4] in the checkpoint, [16, 4] in the model (1 more differ)"
+            if r["stage"] == 0
+            else "parameter '2.weight': shape [2, 8] in the checkpoint, [2, 16] in the model"
+        )
+        assert r["stage_dir"].endswith(
+            "pipe/pipe_stage_00_of_02 is one rank's part of a checkpoint saved with 2 pipeline stages, not a "
+            "checkpoint directory: load_checkpoint takes the directory save_checkpoint was given"
+        )
         assert r["stages"] == (
             "PipelineModule(num_stages=3) does not divide the world size 2: every data-parallel replica "
             "needs one rank per stage"

@@ -22,6 +22,7 @@ checksums to verify); `fp32_state.fp32_state_dict` adds pipeline and tensor-para
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -33,7 +34,14 @@ import torch
 
 from runtime.checkpoint.deepspeed_format import as_checkpoint_error
 from runtime.checkpoint.load import open_checkpoint, read_engine_state, verify_files
-from runtime.checkpoint.manifest import MASTER_KEY, CheckpointError, Manifest, resolve_tag_dir
+from runtime.checkpoint.manifest import (
+    MASTER_KEY,
+    CheckpointError,
+    CheckpointWriteError,
+    Manifest,
+    resolve_tag_dir,
+)
+from runtime.checkpoint.misplaced import misplaced_root
 from runtime.checkpoint.portable import DeepSpeedTag, RecoveryError, is_deepspeed_tag
 from runtime.checkpoint.reshard import Target, plan_copies, saved_shapes, source_index
 from runtime.checkpoint.shards import ShardReader
@@ -161,9 +169,8 @@ def consolidate_checkpoint(
     declared = _entries(manifest, extras, dtype)
     wanted = {name for name, _, _ in declared}
     metadata = {"format": "pt", "source": str(tag_dir), "tag": manifest.tag}
-    output.parent.mkdir(parents=True, exist_ok=True)
     stats: dict = {}
-    with TensorFileWriter(output, declared, metadata) as writer:
+    with _writing(output), TensorFileWriter(output, declared, metadata) as writer:
         for key, tensor in iter_state_dict(
             checkpoint_dir, manifest.tag, dtype=dtype, verify=verify, stats=stats
         ):
@@ -185,9 +192,8 @@ def _write_whole(
 ) -> ConsolidateResult:
     tensors = {key: _cast(value, dtype).contiguous() for key, value in state.items()}
     declared = [(key, t.dtype, tuple(t.shape)) for key, t in tensors.items()]
-    output.parent.mkdir(parents=True, exist_ok=True)
     metadata = {"format": "pt", "source": str(tag_dir), "tag": tag_dir.name}
-    with TensorFileWriter(output, declared, metadata) as writer:
+    with _writing(output), TensorFileWriter(output, declared, metadata) as writer:
         for key, t in tensors.items():
             writer.write(key, t)
         record = writer.commit()
@@ -195,6 +201,22 @@ def _write_whole(
     return ConsolidateResult(
         output, tag_dir.name, len(declared), record.size, read, time.perf_counter() - start
     )
+
+
+@contextlib.contextmanager
+def _writing(output: Path) -> Iterator[None]:
+    """Create the output's folder; a write the filesystem refuses (read-only, full, a file in the way)
+    becomes one line naming the output and the cause, not the errno of the writer's temporary file."""
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        yield
+    except OSError as error:
+        cause = error.strerror or type(error).__name__
+        where = f" ({error.filename})" if error.filename and Path(error.filename) in output.parents else ""
+        raise CheckpointWriteError(
+            f"cannot write {output}: {cause}{where}",
+            hint="give an output path in a folder you can write to, with free space",
+        ) from None
 
 
 def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -235,11 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     if output.suffix != ".safetensors" and not output.is_dir():
         parser.error(f"OUTPUT {args.output!r} must end in .safetensors (or be a directory)")
     try:
+        misplaced = misplaced_root(args.checkpoint_dir, "ds_consolidate")
+        if misplaced is not None:
+            raise misplaced
         result = consolidate_checkpoint(
             args.checkpoint_dir, output, args.tag, dtype=_DTYPES[args.dtype], verify=not args.no_verify
         )
     except (CheckpointError, TensorFileError, OSError) as error:
+        hint = getattr(error, "hint", "")
         print(f"ds_consolidate: error: {error}", file=sys.stderr, flush=True)
+        if hint:
+            print(f"ds_consolidate: hint: {hint}", file=sys.stderr, flush=True)
         return 1
     print(
         f"ds_consolidate: tag {result.tag}: {result.tensors} tensors, {result.bytes / 2**20:.1f} MiB "

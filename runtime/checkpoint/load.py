@@ -158,13 +158,20 @@ def _plan(
         for g, grp in enumerate(manifest.groups)
         for p in grp.params
     }
-    ours = {
-        name: (param, group)
-        for group in engine.groups
-        for name, param in zip(engine_state.param_names(engine, group), group.params, strict=True)
-    }
-    missing = sorted(set(ours) - set(shapes))
-    unexpected = sorted(set(shapes) - set(ours))
+    # in the model's order, so that every message names the first parameter that differs
+    order = {name: i for i, (name, _) in enumerate(engine.module.named_parameters())}
+    ours = dict(
+        sorted(
+            (
+                (name, (param, group))
+                for group in engine.groups
+                for name, param in zip(engine_state.param_names(engine, group), group.params, strict=True)
+            ),
+            key=lambda item: order.get(item[0], len(order)),
+        )
+    )
+    missing = [name for name in ours if name not in shapes]
+    unexpected = [name for name in shapes if name not in ours]
     if strict and (missing or unexpected):
         parts = []
         if missing:
@@ -172,12 +179,18 @@ def _plan(
         if unexpected:
             parts.append(f"checkpoint parameters not in the model: {_few(unexpected)}")
         raise CheckpointMismatch("; ".join(parts) + " (load_module_strict=False skips them)")
-    for name, (param, group) in ours.items():
-        if name in shapes and tuple(param.shape) != shapes[name]:
-            raise CheckpointMismatch(
-                f"parameter {name!r}: shape {list(shapes[name])} in the checkpoint, "
-                f"{list(param.shape)} in the model"
-            )
+    differ = [
+        name for name, (param, _) in ours.items() if name in shapes and tuple(param.shape) != shapes[name]
+    ]
+    if differ:
+        name, more = differ[0], len(differ) - 1
+        raise CheckpointMismatch(
+            f"parameter {name!r}: shape {list(shapes[name])} in the checkpoint, "
+            f"{list(ours[name][0].shape)} in the model" + (f" ({more} more differ)" if more else ""),
+            hint="the checkpoint was saved from a model of other sizes: build the model with the sizes it "
+            "was saved with",
+        )
+    for name, (_param, group) in ours.items():
         spec = engine_state.spec_index(group)
         if with_optimizer and name in saved_group and saved_group[name] != spec:
             raise CheckpointMismatch(

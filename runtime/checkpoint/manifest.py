@@ -80,7 +80,10 @@ class CheckpointCorrupted(CheckpointError):
 class CheckpointMismatch(CheckpointError):
     """The checkpoint does not fit the model or optimizer it is loaded into."""
 
-    hint = "load it into the model and optimizer groups it was saved from, or use the option named above"
+    hint = (
+        "load it into the model and optimizer param groups it was saved from; load_module_strict=False "
+        "skips parameters on one side only, load_optimizer_states=False loads the weights alone"
+    )
 
 
 class CheckpointRefused(CheckpointError):
@@ -316,6 +319,12 @@ def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
     """The directory of `tag` (or of the tag `latest` names), with a clear error for each missing piece.
     A committed save that a crash left half swapped in counts as done (`pending_commit`)."""
     root = Path(load_dir)
+    if root.exists() and not root.is_dir():
+        raise CheckpointNotFound(
+            f"{root} is a file, not a checkpoint directory",
+            hint="pass the directory save_checkpoint was given (the one holding `latest` and the tag "
+            "folders)",
+        )
     if not root.is_dir():
         raise CheckpointNotFound(f"checkpoint directory {root} does not exist")
     pending = pending_commit(root)

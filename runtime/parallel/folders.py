@@ -7,59 +7,18 @@ engine given such a root would only say that there is no `latest` file; `data_pa
 degree the checkpoint was saved with instead, as the model-parallel engines do for a degree mismatch.
 A path one level inside a checkpoint directory (one tag's folder, holding a manifest; or one
 model-parallel rank's folder) is refused naming the directory (and the tag) to give instead
-(`misplaced_root`, for every engine's load); a file named like a model-parallel folder (DeepSpeed's
-`mp_rank_00_model_states.pt` in a tag folder) is not one.
+(`runtime.checkpoint.misplaced`, for every engine's load and ds_consolidate); a file named like a
+model-parallel folder (DeepSpeed's `mp_rank_00_model_states.pt` in a tag folder) is not one. `part_root`
+is where an engine keeps its part of a checkpoint under the directory it was given.
 """
 
 from __future__ import annotations
 
 import os
-import re
 
-# folder prefix -> (what it was saved with, what this engine lacks, how to resume); {} is the degree
-_FAMILIES = (
-    (
-        "tp_rank_",
-        "tensor-parallel degree {}",
-        "tensor parallelism",
-        '"tensor_parallel": {{"autotp_size": {}}}',
-    ),
-    ("pipe_stage_", "{} pipeline stages", "pipeline", "a PipelineModule of num_stages={}"),
-    ("mp_rank_", "model-parallel size {}", "model parallelism", "initialize(mpu=...) of model size {}"),
-)
-
-
-_FOLDER = re.compile(r"(\d+)_of_(\d+)")  # after the prefix: this rank's index and the degree
-
-
-def misplaced_root(root: str | os.PathLike) -> Exception | None:
-    """The error for a path one level inside a checkpoint directory, where the directory was meant: one
-    tag's folder (it holds a manifest), or one model-parallel rank's folder (`pipe_stage_00_of_02`); None
-    for anything else. Every engine's load can ask this before looking for its own folders."""
-    from runtime.checkpoint import CheckpointNotFound
-    from runtime.checkpoint.manifest import MANIFEST
-
-    path = os.fspath(root)
-    if not os.path.isdir(path):
-        return None
-    parent, name = os.path.split(os.path.normpath(path))
-    if os.path.isfile(os.path.join(path, MANIFEST)):
-        return CheckpointNotFound(
-            f"{path} is the folder of one checkpoint (tag {name!r}), not a checkpoint directory: "
-            "load_checkpoint takes the directory save_checkpoint was given",
-            hint=f"load_checkpoint({parent!r}, tag={name!r}), or load_checkpoint({parent!r}) for its "
-            "latest tag",
-        )
-    for prefix, saved_with, _lacks, _resume in _FAMILIES:
-        match = _FOLDER.fullmatch(name[len(prefix) :]) if name.startswith(prefix) else None
-        if match is not None:
-            return CheckpointNotFound(
-                f"{path} is one rank's part of a checkpoint saved with "
-                f"{saved_with.format(int(match.group(2)))}, not a checkpoint directory: load_checkpoint "
-                "takes the directory save_checkpoint was given",
-                hint=f"load_checkpoint({parent!r})",
-            )
-    return None
+from runtime.checkpoint.misplaced import FAMILIES as _FAMILIES
+from runtime.checkpoint.misplaced import FOLDER as _FOLDER
+from runtime.checkpoint.misplaced import misplaced_root
 
 
 def data_parallel_root(root: str | os.PathLike) -> str:
@@ -92,4 +51,26 @@ def data_parallel_root(root: str | os.PathLike) -> str:
     return path
 
 
-__all__ = ["data_parallel_root", "misplaced_root"]
+def part_root(root: str | os.PathLike, folder: tuple[str, str, str] | None, *, loading: bool) -> str:
+    """Where an engine whose `checkpoint_folder()` is `folder` keeps its checkpoint under `root`. Loading,
+    a misplaced root (a tag's or a rank's folder) is refused naming the directory to give, and a root
+    without this rank's folder names the folders it holds."""
+    from runtime.checkpoint import CheckpointNotFound
+
+    if folder is None:
+        return data_parallel_root(root) if loading else os.fspath(root)
+    name, prefix, what = folder
+    path = os.path.join(os.fspath(root), name)
+    if loading and not os.path.isdir(path):
+        misplaced = misplaced_root(root)
+        if misplaced is not None:
+            raise misplaced
+        saved = sorted(n for n in os.listdir(root) if n.startswith(prefix)) if os.path.isdir(root) else []
+        raise CheckpointNotFound(
+            f"{os.fspath(root)} has no checkpoint for {what} ({name}); it holds {saved or 'none'}",
+            hint="resume with the pipeline and tensor-parallel degrees the checkpoint was saved with",
+        )
+    return path
+
+
+__all__ = ["data_parallel_root", "misplaced_root", "part_root"]

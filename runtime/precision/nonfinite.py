@@ -11,10 +11,14 @@ nothing, the engine does not step the LR scheduler (DeepSpeed's rule for skipped
 the step in `skipped_steps`, and the guard decides what else happens:
 
 - fp16, `LossScaling`: the loss scaler's semantics, unchanged (lower the scale after `hysteresis`
-  overflows; `LossScaleError` at `min_loss_scale`). Overflows are summarized in the periodic report.
+  overflows; `LossScaleError` at `min_loss_scale`). Each skipped step is a warning on rank 0 naming the
+  step and the scale (DeepSpeed prints "OVERFLOW! ... Skipping step"), the first `WARN_FIRST` of a run
+  and then one in `WARN_EVERY` (a run at a too-high scale would otherwise skip in silence with
+  steps_per_print 0); overflows are also summarized in the periodic report.
 - bf16 and fp32, `SkipNonfinite`: a warning on rank 0 naming the step, every time; after
   `bf16.max_consecutive_nonfinite_steps` consecutive skips (0: never) `NonfiniteGradientsError` on every
-  rank at the same step.
+  rank at the same step. There is no fp32 section: the bf16 section's key governs fp32 runs too, and an
+  fp32 run's messages say so (`limit_key`).
 - bf16 and fp32 with `bf16.check_grad_overflow: false`, `ApplyAlways`: no verdict, every step applied
   (DeepSpeed's default for bf16). Only this one lets the offloaded update start during backward.
 
@@ -23,16 +27,32 @@ The guard also owns the loss scaling of backward (`scale`), so the engine never 
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from runtime.precision.errors import NonfiniteGradientsError
 from runtime.precision.loss_scaler import LossScaler, ScaleUpdate
 from runtime.precision.mixed import scaler_from_config
 
 LIMIT_KEY = "bf16.max_consecutive_nonfinite_steps"
+WARN_FIRST = 20  # fp16: skipped steps warned one by one at the start of a run (a high initial scale)...
+WARN_EVERY = 100  # ...then one warning per this many
+
+_log = logging.getLogger("runtime.precision")
+
+
+def limit_key(precision: str) -> str:
+    """The key that limits consecutive skipped steps, as messages of a `precision` ("bf16", "fp32") run
+    name it."""
+    return LIMIT_KEY if precision == "bf16" else f"{LIMIT_KEY}, which governs {precision} runs too"
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 class SkipLog(Protocol):
@@ -40,7 +60,9 @@ class SkipLog(Protocol):
 
     def overflow(self, update: ScaleUpdate, step: int) -> None: ...
 
-    def nonfinite(self, step: int, norm: float, consecutive: int, limit: int) -> None: ...
+    def nonfinite(
+        self, step: int, norm: float, consecutive: int, limit: int, key: str = LIMIT_KEY
+    ) -> None: ...
 
 
 class StepGuard(Protocol):
@@ -70,6 +92,7 @@ class LossScaling:
 
     def __init__(self, scaler: LossScaler) -> None:
         self.loss_scaler: LossScaler = scaler
+        self.overflows = 0  # skipped steps of this run, for the rate of the warnings
 
     @property
     def loss_scale(self) -> float:
@@ -79,7 +102,11 @@ class LossScaling:
         return loss * self.loss_scaler.scale
 
     def skipped(self, *, step: int, norm: torch.Tensor | None, log: SkipLog) -> None:
-        log.overflow(self.loss_scaler.update(True, step=step), step)
+        update = self.loss_scaler.update(True, step=step)  # raises LossScaleError at min_loss_scale
+        self.overflows += 1
+        if _is_rank0() and (self.overflows <= WARN_FIRST or self.overflows % WARN_EVERY == 0):
+            _log.warning("%s", overflow_message(step, update, self.overflows))
+        log.overflow(update, step)
 
     def applied(self, *, step: int) -> None:
         self.loss_scaler.update(False, step=step)
@@ -92,10 +119,11 @@ class SkipNonfinite:
     checks = True
     loss_scale = 1.0
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, precision: str = "bf16") -> None:
         if limit < 0:
             raise ValueError(f"{LIMIT_KEY} must be >= 0, got {limit}")
         self.limit = limit
+        self.key = limit_key(precision)
         self.consecutive = 0
         self.first_skipped = 0  # the first step of the current run of skipped steps
 
@@ -107,12 +135,12 @@ class SkipNonfinite:
             self.first_skipped = step
         self.consecutive += 1
         value = math.nan if norm is None else float(norm)  # the verdict already waited for it
-        log.nonfinite(step, value, self.consecutive, self.limit)
+        log.nonfinite(step, value, self.consecutive, self.limit, key=self.key)
         if self.limit and self.consecutive >= self.limit:
             raise NonfiniteGradientsError(
                 f"step {step}: {self.consecutive} consecutive steps (from step {self.first_skipped}) had a "
                 f"non-finite gradient norm (last: {value}) and were skipped; training stopped "
-                f"({LIMIT_KEY}={self.limit})",
+                f"({self.key.replace(LIMIT_KEY, f'{LIMIT_KEY}={self.limit}', 1)})",
                 hint="set gradient_clipping (e.g. 1.0) or lower the learning rate, and check the data and "
                 f"the loss for inf/nan; the weights are still those from before step {self.first_skipped}",
             )
@@ -145,7 +173,26 @@ def guard_from_config(config: Any) -> StepGuard:
         return LossScaling(scaler)
     if not config.bf16.check_grad_overflow:
         return ApplyAlways()
-    return SkipNonfinite(config.bf16.max_consecutive_nonfinite_steps)
+    precision = "bf16" if config.bf16.enabled else "fp32"
+    return SkipNonfinite(config.bf16.max_consecutive_nonfinite_steps, precision)
+
+
+def overflow_message(step: int, update: ScaleUpdate, overflows: int) -> str:
+    """The warning for an fp16 step skipped for overflowing gradients."""
+    if update.new_scale != update.old_scale:
+        scale = f"loss scale {update.old_scale:g} -> {update.new_scale:g}"
+    elif update.hysteresis_left:
+        scale = (
+            f"loss scale stays {update.old_scale:g}: {update.hysteresis_left} overflow(s) of hysteresis left"
+        )
+    else:
+        scale = f"loss scale stays {update.old_scale:g}"
+    text = f"step {step}: fp16 gradients overflowed; the step was skipped on every rank ({scale})"
+    if overflows == WARN_FIRST:
+        text += f"; further skipped steps are reported once every {WARN_EVERY}"
+    elif overflows > WARN_FIRST:
+        text += f" ({overflows} skipped steps so far)"
+    return text
 
 
 __all__ = [
@@ -156,4 +203,6 @@ __all__ = [
     "SkipNonfinite",
     "StepGuard",
     "guard_from_config",
+    "limit_key",
+    "overflow_message",
 ]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from runtime.errors import UserError
 from runtime.zero.flat import FlatGroup
 
 # Optimizers whose update of an element depends only on that element's history: stepping a flat shard
@@ -42,6 +43,13 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 OptimizerSource = torch.optim.Optimizer | Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+
+
+class ParameterGroupError(UserError, ValueError):
+    """The optimizer's (or model_parameters') groups do not fit the model: a tensor the model does not
+    own, one tensor in two groups, nothing to train. Still a ValueError, as it was."""
+
+    hint = "build the optimizer from the model passed to runtime.initialize"
 
 
 @dataclass
@@ -86,14 +94,20 @@ def collect_param_groups(
         params = []
         for param in spec.params:
             if param not in owned:
-                raise ValueError(
-                    f"param group {index} holds a tensor of shape {tuple(param.shape)} that is not a "
-                    "parameter of "
-                    "the model given to runtime.initialize"
+                given = (
+                    "the optimizer's" if isinstance(optimizer, torch.optim.Optimizer) else "model_parameters'"
+                )
+                raise ParameterGroupError(
+                    f"{given} param group {index} holds a tensor of shape {tuple(param.shape)} that is not "
+                    "a parameter of the model given to runtime.initialize",
+                    hint="build the optimizer (or model_parameters) from the same model object you pass as "
+                    "model=, e.g. torch.optim.AdamW(model.parameters()), after any change that replaces "
+                    "its layers",
                 )
             if param in seen:
-                raise ValueError(
-                    f"a parameter of shape {tuple(param.shape)} appears in more than one param group"
+                raise ParameterGroupError(
+                    f"a parameter of shape {tuple(param.shape)} appears in more than one param group",
+                    hint="list each parameter in one param group only",
                 )
             seen.add(param)
             if param.requires_grad:
@@ -108,8 +122,10 @@ def collect_param_groups(
             stacklevel=3,
         )
     if not groups:
-        raise ValueError(
-            "no trainable parameters: every parameter has requires_grad=False or none were given"
+        raise ParameterGroupError(
+            "no trainable parameters: every parameter has requires_grad=False or none were given",
+            hint="set requires_grad=True on the parameters to train (a frozen reference model needs no "
+            'optimizer: leave optimizer and the config\'s "optimizer" section out)',
         )
     return groups
 

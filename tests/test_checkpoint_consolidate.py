@@ -143,7 +143,10 @@ def test_consolidation_errors_are_one_line_with_an_exit_code(
     shard.write_bytes(bytes(data))
     assert consolidate_main([str(broken), str(tmp_path / "o.safetensors")]) == 1
     err = capsys.readouterr().err
-    assert f"{shard}: checksum mismatch" in err and err.count("\n") == 1
+    # One error line naming the file, one hint line saying what to do: no traceback.
+    error, hint = err.splitlines()
+    assert error.startswith("ds_consolidate: error: ") and f"{shard}: checksum mismatch" in error
+    assert hint.startswith("ds_consolidate: hint: ") and "load an earlier tag" in hint
     with pytest.raises(CheckpointCorrupted, match=str(shard)):
         get_fp32_state_dict_from_checkpoint(broken)
 

@@ -1,6 +1,6 @@
 """What the engine does with a step whose gradients are not finite, per precision: the `StepGuard`.
 
-The verdict comes from `finish_grads` (mixed.py; the offload's `scale_from_device_grads` does the same
+The verdict comes from `finish_grads` (grad_math.py; `scale_from_device_grads` there does the same
 arithmetic): the global gradient norm, reduced over ranks with the one all-reduce the norm already needs
 when gradients are sharded, so every rank reaches the same verdict; reading it is the step's one host sync.
 A norm of inf or nan also catches gradients that are finite but so large that their squares overflow

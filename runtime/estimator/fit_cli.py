@@ -87,7 +87,8 @@ def llama_shape(text: str) -> LlamaShape:
             f"expected {' or '.join(LLAMA_SHAPES)}, or HIDDEN:INTERMEDIATE:LAYERS:HEADS:KV_HEADS:VOCAB with "
             f"heads dividing hidden and kv heads dividing heads, got {text!r}"
         )
-    return LlamaShape(*numbers)
+    hidden, intermediate, layers, heads, kv_heads, vocab = numbers
+    return LlamaShape(hidden, intermediate, layers, heads, kv_heads, vocab)
 
 
 def _line(fit: Fit | None, label: str) -> str:

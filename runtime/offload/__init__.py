@@ -67,7 +67,7 @@ from runtime.offload.machine import agree, read_facts
 from runtime.offload.partial import PartialMasters, host_view, log_split
 from runtime.offload.placement import DeviceMasters, MasterPlacement, attach_master_grads
 from runtime.offload.plan import plan_offload
-from runtime.zero import ZeroStage
+from runtime.zero import StageGroups, ZeroStage
 from runtime.zero.flat import FlatGroup
 
 __all__ = [
@@ -115,7 +115,7 @@ def build_master_placement(
 def _host_masters(
     offload: OffloadSettings,
     groups: Sequence[FlatGroup],
-    zero: ZeroStage,
+    zero: StageGroups,
     comm: Comm,
     device: torch.device,
     *,

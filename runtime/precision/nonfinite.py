@@ -66,8 +66,12 @@ class SkipLog(Protocol):
 
 
 class StepGuard(Protocol):
-    loss_scaler: LossScaler | None  # the fp16 scaler (checkpointed), None otherwise
     checks: bool  # steps are decided on the gradients' finiteness (costs the norm and one host sync)
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The fp16 scaler (checkpointed), None otherwise."""
+        ...
 
     @property
     def loss_scale(self) -> float: ...

@@ -179,7 +179,7 @@ def build_zero_stage(
         zero_init.materialize_params(model.parameters())  # built under zero.Init: make them whole again
         model.to(setup.device)
         groups, split = _flatten_specs(model, specs, comm, setup, registration)
-    options = StageOptions(
+    hooked = StageOptions(
         registration=registration,
         overlap_comm=setup.zero.overlap_comm,
         pre_reduce_scale=setup.pre_reduce_scale,
@@ -187,8 +187,8 @@ def build_zero_stage(
         offload_split=split,
     )
     if stage == 2 and comm.world_size > 1:
-        return ShardedGradStage(groups, comm, options)
-    return ReplicatedGradStage(stage, groups, comm, options)
+        return ShardedGradStage(groups, comm, hooked)
+    return ReplicatedGradStage(stage, groups, comm, hooked)
 
 
 def _flatten_specs(

@@ -32,7 +32,7 @@ class InFlight:
 
     pending: Pending
     buffer: torch.Tensor | None = None  # kept alive until the collective finishes
-    after: Callable[[], None] | None = None
+    after: Callable[[], object] | None = None  # its result is not used
 
     def finish(self) -> None:
         self.pending.wait()

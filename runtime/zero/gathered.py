@@ -85,7 +85,7 @@ class GatheredParameters:
 
     def __init__(
         self,
-        params: nn.Parameter | Iterable[nn.Parameter | None],
+        params: torch.Tensor | Iterable[torch.Tensor | None],
         modifier_rank: int | None = None,
         fwd_module: nn.Module | None = None,
         enabled: bool = True,

@@ -195,7 +195,7 @@ class ShardedUnit:
             working.untyped_storage().resize_(working.numel() * working.element_size())
             self._pending.append(self.comm.all_gather(working, segment.gather_source(), async_op=True))
             for param in segment.group.params:
-                param.ds_status = stage3_param.ZeroParamStatus.INFLIGHT
+                stage3_param.set_ds_attributes(param, ds_status=stage3_param.ZeroParamStatus.INFLIGHT)
         self.state = UnitState.GATHERING
         self.stats.gathers += 1
         self.stats.add(self.nbytes, self.numel)

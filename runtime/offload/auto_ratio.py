@@ -33,12 +33,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from torch import nn
 
 from runtime.comm import Comm
+from runtime.config import Config
 from runtime.config.reader import ConfigError
 from runtime.estimator.fit import (  # ds_estimate's constants: both plan a machine alike
     ALLOCATOR_SLACK,
@@ -302,7 +302,7 @@ def guess_activations(
 
 
 def read_auto_facts(
-    model: nn.Module, config: Any, comm: Comm, device: torch.device, working_dtype: torch.dtype
+    model: nn.Module, config: Config, comm: Comm, device: torch.device, working_dtype: torch.dtype
 ) -> AutoFacts:
     """This rank's facts for `auto_ratio`: the model's sizes and the memory the machine reports now."""
     from runtime.memory import host_available_bytes
@@ -355,7 +355,7 @@ def agree_on_ratio(choice: RatioChoice, comm: Comm, device: torch.device) -> Rat
 
 
 def resolve_auto_ratio(
-    model: nn.Module, config: Any, comm: Comm, device: torch.device, working_dtype: torch.dtype
+    model: nn.Module, config: Config, comm: Comm, device: torch.device, working_dtype: torch.dtype
 ) -> RatioChoice:
     """`"ratio": "auto"` for this engine: the choice every rank takes, with the reason to log."""
     if device.type != "cuda":
@@ -369,8 +369,8 @@ def resolve_auto_ratio(
 
 
 def with_auto_ratio(
-    config: Any, model: nn.Module, comm: Comm, device: torch.device, working_dtype: torch.dtype
-) -> Any:
+    config: Config, model: nn.Module, comm: Comm, device: torch.device, working_dtype: torch.dtype
+) -> Config:
     """`config` with `"ratio": "auto"` replaced by the ratio chosen for this machine (logged once, with why);
     any other config as it is. A model that cannot fit raises ValueError naming both sides' numbers."""
     zero = config.zero_optimization

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from runtime.config import Config
 from runtime.precision.errors import InputDtypeError
 from runtime.precision.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
@@ -36,7 +37,7 @@ class PrecisionPolicy:
         return self.param_dtype == torch.float16
 
 
-def policy_from_config(config: Any) -> PrecisionPolicy:
+def policy_from_config(config: Config) -> PrecisionPolicy:
     """The policy a runtime `Config` asks for.
 
     Floating-point inputs are cast to bf16 for bf16 runs (a bf16 model cannot take fp32 activations), and
@@ -50,7 +51,7 @@ def policy_from_config(config: Any) -> PrecisionPolicy:
     return PrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_inputs=cast)
 
 
-def scaler_from_config(config: Any) -> LossScaler | None:
+def scaler_from_config(config: Config) -> LossScaler | None:
     """The fp16 loss scaler (static when fp16.loss_scale > 0), or None without fp16."""
     fp16 = config.fp16
     if not fp16.enabled:

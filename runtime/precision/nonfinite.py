@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from runtime.config import Config
 from runtime.precision.errors import NonfiniteGradientsError
 from runtime.precision.loss_scaler import LossScaler, ScaleUpdate
 from runtime.precision.mixed import scaler_from_config
@@ -170,7 +171,7 @@ class ApplyAlways:
         pass
 
 
-def guard_from_config(config: Any) -> StepGuard:
+def guard_from_config(config: Config) -> StepGuard:
     """The guard a runtime `Config` asks for."""
     scaler = scaler_from_config(config)
     if scaler is not None:

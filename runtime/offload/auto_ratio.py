@@ -49,6 +49,8 @@ from runtime.estimator.fit import (  # ds_estimate's constants: both plan a mach
     activation_bytes,
 )
 from runtime.estimator.model_states import DTYPE_BYTES, MASTER_BYTES, OPTIMIZER_BYTES, estimate, model_sizes
+from runtime.memory import host_available_bytes
+from runtime.models.gpt import GPTConfig
 from runtime.zero.offload_split import RATIO_KEY
 
 _log = logging.getLogger("runtime.offload")
@@ -269,8 +271,6 @@ def guess_activations(
     model: nn.Module, micro_batch: int, working_bytes: int, capacity: int
 ) -> ActivationGuess:
     """Peak activations of one micro-batch (runtime/estimator/fit.py's formula) from the model's shape."""
-    from runtime.models.gpt import GPTConfig
-
     shape = model_shape(model)
     if shape is None:
         nbytes = int(UNKNOWN_ACTIVATION_SHARE * capacity)
@@ -305,8 +305,6 @@ def read_auto_facts(
     model: nn.Module, config: Config, comm: Comm, device: torch.device, working_dtype: torch.dtype
 ) -> AutoFacts:
     """This rank's facts for `auto_ratio`: the model's sizes and the memory the machine reports now."""
-    from runtime.memory import host_available_bytes
-
     zero = config.zero_optimization
     sizes = model_sizes(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the optimizer's elements

@@ -33,12 +33,13 @@ from runtime.config import ZeroConfig
 from runtime.zero.common import StageOptions
 from runtime.zero.flat import FlatGroup, flatten_group
 from runtime.zero.gathered import GatheredParameters
-from runtime.zero.init import Init
+from runtime.zero.init import Init, materialize_params
 from runtime.zero.offload_split import RATIO_KEY, OffloadSplit, split_count, whole_group_split
 from runtime.zero.optimizer import GroupSpec
 from runtime.zero.partition import FlatLayout, plan_flat_layout
 from runtime.zero.replicated import GradientViewsReplaced, ReplicatedGradStage
 from runtime.zero.sharded import ShardedGradStage
+from runtime.zero.stage3 import build_stage3, resident_unit_groups, stage3_options
 from runtime.zero.stage3_param import ParamNotGathered
 
 if TYPE_CHECKING:
@@ -160,15 +161,11 @@ def build_zero_stage(
     """Group and flatten the trainable parameters of `model` the way its stage wants, and build the
     stage's strategy over them; `stage.groups` are the flat groups the optimizer then steps (one
     optimizer param group each; `group.spec_index` says which of `specs` it came from)."""
-    from runtime.zero import init as zero_init
-
     stage = setup.zero.stage
     if stage not in (0, 1, 2, 3):
         raise NotImplementedError(f"zero_optimization.stage {stage} does not exist; use 0, 1, 2 or 3")
     registration = {p: i for i, p in enumerate(model.parameters())}
     if stage == 3:
-        from runtime.zero.stage3 import build_stage3, resident_unit_groups, stage3_options
-
         options = stage3_options(setup)
         # One rank gains nothing from sharding, except when the shards are to live in host memory.
         if comm.world_size > 1 or setup.zero.offload_param.enabled:
@@ -176,7 +173,7 @@ def build_zero_stage(
         groups = resident_unit_groups(model, specs, comm, options)
         split = whole_group_split(groups, setup.split_ratio, registration)
     else:
-        zero_init.materialize_params(model.parameters())  # built under zero.Init: make them whole again
+        materialize_params(model.parameters())  # built under zero.Init: make them whole again
         model.to(setup.device)
         groups, split = _flatten_specs(model, specs, comm, setup, registration)
     hooked = StageOptions(

@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from runtime.comm import Comm, Pending
 from runtime.host_memory import HostMemory
+from runtime.zero import init as zero_init
 from runtime.zero import stage3_param
 from runtime.zero.common import InFlight
 from runtime.zero.flat import FlatGroup, flatten_group
@@ -280,8 +281,6 @@ def build_stage3(
     """Plan units over `model`, shard its trainable parameters unit by unit (at most one unit is whole at
     a time, also for a model built under zero.Init), and build the strategy (`registration`: each
     parameter's index in `model.parameters()`, which orders the groups for a partial optimizer offload)."""
-    from runtime.zero import init as zero_init
-
     names, plans, segments = _plan(model, specs, comm, options)
     host = None
     if options.offload_param:
@@ -351,8 +350,6 @@ def _plan(
     model: nn.Module, specs: Sequence[GroupSpec], comm: Comm, options: Stage3Options
 ) -> tuple[dict[nn.Parameter, str], list[UnitPlan], dict[int, list[tuple[int, list[nn.Parameter]]]]]:
     """Names, unit plans, and per unit its (param group, parameters) segments; resident state placed."""
-    from runtime.zero import init as zero_init
-
     spec_of = {p: i for i, spec in enumerate(specs) for p in spec.params}
     names = {p: n for n, p in model.named_parameters()}
     plans = plan_units(model, list(spec_of), threshold=options.persistence_threshold)

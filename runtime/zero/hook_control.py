@@ -38,6 +38,7 @@ from typing import Any
 from torch import nn
 
 from runtime.errors import UserError
+from runtime.zero.stage3_hooks import GatherScheduler
 from runtime.zero.stage3_param import ZeroParamStatus, set_ds_attributes
 
 __all__ = ["ParamCoordinator", "ZeroParamOffload", "attach_parameter_attributes", "external_parameters"]
@@ -85,7 +86,7 @@ def attach_parameter_attributes(model: nn.Module) -> None:
 class ParamCoordinator:
     """DeepSpeed's `PartitionedParameterCoordinator` names for the scheduler's recorded orders."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: GatherScheduler | None) -> None:
         self._scheduler = scheduler
 
     def is_invalid_trace(self) -> bool:
@@ -105,9 +106,9 @@ class ParamCoordinator:
 class ZeroParamOffload:
     """`engine.optimizer.parameter_offload` at ZeRO stage 3 (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, scheduler: Any = None) -> None:
+    def __init__(self, module: nn.Module, scheduler: GatherScheduler | None = None) -> None:
         self.module = module
-        self._scheduler = scheduler  # runtime.zero.stage3_hooks.GatherScheduler; None with one rank
+        self._scheduler = scheduler  # None with one rank
         self._no_hooks: list[Any] = []
         self.backward_hooks: list[Any] = []
         self.param_coordinator = ParamCoordinator(scheduler)

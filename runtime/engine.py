@@ -33,9 +33,9 @@ from runtime.engine_compat import EngineAccessors
 from runtime.engine_log import StepLog, Timers
 from runtime.initialize_args import checkpoint_dir
 from runtime.monitor import TrainingMonitor
-from runtime.offload import GradMath, MasterPlacement, build_master_placement
-from runtime.offload.auto_ratio import with_auto_ratio
+from runtime.offload import MasterPlacement, build_master_placement, with_auto_ratio
 from runtime.parallel.folders import part_root
+from runtime.precision.grad_math import GradMath
 from runtime.precision.loss_scaler import LossScaler
 from runtime.precision.mixed import cast_floating, input_dtype_error, policy_from_config
 from runtime.precision.nonfinite import StepGuard, guard_from_config

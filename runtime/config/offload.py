@@ -41,8 +41,11 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
+OffloadDevice = Literal["none", "cpu"]  # where an offload section puts its tensors ("nvme" is refused)
+UpdateSite = Literal["host", "device"]  # where the offloaded Adam step runs
+GradTransfer = Literal["fp32", "native"]  # the dtype 16-bit gradients cross to the host in
 UPDATE_CHOICES = ("auto", "host", "device")  # "auto" is held as None
 GRAD_TRANSFER_CHOICES = ("auto", "fp32", "native")
 SECTION = "zero_optimization.offload_optimizer"
@@ -74,12 +77,12 @@ def _internal(default: Any) -> Any:
 class OffloadSettings:
     """`zero_optimization.offload_optimizer` (see the module docstring)."""
 
-    device: str = "none"  # "none" | "cpu"
+    device: OffloadDevice = "none"
     pin_memory: bool = False  # DeepSpeed 0.19.8 defaults to True
     ratio: float | None = 1.0  # host's share of the optimizer state (zero/offload_split.py); None: auto
-    update: str | None = None  # "host" | "device"; None: auto
+    update: UpdateSite | None = None  # None: auto
     host_share: float | None = None  # 0..1; None: auto
-    grad_transfer: str | None = None  # "fp32" | "native"; None: auto
+    grad_transfer: GradTransfer | None = None  # None: auto
     # internal: not config keys
     transfer_chunk_elems: int = _internal(TRANSFER_CHUNK_ELEMS)
     device_chunk_elems: int = _internal(DEVICE_CHUNK_ELEMS)

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from runtime.config.checks import Bool, Choice, Float, Int
-from runtime.config.offload import GRAD_TRANSFER_CHOICES, UPDATE_CHOICES, OffloadSettings, with_overrides
+from runtime.config.offload import (
+    GRAD_TRANSFER_CHOICES,
+    UPDATE_CHOICES,
+    OffloadDevice,
+    OffloadSettings,
+    with_overrides,
+)
 from runtime.config.reader import AUTO, AutoRefused, ConfigError, SectionReader
 
 
@@ -25,7 +31,7 @@ from runtime.config.reader import AUTO, AutoRefused, ConfigError, SectionReader
 class OffloadConfig:
     """`zero_optimization.offload_param`: stage 3's working weight shards in host memory."""
 
-    device: str = "none"  # "none" | "cpu" ("nvme" is refused when read)
+    device: OffloadDevice = "none"  # ("nvme" is refused when read)
     pin_memory: bool = False  # DeepSpeed 0.19.8 defaults to True
 
     @property
@@ -176,7 +182,8 @@ def _read_offload_device(r: SectionReader, buffer_count_default: int) -> Offload
         raise ConfigError(
             r.key_path("device"), '"nvme" is not supported yet (NVMe offload); use "cpu" or "none"'
         )
-    cfg = OffloadConfig(device=device, pin_memory=r.get("pin_memory", Bool(), False))
+    checked = cast(OffloadDevice, device)  # the Choice above left "none" or "cpu"
+    cfg = OffloadConfig(device=checked, pin_memory=r.get("pin_memory", Bool(), False))
     r.ignored("buffer_count", buffer_count_default, "NVMe/prefetch buffer count has no effect on CPU offload")
     r.ignored("fast_init", False, "no effect on CPU offload")
     r.ignored("nvme_path", None, "NVMe offload is not supported")

@@ -34,6 +34,7 @@ from runtime.estimator.model_states import (
     estimate_all,
     model_sizes,
 )
+from runtime.models.gpt import MODEL_SIZES, GPTConfig
 
 __all__ = [
     "estimate_zero2_model_states_mem_needs",
@@ -174,8 +175,6 @@ def estimate_zero3_model_states_mem_needs_all_cold(
 
 def _gpt_sizes(name: str) -> ModelSizes:
     """Sizes of a runtime.models.gpt size, from its config (nothing is allocated)."""
-    from runtime.models.gpt import GPTConfig
-
     return gpt_sizes(GPTConfig.named(name))
 
 
@@ -211,8 +210,6 @@ def _count(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``ds_estimate``: print the memory table; exit code 0, or 2 for bad arguments."""
-    from runtime.models.gpt import MODEL_SIZES
-
     parser = argparse.ArgumentParser(
         prog="ds_estimate",
         description="Estimate per-GPU and per-host memory of a ZeRO run's model states "

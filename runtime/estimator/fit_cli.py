@@ -18,14 +18,13 @@ from dataclasses import asdict, replace
 
 from runtime.estimator.fit import GIB, Fit, Machine, Workload, fit_gpt, largest_gpt
 from runtime.estimator.longest import LLAMA_SHAPES, LlamaShape, LongSequenceSetup, longest_sequence
+from runtime.models.gpt import GPTConfig
 
 WIDTHS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, 10240, 12288)
 
 
-def gpt_family() -> list:
+def gpt_family() -> list[GPTConfig]:
     """The sizes `--largest` walks: each width in WIDTHS (head size 128), 4 to 128 layers in steps of 2."""
-    from runtime.models.gpt import GPTConfig
-
     return [GPTConfig(n_embd=e, n_head=e // 128, n_layer=n) for e in WIDTHS for n in range(4, 129, 2)]
 
 
@@ -87,7 +86,8 @@ def llama_shape(text: str) -> LlamaShape:
             f"expected {' or '.join(LLAMA_SHAPES)}, or HIDDEN:INTERMEDIATE:LAYERS:HEADS:KV_HEADS:VOCAB with "
             f"heads dividing hidden and kv heads dividing heads, got {text!r}"
         )
-    return LlamaShape(*numbers)
+    hidden, intermediate, layers, heads, kv_heads, vocab = numbers
+    return LlamaShape(hidden, intermediate, layers, heads, kv_heads, vocab)
 
 
 def _line(fit: Fit | None, label: str) -> str:
@@ -96,8 +96,6 @@ def _line(fit: Fit | None, label: str) -> str:
 
 def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Answer --largest or --gpt; exit code 0 when it fits (or something does), 1 when not."""
-    from runtime.models.gpt import GPTConfig
-
     if args.gpu_memory is None or args.host_memory is None:
         parser.error("--largest, --gpt and --longest_seq need --gpu_memory and --host_memory (GiB)")
     if args.offload_param and args.stage != 3:

@@ -141,7 +141,7 @@ def model_sizes(model: nn.Module) -> ModelSizes:
     sharded = 0
     for name, style in tp_plan(model).items():
         module = model.get_submodule(name)
-        sharded += module.weight.numel()
+        sharded += module.get_parameter("weight").numel()
         bias = getattr(module, "bias", None)
         if bias is not None and "Rowwise" not in type(style).__name__:  # a row-wise bias stays whole
             sharded += bias.numel()

@@ -1,8 +1,10 @@
 """CPU offload: where the optimizer's master weights and state live, as plan, then execute.
 
 The front door. `build_master_placement` is the only place that builds a placement, and this module the
-only one that names `HostMasters`; engines import only from here (the factory, `GradMath` and the
-`MasterPlacement` protocol). For `offload_optimizer: {device: cpu}` it runs, once per engine:
+only one that names `HostMasters`; engines import only from here: `with_auto_ratio` (the config with
+`"ratio": "auto"` resolved, before the ZeRO stage is built), the factory and the `MasterPlacement`
+protocol. The step's gradient arithmetic that every placement takes (`GradMath`) is
+runtime/precision/grad_math.py's. For `offload_optimizer: {device: cpu}` it runs, once per engine:
 
     settings = config's OffloadSettings                    # runtime/config/offload.py: read once
     facts    = read_facts(...)                             # machine.py: this rank and its machine
@@ -10,13 +12,15 @@ only one that names `HostMasters`; engines import only from here (the factory, `
     HostMasters(..., plan=plan, settings=settings)         # host_masters.py: executes the plan
 
 With `offload_optimizer.ratio` below 1 the ZeRO stage has already split its groups between the host and
-the device (runtime/zero/offload_split.py); the same steps build a `HostMasters` over the host's groups,
-and `PartialMasters` (partial.py) adds the device's groups and one norm for both.
+the device (its `offload_split`, runtime/zero/offload_split.py); the same steps build a `HostMasters`
+over the host's groups, and `PartialMasters` (partial.py) adds the device's groups and one norm for both.
 
 Parts, and which way imports point (each only to parts listed after it, and to runtime.zero, which
 never imports back; tests/offload/test_imports.py checks it):
 
 - `__init__.py` (this): the factory and `enable_delayed_update`.
+- `auto_ratio.py`: `"ratio": "auto"` chosen from the model's sizes and the machine's memory, and the fit
+  check of a set ratio (`with_auto_ratio`, exported here).
 - `partial.py`: `PartialMasters`, a ratio below 1: the host's groups through `HostMasters`, the device's
   updated in place, one gradient norm for both.
 - `host_masters.py`: `HostMasters`, the offloaded step's wiring and order.
@@ -25,7 +29,7 @@ never imports back; tests/offload/test_imports.py checks it):
 - `machine.py`: the facts the plan is made from, and the agreement across ranks.
 - `plan.py`: pure decisions (what lands, where Adam runs, the CPU's share, streaming, spans).
 - `io/`: moving bytes: spans, copies, gradient landing, the working-weight targets and their publishing.
-- `placement.py`: the `MasterPlacement` protocol, `GradMath`, `DeviceMasters`, gradient helpers.
+- `placement.py`: the `MasterPlacement` protocol, `DeviceMasters`, `attach_master_grads`.
 
 The settings are the config's (`runtime.config.OffloadSettings`, runtime/config/offload.py): the typed
 `offload_optimizer` section with the benchmark overrides applied where the config was read, so nothing
@@ -54,36 +58,34 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm
+from runtime.config import Config
 from runtime.config.offload import OffloadSettings
+from runtime.offload.auto_ratio import with_auto_ratio
 from runtime.offload.host_masters import HostMasters
 from runtime.offload.io.targets import working_target
 from runtime.offload.machine import agree, read_facts
 from runtime.offload.partial import PartialMasters, host_view, log_split
-from runtime.offload.placement import (
-    DeviceMasters,
-    GradMath,
-    MasterPlacement,
-    attach_master_grads,
-)
+from runtime.offload.placement import DeviceMasters, MasterPlacement, attach_master_grads
 from runtime.offload.plan import plan_offload
+from runtime.zero import StageGroups, ZeroStage
 from runtime.zero.flat import FlatGroup
 
 __all__ = [
     "DeviceMasters",
-    "GradMath",
     "MasterPlacement",
     "attach_master_grads",
     "build_master_placement",
     "enable_delayed_update",
+    "with_auto_ratio",
 ]
 
 _log = logging.getLogger("runtime.offload")
 
 
 def build_master_placement(
-    config: Any,
+    config: Config,
     groups: Sequence[FlatGroup],
-    zero: Any,
+    zero: ZeroStage,
     comm: Comm,
     device: torch.device,
     *,
@@ -97,8 +99,8 @@ def build_master_placement(
     offload: OffloadSettings = config.zero_optimization.offload_optimizer
     if offload.device == "none":
         return DeviceMasters(groups, zero)
-    split = getattr(zero, "offload_split", None)  # None: the ratio is 1, everything goes to the host
-    if split is None:
+    split = zero.offload_split
+    if split is None:  # the ratio is 1: everything goes to the host
         return _host_masters(offload, groups, zero, comm, device, registration=registration)
     log_split(split, groups, comm)
     if not split.host:  # ratio 0 (or too small for one parameter): nothing to offload
@@ -113,7 +115,7 @@ def build_master_placement(
 def _host_masters(
     offload: OffloadSettings,
     groups: Sequence[FlatGroup],
-    zero: Any,
+    zero: StageGroups,
     comm: Comm,
     device: torch.device,
     *,

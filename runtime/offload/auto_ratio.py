@@ -3,7 +3,8 @@
 The engine resolves it before the ZeRO stage groups the parameters (the split is structural: whole
 parameters go to one side, runtime/zero/offload_split.py), so it cannot measure a step first. It reads
 the facts once (`read_auto_facts`: the model's sizes, the device's memory, the host's) and the choice is
-a pure function of them (`auto_ratio`): the device keeps the largest share of the state that fits beside
+a pure function of them (`auto_ratio`, over the budget arithmetic of `choose_ratio`, both here beside the
+facts they read): the device keeps the largest share of the state that fits beside
 
 - the working weights, the gradient buffers and the stage's transient buffers (what
   runtime/estimator/model_states.py counts for this stage and offload, the same numbers `ds_estimate`
@@ -22,6 +23,9 @@ Why the device first: it updates its share at memory bandwidth, while the host's
 and the copies; and the host is what runs out first for the largest models. Every rank reads its own
 machine; the ranks then take the largest host share any of them needs (`agree_on_ratio`), because the split
 must be the same on all of them.
+
+The engine's way in is `with_auto_ratio`, through the package's front door (runtime.offload): the config
+with the ratio resolved, before the ZeRO stage is built.
 """
 
 from __future__ import annotations
@@ -29,12 +33,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from torch import nn
 
 from runtime.comm import Comm
+from runtime.config import Config
 from runtime.config.reader import ConfigError
 from runtime.estimator.fit import (  # ds_estimate's constants: both plan a machine alike
     ALLOCATOR_SLACK,
@@ -45,7 +49,9 @@ from runtime.estimator.fit import (  # ds_estimate's constants: both plan a mach
     activation_bytes,
 )
 from runtime.estimator.model_states import DTYPE_BYTES, MASTER_BYTES, OPTIMIZER_BYTES, estimate, model_sizes
-from runtime.zero.offload_split import RATIO_KEY, RatioChoice, choose_ratio
+from runtime.memory import host_available_bytes
+from runtime.models.gpt import GPTConfig
+from runtime.zero.offload_split import RATIO_KEY
 
 _log = logging.getLogger("runtime.offload")
 UNKNOWN_ACTIVATION_SHARE = 0.25  # of the device, for activations, when the model does not say its shape
@@ -73,6 +79,92 @@ class AutoFacts:
     host_available: int
     activations: ActivationGuess
     working_bytes: int  # bytes of a working-weight element: a 16-bit one makes the device step copy fp32
+
+
+@dataclass(frozen=True)
+class RatioChoice:
+    """The share of the optimizer state to put on the host, and why (the engine logs the reason)."""
+
+    ratio: float
+    reason: str
+
+
+def choose_ratio(
+    *,
+    shard_numel: int,
+    device_bytes_per_element: int,
+    host_bytes_per_element: int,
+    device_free: int,
+    activation_bytes: int,
+    device_reserve: int,
+    host_available: int,
+    step_bytes_per_element: int = 0,
+    step: float = 0.01,
+) -> RatioChoice:
+    """`"ratio": "auto"`: the largest device share of the optimizer state that fits beside the rest.
+
+    Args:
+        shard_numel: this rank's optimizer shard, in elements (what either side can hold).
+        device_bytes_per_element: what an element of state costs on the device at the step's peak: the
+            fp32 master (unless it is the working weights themselves), the optimizer's moments, and the
+            fp32 gradient copy the step makes from 16-bit gradients (16 for Adam with bf16 weights).
+        host_bytes_per_element: the same on the host, with the offload's landing buffers (14 or 16).
+        device_free: device bytes free once the working weights and gradient buffers exist.
+        activation_bytes: the activations' peak estimate for the configured micro-batch.
+        device_reserve: what to leave free besides (allocator fragmentation, temporaries, communication).
+        host_available: host bytes this rank may still allocate.
+        step_bytes_per_element: device bytes an element of the device's share costs only during the
+            optimizer step, after backward has freed the activations (the fp32 gradient copy, and room
+            for its single allocation): they take the activations' place, not a place beside them.
+        step: the ratio is a multiple of this, rounded towards the host, so the device share stays
+            inside its budget (the split then takes at least that share to the host: `at_least`).
+
+    Returns the ratio (0.0: all of the state fits on the device) and a reason naming the numbers; raises
+    ValueError, naming them and what would fit, when the device and the host together cannot hold it.
+    """
+    if min(shard_numel, device_bytes_per_element, host_bytes_per_element) <= 0:
+        raise ValueError("choose_ratio needs a positive shard size and positive bytes per element")
+    gib = 1 << 30
+    budget = max(0, device_free - activation_bytes - device_reserve)
+    on_device = min(shard_numel, budget // device_bytes_per_element)
+    if step_bytes_per_element:  # the step's peak: the state and the step's buffers, without activations
+        at_step = max(0, device_free - device_reserve) // (device_bytes_per_element + step_bytes_per_element)
+        on_device = min(on_device, at_step)
+    ratio = 1.0 - on_device / shard_numel
+    ratio = min(1.0, math.ceil(round(ratio / step, 9)) * step)  # whole steps, towards the host
+    ratio = round(ratio, 6)
+    host_need = math.ceil(ratio * shard_numel) * host_bytes_per_element
+    device_use = (shard_numel - math.ceil(ratio * shard_numel)) * device_bytes_per_element
+    spare = f"{budget / gib:.1f} GiB of the device's {device_free / gib:.1f} GiB free after the activations "
+    spare += f"({activation_bytes / gib:.1f} GiB) and a reserve of {device_reserve / gib:.1f} GiB"
+    if step_bytes_per_element:
+        step_gib = (shard_numel - math.ceil(ratio * shard_numel)) * step_bytes_per_element / gib
+        spare = (
+            f"the device's {device_free / gib:.1f} GiB free, less a reserve of "
+            f"{device_reserve / gib:.1f} GiB, "
+            f"beside the activations ({activation_bytes / gib:.1f} GiB) in forward and backward and the "
+            f"step's buffers ({step_gib:.1f} GiB) after them"
+        )
+    if host_need > host_available:
+        fits = on_device + host_available // host_bytes_per_element
+        raise ValueError(
+            f"the optimizer state of this rank's {shard_numel:,} elements does not fit: the device can hold "
+            f"{on_device:,} of them ({spare}) and the host the rest only with {host_need / gib:.1f} GiB, of "
+            f"{host_available / gib:.1f} GiB available; both together hold about {fits:,} elements"
+        )
+    device_gib = device_use / gib
+    if ratio == 0.0:
+        return RatioChoice(0.0, f"ratio 0: all of the optimizer state ({device_gib:.1f} GiB) fits in {spare}")
+    if ratio == 1.0:
+        host = f"{host_need / gib:.1f} GiB of {host_available / gib:.1f} GiB available"
+        why = f"ratio 1: no optimizer state fits on the device ({spare}); the host holds all of it ({host})"
+        return RatioChoice(1.0, why)
+    return RatioChoice(
+        ratio,
+        f"ratio {ratio:g}: the device keeps {1 - ratio:.0%} of the optimizer state ({device_gib:.1f} GiB), "
+        f"what fits in {spare}; the host holds the rest ({host_need / gib:.1f} GiB of "
+        f"{host_available / gib:.1f} GiB available)",
+    )
 
 
 def device_bytes_per_element(facts: AutoFacts) -> int:
@@ -179,8 +271,6 @@ def guess_activations(
     model: nn.Module, micro_batch: int, working_bytes: int, capacity: int
 ) -> ActivationGuess:
     """Peak activations of one micro-batch (runtime/estimator/fit.py's formula) from the model's shape."""
-    from runtime.models.gpt import GPTConfig
-
     shape = model_shape(model)
     if shape is None:
         nbytes = int(UNKNOWN_ACTIVATION_SHARE * capacity)
@@ -212,11 +302,9 @@ def guess_activations(
 
 
 def read_auto_facts(
-    model: nn.Module, config: Any, comm: Comm, device: torch.device, working_dtype: torch.dtype
+    model: nn.Module, config: Config, comm: Comm, device: torch.device, working_dtype: torch.dtype
 ) -> AutoFacts:
     """This rank's facts for `auto_ratio`: the model's sizes and the memory the machine reports now."""
-    from runtime.memory import host_available_bytes
-
     zero = config.zero_optimization
     sizes = model_sizes(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the optimizer's elements
@@ -265,7 +353,7 @@ def agree_on_ratio(choice: RatioChoice, comm: Comm, device: torch.device) -> Rat
 
 
 def resolve_auto_ratio(
-    model: nn.Module, config: Any, comm: Comm, device: torch.device, working_dtype: torch.dtype
+    model: nn.Module, config: Config, comm: Comm, device: torch.device, working_dtype: torch.dtype
 ) -> RatioChoice:
     """`"ratio": "auto"` for this engine: the choice every rank takes, with the reason to log."""
     if device.type != "cuda":
@@ -279,8 +367,8 @@ def resolve_auto_ratio(
 
 
 def with_auto_ratio(
-    config: Any, model: nn.Module, comm: Comm, device: torch.device, working_dtype: torch.dtype
-) -> Any:
+    config: Config, model: nn.Module, comm: Comm, device: torch.device, working_dtype: torch.dtype
+) -> Config:
     """`config` with `"ratio": "auto"` replaced by the ratio chosen for this machine (logged once, with why);
     any other config as it is. A model that cannot fit raises ValueError naming both sides' numbers."""
     zero = config.zero_optimization

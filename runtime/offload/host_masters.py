@@ -7,7 +7,7 @@ publisher of updated spans) and the order of a step:
 1. Gradients land on the host span by span (io/landing.py): during backward when the plan streams, else
    after the ZeRO stage has reduced them. With the device step only the CPU's tails land.
 2. The norm, the fp16 overflow check and the clipping factor come from the gradients still on the device
-   (`placement.scale_from_device_grads`); the host reads one number.
+   (`runtime.precision.grad_math.scale_from_device_grads`); the host reads one number.
 3. Each span is updated in landing order, its head by the GPU and its tail by the CPU (step/), and
    published (io/targets.py): with more ranks, each bucket's all-gather starts when its pieces are back.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +32,6 @@ from runtime.offload.io.copies import CopyEngine, Ticket
 from runtime.offload.io.landing import GradLanding
 from runtime.offload.io.spans import Span
 from runtime.offload.io.targets import Publisher, WorkingTarget
-from runtime.offload.placement import GradMath, scale_from_device_grads
 from runtime.offload.plan import OffloadPlan, UpdateChoice
 from runtime.offload.step import host_adam
 from runtime.offload.step.delayed import DelayedUpdate, check_after_steps
@@ -41,7 +39,8 @@ from runtime.offload.step.device_step import DeviceStep
 from runtime.offload.step.host_step import HostStep
 from runtime.offload.step.split_update import HeadTail, SplitUpdate
 from runtime.offload.step.streamed import StreamedStep
-from runtime.precision.mixed import GradResult
+from runtime.precision.grad_math import GradMath, GradResult, scale_from_device_grads
+from runtime.zero import StageGroups
 from runtime.zero.flat import FlatGroup
 
 _log = logging.getLogger("runtime.offload")
@@ -55,7 +54,7 @@ class HostMasters:
     def __init__(
         self,
         groups: Sequence[FlatGroup],
-        zero: Any,
+        zero: StageGroups,
         comm: Comm,
         device: torch.device,
         *,

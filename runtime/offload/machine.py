@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,13 +22,14 @@ from runtime.host_memory import can_pin
 from runtime.memory import host_available_bytes
 from runtime.offload.io.targets import WorkingTarget
 from runtime.offload.plan import LandingChoice, MachineFacts, OffloadFacts, OffloadPlan, UpdateChoice
+from runtime.zero import StageGroups
 from runtime.zero.buckets import bucket_order
 from runtime.zero.flat import FlatGroup
 
 
 def read_facts(
     groups: Sequence[FlatGroup],
-    zero: Any,
+    zero: StageGroups,
     comm: Comm,
     device: torch.device,
     *,
@@ -43,7 +43,7 @@ def read_facts(
         layouts=tuple(g.layout for g in groups),
         order=tuple(bucket_order(groups, registration)),
         weights_on_host=target.on_host,
-        sharded_stage=getattr(zero, "units", None) is not None,
+        sharded_stage=zero.params_sharded,
         world_size=comm.world_size,
         machine=read_machine(device),
     )

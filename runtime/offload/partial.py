@@ -44,29 +44,52 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm, Pending
-from runtime.offload.placement import DeviceMasters, GradMath
-from runtime.precision.mixed import GradResult
+from runtime.offload.placement import DeviceMasters
+from runtime.precision.grad_math import GradMath, GradResult
+from runtime.zero import ZeroStage
 from runtime.zero.flat import FlatGroup
 from runtime.zero.offload_split import RATIO_KEY, OffloadSplit, describe_split
+from runtime.zero.stage3_unit import ShardedUnit
 
 _log = logging.getLogger("runtime.offload")
 
 
 class StageView:
-    """The ZeRO stage seen through some of its groups (`positions` in `zero.groups`): `grad_pieces` gives
-    theirs, in that order; everything else is the stage's own."""
+    """The ZeRO stage seen through some of its groups (`positions` in `zero.groups`), as one side's
+    placement reads it (`StageGroups`): `grad_pieces` gives theirs, in that order; where the working
+    weights live is the stage's own."""
 
-    def __init__(self, zero: Any, positions: Sequence[int]) -> None:
+    def __init__(self, zero: ZeroStage, positions: Sequence[int]) -> None:
         self._zero = zero
         self._positions = list(positions)
         self.groups = [zero.groups[i] for i in self._positions]
+
+    @property
+    def stage(self) -> int:
+        return self._zero.stage
+
+    @property
+    def grads_are_sharded(self) -> bool:
+        return self._zero.grads_are_sharded
+
+    @property
+    def params_sharded(self) -> bool:
+        return self._zero.params_sharded
+
+    @property
+    def units(self) -> Sequence[ShardedUnit]:
+        return self._zero.units
 
     def grad_pieces(self) -> list[list[torch.Tensor]]:
         pieces = self._zero.grad_pieces()
         return [pieces[i] for i in self._positions]
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._zero, name)
+    def host_param_bytes(self) -> int:
+        return self._zero.host_param_bytes()
+
+    def write_back(self) -> None:
+        """The whole stage's: its groups are written back together (PartialMasters does it per side)."""
+        self._zero.write_back()
 
 
 def squared_norm(pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor | None:
@@ -82,7 +105,13 @@ class PartialMasters:
     """The device's groups updated by the device's optimizer step, the host's by `HostMasters`."""
 
     def __init__(
-        self, groups: Sequence[FlatGroup], zero: Any, device: torch.device, *, split: OffloadSplit, host: Any
+        self,
+        groups: Sequence[FlatGroup],
+        zero: ZeroStage,
+        device: torch.device,
+        *,
+        split: OffloadSplit,
+        host: Any,
     ) -> None:
         """`host`: the front door's `HostMasters` over `host_view(zero, split)` (runtime.offload), the
         placement of the host's groups; this one adds the device's groups and the shared norm."""
@@ -196,7 +225,7 @@ class PartialMasters:
             published.wait()
 
 
-def host_view(zero: Any, split: OffloadSplit) -> StageView:
+def host_view(zero: ZeroStage, split: OffloadSplit) -> StageView:
     """The stage as the host side's `HostMasters` sees it: only the host's groups."""
     return StageView(zero, split.host)
 

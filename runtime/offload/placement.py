@@ -16,45 +16,21 @@ that with a `ratio` below 1 (some groups on each side); the package's front door
 (`runtime.offload.build_master_placement`) picks one. This module imports nothing from runtime/offload,
 so every other part of it may import this one.
 
-`GradMath` carries what the engine knows about the step's gradient arithmetic (how many ranks and
-micro-steps the sums span, the loss scale, the clipping norm, and whether a norm is needed at all), so a
-placement can apply it wherever its gradients are.
+Each `step` gets the engine's `GradMath` (runtime/precision/grad_math.py: how many ranks and micro-steps
+the sums span, the loss scale, the clipping norm, whether a norm is needed at all) and applies it
+wherever its gradients are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from runtime.precision.mixed import GradResult, finish_grads, master_grads_from
+from runtime.precision.grad_math import GradMath, GradResult, finish_grads, master_grads_from
+from runtime.zero import StageGroups
 from runtime.zero.flat import FlatGroup
-
-
-@dataclass(frozen=True)
-class GradMath:
-    """The gradient arithmetic of one step (see `runtime.precision.mixed.finish_grads`)."""
-
-    divisor: float  # ranks x micro-steps the reduced sums span, after any pre-reduce scaling
-    loss_scale: float  # fp16 loss scale of the backward passes (1.0 otherwise)
-    max_norm: float  # clip to this global norm; 0 = no clipping
-    check_overflow: bool  # decide on inf/nan (fp16)
-    want_norm: bool  # compute the norm even without clipping or overflow checks (logging)
-    all_reduce_sum: Callable[[torch.Tensor], Any] | None  # sums over ranks when gradients are sharded
-
-    @property
-    def needs_norm(self) -> bool:
-        return self.max_norm > 0 or self.check_overflow or self.want_norm
-
-    @property
-    def factor_before_backward(self) -> float | None:
-        """The factor every gradient is multiplied by, when it is known before the gradients are (no
-        clipping, no overflow check): what lets an offloaded update start while backward still runs."""
-        if self.max_norm > 0 or self.check_overflow:
-            return None
-        return 1.0 / (self.divisor * self.loss_scale)
 
 
 class MasterPlacement(Protocol):
@@ -124,7 +100,7 @@ def attach_master_grads(
 class DeviceMasters:
     """Masters on the training device: the optimizer steps them where the gradients are."""
 
-    def __init__(self, groups: Sequence[FlatGroup], zero: Any) -> None:
+    def __init__(self, groups: Sequence[FlatGroup], zero: StageGroups) -> None:
         self.groups = list(groups)
         self.zero = zero
 
@@ -145,15 +121,7 @@ class DeviceMasters:
 
     def step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> GradResult:
         grads = master_grads_from(self.zero.grad_pieces(), [group.master for group in self.groups])
-        result = finish_grads(
-            grads,
-            divisor=math.divisor,
-            loss_scale=math.loss_scale,
-            max_norm=math.max_norm,
-            check_overflow=math.check_overflow,
-            want_norm=math.want_norm,
-            all_reduce_sum=math.all_reduce_sum,
-        )
+        result = finish_grads(grads, math)
         if result.overflow:
             return result
         attach_master_grads(optimizer, self.groups, grads, per_tensor=per_tensor)
@@ -175,27 +143,3 @@ class DeviceMasters:
 
     def close(self) -> None:
         pass
-
-
-def scale_from_device_grads(
-    pieces: Sequence[Sequence[torch.Tensor]], math: GradMath
-) -> tuple[GradResult, float]:
-    """The norm and overflow decision from the reduced gradients on the device, and the one factor the
-    host multiplies the landed gradients by (average over ranks and micro-steps, unscale, clip).
-
-    Same arithmetic as `finish_grads`, without touching the gradients."""
-    inv = 1.0 / (math.divisor * math.loss_scale)
-    if not math.needs_norm:
-        return GradResult(None, False), inv
-    flat = [piece for group in pieces for piece in group]
-    norms = [torch.linalg.vector_norm(piece, dtype=torch.float32) for piece in flat]
-    squared = torch.stack(norms).square().sum()
-    if math.all_reduce_sum is not None:
-        math.all_reduce_sum(squared)
-    norm = squared.sqrt_().mul_(inv)
-    if math.check_overflow and not bool(torch.isfinite(norm)):
-        return GradResult(norm, True), inv
-    if math.max_norm <= 0:
-        return GradResult(norm, False), inv
-    clip = float((math.max_norm / (norm + 1e-6)).clamp_(max=1.0))  # the host needs this number: one sync
-    return GradResult(norm, False), clip * inv

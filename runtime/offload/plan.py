@@ -162,7 +162,7 @@ def plan_offload(settings: OffloadSettings, facts: OffloadFacts) -> OffloadPlan:
     # sharded stage 3, whose gradients arrive by reduce-scatter) and a copy does not block the autograd
     # thread (pinned memory on CUDA; on CPU every copy is synchronous).
     stream = facts.world_size == 1 and not facts.sharded_stage and (not machine.on_gpu or pin)
-    warnings = ()
+    warnings: tuple[str, ...] = ()
     if machine.on_gpu and not pin:
         warnings = (
             "offload_optimizer.pin_memory is false: gradients and weights cross PCIe through pageable "

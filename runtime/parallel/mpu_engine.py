@@ -32,8 +32,8 @@ from runtime import checkpointing
 from runtime.comm import Comm
 from runtime.config import Config, load_config, read_config_file
 from runtime.engine import Engine
-from runtime.offload import GradMath
 from runtime.parallel.mpu import MpuError, MpuGroups, is_model_parallel_parameter, resolve_mpu
+from runtime.precision.grad_math import GradMath
 from runtime.zero.optimizer import GroupSpec, OptimizerSource, collect_param_groups
 
 __all__ = ["MpuEngine", "replicated_squares", "split_specs"]

@@ -39,7 +39,6 @@ from runtime import checkpointing
 from runtime.comm import Comm
 from runtime.config import ConfigError, load_config, read_config_file
 from runtime.engine import Engine
-from runtime.offload import GradMath
 from runtime.pipe.config import (
     MULTI_CHUNK_SCHEDULES,
     PipelineConfig,
@@ -55,6 +54,7 @@ from runtime.pipe.tied import (
     build_ties,
     duplicate_grad_squares,
 )
+from runtime.precision.grad_math import GradMath
 
 _SCHEDULES: dict[str, Any] = {
     "1f1b": Schedule1F1B,

@@ -1,13 +1,16 @@
-"""Mixed precision: dtype policy, fp16 loss scaling, the gradient math of the optimizer step, and what a
-step with non-finite gradients does (nonfinite.py)."""
+"""Mixed precision: dtype policy, fp16 loss scaling, the gradient math of the optimizer step
+(grad_math.py), and what a step with non-finite gradients does (nonfinite.py)."""
 
 from runtime.precision.errors import InputDtypeError, LossScaleError, NonfiniteGradientsError
+from runtime.precision.grad_math import GradMath, GradResult, finish_grads
 from runtime.precision.loss_scaler import DynamicLossScaler, ScaleUpdate, StaticLossScaler
-from runtime.precision.mixed import PrecisionPolicy, finish_grads, policy_from_config, scaler_from_config
+from runtime.precision.mixed import PrecisionPolicy, policy_from_config, scaler_from_config
 from runtime.precision.nonfinite import StepGuard, guard_from_config
 
 __all__ = [
     "DynamicLossScaler",
+    "GradMath",
+    "GradResult",
     "InputDtypeError",
     "LossScaleError",
     "NonfiniteGradientsError",

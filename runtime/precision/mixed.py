@@ -1,12 +1,9 @@
-"""Mixed precision: which dtype does what, and the gradient math between backward and the optimizer step.
+"""Mixed precision: which dtype does what, and the inputs cast to it.
 
 Working weights (forward/backward) are in `param_dtype` (bf16, fp16 or fp32); gradients are produced,
 reduced and accumulated in that dtype too (the ZeRO paper's 2 bytes/parameter); the optimizer steps fp32
-master weights. `finish_grads` turns this rank's reduced gradient pieces into fp32 master gradients and
-applies, in order: the norm (one fused kernel per group, plus one all-reduce when gradients are sharded),
-the decision on a non-finite norm (the step's only host sync; skipped steps: nonfinite.py), and one
-multiply that folds together the averaging over ranks and micro-steps, the loss-scale unscale and the
-clipping coefficient. Nothing else in the step waits for the device.
+master weights. The arithmetic between the reduced gradients and the optimizer step (average, unscale,
+norm, clip) is grad_math.py's.
 
 `input_dtype_error` turns the model's failure on inputs of another dtype into an `InputDtypeError` that
 says which key or cast fixes it.
@@ -14,12 +11,12 @@ says which key or cast fixes it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from runtime.config import Config
 from runtime.precision.errors import InputDtypeError
 from runtime.precision.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
@@ -40,7 +37,7 @@ class PrecisionPolicy:
         return self.param_dtype == torch.float16
 
 
-def policy_from_config(config: Any) -> PrecisionPolicy:
+def policy_from_config(config: Config) -> PrecisionPolicy:
     """The policy a runtime `Config` asks for.
 
     Floating-point inputs are cast to bf16 for bf16 runs (a bf16 model cannot take fp32 activations), and
@@ -54,7 +51,7 @@ def policy_from_config(config: Any) -> PrecisionPolicy:
     return PrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_inputs=cast)
 
 
-def scaler_from_config(config: Any) -> LossScaler | None:
+def scaler_from_config(config: Config) -> LossScaler | None:
     """The fp16 loss scaler (static when fp16.loss_scale > 0), or None without fp16."""
     fp16 = config.fp16
     if not fp16.enabled:
@@ -81,88 +78,6 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, dict):
         return {k: cast_floating(v, dtype) for k, v in value.items()}
     return value
-
-
-def master_grads_from(
-    pieces: Sequence[Sequence[torch.Tensor]], masters: Sequence[torch.Tensor]
-) -> list[torch.Tensor]:
-    """One contiguous master-dtype gradient per group from that group's reduced pieces (shard order).
-
-    A single piece already in the master dtype is used as is (fp32 training: no copy); otherwise the
-    pieces are cast into a fresh buffer that lives until the optimizer step is done.
-    """
-    grads: list[torch.Tensor] = []
-    for group_pieces, master in zip(pieces, masters, strict=True):
-        if len(group_pieces) == 1 and group_pieces[0].dtype == master.dtype:
-            grads.append(group_pieces[0].view(master.shape))
-            continue
-        grad = torch.empty_like(master)
-        offset = 0
-        for piece in group_pieces:
-            grad.narrow(0, offset, piece.numel()).copy_(piece)
-            offset += piece.numel()
-        if offset != master.numel():
-            raise AssertionError(
-                f"gradient pieces cover {offset} elements, master shard has {master.numel()}"
-            )
-        grads.append(grad)
-    return grads
-
-
-@dataclass(frozen=True)
-class GradResult:
-    """Outcome of `finish_grads`: the global gradient norm (unscaled, before clipping) and the overflow."""
-
-    norm: torch.Tensor | None  # 0-dim fp32 tensor on the device, or None when nobody needed it
-    overflow: bool  # the norm is not finite: the step must be skipped
-
-
-def finish_grads(
-    grads: Sequence[torch.Tensor],
-    *,
-    divisor: float,
-    loss_scale: float,
-    max_norm: float,
-    check_overflow: bool,
-    want_norm: bool,
-    all_reduce_sum: Callable[[torch.Tensor], None] | None,
-) -> GradResult:
-    """Average, unscale and clip fp32 master gradients in place.
-
-    Args:
-        grads: this rank's fp32 master gradients (one tensor per group), summed over ranks and micro-steps,
-            still multiplied by the loss scale.
-        divisor: ranks x micro-steps the sums span (what turns them into a mean).
-        loss_scale: the fp16 loss scale of the backward passes (1.0 without fp16).
-        max_norm: clip to this global norm; 0 disables clipping.
-        check_overflow: decide on a non-finite norm (inf/nan gradients, or squares that overflow); this
-            costs the norm and the step's one host sync.
-        want_norm: compute the norm even without clipping or overflow checks (logging).
-        all_reduce_sum: sums a tensor over ranks in place when `grads` are shards; None when every rank
-            holds the full gradients.
-
-    Returns:
-        The norm and whether the gradients overflowed (then they are left untouched).
-    """
-    inv = 1.0 / (divisor * loss_scale)
-    norm = None
-    if max_norm > 0 or check_overflow or want_norm:
-        norms = torch._foreach_norm(list(grads))
-        squared = torch.stack(norms).square().sum() if len(norms) > 1 else norms[0].square()
-        if all_reduce_sum is not None:
-            all_reduce_sum(squared)
-        norm = squared.sqrt_().mul_(inv)
-    if check_overflow:
-        assert norm is not None
-        if not bool(torch.isfinite(norm)):  # the one host sync of the step
-            return GradResult(norm, True)
-    if max_norm > 0:
-        assert norm is not None
-        coef = (max_norm / (norm + 1e-6)).clamp_(max=1.0).mul_(inv)
-        torch._foreach_mul_(list(grads), coef)
-    elif inv != 1.0:
-        torch._foreach_mul_(list(grads), inv)
-    return GradResult(norm, False)
 
 
 _DTYPE_WORDS = ("dtype", "scalar type", "type (", "Half", "BFloat16", "Float", "Double")

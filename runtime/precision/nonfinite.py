@@ -1,6 +1,6 @@
 """What the engine does with a step whose gradients are not finite, per precision: the `StepGuard`.
 
-The verdict comes from `finish_grads` (mixed.py; the offload's `scale_from_device_grads` does the same
+The verdict comes from `finish_grads` (grad_math.py; `scale_from_device_grads` there does the same
 arithmetic): the global gradient norm, reduced over ranks with the one all-reduce the norm already needs
 when gradients are sharded, so every rank reaches the same verdict; reading it is the step's one host sync.
 A norm of inf or nan also catches gradients that are finite but so large that their squares overflow
@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from runtime.config import Config
 from runtime.precision.errors import NonfiniteGradientsError
 from runtime.precision.loss_scaler import LossScaler, ScaleUpdate
 from runtime.precision.mixed import scaler_from_config
@@ -66,8 +67,12 @@ class SkipLog(Protocol):
 
 
 class StepGuard(Protocol):
-    loss_scaler: LossScaler | None  # the fp16 scaler (checkpointed), None otherwise
     checks: bool  # steps are decided on the gradients' finiteness (costs the norm and one host sync)
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The fp16 scaler (checkpointed), None otherwise."""
+        ...
 
     @property
     def loss_scale(self) -> float: ...
@@ -166,7 +171,7 @@ class ApplyAlways:
         pass
 
 
-def guard_from_config(config: Any) -> StepGuard:
+def guard_from_config(config: Config) -> StepGuard:
     """The guard a runtime `Config` asks for."""
     scaler = scaler_from_config(config)
     if scaler is not None:

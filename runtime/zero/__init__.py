@@ -12,27 +12,38 @@ flatten one buffer per optimizer param group; stage 0 and 1 keep full gradients 
 stage 2 keeps a gradient shard (`ShardedGradStage`), stage 3 shards parameters per gather unit
 (`ParamShardedStage`, runtime.zero.stage3). With one rank every stage is the replicated one, since a
 shard is the whole buffer. `Init` and `GatheredParameters` are ZeRO-3's user-facing context managers.
+
+What the optimizer's placement (runtime.offload) reads of a stage is declared here too, on
+`StageGroups`: where the working weights live (`params_sharded`, `units`, `host_param_bytes`) and, on
+`ZeroStage`, the partial offload's `offload_split`, which the builder computes where it groups the
+parameters and hands each stage's constructor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from runtime.comm import Comm
+from runtime.config import ZeroConfig
+from runtime.zero.common import StageOptions
 from runtime.zero.flat import FlatGroup, flatten_group
 from runtime.zero.gathered import GatheredParameters
-from runtime.zero.init import Init
-from runtime.zero.offload_split import OffloadSplit, plan_split, split_count
+from runtime.zero.init import Init, materialize_params
+from runtime.zero.offload_split import RATIO_KEY, OffloadSplit, split_count, whole_group_split
 from runtime.zero.optimizer import GroupSpec
 from runtime.zero.partition import FlatLayout, plan_flat_layout
 from runtime.zero.replicated import GradientViewsReplaced, ReplicatedGradStage
 from runtime.zero.sharded import ShardedGradStage
+from runtime.zero.stage3 import build_stage3, resident_unit_groups, stage3_options
 from runtime.zero.stage3_param import ParamNotGathered
+
+if TYPE_CHECKING:
+    from runtime.zero.stage3_unit import ShardedUnit
 
 __all__ = [
     "FlatGroup",
@@ -43,6 +54,7 @@ __all__ = [
     "ParamNotGathered",
     "ReplicatedGradStage",
     "ShardedGradStage",
+    "StageGroups",
     "StageSetup",
     "ZeroStage",
     "build_zero_stage",
@@ -52,22 +64,55 @@ __all__ = [
 ]
 
 
-class ZeroStage(Protocol):
-    stage: int
+class StageGroups(Protocol):
+    """A ZeRO stage's flat groups and what the optimizer's placement (runtime.offload) reads of them: the
+    whole stage, or the part of its groups one side of a partial offload holds
+    (runtime.offload.partial.StageView)."""
+
     groups: list[FlatGroup]
+
+    @property
+    def stage(self) -> int: ...
 
     @property
     def grads_are_sharded(self) -> bool:
         """True when each rank's gradients cover only its shard (the norm then needs an all-reduce)."""
         ...
 
+    @property
+    def params_sharded(self) -> bool:
+        """True when the working weights are this rank's shards of gather units (stage 3 with several
+        ranks, or with `offload_param`): updated weights go into `units`' shards, not a full buffer."""
+        ...
+
+    @property
+    def units(self) -> Sequence[ShardedUnit]:
+        """Stage 3's gather units when `params_sharded`; empty otherwise."""
+        ...
+
+    def grad_pieces(self) -> list[list[torch.Tensor]]:
+        """This rank's reduced gradients per group, in master-shard order."""
+        ...
+
+    def host_param_bytes(self) -> int:
+        """Working-weight bytes in host memory (the shards under `offload_param`; 0 otherwise)."""
+        ...
+
+    def write_back(self) -> None:
+        """Updated master shards into the working weights (all-gathered for stages 1 and 2)."""
+        ...
+
+
+class ZeroStage(StageGroups, Protocol):
+    """A ZeRO stage as the engine drives it (the module docstring has the order of the calls)."""
+
+    # `offload_optimizer.ratio` between 0 and 1: which groups keep their optimizer state on the host and
+    # which on the device (runtime.zero.offload_split); None when nothing is split
+    offload_split: OffloadSplit | None
+
     def begin_backward(self, *, boundary: bool) -> None: ...
 
     def end_backward(self, *, boundary: bool) -> None: ...
-
-    def grad_pieces(self) -> list[list[torch.Tensor]]: ...
-
-    def write_back(self) -> None: ...
 
     def zero_grad(self) -> None: ...
 
@@ -89,7 +134,7 @@ def shards_optimizer_state(stage: int) -> bool:
 class StageSetup:
     """What a stage needs, besides the model and its param groups, to group and shard parameters."""
 
-    zero: Any  # runtime.config.ZeroConfig
+    zero: ZeroConfig
     param_dtype: torch.dtype
     master_dtype: torch.dtype
     reduce_dtype: torch.dtype | None
@@ -98,6 +143,17 @@ class StageSetup:
     bucket_cap: int | None = None  # at most this many elements a bucket, whatever reduce_bucket_size says
     # (the optimizer offload's, with one rank: OffloadSettings.bucket_cap); None: no cap
 
+    @property
+    def split_ratio(self) -> float:
+        """The host's share of the optimizer state that the stage splits its groups by:
+        `offload_optimizer.ratio` when the optimizer is offloaded, 1.0 (nothing to split) otherwise."""
+        offload = self.zero.offload_optimizer
+        if offload.device == "none":
+            return 1.0
+        if offload.ratio is None:  # the engine resolves "auto" first (runtime.offload.with_auto_ratio)
+            raise ValueError(f'{RATIO_KEY} "auto" must be resolved before the ZeRO stage is built')
+        return offload.ratio
+
 
 def build_zero_stage(
     model: nn.Module, specs: Sequence[GroupSpec], comm: Comm, setup: StageSetup
@@ -105,56 +161,31 @@ def build_zero_stage(
     """Group and flatten the trainable parameters of `model` the way its stage wants, and build the
     stage's strategy over them; `stage.groups` are the flat groups the optimizer then steps (one
     optimizer param group each; `group.spec_index` says which of `specs` it came from)."""
-    from runtime.zero import init as zero_init
-    from runtime.zero.gathered import ResidentGroups
-
     stage = setup.zero.stage
     if stage not in (0, 1, 2, 3):
         raise NotImplementedError(f"zero_optimization.stage {stage} does not exist; use 0, 1, 2 or 3")
     registration = {p: i for i, p in enumerate(model.parameters())}
     if stage == 3:
-        from runtime.zero.stage3 import build_stage3, resident_unit_groups, stage3_options
-
         options = stage3_options(setup)
         # One rank gains nothing from sharding, except when the shards are to live in host memory.
         if comm.world_size > 1 or setup.zero.offload_param.enabled:
-            sharded = build_stage3(model, specs, comm, options)
-            sharded.offload_split = _whole_group_split(sharded.groups, setup, registration)
-            return sharded
+            return build_stage3(model, specs, comm, options, registration=registration)
         groups = resident_unit_groups(model, specs, comm, options)
-        split = _whole_group_split(groups, setup, registration)
+        split = whole_group_split(groups, setup.split_ratio, registration)
     else:
-        zero_init.materialize_params(model.parameters())  # built under zero.Init: make them whole again
+        materialize_params(model.parameters())  # built under zero.Init: make them whole again
         model.to(setup.device)
         groups, split = _flatten_specs(model, specs, comm, setup, registration)
-    strategy = _build_strategy(
-        stage,
-        groups,
-        comm,
+    hooked = StageOptions(
         registration=registration,
         overlap_comm=setup.zero.overlap_comm,
         pre_reduce_scale=setup.pre_reduce_scale,
         reduce_dtype=setup.reduce_dtype,
+        offload_split=split,
     )
-    # GatheredParameters(modifier_rank=...) on these always-whole parameters must still reach the masters
-    strategy.resident = ResidentGroups(groups, comm)
-    strategy.offload_split = split  # partial optimizer offload: which groups' state goes to the host
-    return strategy
-
-
-def _whole_group_split(
-    groups: Sequence[FlatGroup], setup: StageSetup, registration: dict[nn.Parameter, int]
-) -> OffloadSplit | None:
-    """Stage 3's groups (one per gather unit and param group) for `offload_optimizer.ratio`: whole groups
-    go to the host, those whose gradients are ready first in backward (runtime.zero.offload_split). None when
-    the ratio does not split anything (no offload, or all of it)."""
-    offload = setup.zero.offload_optimizer
-    if offload.device == "none" or offload.ratio == 1.0:
-        return None
-
-    # backward finishes a group when its earliest-registered parameter is done (runtime.zero.buckets)
-    ready = [-min((registration.get(p, -1) for p in g.params), default=-1) for g in groups]
-    return plan_split([g.param_numel for g in groups], ready, offload.ratio)
+    if stage == 2 and comm.world_size > 1:
+        return ShardedGradStage(groups, comm, hooked)
+    return ReplicatedGradStage(stage, groups, comm, hooked)
 
 
 def _flatten_specs(
@@ -174,8 +205,7 @@ def _flatten_specs(
     bucket_numel = setup.zero.reduce_bucket_size
     if setup.bucket_cap is not None:
         bucket_numel = min(bucket_numel, setup.bucket_cap)
-    offload = setup.zero.offload_optimizer
-    ratio = offload.ratio if offload.device != "none" else 1.0
+    ratio = setup.split_ratio
     groups: list[FlatGroup] = []
     host: list[int] = []
     for index, spec in enumerate(specs):
@@ -204,25 +234,3 @@ def _flatten_specs(
     if ratio == 1.0:
         return groups, None
     return groups, OffloadSplit.of(ratio, host, [g.param_numel for g in groups])
-
-
-def _build_strategy(
-    stage: int,
-    groups: Sequence[FlatGroup],
-    comm: Comm,
-    *,
-    registration: dict[nn.Parameter, int],
-    overlap_comm: bool = True,
-    pre_reduce_scale: float = 1.0,
-    reduce_dtype: torch.dtype | None = None,
-) -> ZeroStage:
-    """The strategy for `stage` over already flattened groups (stage 3 only with one rank)."""
-    kwargs = {
-        "registration": registration,
-        "overlap_comm": overlap_comm,
-        "pre_reduce_scale": pre_reduce_scale,
-        "reduce_dtype": reduce_dtype,
-    }
-    if stage == 2 and comm.world_size > 1:
-        return ShardedGradStage(groups, comm, **kwargs)
-    return ReplicatedGradStage(stage, groups, comm, **kwargs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,11 @@ from torch.utils.hooks import RemovableHandle
 from runtime.comm import Comm, Pending
 from runtime.zero.buckets import BucketTracker, bucket_order
 from runtime.zero.flat import FlatGroup
+from runtime.zero.gathered import ResidentGroups
+from runtime.zero.offload_split import OffloadSplit
+
+if TYPE_CHECKING:
+    from runtime.zero.stage3_unit import ShardedUnit
 
 
 @dataclass
@@ -26,7 +32,7 @@ class InFlight:
 
     pending: Pending
     buffer: torch.Tensor | None = None  # kept alive until the collective finishes
-    after: Callable[[], None] | None = None
+    after: Callable[[], object] | None = None  # its result is not used
 
     def finish(self) -> None:
         self.pending.wait()
@@ -35,30 +41,49 @@ class InFlight:
         self.buffer = None
 
 
+@dataclass(frozen=True)
+class StageOptions:
+    """What the builder (runtime.zero.build_zero_stage) hands every hooked stage besides its groups."""
+
+    registration: dict[nn.Parameter, int]  # parameter -> its index in model.parameters()
+    overlap_comm: bool = True
+    pre_reduce_scale: float = 1.0
+    reduce_dtype: torch.dtype | None = None
+    offload_split: OffloadSplit | None = None  # partial optimizer offload: which groups go to the host
+
+
 class HookedStage:
-    """Base of the stage strategies: hooks, bucket tracking and in-flight bookkeeping."""
+    """Base of the stage strategies whose parameters are always whole (stages 0-2, and stage 3 with one
+    rank): hooks, bucket tracking and in-flight bookkeeping."""
 
     stage: int = -1
 
-    def __init__(
-        self,
-        groups: Sequence[FlatGroup],
-        comm: Comm,
-        *,
-        registration: dict[nn.Parameter, int],
-        overlap_comm: bool,
-        pre_reduce_scale: float,
-        reduce_dtype: torch.dtype | None,
-    ) -> None:
+    def __init__(self, groups: Sequence[FlatGroup], comm: Comm, options: StageOptions) -> None:
         self.groups = list(groups)
         self.comm = comm
-        self.overlap_comm = overlap_comm
-        self.pre_reduce_scale = pre_reduce_scale
-        self.reduce_dtype = reduce_dtype
-        self.tracker = BucketTracker(self.groups, bucket_order(self.groups, registration), self._launch)
+        self.overlap_comm = options.overlap_comm
+        self.pre_reduce_scale = options.pre_reduce_scale
+        self.reduce_dtype = options.reduce_dtype
+        self.offload_split = options.offload_split
+        self.tracker = BucketTracker(
+            self.groups, bucket_order(self.groups, options.registration), self._launch
+        )
         self._in_flight: list[InFlight] = []
         self._hooks: list[RemovableHandle] = []
-        self.resident: object | None = None  # runtime.zero.gathered.ResidentGroups, set by the builder
+        # GatheredParameters(modifier_rank=...) on these always-whole parameters must still reach the
+        # masters; the parameters' registry holds it weakly, so the stage keeps it
+        self.resident = ResidentGroups(self.groups, comm)
+
+    @property
+    def params_sharded(self) -> bool:
+        return False
+
+    @property
+    def units(self) -> Sequence[ShardedUnit]:
+        return ()
+
+    def host_param_bytes(self) -> int:
+        return 0
 
     # -- subclass interface -------------------------------------------------------------------------
     def _launch(self, group: FlatGroup, bucket: int) -> None:

@@ -116,6 +116,7 @@ def flatten_group(
         if alias:
             start, end = layout.shard_range(rank)
             master_data = working[start:end]
+    assert master_data is not None  # the working buffer's shard when it aliases
     master = nn.Parameter(master_data, requires_grad=True)
     return FlatGroup(
         index=index,

@@ -33,6 +33,8 @@ from runtime.comm import Comm
 from runtime.zero import init as zero_init
 from runtime.zero import stage3_param
 from runtime.zero.flat import FlatGroup
+from runtime.zero.stage3_hooks import GatherScheduler
+from runtime.zero.stage3_unit import ShardedUnit
 
 
 class ResidentGroups:
@@ -85,7 +87,7 @@ class GatheredParameters:
 
     def __init__(
         self,
-        params: nn.Parameter | Iterable[nn.Parameter | None],
+        params: torch.Tensor | Iterable[torch.Tensor | None],
         modifier_rank: int | None = None,
         fwd_module: nn.Module | None = None,
         enabled: bool = True,
@@ -100,19 +102,17 @@ class GatheredParameters:
                 self.params.append(param)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._units: list[Any] = []  # (scheduler, units) pairs held open
+        self._units: list[tuple[GatherScheduler, list[ShardedUnit]]] = []  # (scheduler, units) held open
         self._init_params: list[nn.Parameter] = []
 
     def __enter__(self) -> list[nn.Parameter]:
         if not self.enabled:
             return self.params
-        schedulers: dict[int, tuple[Any, list[Any]]] = {}
+        schedulers: dict[int, tuple[GatherScheduler, list[ShardedUnit]]] = {}
         for param in self.params:
-            owner = stage3_param.owner_of(param)
-            unit_of = getattr(owner, "unit_of", None)
-            unit = unit_of(param) if unit_of is not None else None
-            if unit is not None:
-                entry = schedulers.setdefault(id(owner), (owner, []))
+            scheduler, unit = _unit_of(param)
+            if scheduler is not None and unit is not None:
+                entry = schedulers.setdefault(id(scheduler), (scheduler, []))
                 if unit not in entry[1]:
                     entry[1].append(unit)
             elif zero_init.is_init_sharded(param):
@@ -164,11 +164,10 @@ class GatheredParameters:
 
 def _comm_of(param: nn.Parameter) -> Comm | None:
     """The group a parameter is sharded (or replicated) over; None for a parameter no engine manages."""
-    owner = stage3_param.owner_of(param)
-    unit_of = getattr(owner, "unit_of", None)
-    unit = unit_of(param) if unit_of is not None else None
+    _, unit = _unit_of(param)
     if unit is not None:
         return unit.comm
+    owner = stage3_param.owner_of(param)
     if isinstance(owner, ResidentGroups):
         return owner.comm
     return zero_init.shard_comm(param)
@@ -210,9 +209,7 @@ def _gather_batches(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     batches: dict[int, list[nn.Parameter]] = {}
     order: list[int] = []
     for param in params:
-        owner = stage3_param.owner_of(param)
-        unit_of = getattr(owner, "unit_of", None)
-        unit = unit_of(param) if unit_of is not None else None
+        _, unit = _unit_of(param)
         key = id(unit) if unit is not None else id(param)
         if key not in batches:
             batches[key] = []
@@ -223,9 +220,16 @@ def _gather_batches(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
 
 def is_sharded(param: nn.Parameter) -> bool:
     """Whether `param`'s values are split across ranks (ZeRO-3 unit or zero.Init), gathered now or not."""
+    return _unit_of(param)[1] is not None or zero_init.is_init_sharded(param)
+
+
+def _unit_of(param: nn.Parameter) -> tuple[GatherScheduler | None, ShardedUnit | None]:
+    """The engine's stage-3 scheduler that owns `param`, and its gather unit (None, None for a parameter
+    another owner holds: zero.Init's, a resident group's, or none)."""
     owner = stage3_param.owner_of(param)
-    unit_of = getattr(owner, "unit_of", None)
-    return (unit_of is not None and unit_of(param) is not None) or zero_init.is_init_sharded(param)
+    if not isinstance(owner, GatherScheduler):
+        return None, None
+    return owner, owner.unit_of(param)
 
 
 def save_16bit_state_dict(module: nn.Module, path: str | os.PathLike, *, allow_gather: bool) -> bool:

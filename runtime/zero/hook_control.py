@@ -38,7 +38,8 @@ from typing import Any
 from torch import nn
 
 from runtime.errors import UserError
-from runtime.zero.stage3_param import ZeroParamStatus
+from runtime.zero.stage3_hooks import GatherScheduler
+from runtime.zero.stage3_param import ZeroParamStatus, set_ds_attributes
 
 __all__ = ["ParamCoordinator", "ZeroParamOffload", "attach_parameter_attributes", "external_parameters"]
 
@@ -72,21 +73,20 @@ def attach_parameter_attributes(model: nn.Module) -> None:
     """Give `model`'s parameters and modules the ZeRO-3 attributes RL code reads (module docstring)."""
     for module in model.modules():
         if "ds_external_parameters" not in module.__dict__:
-            module.ds_external_parameters = types.MethodType(_ds_external_parameters, module)
+            method = types.MethodType(_ds_external_parameters, module)
+            set_ds_attributes(module, ds_external_parameters=method)
     for index, param in enumerate(model.parameters()):
         if not isinstance(getattr(param, "ds_active_sub_modules", None), set):
-            param.ds_active_sub_modules = set()
+            set_ds_attributes(param, ds_active_sub_modules=set())
         if not hasattr(param, "ds_status"):  # never released: whole on this rank (frozen, or one rank)
-            param.ds_status = ZeroParamStatus.AVAILABLE
-        param.ds_id = index
-        param.ds_numel = param.numel()
-        param.ds_shape = param.shape
+            set_ds_attributes(param, ds_status=ZeroParamStatus.AVAILABLE)
+        set_ds_attributes(param, ds_id=index, ds_numel=param.numel(), ds_shape=param.shape)
 
 
 class ParamCoordinator:
     """DeepSpeed's `PartitionedParameterCoordinator` names for the scheduler's recorded orders."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: GatherScheduler | None) -> None:
         self._scheduler = scheduler
 
     def is_invalid_trace(self) -> bool:
@@ -106,9 +106,9 @@ class ParamCoordinator:
 class ZeroParamOffload:
     """`engine.optimizer.parameter_offload` at ZeRO stage 3 (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, scheduler: Any = None) -> None:
+    def __init__(self, module: nn.Module, scheduler: GatherScheduler | None = None) -> None:
         self.module = module
-        self._scheduler = scheduler  # runtime.zero.stage3_hooks.GatherScheduler; None with one rank
+        self._scheduler = scheduler  # None with one rank
         self._no_hooks: list[Any] = []
         self.backward_hooks: list[Any] = []
         self.param_coordinator = ParamCoordinator(scheduler)

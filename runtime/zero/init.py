@@ -44,6 +44,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from runtime.comm import Comm
+from runtime.config import read_config_file
+from runtime.distributed import current_device, init_distributed
 from runtime.zero import stage3_param
 from runtime.zero.stage3_param import ShardedParameter, _func_name
 
@@ -150,11 +152,7 @@ class Init:
         if mpu is not None:
             raise NotImplementedError("zero.Init(mpu=...): model parallelism is not supported")
         if not dist.is_initialized():  # as in DeepSpeed: Init creates the group from the environment
-            from runtime.distributed import init_distributed
-
             init_distributed()
-        from runtime.distributed import current_device
-
         self.comm = Comm(data_parallel_group)
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else current_device()
@@ -325,8 +323,6 @@ def _check_config(source: str | os.PathLike | Mapping[str, Any] | None) -> None:
     if source is None:
         return
     if isinstance(source, (str, os.PathLike)):
-        from runtime.config import read_config_file
-
         source = read_config_file(source)
     zero = source.get("zero_optimization", {}) if isinstance(source, Mapping) else {}
     if not isinstance(zero, Mapping):

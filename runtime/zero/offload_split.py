@@ -1,8 +1,10 @@
 """Partial optimizer offload (`offload_optimizer.ratio`, DeepSpeed's ZeRO-Offload++): which groups' optimizer
 state goes to the host, as pure functions of parameter sizes.
 
-The ZeRO stage owns it because the split happens where it groups the parameters (`build_zero_stage`);
-the offload's `PartialMasters` (runtime/offload/partial.py) places the groups it names.
+The ZeRO stage owns it because the split happens where it groups the parameters (`build_zero_stage`,
+which hands it on as the stage's `offload_split`); the offload's `PartialMasters`
+(runtime/offload/partial.py) places the groups it names. A `"ratio": "auto"` is a number before this
+runs: the offload chooses it from the machine's memory (runtime/offload/auto_ratio.py).
 
 `ratio` is the share of the optimizer state (fp32 masters and moments) kept in host memory and updated
 there (1.0, the default: all of it; 0.0: none, as without offload); the rest stays on the training
@@ -30,9 +32,14 @@ place the same groups.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from runtime.zero.flat import FlatGroup
 
 RATIO_KEY = "zero_optimization.offload_optimizer.ratio"
 
@@ -115,6 +122,19 @@ def plan_split(numels: Sequence[int], ready: Sequence[int], ratio: float) -> Off
     return OffloadSplit.of(ratio, order[:count], numels)
 
 
+def whole_group_split(
+    groups: Sequence[FlatGroup], ratio: float, registration: Mapping[nn.Parameter, int]
+) -> OffloadSplit | None:
+    """Stage 3's groups (one per gather unit and param group) split by `ratio`: whole groups go to the
+    host, those whose gradients are ready first in backward (`plan_split`); `registration` is each
+    parameter's index in `model.parameters()`. None when the ratio splits nothing (1.0)."""
+    if ratio == 1.0:
+        return None
+    # backward finishes a group when its earliest-registered parameter is done (runtime.zero.buckets)
+    ready = [-min((registration.get(p, -1) for p in g.params), default=-1) for g in groups]
+    return plan_split([g.param_numel for g in groups], ready, ratio)
+
+
 def describe_split(
     split: OffloadSplit, host_shard: int, device_shard: int, *, state_bytes_per_element: int = 12
 ) -> str:
@@ -136,89 +156,3 @@ def _size(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"
-
-
-@dataclass(frozen=True)
-class RatioChoice:
-    """The share of the optimizer state to put on the host, and why (the engine logs the reason)."""
-
-    ratio: float
-    reason: str
-
-
-def choose_ratio(
-    *,
-    shard_numel: int,
-    device_bytes_per_element: int,
-    host_bytes_per_element: int,
-    device_free: int,
-    activation_bytes: int,
-    device_reserve: int,
-    host_available: int,
-    step_bytes_per_element: int = 0,
-    step: float = 0.01,
-) -> RatioChoice:
-    """`"ratio": "auto"`: the largest device share of the optimizer state that fits beside the rest.
-
-    Args:
-        shard_numel: this rank's optimizer shard, in elements (what either side can hold).
-        device_bytes_per_element: what an element of state costs on the device at the step's peak: the
-            fp32 master (unless it is the working weights themselves), the optimizer's moments, and the
-            fp32 gradient copy the step makes from 16-bit gradients (16 for Adam with bf16 weights).
-        host_bytes_per_element: the same on the host, with the offload's landing buffers (14 or 16).
-        device_free: device bytes free once the working weights and gradient buffers exist.
-        activation_bytes: the activations' peak estimate for the configured micro-batch.
-        device_reserve: what to leave free besides (allocator fragmentation, temporaries, communication).
-        host_available: host bytes this rank may still allocate.
-        step_bytes_per_element: device bytes an element of the device's share costs only during the
-            optimizer step, after backward has freed the activations (the fp32 gradient copy, and room
-            for its single allocation): they take the activations' place, not a place beside them.
-        step: the ratio is a multiple of this, rounded towards the host, so the device share stays
-            inside its budget (the split then takes at least that share to the host: `at_least`).
-
-    Returns the ratio (0.0: all of the state fits on the device) and a reason naming the numbers; raises
-    ValueError, naming them and what would fit, when the device and the host together cannot hold it.
-    """
-    if min(shard_numel, device_bytes_per_element, host_bytes_per_element) <= 0:
-        raise ValueError("choose_ratio needs a positive shard size and positive bytes per element")
-    gib = 1 << 30
-    budget = max(0, device_free - activation_bytes - device_reserve)
-    on_device = min(shard_numel, budget // device_bytes_per_element)
-    if step_bytes_per_element:  # the step's peak: the state and the step's buffers, without activations
-        at_step = max(0, device_free - device_reserve) // (device_bytes_per_element + step_bytes_per_element)
-        on_device = min(on_device, at_step)
-    ratio = 1.0 - on_device / shard_numel
-    ratio = min(1.0, math.ceil(round(ratio / step, 9)) * step)  # whole steps, towards the host
-    ratio = round(ratio, 6)
-    host_need = math.ceil(ratio * shard_numel) * host_bytes_per_element
-    device_use = (shard_numel - math.ceil(ratio * shard_numel)) * device_bytes_per_element
-    spare = f"{budget / gib:.1f} GiB of the device's {device_free / gib:.1f} GiB free after the activations "
-    spare += f"({activation_bytes / gib:.1f} GiB) and a reserve of {device_reserve / gib:.1f} GiB"
-    if step_bytes_per_element:
-        step_gib = (shard_numel - math.ceil(ratio * shard_numel)) * step_bytes_per_element / gib
-        spare = (
-            f"the device's {device_free / gib:.1f} GiB free, less a reserve of "
-            f"{device_reserve / gib:.1f} GiB, "
-            f"beside the activations ({activation_bytes / gib:.1f} GiB) in forward and backward and the "
-            f"step's buffers ({step_gib:.1f} GiB) after them"
-        )
-    if host_need > host_available:
-        fits = on_device + host_available // host_bytes_per_element
-        raise ValueError(
-            f"the optimizer state of this rank's {shard_numel:,} elements does not fit: the device can hold "
-            f"{on_device:,} of them ({spare}) and the host the rest only with {host_need / gib:.1f} GiB, of "
-            f"{host_available / gib:.1f} GiB available; both together hold about {fits:,} elements"
-        )
-    device_gib = device_use / gib
-    if ratio == 0.0:
-        return RatioChoice(0.0, f"ratio 0: all of the optimizer state ({device_gib:.1f} GiB) fits in {spare}")
-    if ratio == 1.0:
-        host = f"{host_need / gib:.1f} GiB of {host_available / gib:.1f} GiB available"
-        why = f"ratio 1: no optimizer state fits on the device ({spare}); the host holds all of it ({host})"
-        return RatioChoice(1.0, why)
-    return RatioChoice(
-        ratio,
-        f"ratio {ratio:g}: the device keeps {1 - ratio:.0%} of the optimizer state ({device_gib:.1f} GiB), "
-        f"what fits in {spare}; the host holds the rest ({host_need / gib:.1f} GiB of "
-        f"{host_available / gib:.1f} GiB available)",
-    )

@@ -20,7 +20,7 @@ import inspect
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -142,7 +142,10 @@ def inference_param_groups(model: nn.Module, *, shard_frozen: bool) -> list[Grou
 
 
 def _as_list(params: Any) -> list[nn.Parameter]:
-    return [params] if isinstance(params, torch.Tensor) else list(params)
+    """A param group's "params": one tensor, or any iterable of them (torch accepts both)."""
+    if isinstance(params, torch.Tensor):
+        return [cast(nn.Parameter, params)]
+    return list(params)
 
 
 def master_param_groups(groups: Sequence[FlatGroup], *, per_tensor: bool) -> list[dict[str, Any]]:
@@ -187,7 +190,7 @@ def rebuild_client_optimizer(
         ) from error
 
 
-def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+def _constructor_kwargs(cls: type[Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """The defaults the constructor takes (torch's AdamW records decoupled_weight_decay but refuses it)."""
     parameters = inspect.signature(cls.__init__).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):

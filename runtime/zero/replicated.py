@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm
-from runtime.zero.common import HookedStage, InFlight, gather_working
+from runtime.zero.common import HookedStage, InFlight, StageOptions, gather_working
 from runtime.zero.flat import FlatGroup
 
 
@@ -32,25 +32,8 @@ class GradientViewsReplaced(RuntimeError):
 class ReplicatedGradStage(HookedStage):
     """Stages 0 and 1 (and any stage at world size 1)."""
 
-    def __init__(
-        self,
-        stage: int,
-        groups: Sequence[FlatGroup],
-        comm: Comm,
-        *,
-        registration: dict[nn.Parameter, int],
-        overlap_comm: bool = True,
-        pre_reduce_scale: float = 1.0,
-        reduce_dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__(
-            groups,
-            comm,
-            registration=registration,
-            overlap_comm=overlap_comm,
-            pre_reduce_scale=pre_reduce_scale,
-            reduce_dtype=reduce_dtype,
-        )
+    def __init__(self, stage: int, groups: Sequence[FlatGroup], comm: Comm, options: StageOptions) -> None:
+        super().__init__(groups, comm, options)
         self.stage = stage
         self.grads = [torch.zeros_like(group.working) for group in self.groups]
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
@@ -61,7 +44,7 @@ class ReplicatedGradStage(HookedStage):
                 self._views.append((param, view))
         self._reducing = False
         self._communicates = comm.world_size > 1
-        if self._communicates and overlap_comm:
+        if self._communicates and self.overlap_comm:
             self._register_hooks()
 
     @property

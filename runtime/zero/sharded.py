@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm
-from runtime.zero.common import HookedStage, InFlight, gather_working
+from runtime.zero.common import HookedStage, InFlight, StageOptions, gather_working
 from runtime.zero.flat import FlatGroup
 
 
@@ -29,24 +29,9 @@ class ShardedGradStage(HookedStage):
     stage = 2
 
     def __init__(
-        self,
-        groups: Sequence[FlatGroup],
-        comm: Comm,
-        *,
-        registration: dict[nn.Parameter, int],
-        overlap_comm: bool = True,
-        pre_reduce_scale: float = 1.0,
-        reduce_dtype: torch.dtype | None = None,
-        max_in_flight: int = 2,
+        self, groups: Sequence[FlatGroup], comm: Comm, options: StageOptions, *, max_in_flight: int = 2
     ) -> None:
-        super().__init__(
-            groups,
-            comm,
-            registration=registration,
-            overlap_comm=overlap_comm,
-            pre_reduce_scale=pre_reduce_scale,
-            reduce_dtype=reduce_dtype,
-        )
+        super().__init__(groups, comm, options)
         self.max_in_flight = max(1, max_in_flight)
         self.shards = [
             torch.zeros(group.layout.shard_numel, dtype=group.working.dtype, device=group.working.device)

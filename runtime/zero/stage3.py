@@ -29,7 +29,7 @@ import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,13 +37,18 @@ from torch.utils.hooks import RemovableHandle
 
 from runtime.comm import Comm, Pending
 from runtime.host_memory import HostMemory
+from runtime.zero import init as zero_init
 from runtime.zero import stage3_param
 from runtime.zero.common import InFlight
 from runtime.zero.flat import FlatGroup, flatten_group
+from runtime.zero.offload_split import OffloadSplit, whole_group_split
 from runtime.zero.optimizer import GroupSpec
 from runtime.zero.stage3_hooks import OUTSIDE_ENGINE_BACKWARD, GatherPolicy, GatherScheduler
 from runtime.zero.stage3_plan import UnitPlan, plan_units
 from runtime.zero.stage3_unit import GatherStats, Segment, ShardedUnit, UnitState, build_segment
+
+if TYPE_CHECKING:
+    from runtime.zero import StageSetup
 
 _log = logging.getLogger("runtime.zero.stage3")
 
@@ -63,6 +68,7 @@ class Stage3Options:
     max_in_flight: int = 2  # reduce-scatters waiting on the network at once
     offload_param: bool = False  # working shards in host memory (zero_optimization.offload_param cpu)
     pin_memory: bool = False  # pin those shards (only ever with CUDA)
+    split_ratio: float = 1.0  # partial optimizer offload: the host's share (StageSetup.split_ratio)
 
 
 class ParamShardedStage:
@@ -77,13 +83,16 @@ class ParamShardedStage:
         comm: Comm,
         options: Stage3Options,
         names: dict[nn.Parameter, str],
-        host: Any = None,
+        host: HostMemory | None = None,
+        *,
+        offload_split: OffloadSplit | None = None,
     ) -> None:
         self.comm = comm
         self.host = host  # the HostMemory of offloaded shards (offload_param), released by close()
         self.options = options
         self.units = list(units)
         self.groups: list[FlatGroup] = [s.group for u in self.units for s in u.segments]
+        self.offload_split = offload_split  # partial optimizer offload: which groups go to the host
         self.stats = self.units[0].stats if self.units else GatherStats()
         self.schedule = GatherScheduler(model, self.units, options.policy, names, self.stats)
         self._where: dict[nn.Parameter, tuple[ShardedUnit, Segment, int]] = {}
@@ -106,6 +115,10 @@ class ParamShardedStage:
 
     @property
     def grads_are_sharded(self) -> bool:
+        return True
+
+    @property
+    def params_sharded(self) -> bool:
         return True
 
     # -- backward ---------------------------------------------------------------------------------
@@ -234,7 +247,7 @@ class ParamShardedStage:
             self.host.close()
 
 
-def stage3_options(setup: Any) -> Stage3Options:
+def stage3_options(setup: StageSetup) -> Stage3Options:
     """Stage 3's settings from a runtime.zero.StageSetup (the config's zero_optimization section)."""
     zero = setup.zero
     offload = zero.offload_param
@@ -253,16 +266,21 @@ def stage3_options(setup: Any) -> Stage3Options:
         pre_reduce_scale=setup.pre_reduce_scale,
         offload_param=offload.enabled,
         pin_memory=offload.pin_memory,
+        split_ratio=setup.split_ratio,
     )
 
 
 def build_stage3(
-    model: nn.Module, specs: Sequence[GroupSpec], comm: Comm, options: Stage3Options
+    model: nn.Module,
+    specs: Sequence[GroupSpec],
+    comm: Comm,
+    options: Stage3Options,
+    *,
+    registration: dict[nn.Parameter, int],
 ) -> ParamShardedStage:
     """Plan units over `model`, shard its trainable parameters unit by unit (at most one unit is whole at
-    a time, also for a model built under zero.Init), and build the strategy."""
-    from runtime.zero import init as zero_init
-
+    a time, also for a model built under zero.Init), and build the strategy (`registration`: each
+    parameter's index in `model.parameters()`, which orders the groups for a partial optimizer offload)."""
     names, plans, segments = _plan(model, specs, comm, options)
     host = None
     if options.offload_param:
@@ -298,7 +316,9 @@ def build_stage3(
         if unit.persistent:
             unit.finish_gather()
         units.append(unit)
-    return ParamShardedStage(model, units, comm, options, names, host)
+    groups = [s.group for u in units for s in u.segments]
+    split = whole_group_split(groups, options.split_ratio, registration)
+    return ParamShardedStage(model, units, comm, options, names, host, offload_split=split)
 
 
 def resident_unit_groups(
@@ -330,8 +350,6 @@ def _plan(
     model: nn.Module, specs: Sequence[GroupSpec], comm: Comm, options: Stage3Options
 ) -> tuple[dict[nn.Parameter, str], list[UnitPlan], dict[int, list[tuple[int, list[nn.Parameter]]]]]:
     """Names, unit plans, and per unit its (param group, parameters) segments; resident state placed."""
-    from runtime.zero import init as zero_init
-
     spec_of = {p: i for i, spec in enumerate(specs) for p in spec.params}
     names = {p: n for n, p in model.named_parameters()}
     plans = plan_units(model, list(spec_of), threshold=options.persistence_threshold)

@@ -156,7 +156,8 @@ class ShardedParameter(nn.Parameter):
                 stack.enter_context(context)
             return func(*args, **kwargs)
 
-    def __repr__(self) -> str:
+    # nn.Parameter's own __repr__ already drops Tensor's keyword-only argument: the stubs disagree
+    def __repr__(self) -> str:  # type: ignore[override]
         return (
             f"ShardedParameter({describe(self)}, shape={tuple(self.shape)}, dtype={self.dtype}, "
             "not gathered: values are sharded across ranks by ZeRO stage 3)"
@@ -189,7 +190,7 @@ def not_gathered_message(param: nn.Parameter, action: str) -> str:
     )
 
 
-def _gathered_class(param: nn.Parameter) -> type:
+def _gathered_class(param: nn.Parameter) -> type[nn.Parameter]:
     return _CLASSES.get(param, nn.Parameter)
 
 
@@ -235,15 +236,22 @@ def release(
         _CLASSES[param] = type(param)
     param.data = sentinel(param.shape, dtype or param.dtype, device or param.device)
     param.__class__ = ShardedParameter
-    param.ds_status = ZeroParamStatus.NOT_AVAILABLE
+    set_ds_attributes(param, ds_status=ZeroParamStatus.NOT_AVAILABLE)
 
 
 def materialize(param: nn.Parameter, data: torch.Tensor) -> None:
     """Point `param` at real values (`data` has its shape) and give it its normal class back."""
     if type(param) is ShardedParameter:
-        param.__class__ = _gathered_class(param)
+        param.__class__ = _gathered_class(param)  # type: ignore[assignment]  # a class switch, by design
     param.data = data
-    param.ds_status = ZeroParamStatus.AVAILABLE
+    set_ds_attributes(param, ds_status=ZeroParamStatus.AVAILABLE)
+
+
+def set_ds_attributes(target: nn.Module | torch.Tensor, **attributes: object) -> None:
+    """Set DeepSpeed's `ds_*` attributes on a parameter or module: names DeepSpeed-facing code reads
+    (`ds_status`, `ds_id`, ...; runtime.zero.hook_control), which no torch type declares."""
+    for name, value in attributes.items():
+        setattr(target, name, value)
 
 
 @contextlib.contextmanager

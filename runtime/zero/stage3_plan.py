@@ -110,16 +110,16 @@ def plan_units(model: nn.Module, trainable: Collection[nn.Parameter], *, thresho
             elif own and sum(p.numel() for _, p in own) >= max(threshold, 1):
                 units.append(_Building(UnitKind.MODULE, name, users=[name]))
                 unit = len(units) - 1
-        for pname, p in module._parameters.items():
-            if p is None or id(p) not in wanted:
+        for pname, param in module._parameters.items():
+            if param is None or id(param) not in wanted:
                 continue
-            if id(p) in placed:
-                if placed[id(p)] != unit:  # tied: this module needs another unit's parameter
-                    add_user(placed[id(p)], name)
+            if id(param) in placed:
+                if placed[id(param)] != unit:  # tied: this module needs another unit's parameter
+                    add_user(placed[id(param)], name)
                 continue
-            placed[id(p)] = unit
+            placed[id(param)] = unit
             units[unit].params.append(f"{name}.{pname}" if name else pname)
-            units[unit].numel += p.numel()
+            units[unit].numel += param.numel()
         for child_name, child in module._modules.items():
             if child is not None:
                 visit(child, f"{name}.{child_name}" if name else child_name, unit, in_block, module)
@@ -131,7 +131,7 @@ def plan_units(model: nn.Module, trainable: Collection[nn.Parameter], *, thresho
             f"{len(missing)} trainable parameter(s) are not registered in the model's module tree; "
             "ZeRO stage 3 can only shard parameters that belong to a module of the model"
         )
-    plans = []
+    plans: list[UnitPlan] = []
     for building in units:
         if not building.params:
             continue

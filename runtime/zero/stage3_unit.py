@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm, Pending
+from runtime.host_memory import HostMemory
 from runtime.zero import stage3_param
 from runtime.zero.flat import FlatGroup
 from runtime.zero.partition import ALIGN_ELEMENTS, plan_flat_layout
@@ -109,7 +110,7 @@ def build_segment(
     param_dtype: torch.dtype,
     master_dtype: torch.dtype,
     device: torch.device,
-    host: Any = None,
+    host: HostMemory | None = None,
     align: int = ALIGN_ELEMENTS,
 ) -> Segment:
     """Shard one segment: keep this rank's piece of `values` (full parameter values, any dtype) as the
@@ -195,7 +196,7 @@ class ShardedUnit:
             working.untyped_storage().resize_(working.numel() * working.element_size())
             self._pending.append(self.comm.all_gather(working, segment.gather_source(), async_op=True))
             for param in segment.group.params:
-                param.ds_status = stage3_param.ZeroParamStatus.INFLIGHT
+                stage3_param.set_ds_attributes(param, ds_status=stage3_param.ZeroParamStatus.INFLIGHT)
         self.state = UnitState.GATHERING
         self.stats.gathers += 1
         self.stats.add(self.nbytes, self.numel)

@@ -1,6 +1,7 @@
 """`offload_optimizer.ratio` before any training: which parameters go to the host for given sizes and ratio
-(runtime/zero/offload_split.py), the pure choice behind `"ratio": "auto"` (`choose_ratio`), and the
-config's reading of the key, with its errors word for word. The runs are tests/offload/test_ratio.py's.
+(runtime/zero/offload_split.py), the pure choice behind `"ratio": "auto"` (`choose_ratio`, in
+runtime/offload/auto_ratio.py), and the config's reading of the key, with its errors word for word. The
+runs are tests/offload/test_ratio.py's.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ AUTO = {  # a 10.7B-element shard, Adam with bf16 weights: 16 bytes an element o
 
 
 def test_choose_ratio_keeps_what_fits_on_the_device() -> None:
-    from runtime.zero.offload_split import RatioChoice, choose_ratio
+    from runtime.offload.auto_ratio import RatioChoice, choose_ratio
 
     after = "free after the activations (20.0 GiB) and a reserve of 8.0 GiB"
     # 100 GiB free: 72 GiB for the state, 4.5 Gi of the 10 Gi elements; the host takes 0.55
@@ -105,7 +106,7 @@ def test_choose_ratio_keeps_what_fits_on_the_device() -> None:
 
 
 def test_choose_ratio_says_what_would_fit_when_nothing_does() -> None:
-    from runtime.zero.offload_split import choose_ratio
+    from runtime.offload.auto_ratio import choose_ratio
 
     with pytest.raises(ValueError) as caught:
         choose_ratio(device_free=100 * GIB, host_available=40 * GIB, **AUTO)

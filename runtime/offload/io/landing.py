@@ -22,7 +22,6 @@ gradients' is converted on the device a transfer chunk at a time.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +30,7 @@ from torch.utils.hooks import RemovableHandle
 from runtime.host_memory import HostMemory
 from runtime.offload.io.copies import CopyEngine, Ticket
 from runtime.offload.io.spans import Span, packed_offsets, piece_containing, plan_chunks
+from runtime.zero import StageGroups
 from runtime.zero.buckets import BucketTracker
 from runtime.zero.flat import FlatGroup
 
@@ -41,7 +41,7 @@ class GradLanding:
     def __init__(
         self,
         groups: Sequence[FlatGroup],
-        zero: Any,
+        zero: StageGroups,
         spans: Sequence[Span],
         order: Sequence[tuple[int, int]],
         copies: CopyEngine,

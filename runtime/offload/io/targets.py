@@ -20,14 +20,16 @@ it before the next forward (the placement's `write_back`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from runtime.comm import Comm, Pending
 from runtime.offload.io.copies import CopyEngine, Ticket
 from runtime.offload.io.spans import Span
+from runtime.zero import StageGroups
 from runtime.zero.flat import FlatGroup
+from runtime.zero.stage3_unit import Segment, ShardedUnit
 
 
 class WorkingTarget(Protocol):
@@ -74,17 +76,17 @@ class ReplicatedWorking:
 class ShardedWorking:
     """Stage 3 with several ranks: pieces are the units' working shards (one bucket per segment)."""
 
-    def __init__(self, zero: Any, comm: Comm) -> None:
+    def __init__(self, zero: StageGroups, comm: Comm) -> None:
         self.comm = comm
         self.zero = zero
-        self._segment = {}
+        self._segment: dict[int, tuple[ShardedUnit, Segment]] = {}
         for unit in zero.units:
             for segment in unit.segments:
                 self._segment[id(segment.group)] = (unit, segment)
         self.on_host = any(s.offloaded for _, s in self._segment.values())
 
     def host_bytes(self) -> int:
-        return int(self.zero.host_param_bytes())
+        return self.zero.host_param_bytes()
 
     def piece(self, group: FlatGroup, bucket: int) -> torch.Tensor:
         _, segment = self._segment[id(group)]
@@ -98,9 +100,9 @@ class ShardedWorking:
         return unit.regather(segment)  # uploads an offloaded shard first
 
 
-def working_target(zero: Any, comm: Comm) -> WorkingTarget:
+def working_target(zero: StageGroups, comm: Comm) -> WorkingTarget:
     """The target for the stage `zero`: sharded working weights (stage 3) or a full working buffer."""
-    if getattr(zero, "units", None) is not None:  # the sharded stage 3 (several ranks, or offload_param)
+    if zero.params_sharded:  # stage 3 with several ranks, or with offload_param
         return ShardedWorking(zero, comm)
     return ReplicatedWorking(comm, gather=zero.stage in (1, 2) and comm.world_size > 1)
 

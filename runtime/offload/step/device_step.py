@@ -114,8 +114,12 @@ class DeviceStep:
         """Update `span` of the host master and `adam`'s moments from the device gradient `grad` once
         `ready` is done, writing the new weights into the device tensor `working`; returns the ticket
         after which `working` holds them."""
-        state = (master, *adam.moments(span.group))
-        host = tuple(t.view(-1).narrow(0, span.shard_offset, span.numel) for t in state)
+        exp_avg, exp_avg_sq = adam.moments(span.group)
+
+        def piece(state: torch.Tensor) -> torch.Tensor:
+            return state.view(-1).narrow(0, span.shard_offset, span.numel)
+
+        host = (piece(master), piece(exp_avg), piece(exp_avg_sq))
         hp = adam.settings[span.group][1]
         return self.update(span.group, hp, host, grad, working, ready)
 

@@ -1,0 +1,139 @@
+"""The gradient arithmetic of an optimizer step: what goes in (`GradMath`), what comes out (`GradResult`),
+and the two ways of applying it.
+
+Between the reduced gradients and the optimizer update every placement does the same arithmetic: the
+global norm (one fused kernel per group, plus one all-reduce when gradients are sharded), the decision on
+a non-finite norm (the step's only host sync; what a skipped step does: nonfinite.py), and one factor
+that folds together the averaging over ranks and micro-steps, the loss-scale unscale and the clipping
+coefficient. Nothing else in the step waits for the device.
+
+- `finish_grads` applies it to fp32 master gradients in place (masters on the device).
+- `scale_from_device_grads` computes the same norm and verdict from the gradients where the ZeRO stage
+  reduced them and returns the factor as a number, for a placement that multiplies elsewhere (the
+  optimizer offload's host step).
+
+The engines build a `GradMath` for each step (runtime/engine.py `_grad_math`; the pipeline and
+model-parallel engines widen its `all_reduce_sum` over their grid); the placements in runtime/offload/
+take it to wherever their gradients are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class GradMath:
+    """The gradient arithmetic of one step, as the engine knows it before the gradients exist."""
+
+    divisor: float  # ranks x micro-steps the reduced sums span, after any pre-reduce scaling
+    loss_scale: float  # fp16 loss scale of the backward passes (1.0 otherwise)
+    max_norm: float  # clip to this global norm; 0 = no clipping
+    check_overflow: bool  # decide on inf/nan (fp16, or bf16's non-finite check); costs the one host sync
+    want_norm: bool  # compute the norm even without clipping or overflow checks (logging)
+    # sums a tensor over ranks in place when this rank's gradients are shards; None when every rank
+    # holds the full gradients
+    all_reduce_sum: Callable[[torch.Tensor], Any] | None
+
+    @property
+    def needs_norm(self) -> bool:
+        return self.max_norm > 0 or self.check_overflow or self.want_norm
+
+    @property
+    def factor_before_backward(self) -> float | None:
+        """The factor every gradient is multiplied by, when it is known before the gradients are (no
+        clipping, no overflow check): what lets an offloaded update start while backward still runs."""
+        if self.max_norm > 0 or self.check_overflow:
+            return None
+        return 1.0 / (self.divisor * self.loss_scale)
+
+
+@dataclass(frozen=True)
+class GradResult:
+    """Outcome of a step's gradient arithmetic: the global gradient norm (unscaled, before clipping) and
+    the overflow verdict."""
+
+    norm: torch.Tensor | None  # 0-dim fp32 tensor on the device, or None when nobody needed it
+    overflow: bool  # the norm is not finite: the step must be skipped
+
+
+def master_grads_from(
+    pieces: Sequence[Sequence[torch.Tensor]], masters: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """One contiguous master-dtype gradient per group from that group's reduced pieces (shard order).
+
+    A single piece already in the master dtype is used as is (fp32 training: no copy); otherwise the
+    pieces are cast into a fresh buffer that lives until the optimizer step is done.
+    """
+    grads: list[torch.Tensor] = []
+    for group_pieces, master in zip(pieces, masters, strict=True):
+        if len(group_pieces) == 1 and group_pieces[0].dtype == master.dtype:
+            grads.append(group_pieces[0].view(master.shape))
+            continue
+        grad = torch.empty_like(master)
+        offset = 0
+        for piece in group_pieces:
+            grad.narrow(0, offset, piece.numel()).copy_(piece)
+            offset += piece.numel()
+        if offset != master.numel():
+            raise AssertionError(
+                f"gradient pieces cover {offset} elements, master shard has {master.numel()}"
+            )
+        grads.append(grad)
+    return grads
+
+
+def finish_grads(grads: Sequence[torch.Tensor], math: GradMath) -> GradResult:
+    """Average, unscale and clip fp32 master gradients in place.
+
+    `grads` are this rank's fp32 master gradients (one tensor per group), summed over ranks and
+    micro-steps and still multiplied by the loss scale; `math` says over how many, by what scale, to
+    which norm, and how to sum over ranks. On overflow the gradients are left untouched.
+    """
+    inv = 1.0 / (math.divisor * math.loss_scale)
+    norm = None
+    if math.needs_norm:
+        norms = torch._foreach_norm(list(grads))
+        squared = torch.stack(norms).square().sum() if len(norms) > 1 else norms[0].square()
+        if math.all_reduce_sum is not None:
+            math.all_reduce_sum(squared)
+        norm = squared.sqrt_().mul_(inv)
+    if math.check_overflow:
+        assert norm is not None
+        if not bool(torch.isfinite(norm)):  # the one host sync of the step
+            return GradResult(norm, True)
+    if math.max_norm > 0:
+        assert norm is not None
+        coef = (math.max_norm / (norm + 1e-6)).clamp_(max=1.0).mul_(inv)
+        torch._foreach_mul_(list(grads), coef)
+    elif inv != 1.0:
+        torch._foreach_mul_(list(grads), inv)
+    return GradResult(norm, False)
+
+
+def scale_from_device_grads(
+    pieces: Sequence[Sequence[torch.Tensor]], math: GradMath
+) -> tuple[GradResult, float]:
+    """The norm and overflow decision from the reduced gradients on the device, and the one factor the
+    caller multiplies the gradients by elsewhere (average over ranks and micro-steps, unscale, clip).
+
+    Same arithmetic as `finish_grads`, without touching the gradients."""
+    inv = 1.0 / (math.divisor * math.loss_scale)
+    if not math.needs_norm:
+        return GradResult(None, False), inv
+    flat = [piece for group in pieces for piece in group]
+    norms = [torch.linalg.vector_norm(piece, dtype=torch.float32) for piece in flat]
+    squared = torch.stack(norms).square().sum()
+    if math.all_reduce_sum is not None:
+        math.all_reduce_sum(squared)
+    norm = squared.sqrt_().mul_(inv)
+    if math.check_overflow and not bool(torch.isfinite(norm)):
+        return GradResult(norm, True), inv
+    if math.max_norm <= 0:
+        return GradResult(norm, False), inv
+    clip = float((math.max_norm / (norm + 1e-6)).clamp_(max=1.0))  # the caller needs this number: one sync
+    return GradResult(norm, False), clip * inv

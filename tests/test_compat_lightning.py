@@ -30,6 +30,7 @@ from runtime.checkpoint.load import read_engine_state
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "lightning_fit.py"
 FIRST = "epoch=0-step=5.ckpt"
+LAST = "epoch=1-step=10.ckpt"
 
 
 def run_all(jobs: dict[str, list[str]], cwd: Path) -> dict[str, tuple[int, str]]:
@@ -64,7 +65,7 @@ def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path)
         {
             "ddp": ["--strategy", "ddp", "--save", "ddp"],
             "z2": ["--strategy", "z2", "--exclude_frozen", "--save", "z2"],
-            "z3": ["--strategy", "z3", "--save", "z3"],
+            "z3": ["--strategy", "z3", "--save", "z3", "--evaluate"],
             # built in configure_model, inside zero.Init; Lightning's precision plugin's module.to(dtype)
             # and its teardown's module.cpu() then meet sharded parameters (no-op conversions)
             "z3-configure": ["--strategy", "z3", "--configure_model"],
@@ -90,6 +91,8 @@ def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path)
             "z3-resume": ["--strategy", "z3", "--resume", f"z3/{FIRST}"],
             "z2-strict": ["--strategy", "z2", "--resume", f"z2/{FIRST}"],
             "z3-full": ["--strategy", "z3", "--load_full_weights", "--resume", f"ddp/{FIRST}"],
+            # validate/test/predict in a fresh process: an engine without an optimizer loads the weights
+            "z3-eval": ["--strategy", "z3", "--epochs", "0", "--evaluate", "--resume", f"z3/{LAST}"],
         },
         tmp_path,
     )
@@ -99,9 +102,43 @@ def test_lightning_deepspeed_stages_2_and_3_match_ddp_and_resume(tmp_path: Path)
     # as Lightning warns: the first step's loss is DDP's, the curve then goes its own way.
     full = losses(tmp_path, "z3-full", resumed)
     assert len(full) == 5 and abs(full[0] - ddp[5]) <= 1e-5 * ddp[5] and full[1] != ddp[6]
+    # After fit in the same process, and from the ZeRO-3 folder in a new one: the numbers plain PyTorch
+    # gives with the weights DDP saved at the end
+    after_fit = json.loads((tmp_path / "z3.json").read_text())
+    code, output = resumed["z3-eval"]
+    assert code == 0, output[-4000:]
+    from_folder = json.loads((tmp_path / "z3-eval.json").read_text())
+    assert from_folder["losses"] == []  # nothing trained
+    want = evaluated_by_hand(tmp_path / "ddp" / LAST)
+    for got in (after_fit, from_folder):
+        for key in ("val", "test"):
+            assert abs(got[key] - want[key]) <= 1e-5 * want[key], (key, got[key], want[key])
+        assert len(got["predict"]) == len(want["predict"]) == 10
+        assert all(abs(a - b) <= 1e-5 for a, b in zip(got["predict"], want["predict"], strict=True))
     code, output = resumed["z2-strict"]
     assert code != 0
     assert "missing in the checkpoint: frozen.bias, frozen.weight" in output, output[-3000:]
+
+
+def evaluated_by_hand(checkpoint: Path) -> dict:
+    """What validate, test and predict give on 2 ranks, computed in this process from a DDP checkpoint:
+    Lightning's DistributedSampler gives rank r every other sample from r; logged means are over all 20
+    samples (equal batches), and rank 0 writes its own predictions."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("lightning_fit", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = script.Regression()
+    model.load_state_dict(torch.load(checkpoint, weights_only=False)["state_dict"])
+    x, y = script.data().dataset.tensors
+    with torch.no_grad():
+        out = model(x)
+    return {
+        "val": torch.nn.functional.mse_loss(out, y).item(),
+        "test": torch.nn.functional.l1_loss(out, y).item(),
+        "predict": out[0::2].flatten().tolist(),
+    }
 
 
 def assert_converts_as_ddp_saved(tmp_path: Path) -> None:

@@ -125,11 +125,15 @@ def module_extras(engine: Any) -> dict[str, Any]:
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
 
 
-def check_module_extras(engine: Any, extras: Mapping[str, Any], *, strict: bool) -> list[str]:
-    """The extras to load; raises on a mismatch (strict: missing or unexpected keys; always: shapes)."""
+def check_module_extras(
+    engine: Any, extras: Mapping[str, Any], *, strict: bool, in_groups: frozenset[str] = frozenset()
+) -> list[str]:
+    """The extras to load; raises on a mismatch (strict: missing or unexpected keys; always: shapes).
+    `in_groups`: extras this engine keeps in its flat groups (a frozen parameter that a ZeRO-3 inference
+    engine shards, saved whole by a training engine); the caller loads those into the groups."""
     wanted = {key for key, name in module_keys(engine) if name is None}
     missing = sorted(wanted - set(extras))
-    unexpected = sorted(set(extras) - wanted)
+    unexpected = sorted(set(extras) - wanted - in_groups)
     if strict and (missing or unexpected):
         raise CheckpointMismatch(
             "module buffers/frozen parameters differ from the checkpoint: "

@@ -113,10 +113,12 @@ def load_checkpoint(
         state = agreed(comm, lambda: read_engine_state(tag_dir))
         new_reader = lambda: ShardReader(tag_dir)  # noqa: E731
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    plans, extras = agreed(
+    plans, extras, crossed = agreed(
         comm, lambda: _plan(engine, manifest, state, strict=load_module_strict, with_optimizer=with_optimizer)
     )
     agreed(comm, lambda: _fill(engine, new_reader(), manifest, state, plans, with_optimizer=with_optimizer))
+    if crossed:
+        _fill_crossed(engine, state["module_extras"], crossed)
     engine.zero.zero_grad()
     engine.zero.write_back()  # masters -> working weights, gathered across ranks
 
@@ -146,10 +148,10 @@ def load_checkpoint(
 
 def _plan(
     engine: Any, manifest: Manifest, state: dict[str, Any], *, strict: bool, with_optimizer: bool
-) -> tuple[list[list[Copy]], list[str]]:
-    """Per flat group, the copies that fill this rank's shard, and the module extras to load; every
-    mismatch is raised here, before any tensor changes."""
-    extras = engine_state.check_module_extras(engine, state["module_extras"], strict=strict)
+) -> tuple[list[list[Copy]], list[str], frozenset[str]]:
+    """Per flat group, the copies that fill this rank's shard, the module extras to load, and the grouped
+    parameters filled from saved extras; every mismatch is raised here, before any tensor changes."""
+    saved_extras = state["module_extras"]
     if with_optimizer and state.get("optimizer_param_groups"):
         engine_state.optimizer_group_options(engine, state["optimizer_param_groups"])
     shapes = saved_shapes(manifest)
@@ -170,7 +172,12 @@ def _plan(
             key=lambda item: order.get(item[0], len(order)),
         )
     )
-    missing = [name for name in ours if name not in shapes]
+    # A parameter the checkpoint keeps whole among the module extras (a frozen one, saved by a training
+    # engine) that this engine keeps in a flat group (a ZeRO-3 inference engine shards frozen ones too,
+    # as Lightning's validate/test/predict builds it): filled from the extra (_fill_crossed)
+    crossed = frozenset(name for name in ours if name not in shapes and name in saved_extras)
+    extras = engine_state.check_module_extras(engine, saved_extras, strict=strict, in_groups=crossed)
+    missing = [name for name in ours if name not in shapes and name not in crossed]
     unexpected = [name for name in shapes if name not in ours]
     if strict and (missing or unexpected):
         parts = []
@@ -179,6 +186,7 @@ def _plan(
         if unexpected:
             parts.append(f"checkpoint parameters not in the model: {_few(unexpected)}")
         raise CheckpointMismatch("; ".join(parts) + " (load_module_strict=False skips them)")
+    shapes = {**shapes, **{name: tuple(saved_extras[name].shape) for name in crossed}}
     differ = [
         name for name, (param, _) in ours.items() if name in shapes and tuple(param.shape) != shapes[name]
     ]
@@ -199,8 +207,21 @@ def _plan(
                 "(load_optimizer_states=False loads the weights only)"
             )
     index = source_index(manifest)
-    plans = [plan_copies(index, shard_targets(engine, group, skip=set(missing))) for group in engine.groups]
-    return plans, extras
+    skip = set(missing) | crossed
+    plans = [plan_copies(index, shard_targets(engine, group, skip=skip)) for group in engine.groups]
+    return plans, extras, crossed
+
+
+def _fill_crossed(engine: Any, saved_extras: dict[str, Any], names: frozenset[str]) -> None:
+    """This rank's shard elements of the grouped parameters `names` from their whole saved tensors."""
+    with torch.no_grad():
+        for group in engine.groups:
+            master = group.master.data
+            for target in shard_targets(engine, group):
+                if target.name in names:
+                    whole = saved_extras[target.name].reshape(-1)
+                    piece = whole[target.param_offset : target.param_offset + target.numel]
+                    master[target.dst_offset : target.dst_offset + target.numel].copy_(piece)
 
 
 def _fill(

@@ -69,6 +69,17 @@ class Regression(pl.LightningModule):
         self.losses.append(self.all_gather(loss.detach()).mean().item())
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> None:
+        x, y = batch
+        self.log("test_loss", nn.functional.l1_loss(self(x), y), sync_dist=True)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], _: int) -> torch.Tensor:
+        return self(batch[0])
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         trained = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.AdamW(trained, lr=1e-2, weight_decay=0.01)
@@ -92,6 +103,9 @@ def main() -> None:
         "--load_full_weights", action="store_true", help="--resume names one file (a DDP run's checkpoint)"
     )
     parser.add_argument("--configure_model", action="store_true", help="build the layers in configure_model")
+    parser.add_argument(
+        "--evaluate", action="store_true", help="validate, test, predict (--epochs 0: from --resume)"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -120,10 +134,20 @@ def main() -> None:
     model = Regression(configure_model=args.configure_model)
     # Saved without its frozen parameters, a checkpoint loads only non-strictly (DeepSpeed's rule).
     model.strict_loading = not args.exclude_frozen
-    trainer.fit(model, data(), ckpt_path=args.resume)
+    result = {}
+    if args.epochs:
+        trainer.fit(model, data(), ckpt_path=args.resume)
+    if args.evaluate:
+        # Lightning builds an engine without an optimizer for these (model_parameters=[]); with --epochs 0
+        # it loads the weights from --resume without optimizer states
+        ckpt = None if args.epochs else args.resume
+        result["val"] = trainer.validate(model, data(), ckpt_path=ckpt, verbose=False)[0]["val_loss"]
+        result["test"] = trainer.test(model, data(), ckpt_path=ckpt, verbose=False)[0]["test_loss"]
+        predicted = trainer.predict(model, data(), ckpt_path=ckpt)
+        result["predict"] = torch.cat(predicted).flatten().tolist()  # this rank's samples
     if trainer.is_global_zero:
         with open(args.out, "w") as f:
-            json.dump({"losses": model.losses, "global_step": trainer.global_step}, f)
+            json.dump({"losses": model.losses, "global_step": trainer.global_step, **result}, f)
 
 
 if __name__ == "__main__":

@@ -379,3 +379,60 @@ def test_the_package_check_names_the_import_that_closes_a_loop(tmp_path: Path) -
     )
     (package / "low" / "part.py").write_text("def f():\n    return 1\n")
     assert package_loops("pkg", tmp_path) == {}
+
+
+def _is_any(annotation: ast.expr | None) -> bool:
+    """`Any` or `typing.Any` (a string annotation "Any" too)."""
+    if isinstance(annotation, ast.Constant) and annotation.value == "Any":
+        return True
+    return isinstance(annotation, ast.Name | ast.Attribute) and ast.unparse(annotation) in (
+        "Any",
+        "typing.Any",
+    )
+
+
+def layout_measures(root: Path = ROOT) -> dict[str, int]:
+    """The numbers ARCHITECTURE.md's before/after table reports (`python tests/test_layout.py`)."""
+    runtime_files = sorted((root / "runtime").rglob("*.py"))
+    inside_functions, files_with = 0, set()
+    for path in runtime_files:
+        tree = ast.parse(path.read_text())
+        skipped = _type_checking_nodes(tree)
+        for function in ast.walk(tree):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if id(node) in skipped or not isinstance(node, ast.Import | ast.ImportFrom):
+                    continue
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                relative = isinstance(node, ast.ImportFrom) and node.level > 0
+                if relative or any(n == "runtime" or n.startswith("runtime.") for n in names):
+                    inside_functions += 1
+                    files_with.add(path)
+    any_args = any_fields = any_returns = 0
+    for top in ("launcher", "runtime", "compat"):
+        for path in sorted((root / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    args = node.args
+                    every = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+                    any_args += sum(_is_any(a.annotation) for a in every if a is not None)
+                    any_returns += _is_any(node.returns)
+                elif isinstance(node, ast.AnnAssign):
+                    any_fields += _is_any(node.annotation)
+    return {
+        "runtime top-level modules": len(
+            [p for p in (root / "runtime").glob("*.py") if p.name != "__init__.py"]
+        ),
+        "package loops in runtime (imports closing one)": len(package_loops("runtime", root)),
+        "runtime imports of runtime inside functions": inside_functions,
+        "files with such imports": len(files_with),
+        "': Any' arguments (launcher, runtime, compat)": any_args,
+        "': Any' fields and variables": any_fields,
+        "'-> Any'": any_returns,
+    }
+
+
+if __name__ == "__main__":
+    for name, value in layout_measures().items():
+        print(f"{value:6d}  {name}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,13 @@ from runtime.checkpoint.manifest import (
     resolve_tag_dir,
 )
 from runtime.checkpoint.reshard import Copy, plan_copies, saved_shapes, source_index
-from runtime.checkpoint.shards import ShardReader, load_optimizer_state, optimizer_params, shard_targets
+from runtime.checkpoint.shards import (
+    CopySource,
+    ShardReader,
+    load_optimizer_state,
+    optimizer_params,
+    shard_targets,
+)
 
 _log = logging.getLogger("runtime.checkpoint")
 
@@ -100,6 +107,7 @@ def load_checkpoint(
         comm, load_dir, tag, policy=engine.config.checkpoint.tag_validation, what="load_checkpoint"
     )
     tag_dir = agreed(comm, lambda: resolve_tag_dir(root, tag))
+    new_reader: Callable[[], CopySource]
     if is_deepspeed_tag(tag_dir):  # DeepSpeed's files: read through the same plan (deepspeed_format)
         source = agreed(comm, lambda: open_deepspeed(tag_dir))
         manifest, new_reader = source.manifest, source.reader
@@ -205,7 +213,7 @@ def _plan(
 
 def _fill(
     engine: Any,
-    reader: Any,
+    reader: CopySource,
     manifest: Manifest,
     state: dict[str, Any],
     plans: list[list[Copy]],

@@ -123,13 +123,14 @@ def save_checkpoint(
                 rng_states=[rng for _, rng in records],
                 optimizer_scalars=[scalars for _, scalars in states],
             )
+            # torch types its file argument as IO[bytes] but only writes and flushes, all DurableFile has
             with DurableFile(staging / ENGINE_STATE) as out:
-                torch.save(state, out)
+                torch.save(state, out)  # type: ignore[arg-type]
                 fault_point("engine_state")
                 engine_record = out.commit()
             for rank in range(comm.world_size):  # DeepSpeed's per-rank file names, for its tools
                 with DurableFile(staging / engine_state.deepspeed_optim_name(rank)) as out:
-                    torch.save(engine_state.deepspeed_descriptor(engine, rank), out)
+                    torch.save(engine_state.deepspeed_descriptor(engine, rank), out)  # type: ignore[arg-type]
                     out.commit()
             manifest = _manifest(engine, tag, [r for r, _ in records], engine_record, states)
             fault_point("manifest")

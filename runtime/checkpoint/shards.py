@@ -14,9 +14,10 @@ optimizer state key, so a rank reads only the bytes its new shard needs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -125,6 +126,19 @@ def _scalar_value(saved: dict[str, Any], param: torch.Tensor) -> Any:
 
 
 # -- loading ----------------------------------------------------------------------------------------------
+class CopySource(Protocol):
+    """What a load fills new shards through: `ShardReader` (our files) or
+    `deepspeed_format.DeepSpeedReader` (DeepSpeed's per-rank tensors)."""
+
+    bytes_read: int
+
+    def fill(self, dst: torch.Tensor, copies: Sequence[Copy], key: str) -> None:
+        """Run `copies` of state `key` into the 1-D tensor `dst`."""
+
+    def close(self) -> None:
+        """Release what the reads held open."""
+
+
 class ShardReader:
     """Open shard files of one tag lazily and perform copies from them."""
 
@@ -163,7 +177,7 @@ class ShardReader:
         self._readers.clear()
 
 
-def shard_targets(engine: Any, group: Any, *, skip: set[str] = frozenset()) -> list[Target]:
+def shard_targets(engine: Any, group: Any, *, skip: AbstractSet[str] = frozenset()) -> list[Target]:
     """Where each parameter element of this rank's shard of `group` goes (names in `skip` left out)."""
     names = param_names(engine, group)
     return [
@@ -176,7 +190,7 @@ def shard_targets(engine: Any, group: Any, *, skip: set[str] = frozenset()) -> l
 def load_optimizer_state(
     engine: Any,
     group: Any,
-    reader: ShardReader,
+    reader: CopySource,
     copies: Sequence[Copy],
     keys: Sequence[str],
     dtypes: dict[str, torch.dtype],

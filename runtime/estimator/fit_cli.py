@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, replace
+from typing import TypedDict
 
 from runtime.estimator.fit import GIB, Fit, Machine, Workload, fit_gpt, largest_gpt
 from runtime.estimator.longest import LLAMA_SHAPES, LlamaShape, LongSequenceSetup, longest_sequence
@@ -52,6 +53,16 @@ def _gib(text: str) -> int:
     return int(value * GIB)
 
 
+class _FitOptions(TypedDict):
+    """The keyword arguments of `fit_gpt` that the command line sets."""
+
+    stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    ratio: float | str
+    host_step: bool
+
+
 def fit_options(parser: argparse.ArgumentParser) -> None:
     """The flags of the fit questions (the shared --num_gpus, --dtype, --optimizer come from the caller)."""
     group = parser.add_argument_group("machine fit (--largest, --gpt)")
@@ -87,7 +98,8 @@ def llama_shape(text: str) -> LlamaShape:
             f"expected {' or '.join(LLAMA_SHAPES)}, or HIDDEN:INTERMEDIATE:LAYERS:HEADS:KV_HEADS:VOCAB with "
             f"heads dividing hidden and kv heads dividing heads, got {text!r}"
         )
-    return LlamaShape(*numbers)
+    hidden, intermediate, layers, heads, kv_heads, vocab = numbers
+    return LlamaShape(hidden, intermediate, layers, heads, kv_heads, vocab)
 
 
 def _line(fit: Fit | None, label: str) -> str:
@@ -110,7 +122,7 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         dtype=args.dtype,
         optimizer=args.optimizer,
     )
-    options = {
+    options: _FitOptions = {
         "stage": args.stage,
         "offload_optimizer": not args.no_offload,
         "offload_param": args.offload_param,
@@ -150,7 +162,7 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             config = GPTConfig(n_embd=n_embd, n_head=n_head, n_layer=n_layer)
         except ValueError as error:
             parser.error(f"--gpt: {error}")
-        fit = fit_gpt(config, machine, work, **options)  # type: ignore[arg-type]
+        fit = fit_gpt(config, machine, work, **options)
         print(json.dumps(asdict(fit)) if args.json else fit.reason)
         return 0 if fit.fits else 1
     best, too_big = largest_gpt(gpt_family(), machine, work, **options)

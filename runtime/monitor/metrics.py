@@ -170,10 +170,10 @@ class TrainingMonitor:
             if name in timings:
                 events.append((PREFIX + f"elapsed_time_ms_{name}", timings[name], step))
         memory = memory_stats(self.device)
-        if memory.allocated is not None:
-            events.append((PREFIX + "memory_allocated_gib", memory.allocated / GIB, step))
-            events.append((PREFIX + "memory_reserved_gib", memory.reserved / GIB, step))
-            events.append((PREFIX + "memory_peak_gib", memory.peak_allocated / GIB, step))
+        if memory.device is not None:
+            events.append((PREFIX + "memory_allocated_gib", memory.device.allocated / GIB, step))
+            events.append((PREFIX + "memory_reserved_gib", memory.device.reserved / GIB, step))
+            events.append((PREFIX + "memory_peak_gib", memory.device.peak_allocated / GIB, step))
         events.append((PREFIX + "host_rss_gib", memory.host_rss / GIB, step))
         self._pending.extend(events)
         self._pending_steps += 1

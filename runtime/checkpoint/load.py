@@ -22,7 +22,7 @@ import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,9 @@ from runtime.checkpoint.shards import (
     optimizer_params,
     shard_targets,
 )
+
+if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.engine import Engine
 
 _log = logging.getLogger("runtime.checkpoint")
 
@@ -92,7 +95,7 @@ def read_engine_state(tag_dir: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: Engine,
     load_dir: str | os.PathLike[str],
     tag: str | None = None,
     *,
@@ -153,7 +156,7 @@ def load_checkpoint(
 
 
 def _plan(
-    engine: Any, manifest: Manifest, state: dict[str, Any], *, strict: bool, with_optimizer: bool
+    engine: Engine, manifest: Manifest, state: dict[str, Any], *, strict: bool, with_optimizer: bool
 ) -> tuple[list[list[Copy]], list[str]]:
     """Per flat group, the copies that fill this rank's shard, and the module extras to load; every
     mismatch is raised here, before any tensor changes."""
@@ -212,7 +215,7 @@ def _plan(
 
 
 def _fill(
-    engine: Any,
+    engine: Engine,
     reader: CopySource,
     manifest: Manifest,
     state: dict[str, Any],

@@ -28,7 +28,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -60,12 +60,15 @@ from runtime.checkpoint.recovery_script import write_recovery_script
 from runtime.checkpoint.shards import Piece, optimizer_state, saved_pieces
 from runtime.checkpoint.tensorfile import TensorFileWriter
 
+if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.engine import Engine
+
 _log = logging.getLogger("runtime.checkpoint")
 T = TypeVar("T")
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: Engine,
     save_dir: str | os.PathLike[str],
     tag: str | None = None,
     client_state: Mapping[str, Any] | None = None,
@@ -204,7 +207,7 @@ def _named_write_errors(fn: Callable[[], T], root: Path, part: Path, tag: str, *
         ) from None
 
 
-def refuse_non_finite(engine: Any, root: Path, tag: str) -> None:
+def refuse_non_finite(engine: Engine, root: Path, tag: str) -> None:
     """Raise when this rank's master weights (the weights themselves where no separate master exists)
     hold NaN or inf: such a checkpoint could never be resumed, and saving it would move `latest` off the
     last good one. Run through `agreed`, so one rank's verdict stops every rank's save."""
@@ -261,7 +264,7 @@ def _write_shard(
 
 
 def _manifest(
-    engine: Any,
+    engine: Engine,
     tag: str,
     shards: list[FileEntry],
     engine_record: Any,

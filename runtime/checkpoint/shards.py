@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,6 +25,9 @@ from runtime.checkpoint.engine_state import param_names
 from runtime.checkpoint.manifest import CheckpointCorrupted, CheckpointMismatch, tensor_name
 from runtime.checkpoint.reshard import Copy, Target
 from runtime.checkpoint.tensorfile import TensorFileError, TensorFileReader
+
+if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ def saved_pieces(layout: Any, group_rank: int, world_size: int, rank: int) -> li
 
 
 # -- optimizer state as flat tensors ----------------------------------------------------------------------
-def optimizer_params(engine: Any, group: Any) -> list[torch.Tensor]:
+def optimizer_params(engine: Engine, group: Any) -> list[torch.Tensor]:
     """The tensors the optimizer steps for this flat group: [master] or one view per parameter."""
     if engine.optimizer is None:
         return []
@@ -81,7 +84,7 @@ def _is_flat(params: Sequence[torch.Tensor], group: Any) -> bool:
     return len(params) == 1 and params[0] is group.master
 
 
-def optimizer_state(engine: Any, group: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def optimizer_state(engine: Engine, group: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state tensors shaped like the master shard, scalar state) of one flat group."""
     params = optimizer_params(engine, group)
     if not params:
@@ -177,7 +180,7 @@ class ShardReader:
         self._readers.clear()
 
 
-def shard_targets(engine: Any, group: Any, *, skip: AbstractSet[str] = frozenset()) -> list[Target]:
+def shard_targets(engine: Engine, group: Any, *, skip: AbstractSet[str] = frozenset()) -> list[Target]:
     """Where each parameter element of this rank's shard of `group` goes (names in `skip` left out)."""
     names = param_names(engine, group)
     return [
@@ -188,7 +191,7 @@ def shard_targets(engine: Any, group: Any, *, skip: AbstractSet[str] = frozenset
 
 
 def load_optimizer_state(
-    engine: Any,
+    engine: Engine,
     group: Any,
     reader: CopySource,
     copies: Sequence[Copy],

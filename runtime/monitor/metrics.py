@@ -35,13 +35,16 @@ import atexit
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from runtime.memory import GIB, memory_stats
 from runtime.monitor.writers import Event, EventWriter, open_writers
+
+if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.engine import Engine
 
 __all__ = ["PREFIX", "TrainingMonitor"]
 
@@ -139,7 +142,7 @@ class TrainingMonitor:
         if self.writers:
             self._losses.append(loss.detach())
 
-    def after_step(self, engine: Any) -> None:
+    def after_step(self, engine: Engine) -> None:
         now = time.perf_counter()
         elapsed = max(now - (self._last_time if self._last_time is not None else self._created), 1e-9)
         self._last_time = now

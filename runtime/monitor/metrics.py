@@ -44,6 +44,7 @@ from runtime.memory import GIB, memory_stats
 from runtime.monitor.writers import Event, EventWriter, open_writers
 
 if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.config import Config
     from runtime.engine import Engine
 
 __all__ = ["PREFIX", "TrainingMonitor"]
@@ -101,7 +102,7 @@ class TrainingMonitor:
 
     @classmethod
     def from_config(
-        cls, config: Any, *, rank: int, world_size: int, device: torch.device, model: nn.Module | None
+        cls, config: Config, *, rank: int, world_size: int, device: torch.device, model: nn.Module | None
     ) -> TrainingMonitor:
         configured = config.csv_monitor.enabled or config.tensorboard.enabled or config.wandb.enabled
         return cls(

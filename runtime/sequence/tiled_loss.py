@@ -190,7 +190,7 @@ def tiled_causal_lm_loss(
     flags = torch.stack([(t != ignore_index).any() for t in labels.reshape(-1).chunk(count)])
     counting = iter(flags.tolist())
 
-    def tile_loss(x: torch.Tensor, y: torch.Tensor, _mask: Any) -> torch.Tensor | None:
+    def tile_loss(x: torch.Tensor, y: torch.Tensor, _mask: torch.Tensor | None) -> torch.Tensor | None:
         if not next(counting):
             return None  # nothing counts here: no logits at all
         logits = F.linear(x, weight, bias).float()

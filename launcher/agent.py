@@ -76,9 +76,14 @@ import time
 from collections import deque
 
 from launcher.agentspec import PROTOCOL_VERSION, SpecError, decode_spec_arg, encode_spec_arg, load_spec
-from launcher.errorfile import error_file_env, make_error_dir, read_error_file, traceback_block
+from launcher.errorfile import WorkerError, error_file_env, make_error_dir, read_error_file, traceback_block
 from launcher.leftovers import Leftovers
 from launcher.stop import StopAction, StopSequence, StopState
+
+# `typing` would cost the agent ~10 ms at start; type checkers take this name as True and see the import
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO
 
 __all__ = ["EVENT_PREFIX", "PROTOCOL_VERSION", "Agent", "decode_spec_arg", "encode_spec_arg", "main"]
 EVENT_PREFIX = b"@dslaunch "
@@ -134,14 +139,20 @@ class _Worker:
         self.rank = rank
         self.local_rank = local_rank
         self.prefix = b"%d:" % rank
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.pid = 0
         self.fd = -1
         self.partial = b""
-        self.log = None
+        self.log: IO[bytes] | None = None
         self.exited = False
         self.error_path = ""
-        self.error = None  # the WorkerError its error file held, once it exited non-zero
+        self.error: WorkerError | None = None  # what its error file held, once it exited non-zero
+
+    def pipe(self) -> IO[bytes]:
+        """The read end of the worker's output (every worker starts with stdout=PIPE)."""
+        if self.proc is None or self.proc.stdout is None:
+            raise RuntimeError(f"rank {self.rank} has no output pipe")
+        return self.proc.stdout
 
 
 class Agent:
@@ -280,7 +291,7 @@ class Agent:
                 self._note_failure(code, f"rank {w.rank} could not start")
                 break
             w.pid = w.proc.pid
-            w.fd = w.proc.stdout.fileno()
+            w.fd = w.pipe().fileno()
             os.set_blocking(w.fd, False)  # _reap drains it without waiting for a holder to close it
             self._sel.register(w.fd, selectors.EVENT_READ, w)
             self.event("started", rank=w.rank, local_rank=w.local_rank, pid=w.pid)
@@ -295,7 +306,7 @@ class Agent:
             data = b""
         if not data:
             self._sel.unregister(w.fd)
-            w.proc.stdout.close()
+            w.pipe().close()
             w.fd = -1
             if w.partial:
                 self._out(w.prefix + w.partial + b"\n")

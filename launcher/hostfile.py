@@ -247,11 +247,11 @@ def select_hosts(
     chosen = [(e, tuple(range(e.slots))) for e in entries]
     if include:
         wanted = parse_filter(include, "--include", hostfile)
-        chosen = [(e, s if wanted[e.name] is None else wanted[e.name]) for e, s in chosen if e.name in wanted]
+        chosen = [(e, s if (w := wanted[e.name]) is None else w) for e, s in chosen if e.name in wanted]
     elif exclude:
         dropped = parse_filter(exclude, "--exclude", hostfile)
         chosen = [
-            (e, () if dropped[e.name] is None else tuple(x for x in s if x not in dropped[e.name]))
+            (e, () if (d := dropped[e.name]) is None else tuple(x for x in s if x not in d))
             if e.name in dropped
             else (e, s)
             for e, s in chosen

@@ -303,6 +303,7 @@ def master_address(conn: Connection) -> str:
     if conn.address:
         return conn.address
     try:
-        return socket.getaddrinfo(conn.target.hostname, None, proto=socket.IPPROTO_TCP)[0][4][0]
+        # an IPv4 or IPv6 sockaddr: its first item is the address text
+        return str(socket.getaddrinfo(conn.target.hostname, None, proto=socket.IPPROTO_TCP)[0][4][0])
     except OSError:
         return conn.target.hostname

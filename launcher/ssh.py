@@ -260,7 +260,7 @@ def _connect_once(t: HostTarget, settings: SSHSettings) -> paramiko.SSHClient:
     sock = None
     try:
         if t.proxy_jump:
-            sock = _jump_channel(t, settings)
+            sock = _jump_channel(t, t.proxy_jump, settings)
         elif t.proxy_command:
             sock = paramiko.ProxyCommand(t.proxy_command)
         client.connect(
@@ -292,8 +292,8 @@ def _connect_once(t: HostTarget, settings: SSHSettings) -> paramiko.SSHClient:
     return client
 
 
-def _jump_channel(t: HostTarget, settings: SSHSettings) -> paramiko.Channel:
-    jump_target = resolve(t.proxy_jump.split(",")[0], settings)
+def _jump_channel(t: HostTarget, proxy_jump: str, settings: SSHSettings) -> paramiko.Channel:
+    jump_target = resolve(proxy_jump.split(",")[0], settings)
     jump = connect(jump_target, settings)
     transport = jump.get_transport()
     assert transport is not None

@@ -257,7 +257,9 @@ class _Attempt:
     def _log_tracebacks(self) -> None:
         """Each failed worker's traceback (from its error file) goes to the end of its log file."""
         for failure in [self.failure, *self.others]:
-            log = self.logs.get(failure.rank) if failure is not None and failure.rank is not None else None
+            if failure is None or failure.rank is None:
+                continue
+            log = self.logs.get(failure.rank)
             if log is not None and failure.traceback:
                 body = failure.traceback if failure.traceback.endswith("\n") else failure.traceback + "\n"
                 log.write(b"--- dslaunch: traceback from the worker's error file ---\n")

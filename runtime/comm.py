@@ -50,7 +50,7 @@ class Pending:
 
     __slots__ = ("_after", "_work")
 
-    def __init__(self, work: dist.Work | None = None, after: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: dist.Work | None = None, after: Callable[[], object] | None = None) -> None:
         self._work = work
         self._after = after
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch.utils.data import Dataset
@@ -77,7 +77,8 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False, verbose=False)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids))
+        # one flat list of ids decodes to one string (a list of lists would give a list of them)
+        return cast(str, self._tok.decode(list(ids)))
 
 
 def load_tokenizer(name_or_path: str | None) -> Tokenizer:

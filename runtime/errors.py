@@ -215,8 +215,9 @@ def release_torch_rank_prefix() -> None:
     under_dslaunch = bool(os.environ.get(DSLAUNCH_JOB_ENV))
     if under_dslaunch:
         c10d = getattr(sys.modules.get("torch._C"), "_distributed_c10d", None)
-        if hasattr(c10d, "_set_global_rank"):
-            c10d._set_global_rank(-1)  # the C++ logger's label; it is used for nothing else
+        set_global_rank = getattr(c10d, "_set_global_rank", None)
+        if set_global_rank is not None:
+            set_global_rank(-1)  # the C++ logger's label; it is used for nothing else
     hook = sys.excepthook
     if not _is_torch_prefixer(hook):
         return

@@ -23,6 +23,7 @@ from runtime.log import ensure_handler
 from runtime.log import logger as _log
 
 __all__ = [
+    "DeviceMemory",
     "MemoryStats",
     "cgroup_headroom",
     "format_memory",
@@ -35,15 +36,22 @@ GIB = float(1 << 30)
 
 
 @dataclass(frozen=True)
+class DeviceMemory:
+    """The CUDA caching allocator's counters, in bytes."""
+
+    allocated: int  # bytes in live tensors on the device
+    reserved: int  # bytes the caching allocator holds (allocated + cached)
+    peak_allocated: int  # max of `allocated` since start or the last peak reset
+    peak_reserved: int
+
+
+@dataclass(frozen=True)
 class MemoryStats:
-    """Bytes; the device fields are None without a CUDA device."""
+    """Bytes; `device` is None without a CUDA device."""
 
     host_rss: int  # resident set size of this process
     host_used_percent: float  # share of the host's memory in use by everything
-    allocated: int | None = None  # bytes in live tensors on the device
-    reserved: int | None = None  # bytes the caching allocator holds (allocated + cached)
-    peak_allocated: int | None = None  # max of `allocated` since start or the last peak reset
-    peak_reserved: int | None = None
+    device: DeviceMemory | None = None
 
 
 def _cuda_device(device: torch.device | str | None) -> torch.device | None:
@@ -65,23 +73,22 @@ def memory_stats(device: torch.device | str | None = None) -> MemoryStats:
     cuda = _cuda_device(device)
     if cuda is None:
         return MemoryStats(host_rss=rss, host_used_percent=host.percent)
-    return MemoryStats(
-        host_rss=rss,
-        host_used_percent=host.percent,
+    device_memory = DeviceMemory(
         allocated=torch.cuda.memory_allocated(cuda),
         reserved=torch.cuda.memory_reserved(cuda),
         peak_allocated=torch.cuda.max_memory_allocated(cuda),
         peak_reserved=torch.cuda.max_memory_reserved(cuda),
     )
+    return MemoryStats(host_rss=rss, host_used_percent=host.percent, device=device_memory)
 
 
 def format_memory(stats: MemoryStats) -> str:
     """``allocated=1.20GiB reserved=2.00GiB peak=1.75GiB host_rss=3.10GiB`` (host only on CPU)."""
     parts = []
-    if stats.allocated is not None:
-        parts.append(f"allocated={stats.allocated / GIB:.2f}GiB")
-        parts.append(f"reserved={stats.reserved / GIB:.2f}GiB")
-        parts.append(f"peak={stats.peak_allocated / GIB:.2f}GiB")
+    if stats.device is not None:
+        parts.append(f"allocated={stats.device.allocated / GIB:.2f}GiB")
+        parts.append(f"reserved={stats.device.reserved / GIB:.2f}GiB")
+        parts.append(f"peak={stats.device.peak_allocated / GIB:.2f}GiB")
     parts.append(f"host_rss={stats.host_rss / GIB:.2f}GiB")
     return " ".join(parts)
 

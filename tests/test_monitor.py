@@ -196,7 +196,7 @@ def test_see_memory_usage(caplog: pytest.LogCaptureFixture) -> None:
     assert len(messages) == 1 and messages[0].startswith("after init | ")
     assert stats is not None and stats.host_rss > 10 * 2**20
     if not torch.cuda.is_available():
-        assert stats.allocated is None and "allocated=" not in messages[0]
+        assert stats.device is None and "allocated=" not in messages[0]
         assert format_memory(memory_stats("cpu")).startswith("host_rss=")
 
 

@@ -44,7 +44,7 @@ import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 from launcher.agent import EVENT_PREFIX, PROTOCOL_VERSION
 from launcher.plan import JobPlan, NodePlan
@@ -175,21 +175,25 @@ class PipeAgentHandle(AgentHandle):
     """An agent stream read from a local subprocess (the agent itself, or a tool that fans out to agents),
     controlled through its stdin; when the pipe is gone, a signal to the process does the same."""
 
-    def __init__(self, proc: subprocess.Popen, node_ranks: tuple[int, ...], name: str) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], node_ranks: tuple[int, ...], name: str) -> None:
+        if proc.stdin is None or proc.stdout is None:
+            raise ValueError("PipeAgentHandle needs a process started with stdin and stdout as PIPE")
         self.proc = proc
+        self.stdin: IO[bytes] = proc.stdin
+        self.stdout: IO[bytes] = proc.stdout
         self.node_ranks = node_ranks
         self.name = name
 
     def _command(self, cmd: bytes) -> None:
         try:
-            self.proc.stdin.write(cmd)
-            self.proc.stdin.flush()
+            self.stdin.write(cmd)
+            self.stdin.flush()
         except (OSError, ValueError):  # pipe gone or closed: fall back to a signal
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)  # a second SIGTERM means "kill" to the agent
 
     def readline(self) -> bytes:
-        return self.proc.stdout.readline()
+        return self.stdout.readline()
 
     def stop(self) -> None:
         self._command(b"stop\n")
@@ -205,7 +209,7 @@ class PipeAgentHandle(AgentHandle):
         return rc if rc >= 0 else 128 - rc
 
     def close(self) -> None:
-        for stream in (self.proc.stdin, self.proc.stdout):
+        for stream in (self.stdin, self.stdout):
             with contextlib.suppress(OSError):
                 stream.close()
 

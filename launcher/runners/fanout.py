@@ -49,12 +49,14 @@ def agent_shell_command(cwd: str, python: str, agent_args: Sequence[str]) -> str
 class FanoutHandle(PipeAgentHandle):
     """The guard's stream: every node's agent output through the tool, tool decorations stripped."""
 
-    def __init__(self, proc: subprocess.Popen, node_ranks: tuple[int, ...], name: str, strip=()) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], node_ranks: tuple[int, ...], name: str, strip: Sequence[str] = ()
+    ) -> None:
         super().__init__(proc, node_ranks, name)
         self._strip = {h.encode() + b": " for h in strip}  # pdsh writes "host: " before each line
 
     def readline(self) -> bytes:
-        line = self.proc.stdout.readline()
+        line = self.stdout.readline()
         if self._strip:
             head, sep, _ = line.partition(b": ")
             if sep and head + sep in self._strip:
@@ -242,6 +244,8 @@ def guard(stop_mode: str, grace: float, argv: list[str]) -> int:
                 os.kill(pid, sig)
 
     def tell(line: bytes) -> None:
+        if proc.stdin is None:  # stop_mode is not "stdin": the tool's stdin is /dev/null
+            return
         with contextlib.suppress(OSError, ValueError):
             proc.stdin.write(line)
             proc.stdin.flush()

@@ -27,7 +27,7 @@ class LocalRunner(Runner):
             raise LaunchError(f"--launcher local runs one host, the plan has {len(plan.nodes)}: {hosts}")
 
     def launch(self, plan: JobPlan, specs: Sequence[dict[str, Any]]) -> list[AgentHandle]:
-        handles = []
+        handles: list[AgentHandle] = []
         for spec in specs:
             proc = subprocess.Popen(
                 self.agent_argv(),
@@ -38,7 +38,8 @@ class LocalRunner(Runner):
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-            proc.stdin.write(json.dumps(spec, separators=(",", ":")).encode() + b"\n")
-            proc.stdin.flush()
-            handles.append(PipeAgentHandle(proc, (spec["node_rank"],), spec["host"]))
+            handle = PipeAgentHandle(proc, (spec["node_rank"],), spec["host"])
+            handle.stdin.write(json.dumps(spec, separators=(",", ":")).encode() + b"\n")
+            handle.stdin.flush()
+            handles.append(handle)
         return handles

@@ -28,7 +28,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -44,6 +44,9 @@ from runtime.checkpoint.manifest import (
     staging_name,
 )
 
+if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.engine import Engine
+
 _log = logging.getLogger("runtime.checkpoint")
 
 
@@ -56,7 +59,7 @@ class Ranks:
     group: Any = None  # None: the default (world) group
 
 
-def save_ranks(engine: Any) -> Any:
+def save_ranks(engine: Engine) -> Any:
     """The ranks that save into one checkpoint directory: the engine's data-parallel group, or the whole
     job when each model-parallel part (pipeline stage, tensor-parallel rank) keeps its own folder there;
     they agree on every step, so that the parts commit together."""
@@ -67,7 +70,7 @@ def save_ranks(engine: Any) -> Any:
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 
-def part_name(engine: Any) -> str:
+def part_name(engine: Engine) -> str:
     """This rank's part folder inside the save directory ("." for the directory itself)."""
     folder = engine.checkpoint_folder()
     return "." if folder is None else folder[0]

@@ -10,6 +10,7 @@ the standalone zero_to_fp32.py, see recovery_script).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -46,7 +47,7 @@ def numel_of(shape: tuple[int, ...]) -> int:
 
 
 def partitioned_layout(
-    param_shapes: list[dict[str, tuple[int, ...]]], partition_sizes: list[int], world: int
+    param_shapes: Sequence[Mapping[str, tuple[int, ...]]], partition_sizes: Sequence[int], world: int
 ) -> list[FlatGroup]:
     """ZeRO 1/2: a group's parameters back to back, the padded buffer cut into `world` equal partitions."""
     groups = []
@@ -62,12 +63,13 @@ def partitioned_layout(
     return groups
 
 
-def per_param_layout(param_shapes: list[dict[str, tuple[int, ...]]], world: int) -> list[FlatGroup]:
+def per_param_layout(param_shapes: Sequence[Mapping[str, tuple[int, ...]]], world: int) -> list[FlatGroup]:
     """ZeRO 3: every parameter padded to a multiple of `world` and cut into equal pieces; rank r holds
     piece r of each, parameter after parameter, group after group."""
     groups, begin = [], 0
     for shapes in param_shapes:
-        params, ranges, offset = [], [[] for _ in range(world)], 0
+        params, offset = [], 0
+        ranges: list[list[tuple[int, int]]] = [[] for _ in range(world)]
         for name, shape in shapes.items():
             numel = numel_of(tuple(shape))
             piece = -(-numel // world)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,7 +40,16 @@ from runtime.checkpoint.manifest import (
     resolve_tag_dir,
 )
 from runtime.checkpoint.reshard import Copy, plan_copies, saved_shapes, source_index
-from runtime.checkpoint.shards import ShardReader, load_optimizer_state, optimizer_params, shard_targets
+from runtime.checkpoint.shards import (
+    CopySource,
+    ShardReader,
+    load_optimizer_state,
+    optimizer_params,
+    shard_targets,
+)
+
+if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.engine import Engine
 
 _log = logging.getLogger("runtime.checkpoint")
 
@@ -85,7 +95,7 @@ def read_engine_state(tag_dir: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: Engine,
     load_dir: str | os.PathLike[str],
     tag: str | None = None,
     *,
@@ -100,6 +110,7 @@ def load_checkpoint(
         comm, load_dir, tag, policy=engine.config.checkpoint.tag_validation, what="load_checkpoint"
     )
     tag_dir = agreed(comm, lambda: resolve_tag_dir(root, tag))
+    new_reader: Callable[[], CopySource]
     if is_deepspeed_tag(tag_dir):  # DeepSpeed's files: read through the same plan (deepspeed_format)
         source = agreed(comm, lambda: open_deepspeed(tag_dir))
         manifest, new_reader = source.manifest, source.reader
@@ -147,7 +158,7 @@ def load_checkpoint(
 
 
 def _plan(
-    engine: Any, manifest: Manifest, state: dict[str, Any], *, strict: bool, with_optimizer: bool
+    engine: Engine, manifest: Manifest, state: dict[str, Any], *, strict: bool, with_optimizer: bool
 ) -> tuple[list[list[Copy]], list[str], frozenset[str]]:
     """Per flat group, the copies that fill this rank's shard, the module extras to load, and the grouped
     parameters filled from saved extras; every mismatch is raised here, before any tensor changes."""
@@ -212,7 +223,7 @@ def _plan(
     return plans, extras, crossed
 
 
-def _fill_crossed(engine: Any, saved_extras: dict[str, Any], names: frozenset[str]) -> None:
+def _fill_crossed(engine: Engine, saved_extras: dict[str, Any], names: frozenset[str]) -> None:
     """This rank's shard elements of the grouped parameters `names` from their whole saved tensors."""
     with torch.no_grad():
         for group in engine.groups:
@@ -225,8 +236,8 @@ def _fill_crossed(engine: Any, saved_extras: dict[str, Any], names: frozenset[st
 
 
 def _fill(
-    engine: Any,
-    reader: Any,
+    engine: Engine,
+    reader: CopySource,
     manifest: Manifest,
     state: dict[str, Any],
     plans: list[list[Copy]],

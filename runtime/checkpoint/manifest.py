@@ -27,6 +27,7 @@ Every file is listed with its size and CRC-32; a tag counts as complete only whe
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -315,7 +316,7 @@ def read_latest(save_dir: str | Path) -> str | None:
         return None
 
 
-def resolve_tag_dir(load_dir: str | Path, tag: str | None) -> Path:
+def resolve_tag_dir(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
     """The directory of `tag` (or of the tag `latest` names), with a clear error for each missing piece.
     A committed save that a crash left half swapped in counts as done (`pending_commit`)."""
     root = Path(load_dir)

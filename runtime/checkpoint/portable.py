@@ -159,7 +159,7 @@ class DeepSpeedTag:
             )
         self.optim_files = [tag_dir / optim[r] for r in range(self.world)]
         self._optim: dict[int, dict[str, Any]] = {}
-        self.param_shapes = [
+        self.param_shapes: list[OrderedDict[str, tuple[int, ...]]] = [
             OrderedDict((k, tuple(v)) for k, v in g.items()) for g in self.model_states["param_shapes"]
         ]
         if self.stage3:
@@ -266,8 +266,9 @@ class DeepSpeedTag:
             ranks += [load_pickle(self.tag_dir / name) for name in names]
         out = {}
         for name, shape in shapes.items():
-            pieces = [(state.get("frozen_param_fragments") or {}).get(name) for state in ranks]
-            if any(piece is None for piece in pieces):
+            found = [(state.get("frozen_param_fragments") or {}).get(name) for state in ranks]
+            pieces = [piece for piece in found if piece is not None]
+            if len(pieces) < len(found):
                 raise RecoveryError(f"{self.tag_dir}: frozen parameter {name!r} has no saved fragment")
             numel = numel_of(tuple(shape))
             out[name] = torch.cat([p.reshape(-1) for p in pieces]).narrow(0, 0, numel).view(tuple(shape))

@@ -10,8 +10,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -35,7 +36,7 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * scale)
 
 
-def _write_atomically(path: Path, write: Any) -> None:
+def _write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -65,7 +66,7 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
 
-    def write(f: Any) -> None:
+    def write(f: IO[bytes]) -> None:
         f.write(len(head).to_bytes(8, "little"))
         f.write(head)
         for blob in blobs:

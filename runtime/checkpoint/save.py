@@ -28,7 +28,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -60,12 +60,15 @@ from runtime.checkpoint.recovery_script import write_recovery_script
 from runtime.checkpoint.shards import Piece, optimizer_state, saved_pieces
 from runtime.checkpoint.tensorfile import TensorFileWriter
 
+if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.engine import Engine
+
 _log = logging.getLogger("runtime.checkpoint")
 T = TypeVar("T")
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: Engine,
     save_dir: str | os.PathLike[str],
     tag: str | None = None,
     client_state: Mapping[str, Any] | None = None,
@@ -123,13 +126,14 @@ def save_checkpoint(
                 rng_states=[rng for _, rng in records],
                 optimizer_scalars=[scalars for _, scalars in states],
             )
+            # torch types its file argument as IO[bytes] but only writes and flushes, all DurableFile has
             with DurableFile(staging / ENGINE_STATE) as out:
-                torch.save(state, out)
+                torch.save(state, out)  # type: ignore[arg-type]
                 fault_point("engine_state")
                 engine_record = out.commit()
             for rank in range(comm.world_size):  # DeepSpeed's per-rank file names, for its tools
                 with DurableFile(staging / engine_state.deepspeed_optim_name(rank)) as out:
-                    torch.save(engine_state.deepspeed_descriptor(engine, rank), out)
+                    torch.save(engine_state.deepspeed_descriptor(engine, rank), out)  # type: ignore[arg-type]
                     out.commit()
             manifest = _manifest(engine, tag, [r for r, _ in records], engine_record, states)
             fault_point("manifest")
@@ -203,7 +207,7 @@ def _named_write_errors(fn: Callable[[], T], root: Path, part: Path, tag: str, *
         ) from None
 
 
-def refuse_non_finite(engine: Any, root: Path, tag: str) -> None:
+def refuse_non_finite(engine: Engine, root: Path, tag: str) -> None:
     """Raise when this rank's master weights (the weights themselves where no separate master exists)
     hold NaN or inf: such a checkpoint could never be resumed, and saving it would move `latest` off the
     last good one. Run through `agreed`, so one rank's verdict stops every rank's save."""
@@ -260,7 +264,7 @@ def _write_shard(
 
 
 def _manifest(
-    engine: Any,
+    engine: Engine,
     tag: str,
     shards: list[FileEntry],
     engine_record: Any,

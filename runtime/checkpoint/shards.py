@@ -14,9 +14,10 @@ optimizer state key, so a rank reads only the bytes its new shard needs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -24,6 +25,9 @@ from runtime.checkpoint.engine_state import param_names
 from runtime.checkpoint.manifest import CheckpointCorrupted, CheckpointMismatch, tensor_name
 from runtime.checkpoint.reshard import Copy, Target
 from runtime.checkpoint.tensorfile import TensorFileError, TensorFileReader
+
+if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ def saved_pieces(layout: Any, group_rank: int, world_size: int, rank: int) -> li
 
 
 # -- optimizer state as flat tensors ----------------------------------------------------------------------
-def optimizer_params(engine: Any, group: Any) -> list[torch.Tensor]:
+def optimizer_params(engine: Engine, group: Any) -> list[torch.Tensor]:
     """The tensors the optimizer steps for this flat group: [master] or one view per parameter."""
     if engine.optimizer is None:
         return []
@@ -80,7 +84,7 @@ def _is_flat(params: Sequence[torch.Tensor], group: Any) -> bool:
     return len(params) == 1 and params[0] is group.master
 
 
-def optimizer_state(engine: Any, group: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def optimizer_state(engine: Engine, group: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state tensors shaped like the master shard, scalar state) of one flat group."""
     params = optimizer_params(engine, group)
     if not params:
@@ -125,6 +129,19 @@ def _scalar_value(saved: dict[str, Any], param: torch.Tensor) -> Any:
 
 
 # -- loading ----------------------------------------------------------------------------------------------
+class CopySource(Protocol):
+    """What a load fills new shards through: `ShardReader` (our files) or
+    `deepspeed_format.DeepSpeedReader` (DeepSpeed's per-rank tensors)."""
+
+    bytes_read: int
+
+    def fill(self, dst: torch.Tensor, copies: Sequence[Copy], key: str) -> None:
+        """Run `copies` of state `key` into the 1-D tensor `dst`."""
+
+    def close(self) -> None:
+        """Release what the reads held open."""
+
+
 class ShardReader:
     """Open shard files of one tag lazily and perform copies from them."""
 
@@ -163,7 +180,7 @@ class ShardReader:
         self._readers.clear()
 
 
-def shard_targets(engine: Any, group: Any, *, skip: set[str] = frozenset()) -> list[Target]:
+def shard_targets(engine: Engine, group: Any, *, skip: AbstractSet[str] = frozenset()) -> list[Target]:
     """Where each parameter element of this rank's shard of `group` goes (names in `skip` left out)."""
     names = param_names(engine, group)
     return [
@@ -174,9 +191,9 @@ def shard_targets(engine: Any, group: Any, *, skip: set[str] = frozenset()) -> l
 
 
 def load_optimizer_state(
-    engine: Any,
+    engine: Engine,
     group: Any,
-    reader: ShardReader,
+    reader: CopySource,
     copies: Sequence[Copy],
     keys: Sequence[str],
     dtypes: dict[str, torch.dtype],

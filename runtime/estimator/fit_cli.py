@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import asdict, replace
+from typing import TypedDict
 
 from runtime.estimator.fit import GIB, Fit, Machine, Workload, fit_gpt, largest_gpt
 from runtime.estimator.longest import LLAMA_SHAPES, LlamaShape, LongSequenceSetup, longest_sequence
@@ -49,6 +50,16 @@ def _gib(text: str) -> int:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive size in GiB, got {text!r}")
     return int(value * GIB)
+
+
+class _FitOptions(TypedDict):
+    """The keyword arguments of `fit_gpt` that the command line sets."""
+
+    stage: int
+    offload_optimizer: bool
+    offload_param: bool
+    ratio: float | str
+    host_step: bool
 
 
 def fit_options(parser: argparse.ArgumentParser) -> None:
@@ -108,7 +119,7 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         dtype=args.dtype,
         optimizer=args.optimizer,
     )
-    options = {
+    options: _FitOptions = {
         "stage": args.stage,
         "offload_optimizer": not args.no_offload,
         "offload_param": args.offload_param,
@@ -148,7 +159,7 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             config = GPTConfig(n_embd=n_embd, n_head=n_head, n_layer=n_layer)
         except ValueError as error:
             parser.error(f"--gpt: {error}")
-        fit = fit_gpt(config, machine, work, **options)  # type: ignore[arg-type]
+        fit = fit_gpt(config, machine, work, **options)
         print(json.dumps(asdict(fit)) if args.json else fit.reason)
         return 0 if fit.fits else 1
     best, too_big = largest_gpt(gpt_family(), machine, work, **options)

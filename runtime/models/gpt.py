@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,7 +56,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
 
     @classmethod
-    def named(cls, name: str, **overrides: object) -> GPTConfig:
+    def named(cls, name: str, **overrides: Any) -> GPTConfig:
         """The config of a named size (``tiny``, ``small``/``gpt2``, ``medium``, ``large``, ``xl``).
 
         ``overrides`` replace single fields, e.g. ``GPTConfig.named("tiny", vocab_size=256)``.

@@ -35,13 +35,17 @@ import atexit
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from runtime.memory import GIB, memory_stats
 from runtime.monitor.writers import Event, EventWriter, open_writers
+
+if TYPE_CHECKING:  # annotations only: the engine imports this package
+    from runtime.config import Config
+    from runtime.engine import Engine
 
 __all__ = ["PREFIX", "TrainingMonitor"]
 
@@ -98,7 +102,7 @@ class TrainingMonitor:
 
     @classmethod
     def from_config(
-        cls, config: Any, *, rank: int, world_size: int, device: torch.device, model: nn.Module | None
+        cls, config: Config, *, rank: int, world_size: int, device: torch.device, model: nn.Module | None
     ) -> TrainingMonitor:
         configured = config.csv_monitor.enabled or config.tensorboard.enabled or config.wandb.enabled
         return cls(
@@ -139,7 +143,7 @@ class TrainingMonitor:
         if self.writers:
             self._losses.append(loss.detach())
 
-    def after_step(self, engine: Any) -> None:
+    def after_step(self, engine: Engine) -> None:
         now = time.perf_counter()
         elapsed = max(now - (self._last_time if self._last_time is not None else self._created), 1e-9)
         self._last_time = now
@@ -170,10 +174,10 @@ class TrainingMonitor:
             if name in timings:
                 events.append((PREFIX + f"elapsed_time_ms_{name}", timings[name], step))
         memory = memory_stats(self.device)
-        if memory.allocated is not None:
-            events.append((PREFIX + "memory_allocated_gib", memory.allocated / GIB, step))
-            events.append((PREFIX + "memory_reserved_gib", memory.reserved / GIB, step))
-            events.append((PREFIX + "memory_peak_gib", memory.peak_allocated / GIB, step))
+        if memory.device is not None:
+            events.append((PREFIX + "memory_allocated_gib", memory.device.allocated / GIB, step))
+            events.append((PREFIX + "memory_reserved_gib", memory.device.reserved / GIB, step))
+            events.append((PREFIX + "memory_peak_gib", memory.device.peak_allocated / GIB, step))
         events.append((PREFIX + "host_rss_gib", memory.host_rss / GIB, step))
         self._pending.extend(events)
         self._pending_steps += 1

@@ -22,7 +22,10 @@ import csv
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # annotations only
+    from runtime.config import Config
 
 __all__ = [
     "CSVWriter",
@@ -141,7 +144,7 @@ def _require(section: str, module: str, package: str) -> None:
         ) from None
 
 
-def open_writers(config: Any, *, rank: int) -> list[EventWriter]:
+def open_writers(config: Config, *, rank: int) -> list[EventWriter]:
     """The writers the config enables: checked on every rank, opened on rank 0 (others get [])."""
     if config.tensorboard.enabled:
         _require("tensorboard", "torch.utils.tensorboard", "tensorboard")

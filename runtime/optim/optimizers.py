@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -108,7 +108,7 @@ class Lamb(torch.optim.Optimizer):
         param.add_(update.mul_(trust.to(update.dtype)), alpha=-step_size)
 
 
-def _tensors(params: list[Any]) -> list[torch.Tensor]:
+def _tensors(params: list[torch.nn.Parameter] | list[dict[str, Any]]) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for item in params:
         if isinstance(item, dict):
@@ -150,7 +150,8 @@ def build_optimizer(
     accepted and changes nothing, since these are always torch's implementations.
     """
     config = resolve_optimizer_config(config)
-    param_list = list(params)
+    # one of the two kinds of list, whichever `params` held (mypy joins the two to list[object])
+    param_list = cast("list[torch.nn.Parameter] | list[dict[str, Any]]", list(params))
     tensors = _tensors(param_list)
     if not tensors:
         raise ValueError(f"build_optimizer: {config.type} got no parameters to optimize")

@@ -24,7 +24,7 @@ from runtime.config.optim import SchedulerConfig, resolve_scheduler_config
 
 
 def _per_group(value: float | Sequence[float], groups: int, name: str) -> list[float]:
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, Sequence):
         if len(value) != groups:
             raise ValueError(f"{name}: {len(value)} values given for {groups} optimizer param groups")
         return [float(v) for v in value]

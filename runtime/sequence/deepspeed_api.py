@@ -14,7 +14,6 @@ the parallel plan (issue 34, after issue 31); until then they refuse by name.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -90,7 +89,7 @@ class TiledFusedLogitsLoss:
         tokens = x.shape[0] * x.shape[1] if x.dim() >= 2 else 0
         scale = 1.0 / _tiles_made(tokens, shards) if output_reduction == "mean" else 1.0
 
-        def tile_loss(xt: torch.Tensor, yt: torch.Tensor, mt: Any) -> torch.Tensor:
+        def tile_loss(xt: torch.Tensor, yt: torch.Tensor, mt: torch.Tensor | None) -> torch.Tensor:
             return fn(self, xt, yt) if mt is None else fn(self, xt, yt, mt)
 
         return tiled_loss(tile_loss, x, y, shards, trainable_params(self, compute_params), mask, scale)

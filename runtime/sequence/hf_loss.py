@@ -11,7 +11,8 @@ is honoured. Models whose head does more than a linear map (Gemma-2's logit soft
 from __future__ import annotations
 
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -22,7 +23,17 @@ from runtime.sequence.tiles import check_tiles
 __all__ = ["tile_causal_lm_loss"]
 
 
-def _tiled_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+class _TiledLM(Protocol):
+    """What the tiled forward reads from the model it is bound to (set by ``tile_causal_lm_loss``)."""
+
+    model: nn.Module
+    lm_head: nn.Linear
+    _dslaunch_plain_lm_forward: Callable[..., Any]  # the forward it replaced
+    _dslaunch_output_class: Callable[..., Any]  # transformers' CausalLMOutputWithPast
+    _dslaunch_loss_tiles: int | str
+
+
+def _tiled_forward(self: _TiledLM, *args: Any, **kwargs: Any) -> Any:
     labels = kwargs.pop("labels", None)
     shift_labels = kwargs.pop("shift_labels", None)
     if args or (labels is None and shift_labels is None):
@@ -78,6 +89,6 @@ def tile_causal_lm_loss(model: nn.Module, tiles: int | str = "auto") -> nn.Modul
 
         model._dslaunch_output_class = CausalLMOutputWithPast  # type: ignore[assignment]
         model._dslaunch_plain_lm_forward = model.forward  # type: ignore[assignment]
-        model.forward = types.MethodType(_tiled_forward, model)  # type: ignore[method-assign]
+        model.forward = types.MethodType(_tiled_forward, model)
     model._dslaunch_loss_tiles = tiles  # type: ignore[assignment]
     return model

@@ -27,7 +27,6 @@ precedence inside the region), and the side stream plus one-ahead prefetch hide 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
@@ -42,9 +41,9 @@ class HostCopy:
     def __init__(self, host: torch.Tensor, device: torch.device) -> None:
         self.host = host
         self.device = device
-        self.copied: Any = None  # CUDA event: the device-to-host copy is done
+        self.copied: torch.cuda.Event | None = None  # the device-to-host copy is done
         self.prefetched: torch.Tensor | None = None  # the device copy, started ahead of need
-        self.ready: Any = None  # CUDA event: `prefetched` has arrived
+        self.ready: torch.cuda.Event | None = None  # `prefetched` has arrived
 
 
 class HostStash:
@@ -52,11 +51,11 @@ class HostStash:
     docstring). One stash serves every checkpointed block of a process."""
 
     def __init__(self) -> None:
-        self._streams: dict[torch.device, Any] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._order: list[weakref.ref[HostCopy]] = []  # kept copies in the order they were put
         self.prefetched = 0  # takes that found their copy already on the way (the overlap's count)
 
-    def _stream(self, device: torch.device) -> Any:
+    def _stream(self, device: torch.device) -> torch.cuda.Stream | None:
         if device.type != "cuda":
             return None
         stream = self._streams.get(device)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from runtime.errors import UserError
 from runtime.sequence.tiles import check_tiles, loss_tiles
@@ -80,15 +81,16 @@ class _TiledLossFunction(torch.autograd.Function):
                 continue
             inputs = ([tile] if want_x else []) + [params[i] for i in wanted]
             grads = list(torch.autograd.grad(out, inputs, allow_unused=True))
-            if want_x:
+            if gx_tile is not None:  # there is a tile of grad_x exactly when want_x
                 gx_tile.copy_(grads.pop(0))
             for i, g in zip(wanted, grads, strict=True):
                 if g is None:
                     continue
-                if sums[i] is None:
+                running = sums[i]
+                if running is None:
                     sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
                 else:
-                    sums[i].add_(g)
+                    running.add_(g)
         for i in wanted:
             if sums[i] is None:  # every tile skipped: a zero gradient, as the untiled loss would give
                 sums[i] = torch.zeros_like(params[i])
@@ -188,13 +190,14 @@ def tiled_causal_lm_loss(
     flags = torch.stack([(t != ignore_index).any() for t in labels.reshape(-1).chunk(count)])
     counting = iter(flags.tolist())
 
-    def tile_loss(x: torch.Tensor, y: torch.Tensor, _mask: Any) -> torch.Tensor | None:
+    def tile_loss(x: torch.Tensor, y: torch.Tensor, _mask: torch.Tensor | None) -> torch.Tensor | None:
         if not next(counting):
             return None  # nothing counts here: no logits at all
         logits = F.linear(x, weight, bias).float()
         return F.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum")
 
-    with GatheredParameters([weight, bias]):
+    # only parameters are gathered (a plain tensor is whole on every rank already)
+    with GatheredParameters([p for p in (weight, bias) if isinstance(p, nn.Parameter)]):
         total = tiled_loss(tile_loss, hidden, labels, count, [weight] + ([bias] if bias is not None else []))
     if num_items_in_batch is None:
         counted = (labels != ignore_index).sum().clamp(min=1)

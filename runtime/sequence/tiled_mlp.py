@@ -71,16 +71,17 @@ class _TiledMLPFunction(torch.autograd.Function):
                 out = ctx.fn(ctx.module, tile)
             inputs = ([tile] if want_x else []) + [ctx.params[i] for i in wanted]
             grads = list(torch.autograd.grad(out, inputs, g_tile, allow_unused=True))
-            if want_x:
+            if gx_tile is not None:  # there is a tile of grad_x exactly when want_x
                 gx_tile.copy_(grads.pop(0))
             for i, g in zip(wanted, grads, strict=True):
                 if g is None:
                     continue
-                if sums[i] is None:
+                running = sums[i]
+                if running is None:
                     # 16-bit gradients summed in fp32: one rounding at the end, as one untiled matmul has
                     sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
                 else:
-                    sums[i].add_(g)
+                    running.add_(g)
         param_grads = [
             s.to(p.dtype) if s is not None else None for s, p in zip(sums, ctx.params, strict=True)
         ]
@@ -145,7 +146,7 @@ def tile_mlp(mlp: nn.Module, tiles: TileCount = "auto") -> nn.Module:
     mlp._dslaunch_tiles = tiles  # type: ignore[assignment]
     # the bound forward of its class (or whatever the user had put there), called once per tile
     mlp._dslaunch_plain_forward = mlp.forward  # type: ignore[assignment]
-    mlp.forward = types.MethodType(_tiled_forward, mlp)  # type: ignore[method-assign]
+    mlp.forward = types.MethodType(_tiled_forward, mlp)
     return mlp
 
 

@@ -242,7 +242,7 @@ class Accelerator:
 
     # -- ops: DeepSpeed builds C++/CUDA ops through the accelerator; we have none to build ------------
     def create_op_builder(self, class_name: str) -> Any:
-        from runtime.unsupported import unsupported
+        from runtime.deepspeed_api.unsupported import unsupported
 
         unsupported(
             f"op builder {class_name!r}",
@@ -271,6 +271,7 @@ def set_accelerator(accel: Accelerator) -> None:
     global _current
     if not isinstance(accel, Accelerator):
         raise TypeError(
-            f"set_accelerator expects a runtime.accelerator.Accelerator, got {type(accel).__name__}"
+            "set_accelerator expects a runtime.deepspeed_api.accelerator.Accelerator, "
+            f"got {type(accel).__name__}"
         )
     _current = accel

@@ -154,7 +154,7 @@ def configure(
         The settings now in force.
     """
     base = _settings_from(deepspeed_config)
-    overrides = {
+    overrides: dict[str, Any] = {
         "partition_activations": partition_activations,
         "contiguous_memory_optimization": contiguous_checkpointing,
         "number_checkpoints": num_checkpoints,
@@ -375,6 +375,7 @@ def _unpack(packed: Any) -> torch.Tensor:
     if packed.stashed is not None:
         data = _state.stash.take(packed.stashed)
     else:
+        assert packed.data is not None  # a packed input is either stashed on the host or kept here
         data = packed.data.to(packed.device, non_blocking=True)
     comm = packed.comm
     if comm is not None:
@@ -484,8 +485,8 @@ def hf_checkpointing(model: nn.Module) -> nn.Module:
     """Turn on a Hugging Face model's gradient checkpointing with ``checkpoint`` (this module's, so the
     ``activation_checkpointing`` options, ``cpu_checkpointing`` included, apply) instead of torch's."""
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable()
+    enable()  # type: ignore[operator]  # a HF model's method, which nn.Module's attribute type does not know
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = checkpoint
+            module._gradient_checkpointing_func = checkpoint  # type: ignore[assignment]  # HF's attribute
     return model

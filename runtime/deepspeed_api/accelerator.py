@@ -212,7 +212,11 @@ class Accelerator:
         device = self._name
 
         def make(*args: Any) -> torch.Tensor:
-            return torch.tensor(*args, dtype=dtype, device=device) if args else torch.empty(0, dtype=dtype)
+            if not args:
+                return torch.empty(0, dtype=dtype)
+            if len(args) > 1:  # as torch.tensor itself answers
+                raise TypeError(f"tensor() takes 1 positional argument but {len(args)} were given")
+            return torch.tensor(args[0], dtype=dtype, device=device)
 
         return make
 

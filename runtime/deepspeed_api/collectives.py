@@ -154,8 +154,8 @@ def new_group(ranks: list[int] | None = None, **kwargs: Any) -> ProcessGroup:
     return dist.new_group(ranks, **kwargs)
 
 
-def get_world_group() -> ProcessGroup:
-    return dist.group.WORLD
+def get_world_group() -> ProcessGroup | None:
+    return dist.group.WORLD  # None until the process group exists, as torch answers
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
@@ -394,7 +394,7 @@ def _model_parallel() -> Any:
     return None if mpu is None else read_mpu(mpu)
 
 
-def _get_data_parallel_group() -> ProcessGroup:
+def _get_data_parallel_group() -> ProcessGroup | None:
     groups = _model_parallel()
     return dist.group.WORLD if groups is None else groups.data_group
 

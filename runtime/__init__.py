@@ -128,7 +128,7 @@ def initialize(
         config: a dict, a .json/.yaml path, or an already loaded ``runtime.config.Config``.
         collate_fn: passed to the DataLoader.
         dist_init_required: False to forbid creating the process group here (it must exist then).
-        config_params, distributed_port: DeepSpeed's keywords; see runtime.initialize_compat.
+        config_params, distributed_port: DeepSpeed's keywords; see runtime.deepspeed_api.initialize.
         mpu: a Megatron-style model-parallel unit (runtime.parallel.mpu): ZeRO partitions and reduces over
             its data-parallel group, the gradient norm also sums over its model-parallel group, and
             train_batch_size counts data-parallel ranks. A runtime.parallel.ParallelGrid is one.
@@ -137,8 +137,8 @@ def initialize(
         (engine, optimizer, dataloader or None, lr_scheduler or None). The optimizer is the torch optimizer
         over the master shards: read or set its lr, but call engine.step(), not optimizer.step().
     """
+    from runtime.deepspeed_api.initialize import deepspeed_keywords
     from runtime.initialize_args import check_arguments, config_source
-    from runtime.initialize_compat import deepspeed_keywords
 
     model_parameters = check_arguments(model, optimizer, model_parameters, training_data, lr_scheduler)
     source = deepspeed_keywords(config_source(args, config, config_params), None, distributed_port)
@@ -150,7 +150,7 @@ def initialize(
     from runtime.config import Config, load_config
 
     if mpu is not None:  # a Megatron-style model-parallel unit: ZeRO over its data group
-        from runtime.initialize_compat import mpu_engine
+        from runtime.deepspeed_api.initialize import mpu_engine
 
         engine = mpu_engine(model, mpu)(
             model, source, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler

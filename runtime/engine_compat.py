@@ -4,7 +4,7 @@ Trainer, Accelerate and DeepSpeed's examples ask the engine questions by DeepSpe
 ``engine.local_rank``, ``engine.fp16_enabled()``, ``engine.zero_optimization_stage()``,
 ``engine.zero_gather_16bit_weights_on_model_save()``, ``engine._zero3_consolidated_16bit_state_dict()``.
 Every answer here is read from the engine's typed config or its parts; nothing is stored twice. Methods
-for DeepSpeed features dslaunch lacks raise `runtime.unsupported.UnsupportedFeature`.
+for DeepSpeed features dslaunch lacks raise `runtime.deepspeed_api.unsupported.UnsupportedFeature`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from runtime.unsupported import unsupported
+from runtime.deepspeed_api.unsupported import unsupported
 
 __all__ = ["EngineAccessors"]
 
@@ -33,7 +33,7 @@ class EngineAccessors:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from runtime.param_access import register_engine
+        from runtime.deepspeed_api.params import register_engine
 
         register_engine(self)  # so deepspeed.utils.safe_get_full_fp32_param(p) finds p's engine
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from runtime import checkpointing
+from runtime import activation_checkpointing
 from runtime.log import ensure_handler
 from runtime.log import logger as _log
 from runtime.memory import format_memory, memory_stats
@@ -167,7 +167,7 @@ class StepLog:
         if flops is not None:
             parts.append(f"tflops/gpu={flops * rate / engine.comm.world_size / 1e12:.2f}")
         parts.extend(f"{name}_ms={ms:.2f}" for name, ms in breakdown.items())
-        recompute = checkpointing.take_profile()
+        recompute = activation_checkpointing.take_profile()
         if recompute.forward_calls:
             parts.append(f"ckpt_forward_ms/step={1000 * recompute.forward_seconds / self.every:.2f}")
             parts.append(f"ckpt_recompute_ms/step={1000 * recompute.recompute_seconds / self.every:.2f}")

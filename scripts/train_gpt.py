@@ -315,7 +315,7 @@ def wants_activation_checkpointing(args: argparse.Namespace, config: str | dict[
 def enable_activation_checkpointing(model: nn.Module) -> str:
     """Recompute every transformer block in backward; returns how, for the start-up line."""
     if isinstance(model, GPT):
-        model.checkpoint_fn = runtime.checkpointing.checkpoint
+        model.checkpoint_fn = runtime.activation_checkpointing.checkpoint
         return f"activation checkpointing: each of the {len(model.blocks)} blocks"
     # A Hugging Face model checkpoints its own blocks (torch's non-reentrant checkpoint, not our options).
     model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

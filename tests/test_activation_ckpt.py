@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import runtime
-from runtime import checkpointing
+from runtime import activation_checkpointing
 from runtime.config import ConfigError
 from runtime.models import GPT, GPTConfig
 from runtime.models.gpt import Block
@@ -35,10 +35,10 @@ def fresh_settings() -> Any:
     thread: these models are tiny, and on a busy 2-core box a second thread only waits for the first."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    checkpointing.configure()
-    checkpointing.take_profile()
+    activation_checkpointing.configure()
+    activation_checkpointing.take_profile()
     yield
-    checkpointing.configure()
+    activation_checkpointing.configure()
     torch.set_num_threads(threads)
 
 
@@ -77,7 +77,7 @@ def run_stack(
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):  # the blocks only
         h = x
         for block in blocks:
-            h = checkpointing.checkpoint(block, h) if use_checkpoint else block(h)
+            h = activation_checkpointing.checkpoint(block, h) if use_checkpoint else block(h)
     out = h.detach().clone()
     h.pow(2).mean().backward()
     grads = [x.grad] + [p.grad.clone() for p in params]
@@ -124,12 +124,12 @@ def test_same_gradients_with_dropout_and_saved_bytes_drop_by_the_block_factor() 
 def test_options_keep_gradients_exact(options: dict[str, Any]) -> None:
     blocks = make_stack()
     plain_out, plain_grads, _ = run_stack(blocks, use_checkpoint=False)
-    checkpointing.configure(**options)
+    activation_checkpointing.configure(**options)
     for _ in range(2):  # the second pass reuses contiguous slots freed by the first backward
         out, grads, _ = run_stack(blocks, use_checkpoint=True)
         assert torch.equal(out, plain_out)
         assert_same(plain_grads, grads)
-    stats = checkpointing.take_profile()
+    stats = activation_checkpointing.take_profile()
     if options.get("profile"):
         assert stats.forward_calls == 2 * BLOCK_CONFIG.n_layer
         assert stats.recompute_calls == 2 * BLOCK_CONFIG.n_layer  # each block recomputed once per backward
@@ -140,43 +140,47 @@ def test_options_keep_gradients_exact(options: dict[str, Any]) -> None:
 
 def test_contiguous_slots_hold_the_inputs_and_are_freed_by_backward() -> None:
     layers = BLOCK_CONFIG.n_layer
-    checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=layers)
+    activation_checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=layers)
     blocks = make_stack()
     x = torch.randn(BATCH, SEQ, BLOCK_CONFIG.n_embd, requires_grad=True)
     h = x
     for block in blocks:
-        h = checkpointing.checkpoint(block, h)
-    arena = checkpointing._state.arena
+        h = activation_checkpointing.checkpoint(block, h)
+    arena = activation_checkpointing._state.arena
     assert len(arena._pools) == 1, list(arena._pools)  # one (numel, dtype, device) of inputs
     ((buffer, free),) = arena._pools.values()
     assert buffer.shape == (layers, x.numel()) and free == []  # one buffer, every slot in use
-    assert checkpointing.take_profile().device_bytes_kept == layers * x.numel() * 4
+    assert activation_checkpointing.take_profile().device_bytes_kept == layers * x.numel() * 4
     h.sum().backward()
     assert sorted(free) == list(range(layers))  # backward released every slot
 
     # one more checkpointed call than slots, before any backward: a clear error naming the setting
-    checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=layers - 1)
+    activation_checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=layers - 1)
     h = x
     with pytest.raises(RuntimeError, match=r"number_checkpoints=5 .* alive at once"):
         for block in blocks:
-            h = checkpointing.checkpoint(block, h)
+            h = activation_checkpointing.checkpoint(block, h)
 
 
 def test_configure_reads_the_config_and_explicit_arguments_win() -> None:
     section = {"cpu_checkpointing": True, "number_checkpoints": 4, "profile": True}
-    chosen = checkpointing.configure(deepspeed_config={"activation_checkpointing": section}, profile=False)
-    assert checkpointing.is_configured()
+    chosen = activation_checkpointing.configure(
+        deepspeed_config={"activation_checkpointing": section}, profile=False
+    )
+    assert activation_checkpointing.is_configured()
     assert chosen.cpu_checkpointing and chosen.number_checkpoints == 4 and not chosen.profile
-    assert checkpointing.settings() == chosen
+    assert activation_checkpointing.settings() == chosen
     with pytest.raises(ConfigError, match=r"activation_checkpointing\.cpu_checkpoint.*did you mean"):
-        checkpointing.configure(deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}})
+        activation_checkpointing.configure(
+            deepspeed_config={"activation_checkpointing": {"cpu_checkpoint": True}}
+        )
     with pytest.raises(ConfigError, match="contiguous_memory_optimization: needs number_checkpoints"):
-        checkpointing.configure(contiguous_checkpointing=True)
+        activation_checkpointing.configure(contiguous_checkpointing=True)
     with pytest.raises(TypeError, match="no get_model_parallel_group"):
-        checkpointing.configure(object(), partition_activations=True)
-    checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=2)
-    checkpointing.reset()  # DeepSpeed's reset: new buffers, same configuration
-    assert checkpointing.settings().contiguous_memory_optimization
+        activation_checkpointing.configure(object(), partition_activations=True)
+    activation_checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=2)
+    activation_checkpointing.reset()  # DeepSpeed's reset: new buffers, same configuration
+    assert activation_checkpointing.settings().contiguous_memory_optimization
 
 
 def test_flag_from_add_config_arguments() -> None:
@@ -191,12 +195,12 @@ def test_cpu_checkpointing_moves_inputs_off_the_gpu() -> None:
     x = torch.randn(BATCH, SEQ, BLOCK_CONFIG.n_embd, device="cuda", requires_grad=True)
 
     def kept_on_device(cpu: bool) -> int:
-        checkpointing.configure(checkpoint_in_cpu=cpu)
+        activation_checkpointing.configure(checkpoint_in_cpu=cpu)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         h = x
         for block in blocks:
-            h = checkpointing.checkpoint(block, h)
+            h = activation_checkpointing.checkpoint(block, h)
         torch.cuda.synchronize()
         kept = torch.cuda.memory_allocated() - before
         h.sum().backward()
@@ -232,15 +236,15 @@ class _WorldMPU:
 def _partitioned(rank: int, world_size: int) -> dict:
     blocks = make_stack()
     plain_out, plain_grads, _ = run_stack(blocks, use_checkpoint=False)
-    checkpointing.configure(_WorldMPU(), partition_activations=True)
+    activation_checkpointing.configure(_WorldMPU(), partition_activations=True)
     out, grads, _ = run_stack(blocks, use_checkpoint=True)
-    kept = checkpointing.take_profile().device_bytes_kept
+    kept = activation_checkpointing.take_profile().device_bytes_kept
     pairs = zip(grads, plain_grads, strict=True)
     same = torch.equal(out, plain_out) and all(torch.equal(a, b) for a, b in pairs)
     # pure data parallelism (an MP group of one rank): partitioning is a no-op, nothing is copied
-    checkpointing.configure(None, partition_activations=True)
+    activation_checkpointing.configure(None, partition_activations=True)
     run_stack(blocks, use_checkpoint=True)
-    return {"same": same, "kept": kept, "dp_kept": checkpointing.take_profile().device_bytes_kept}
+    return {"same": same, "kept": kept, "dp_kept": activation_checkpointing.take_profile().device_bytes_kept}
 
 
 def test_partition_activations_splits_inputs_over_the_model_parallel_group(world2: list[dict]) -> None:
@@ -259,7 +263,7 @@ def _engine_run(stage: int, use_checkpoint: bool, rank: int) -> dict:
     torch.manual_seed(0)
     model = GPT(GPT_CONFIG)
     if use_checkpoint:
-        model.checkpoint_fn = checkpointing.checkpoint
+        model.checkpoint_fn = activation_checkpointing.checkpoint
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
@@ -282,14 +286,14 @@ def _engine_run(stage: int, use_checkpoint: bool, rank: int) -> dict:
             losses.append(loss.item())
         norms.append(engine.get_global_grad_norm())
     out = {"losses": losses, "norms": norms, "master": engine.full_state_dict(rank0_only=False)}
-    out["recomputed"] = checkpointing.take_profile().recompute_calls
+    out["recomputed"] = activation_checkpointing.take_profile().recompute_calls
     engine.destroy()
     return out
 
 
 def _world(rank: int, world_size: int) -> dict:
     # runtime.initialize applies the config's section when configure() was not called before
-    report: dict[str, Any] = {"fresh": checkpointing.is_configured()}
+    report: dict[str, Any] = {"fresh": activation_checkpointing.is_configured()}
     for stage in (0, 1, 2, 3):
         try:
             plain = _engine_run(stage, False, rank)
@@ -303,7 +307,7 @@ def _world(rank: int, world_size: int) -> dict:
             "weights": all(torch.equal(plain["master"][k], v) for k, v in ckpt["master"].items()),
             "recomputed": ckpt["recomputed"],
         }
-    report["settings"] = checkpointing.settings()
+    report["settings"] = activation_checkpointing.settings()
     report["partition"] = _partitioned(rank, world_size)
     return report
 
@@ -361,14 +365,26 @@ def test_train_gpt_flag_checkpoints_every_block_with_the_same_losses(
 def test_empty_inputs_take_no_contiguous_slot() -> None:
     # an empty tensor among what a checkpointed call keeps (torch 2.11 on the GPU machine kept one) holds
     # nothing: it must not use up, or overflow, the slots that number_checkpoints sizes for the inputs
-    checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=1)
+    activation_checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=1)
     weight = torch.randn(4, 4, requires_grad=True)
 
     def block(h: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
         return h @ weight + first.sum() + second.sum()
 
     x = torch.randn(3, 4, requires_grad=True)
-    out = checkpointing.checkpoint(block, x, torch.zeros(0), torch.zeros(0))
-    assert list(checkpointing._state.arena._pools) == [(12, torch.float32, torch.device("cpu"))]
+    out = activation_checkpointing.checkpoint(block, x, torch.zeros(0), torch.zeros(0))
+    assert list(activation_checkpointing._state.arena._pools) == [(12, torch.float32, torch.device("cpu"))]
     out.sum().backward()
     assert torch.allclose(x.grad, weight.detach().sum(1).expand(3, 4))
+
+
+def test_the_old_module_name_is_the_same_module() -> None:
+    # runtime.checkpointing (README's and DeepSpeed users' path) is the renamed module itself, not a copy
+    import runtime.checkpointing
+    from runtime import checkpointing
+
+    assert checkpointing is runtime.checkpointing is activation_checkpointing
+    chosen = checkpointing.configure(contiguous_checkpointing=True, num_checkpoints=3)
+    assert activation_checkpointing.is_configured() and activation_checkpointing.settings() == chosen
+    activation_checkpointing.configure()
+    assert not checkpointing.settings().contiguous_memory_optimization

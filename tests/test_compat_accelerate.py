@@ -3,7 +3,7 @@ Accelerate swaps the torch AdamW for deepspeed.ops.adam.DeepSpeedCPUAdam) on dsl
 compat package, launched as ``deepspeed --num_gpus 2 loop.py`` on CPU: the loss of every step and the
 trained model's loss over the whole data set equal the same loop on Accelerate's plain CPU DDP, and
 Accelerate counts both CPU workers (it would see one without the backend hand-over in
-runtime.dist_api)."""
+runtime.deepspeed_api.collectives)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from tests.dist import free_port
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "accelerate_loop.py"
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"
-
 
 
 def test_accelerate_deepspeed_plugin_stages_2_and_3_match_ddp(tmp_path: Path) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,7 +106,7 @@ def _engine_names(rank: int, world_size: int) -> dict[str, Any]:
         zero_to_fp32,
     )
 
-    from runtime.unsupported import UnsupportedFeature
+    from runtime.deepspeed_api.unsupported import UnsupportedFeature
 
     seen: dict[str, Any] = {}
     model = _model()
@@ -220,7 +223,7 @@ def _zero3_names(rank: int, world_size: int) -> dict[str, Any]:
     import deepspeed
     from deepspeed.runtime.zero import partition_parameters
 
-    from runtime.unsupported import UnsupportedFeature
+    from runtime.deepspeed_api.unsupported import UnsupportedFeature
 
     seen: dict[str, Any] = {}
     config = _config(3, stage3_gather_16bit_weights_on_model_save=True,
@@ -344,7 +347,7 @@ def test_unsupported_features_raise_by_name(call: Any, feature: str, alternative
     import deepspeed.ops.lion
     import deepspeed.runtime.fp16.onebit.adam
 
-    from runtime.unsupported import UnsupportedFeature
+    from runtime.deepspeed_api.unsupported import UnsupportedFeature
 
     with pytest.raises(UnsupportedFeature) as info:
         call(deepspeed)
@@ -357,7 +360,7 @@ def test_unsupported_features_raise_by_name(call: Any, feature: str, alternative
 def test_missing_module_names_raise_by_name_and_keep_hasattr_working() -> None:
     import deepspeed
 
-    from runtime.unsupported import UnsupportedName
+    from runtime.deepspeed_api.unsupported import UnsupportedName
 
     assert not hasattr(deepspeed, "DeepSpeedHybridEngine")  # probing integrations still get False
     assert getattr(deepspeed.utils, "no_such_helper", "fallback") == "fallback"
@@ -411,3 +414,21 @@ def test_memory_estimators_under_deepspeed_names(capsys: pytest.CaptureFixture[s
     assert cold and all(e.per_gpu_bytes > 0 for e in cold)
     printed = capsys.readouterr().out
     assert printed.count("Model states of ") == 2 and "8 GPU(s) per node x 1 node(s)" in printed
+
+
+def test_compat_alone_says_what_to_install(tmp_path: Path) -> None:
+    # only compat/ importable (-S: no site-packages, so no installed dslaunch; run from an empty folder)
+    compat = Path(__file__).resolve().parent.parent / "compat"
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(compat)}
+    done = subprocess.run(
+        [sys.executable, "-S", "-c", "import deepspeed"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        "ImportError: this `deepspeed` is dslaunch's compatibility package and needs dslaunch's `runtime` "
+        "package: install dslaunch too (pip install <dslaunch checkout> <dslaunch checkout>/compat)"
+    )

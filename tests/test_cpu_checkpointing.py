@@ -1,9 +1,10 @@
 """Activation checkpoints kept in host memory (``activation_checkpointing.cpu_checkpointing``).
 
 The stash (runtime.sequence.host_stash) gives back exactly what it was given, from separate host memory,
-and prefetches in backward order; a tiny HF Llama whose layers checkpoint through runtime.checkpointing
-(``hf_checkpointing``) trains like the plain model; on CUDA (``gpu``) the checkpointed inputs really live
-in pinned host memory, the GPU keeps less, and losses and gradients equal on-device checkpoints.
+and prefetches in backward order; a tiny HF Llama whose layers checkpoint through
+runtime.activation_checkpointing (``hf_checkpointing``) trains like the plain model; on CUDA (``gpu``) the
+checkpointed inputs really live in pinned host memory, the GPU keeps less, and losses and gradients equal
+on-device checkpoints.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from runtime import checkpointing
+from runtime import activation_checkpointing
 from runtime.sequence.host_stash import HostStash
 
 VOCAB, SEQ = 64, 24
@@ -22,10 +23,10 @@ VOCAB, SEQ = 64, 24
 @pytest.fixture(autouse=True)
 def fresh_settings() -> Any:
     """Checkpointing options are process-wide: start and end with the defaults."""
-    checkpointing.configure()
-    checkpointing.take_profile()
+    activation_checkpointing.configure()
+    activation_checkpointing.take_profile()
     yield
-    checkpointing.configure()
+    activation_checkpointing.configure()
 
 
 def test_stash_returns_the_values_from_host_copies_and_prefetches_backwards() -> None:
@@ -64,8 +65,8 @@ def _llama(device: str) -> torch.nn.Module:
 def _losses_and_grads(device: str, checkpoint: bool, cpu: bool) -> dict[str, Any]:
     model = _llama(device)
     if checkpoint:
-        checkpointing.configure(checkpoint_in_cpu=cpu, profile=True)
-        checkpointing.hf_checkpointing(model)
+        activation_checkpointing.configure(checkpoint_in_cpu=cpu, profile=True)
+        activation_checkpointing.hf_checkpointing(model)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(1)
@@ -73,12 +74,13 @@ def _losses_and_grads(device: str, checkpoint: bool, cpu: bool) -> dict[str, Any
     for _ in range(2):
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen).to(device)
         loss = model(input_ids=ids, labels=ids).loss
-        kept.append(checkpointing.take_profile())
+        kept.append(activation_checkpointing.take_profile())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    recomputed = sum(k.recompute_calls for k in kept) + checkpointing.take_profile().recompute_calls
+    recomputed = sum(k.recompute_calls for k in kept)
+    recomputed += activation_checkpointing.take_profile().recompute_calls
     return {
         "losses": losses,
         "weights": [p.detach().cpu() for p in model.parameters()],

@@ -108,7 +108,7 @@ def _case(grid: Any, case: tuple) -> dict[str, Any]:
 
 def _resume(grid: Any, save_dir: str) -> dict[str, Any]:
     """With dropout in both random streams: the checkpoint carries each rank's stream states."""
-    from runtime.checkpointing import model_parallel_cuda_manual_seed
+    from runtime.activation_checkpointing import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(11 + grid.get_data_parallel_rank(), mpu=grid)
     whole, _ = _train(_engine(grid, "grid", 1, "Adam", 0.3, dropout=0.3), 0, STEPS, save_dir)
@@ -153,18 +153,18 @@ def _loader(grid: Any) -> list[torch.Tensor]:
 
 
 def _streams(grid: Any) -> dict[str, torch.Tensor]:
-    from runtime import checkpointing
+    from runtime import activation_checkpointing
 
-    checkpointing.configure(grid)
-    checkpointing.model_parallel_cuda_manual_seed(123)
+    activation_checkpointing.configure(grid)
+    activation_checkpointing.model_parallel_cuda_manual_seed(123)
     outside = torch.rand(6)
-    with checkpointing.get_cuda_rng_tracker().fork():
+    with activation_checkpointing.get_cuda_rng_tracker().fork():
         inside = torch.rand(6)
-    from runtime import dist_api  # deepspeed.utils.groups
+    from runtime.deepspeed_api import collectives  # deepspeed.utils.groups
 
-    groups = [dist_api._get_data_parallel_world_size(), dist_api._get_data_parallel_rank(),
-              dist_api._get_model_parallel_world_size(), grid.get_data_parallel_rank()]  # fmt: skip
-    checkpointing.configure()
+    groups = [collectives._get_data_parallel_world_size(), collectives._get_data_parallel_rank(),
+              collectives._get_model_parallel_world_size(), grid.get_data_parallel_rank()]  # fmt: skip
+    activation_checkpointing.configure()
     return {"outside": outside, "inside": inside, "groups": groups}
 
 
@@ -241,7 +241,7 @@ def _worker(rank: int, world_size: int, save_dir: str) -> dict[str, Any]:
     out["resume"] = _resume(grid, save_dir)
     out["nonfinite"] = _nonfinite(grid)
     out["loader"] = _loader(grid)
-    from runtime.ds_config import DeepSpeedConfig
+    from runtime.deepspeed_api.config_view import DeepSpeedConfig
 
     ds_config = DeepSpeedConfig(_config(1, "Adam", 0.0, train_micro_batch_size_per_gpu=None), mpu=grid)
     out["ds_config"] = (ds_config.world_size, ds_config.train_micro_batch_size_per_gpu)

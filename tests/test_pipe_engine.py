@@ -235,15 +235,15 @@ def _run_cases(rank: int, world_size: int, cases: list[Case], save_root: str) ->
 
 def _groups() -> dict:
     """deepspeed.utils.groups while a pp2 x dp2 pipeline engine lives, and after its destroy()."""
-    from runtime import dist_api  # deepspeed.utils.groups
+    from runtime.deepspeed_api import collectives  # deepspeed.utils.groups
 
     engine = _engine(Case(pp=2))
-    during = [dist_api._get_data_parallel_world_size(), dist_api._get_data_parallel_rank(),
-              dist_api._get_model_parallel_world_size(), engine.grid.get_data_parallel_rank()]  # fmt: skip
+    during = [collectives._get_data_parallel_world_size(), collectives._get_data_parallel_rank(),
+              collectives._get_model_parallel_world_size(), engine.grid.get_data_parallel_rank()]  # fmt: skip
     engine.destroy()
     return {
         "during": during,
-        "after": [dist_api._get_data_parallel_world_size(), dist_api._get_data_parallel_rank()],
+        "after": [collectives._get_data_parallel_world_size(), collectives._get_data_parallel_rank()],
     }
 
 

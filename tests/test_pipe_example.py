@@ -253,7 +253,7 @@ def test_the_example_script_names_resolve() -> None:
     import deepspeed
     import deepspeed.runtime.utils
 
-    from runtime.ds_utils import set_random_seed
+    from runtime.deepspeed_api.utils import set_random_seed
 
     assert deepspeed.runtime.utils.set_random_seed is set_random_seed
     set_random_seed(2**70 + 3)  # any int, as DeepSpeed's takes it

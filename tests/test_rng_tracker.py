@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime import checkpointing
+from runtime import activation_checkpointing
 from runtime.parallel.rng import MODEL_PARALLEL_RNG, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
 
 
@@ -24,10 +24,10 @@ from runtime.parallel.rng import MODEL_PARALLEL_RNG, get_cuda_rng_tracker, model
 def fresh_tracker() -> Iterator[None]:
     """The tracker and the checkpointing options are process-wide: start and end empty."""
     get_cuda_rng_tracker().reset()
-    checkpointing.configure()
+    activation_checkpointing.configure()
     yield
     get_cuda_rng_tracker().reset()
-    checkpointing.configure()
+    activation_checkpointing.configure()
 
 
 def _drawn(seed: int, n: int = 6) -> torch.Tensor:
@@ -122,7 +122,7 @@ def test_seeding_takes_the_rank_from_configure_and_without_an_mpu_rank_0() -> No
     model_parallel_cuda_manual_seed(40)
     with get_cuda_rng_tracker().fork():
         assert torch.equal(torch.rand(6), _drawn(40 + 2718))
-    checkpointing.configure(_RankOnly(1))
+    activation_checkpointing.configure(_RankOnly(1))
     model_parallel_cuda_manual_seed(40)
     with get_cuda_rng_tracker().fork():
         assert torch.equal(torch.rand(6), _drawn(40 + 2718 + 1))
@@ -150,7 +150,7 @@ def _grads(use_checkpoint: bool) -> tuple[torch.Tensor, list[torch.Tensor], torc
     model_parallel_cuda_manual_seed(77, mpu=_RankOnly(1))
     h = x
     for block in blocks:
-        h = checkpointing.checkpoint(block, h) if use_checkpoint else block(h)
+        h = activation_checkpointing.checkpoint(block, h) if use_checkpoint else block(h)
     h.square().sum().backward()
     with get_cuda_rng_tracker().fork():  # where the stream stands after the step
         after = torch.rand(4)
@@ -177,7 +177,7 @@ def test_deepspeed_names_resolve_to_the_runtime() -> None:
         assert module.get_cuda_rng_tracker is rng.get_cuda_rng_tracker
         assert module.model_parallel_cuda_manual_seed is rng.model_parallel_cuda_manual_seed
         assert module.CudaRNGStatesTracker is rng.RNGStatesTracker
-        assert module.configure is checkpointing.configure
+        assert module.configure is activation_checkpointing.configure
 
 
 @pytest.mark.gpu

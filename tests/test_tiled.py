@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import runtime
-from runtime.checkpointing import hf_checkpointing
+from runtime.activation_checkpointing import hf_checkpointing
 from runtime.errors import UserError
 from runtime.sequence import (
     loss_tiles,

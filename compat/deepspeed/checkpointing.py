@@ -1,4 +1,4 @@
 """``deepspeed.checkpointing``: activation checkpointing and the model-parallel random streams
-(runtime.checkpointing, runtime.parallel.rng); every name is runtime.checkpointing's ``__all__``."""
+(runtime.activation_checkpointing, runtime.parallel.rng); every name is that module's ``__all__``."""
 
-from runtime.checkpointing import *  # noqa: F403
+from runtime.activation_checkpointing import *  # noqa: F403

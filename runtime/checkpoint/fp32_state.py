@@ -8,7 +8,7 @@ compat's `deepspeed.utils.zero_to_fp32` to name, with the two file finders Light
 (`get_optim_files`, `get_model_state_file`): in our folders they find the per-rank `*_optim_states.pt`
 descriptors (stage and partition count, no tensors) and the model-states file (client keys at its top).
 It sits above consolidate and runtime.pipe (which imports consolidate), so nothing in runtime.pipe or
-runtime.ds_utils may import it.
+runtime.deepspeed_api.utils may import it.
 """
 
 from __future__ import annotations

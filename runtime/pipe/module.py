@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from runtime.ds_utils import set_random_seed
+from runtime.deepspeed_api.utils import set_random_seed
 from runtime.parallel.grid import ParallelGrid
 from runtime.parallel.topology import PipeDataParallelTopology, ProcessTopology
 from runtime.pipe.config import PipelineError, check_module_arguments, describe_object

@@ -6,11 +6,11 @@
 - ``tiled_loss``: the LM head and cross-entropy over token tiles, never the full logits
   (``tiled_causal_lm_loss``, the generic ``tiled_loss``); ``hf_loss``: the same inside a HF causal LM's
   forward (``tile_causal_lm_loss``);
-- ``deepspeed_api``: DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` signatures, and the Ulysses names
-  refused until the sequence axis exists.
+DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` signatures over these, and the Ulysses names refused
+until the sequence axis exists, are `runtime.deepspeed_api.alst`.
 
 Activation checkpoints kept in host memory are ``activation_checkpointing.cpu_checkpointing``
-(runtime.checkpointing); the memory these parts save is counted by ``ds_estimate --longest-seq``.
+(runtime.activation_checkpointing); the memory these parts save is counted by ``ds_estimate --longest-seq``.
 """
 
 from runtime.sequence.hf_loss import tile_causal_lm_loss

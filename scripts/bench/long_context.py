@@ -7,7 +7,7 @@ The model is built from its config numbers (``--model``: ``1b``, ``8b`` or
 HIDDEN:INTERMEDIATE:LAYERS:HEADS:KV_HEADS:VOCAB; random bf16 weights, no download) as a HF
 ``LlamaForCausalLM`` with SDPA attention (flash kernels on the GPU), the tiled MLP
 (``tile_llama_mlps``), the tiled loss (``tile_causal_lm_loss``) and its layers checkpointed through
-runtime.checkpointing (``hf_checkpointing``), keeping their inputs on the host unless
+runtime.activation_checkpointing (``hf_checkpointing``), keeping their inputs on the host unless
 ``--no_cpu_checkpointing``; each ``--no_tiled_*`` flag turns a part off. It trains through
 ``runtime.initialize`` at ZeRO ``--stage`` (3) with the Adam state offloaded to the host (unless
 ``--no_offload``), micro-batch 1.
@@ -62,7 +62,7 @@ def train_one(shape: LlamaShape, setup: LongSequenceSetup, seq: int, steps: int,
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import runtime
-    from runtime import checkpointing
+    from runtime import activation_checkpointing
     from runtime.sequence import tile_causal_lm_loss, tile_llama_mlps
     from scripts.bench.common import init_single_process_group
 
@@ -86,8 +86,8 @@ def train_one(shape: LlamaShape, setup: LongSequenceSetup, seq: int, steps: int,
         tile_llama_mlps(model)
     if setup.tiled_loss:
         tile_causal_lm_loss(model)
-    checkpointing.configure(checkpoint_in_cpu=setup.cpu_checkpointing)
-    checkpointing.hf_checkpointing(model)
+    activation_checkpointing.configure(checkpoint_in_cpu=setup.cpu_checkpointing)
+    activation_checkpointing.hf_checkpointing(model)
     zero: dict[str, Any] = {"stage": setup.stage}
     if setup.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}

@@ -71,7 +71,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     config = model_config(spec)
     model = _fresh_model(config, device)
     if spec["checkpointing"]:
-        from runtime.checkpointing import checkpoint
+        from runtime.activation_checkpointing import checkpoint
 
         model.checkpoint_fn = checkpoint
     stage = 3 if spec["offload_param"] else spec["stage"]

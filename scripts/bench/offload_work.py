@@ -312,7 +312,7 @@ def _engine_steps(spec: Spec, device: torch.device, make: Callable[[GPT], Any]) 
     setup_start = time.perf_counter()
     model = _fresh_model(config, device)
     if spec.get("checkpointing"):
-        from runtime.checkpointing import checkpoint
+        from runtime.activation_checkpointing import checkpoint
 
         model.checkpoint_fn = checkpoint
     engine = make(model)

@@ -63,9 +63,9 @@ def fresh_model(work: Workload) -> GPT:
     with torch.device(work.device):  # initialise on the device: seconds instead of minutes for 1.5B
         model = GPT(work.config)
     if work.activation_checkpointing:
-        import runtime.checkpointing
+        from runtime.activation_checkpointing import checkpoint
 
-        model.checkpoint_fn = runtime.checkpointing.checkpoint  # every block recomputed in backward
+        model.checkpoint_fn = checkpoint  # every block recomputed in backward
     if work.compile:
         for block in model.blocks:
             block.compile()  # per block, in place, so hooks on module boundaries keep working

@@ -211,7 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--activation_checkpointing",
         action="store_true",
-        help="recompute every transformer block in backward (runtime.checkpointing), for every peer",
+        help="recompute every transformer block in backward (runtime.activation_checkpointing), "
+        "for every peer",
     )
     parser.add_argument(
         "--device",

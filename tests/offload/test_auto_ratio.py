@@ -95,7 +95,7 @@ def test_a_set_ratio_that_cannot_fit_is_refused_with_both_sides_and_what_auto_wo
 
 
 def test_activations_are_estimated_from_the_models_shape_or_a_share_of_the_device() -> None:
-    from runtime.checkpointing import checkpoint
+    from runtime.activation_checkpointing import checkpoint
     from runtime.offload.auto_ratio import guess_activations, model_shape
 
     gpt = _gpt(layers=4, width=256, heads=4)

@@ -343,7 +343,7 @@ def _steps(engine, case: OffloadCase, first: int, last: int, rank: int, world_si
 
 def _full_state(engine) -> dict[str, tuple[torch.Tensor, ...]]:
     """Every parameter's whole fp32 master and Adam moments, wherever they live (collective)."""
-    from runtime.param_access import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from runtime.deepspeed_api.params import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     return {
         name: (

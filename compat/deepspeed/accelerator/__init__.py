@@ -1,7 +1,7 @@
-"""``deepspeed.accelerator``: the device abstraction (runtime.accelerator)."""
+"""``deepspeed.accelerator``: the device abstraction (runtime.deepspeed_api.accelerator)."""
 
-from runtime.accelerator import Accelerator, get_accelerator, set_accelerator
-from runtime.unsupported import missing_names
+from runtime.deepspeed_api.accelerator import Accelerator, get_accelerator, set_accelerator
+from runtime.deepspeed_api.unsupported import missing_names
 
 DeepSpeedAccelerator = Accelerator
 

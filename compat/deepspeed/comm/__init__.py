@@ -1,8 +1,8 @@
-"""``deepspeed.comm``: module functions over torch.distributed (runtime.dist_api)."""
+"""``deepspeed.comm``: module functions over torch.distributed (runtime.deepspeed_api.collectives)."""
 
-from runtime.dist_api import *  # noqa: F403
-from runtime.dist_api import __all__  # noqa: F401
-from runtime.unsupported import missing_names
+from runtime.deepspeed_api.collectives import *  # noqa: F403
+from runtime.deepspeed_api.collectives import __all__  # noqa: F401
+from runtime.deepspeed_api.unsupported import missing_names
 
 __getattr__ = missing_names(
     "deepspeed.comm",

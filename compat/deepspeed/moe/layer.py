@@ -1,6 +1,6 @@
 """``deepspeed.moe.layer``: not available (building ``MoE`` raises)."""
 
-from runtime.unsupported import unsupported_class
+from runtime.deepspeed_api.unsupported import unsupported_class
 
 MoE = unsupported_class(
     "MoE",

@@ -1,7 +1,7 @@
 """``deepspeed.ops``: optimizers (runtime.ops). dslaunch builds no C++/CUDA op extensions."""
 
 from deepspeed.ops import adagrad, adam, lion
-from runtime.unsupported import missing_names
+from runtime.deepspeed_api.unsupported import missing_names
 
 __all__ = ["adagrad", "adam", "lion"]
 

@@ -10,7 +10,7 @@ from deepspeed.runtime import (
     utils,
     zero,
 )
-from runtime.unsupported import missing_names
+from runtime.deepspeed_api.unsupported import missing_names
 
 __all__ = [
     "activation_checkpointing",

@@ -1,5 +1,5 @@
-"""``deepspeed.runtime.config``: ``DeepSpeedConfig`` (runtime.ds_config)."""
+"""``deepspeed.runtime.config``: ``DeepSpeedConfig`` (runtime.deepspeed_api.config_view)."""
 
-from runtime.ds_config import DeepSpeedConfig
+from runtime.deepspeed_api.config_view import DeepSpeedConfig
 
 __all__ = ["DeepSpeedConfig"]

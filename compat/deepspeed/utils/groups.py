@@ -3,7 +3,7 @@ or the data axis of the engine's mpu (``initialize(mpu=...)``, AutoTP's grid, a 
 that engine lives; the model-parallel size is the mpu's. Expert and sequence groups do not exist here and
 are refused by name."""
 
-from runtime.dist_api import (
+from runtime.deepspeed_api.collectives import (
     _get_data_parallel_group,
     _get_data_parallel_rank,
     _get_data_parallel_world_size,

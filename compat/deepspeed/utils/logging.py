@@ -1,8 +1,8 @@
 """``deepspeed.utils.logging``: DeepSpeed's logger ("DeepSpeed") and ``log_dist``. PyTorch Lightning's
 ``DeepSpeedStrategy`` sets ``deepspeed.utils.logging.logger``'s level from its ``logging_level``."""
 
-from runtime.ds_utils import log_dist, logger, print_rank_0
-from runtime.unsupported import missing_names
+from runtime.deepspeed_api.unsupported import missing_names
+from runtime.deepspeed_api.utils import log_dist, logger, print_rank_0
 
 __all__ = ["log_dist", "logger", "print_rank_0"]
 

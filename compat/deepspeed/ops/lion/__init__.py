@@ -1,6 +1,6 @@
 """``deepspeed.ops.lion``: not available in dslaunch (the classes raise when built)."""
 
-from runtime.unsupported import unsupported_class
+from runtime.deepspeed_api.unsupported import unsupported_class
 
 _ALTERNATIVE = "use Adam/AdamW (deepspeed.ops.adam, or the config's optimizer section)"
 DeepSpeedCPULion = unsupported_class("DeepSpeedCPULion", "Lion optimizer (DeepSpeedCPULion)", _ALTERNATIVE)

@@ -1,13 +1,13 @@
 """``deepspeed.runtime.sequence_parallel.ulysses_sp``: the tiled MLP and loss (runtime.sequence); the
 Ulysses classes raise UnsupportedFeature until sequence parallelism exists (issue 34)."""
 
-from runtime.sequence.deepspeed_api import (
+from runtime.deepspeed_api.alst import (
     TiledFusedLogitsLoss,
     TiledMLP,
     UlyssesSPAttentionHF,
     UlyssesSPDataLoaderAdapter,
 )
-from runtime.unsupported import missing_names
+from runtime.deepspeed_api.unsupported import missing_names
 
 __all__ = ["TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
 

@@ -7,7 +7,7 @@ from deepspeed.runtime.zero.partition_parameters import (
     register_external_parameter,
     unregister_external_parameter,
 )
-from runtime.unsupported import missing_names
+from runtime.deepspeed_api.unsupported import missing_names
 
 __all__ = [
     "GatheredParameters",

@@ -1,6 +1,6 @@
 """``deepspeed.runtime.fp16.onebit.adam``: 1-bit Adam (raises when built)."""
 
-from runtime.unsupported import unsupported_class
+from runtime.deepspeed_api.unsupported import unsupported_class
 
 OnebitAdam = unsupported_class(
     "OnebitAdam",

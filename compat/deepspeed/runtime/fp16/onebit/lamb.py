@@ -1,6 +1,6 @@
 """``deepspeed.runtime.fp16.onebit.lamb``: 1-bit LAMB (raises when built)."""
 
-from runtime.unsupported import unsupported_class
+from runtime.deepspeed_api.unsupported import unsupported_class
 
 OnebitLamb = unsupported_class(
     "OnebitLamb",

@@ -1,6 +1,6 @@
 """``deepspeed.runtime.fp16.onebit.zoadam``: 0/1 Adam (raises when built)."""
 
-from runtime.unsupported import unsupported_class
+from runtime.deepspeed_api.unsupported import unsupported_class
 
 ZeroOneAdam = unsupported_class(
     "ZeroOneAdam",

@@ -97,8 +97,9 @@ class RepeatingLoader:
         except StopIteration:
             sampler = getattr(self.loader, "sampler", None)
             epoch = getattr(sampler, "epoch", None)
-            if epoch is not None and hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch + 1)
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if epoch is not None and set_epoch is not None:
+                set_epoch(epoch + 1)
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
 

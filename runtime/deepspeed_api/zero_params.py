@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.unsupported import unsupported
+from runtime.deepspeed_api.unsupported import unsupported
 from runtime.zero.gathered import is_sharded
 from runtime.zero.hook_control import add_external_parameter, external_parameters, remove_external_parameter
 from runtime.zero.stage3_param import ZeroParamStatus

@@ -212,7 +212,11 @@ class Accelerator:
         device = self._name
 
         def make(*args: Any) -> torch.Tensor:
-            return torch.tensor(*args, dtype=dtype, device=device) if args else torch.empty(0, dtype=dtype)
+            if not args:
+                return torch.empty(0, dtype=dtype)
+            if len(args) > 1:  # as torch.tensor itself answers
+                raise TypeError(f"tensor() takes 1 positional argument but {len(args)} were given")
+            return torch.tensor(args[0], dtype=dtype, device=device)
 
         return make
 
@@ -242,7 +246,7 @@ class Accelerator:
 
     # -- ops: DeepSpeed builds C++/CUDA ops through the accelerator; we have none to build ------------
     def create_op_builder(self, class_name: str) -> Any:
-        from runtime.unsupported import unsupported
+        from runtime.deepspeed_api.unsupported import unsupported
 
         unsupported(
             f"op builder {class_name!r}",
@@ -271,6 +275,7 @@ def set_accelerator(accel: Accelerator) -> None:
     global _current
     if not isinstance(accel, Accelerator):
         raise TypeError(
-            f"set_accelerator expects a runtime.accelerator.Accelerator, got {type(accel).__name__}"
+            "set_accelerator expects a runtime.deepspeed_api.accelerator.Accelerator, "
+            f"got {type(accel).__name__}"
         )
     _current = accel

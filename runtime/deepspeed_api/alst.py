@@ -18,11 +18,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from runtime.deepspeed_api.unsupported import unsupported_callable, unsupported_class
 from runtime.errors import UserError
 from runtime.sequence.tiled_loss import tiled_loss
 from runtime.sequence.tiled_mlp import tiled_mlp, trainable_params
 from runtime.sequence.tiles import check_tiles
-from runtime.unsupported import unsupported_callable, unsupported_class
 
 __all__ = ["TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.config import Config, load_config, read_config_file
-from runtime.unsupported import unsupported
+from runtime.deepspeed_api.unsupported import unsupported
 
 __all__ = ["DeepSpeedConfig"]
 

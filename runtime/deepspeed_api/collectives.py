@@ -154,8 +154,8 @@ def new_group(ranks: list[int] | None = None, **kwargs: Any) -> ProcessGroup:
     return dist.new_group(ranks, **kwargs)
 
 
-def get_world_group() -> ProcessGroup:
-    return dist.group.WORLD
+def get_world_group() -> ProcessGroup | None:
+    return dist.group.WORLD  # None until the process group exists, as torch answers
 
 
 def get_rank(group: ProcessGroup | None = None) -> int:
@@ -373,7 +373,7 @@ def irecv(
 def log_summary(show_straggler: bool = False) -> None:
     """DeepSpeed's communication-logger summary. dslaunch has no communication logger (its engines count
     bytes per collective in ``engine.comm.counter``); say so rather than print nothing."""
-    from runtime.ds_utils import logger
+    from runtime.deepspeed_api.utils import logger
 
     if get_rank() == 0:
         logger.info(
@@ -385,16 +385,16 @@ def log_summary(show_straggler: bool = False) -> None:
 # -- deepspeed.utils.groups: the data- and model-parallel groups; no expert/sequence groups ---------------
 def _model_parallel() -> Any:
     """The engine's model-parallel groups (``initialize(mpu=...)``, AutoTP's grid or a pipeline's, which
-    hand their mpu to runtime.checkpointing; the engine checked it), or None with data parallelism alone:
-    the world is then the data group."""
-    from runtime.checkpointing import configured_mpu
+    hand their mpu to runtime.activation_checkpointing; the engine checked it), or None with data
+    parallelism alone: the world is then the data group."""
+    from runtime.activation_checkpointing import configured_mpu
     from runtime.parallel.mpu import read_mpu
 
     mpu = configured_mpu()
     return None if mpu is None else read_mpu(mpu)
 
 
-def _get_data_parallel_group() -> ProcessGroup:
+def _get_data_parallel_group() -> ProcessGroup | None:
     groups = _model_parallel()
     return dist.group.WORLD if groups is None else groups.data_group
 
@@ -413,7 +413,7 @@ def _get_model_parallel_world_size() -> int:
     """DeepSpeed's answer: the mpu's model-parallel size. A pipeline's grid counts every rank of one
     data-parallel replica there (its stages x its tensor shards), as DeepSpeed's grid does; the grid's own
     get_model_parallel_world_size() is the tensor axis alone, Megatron's meaning, which the engines use."""
-    from runtime.checkpointing import configured_mpu
+    from runtime.activation_checkpointing import configured_mpu
     from runtime.parallel.grid import ParallelGrid
 
     mpu = configured_mpu()
@@ -424,7 +424,7 @@ def _get_model_parallel_world_size() -> int:
 
 
 def _no_group(kind: str, alternative: str) -> Any:
-    from runtime.unsupported import unsupported
+    from runtime.deepspeed_api.unsupported import unsupported
 
     unsupported(f"{kind} process groups", alternative)
 

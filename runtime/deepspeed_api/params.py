@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.unsupported import unsupported
+from runtime.deepspeed_api.unsupported import unsupported
 from runtime.zero.gather import gather_flat
 
 __all__ = [

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from runtime.unsupported import unsupported
+from runtime.deepspeed_api.unsupported import unsupported
 
 __all__ = ["is_moe_param", "split_params_into_different_moe_groups_for_optimizer"]
 

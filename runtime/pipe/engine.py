@@ -37,16 +37,11 @@ from torch.distributed.pipelining import (
 
 from runtime import checkpointing
 from runtime.comm import Comm
-from runtime.config import ConfigError, load_config, read_config_file
+from runtime.config import load_config, read_config_file
+from runtime.config.combinations import check_pipeline
 from runtime.engine import Engine
 from runtime.offload import GradMath
-from runtime.pipe.config import (
-    MULTI_CHUNK_SCHEDULES,
-    PipelineConfig,
-    PipelineError,
-    check_schedule,
-    read_pipeline_config,
-)
+from runtime.pipe.config import MULTI_CHUNK_SCHEDULES, PipelineError, check_schedule
 from runtime.pipe.data import read_micro_batches, stage_tensors
 from runtime.pipe.module import PipelineModule, check_every_stage_trains
 from runtime.pipe.tied import (
@@ -75,58 +70,21 @@ def _read_config(config: Any) -> dict[str, Any]:
     )
 
 
-def _tensor_parallel_degree(section: Any, grid_tp: int) -> int:
-    """The tensor-parallel degree: the grid's model dim, which the config's autotp_size must match."""
-    from runtime.tensor_parallel import read_tensor_parallel_config
-
-    asked = read_tensor_parallel_config(section).autotp_size
-    if section and asked != grid_tp:
-        raise ConfigError(
-            "tensor_parallel.autotp_size",
-            f"{asked} but the PipelineModule's topology has a model dimension of {grid_tp}",
-            hint=f"build the module with PipeModelDataParallelTopology(num_pp, num_mp={asked}, num_dp), or "
-            f"set autotp_size to {grid_tp}",
-        )
-    return grid_tp
-
-
-def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineModule) -> str:
-    """Refuse what the pipeline engine cannot do, before any training; returns the schedule to run."""
-    zero = cfg.zero_optimization
-    if zero.stage >= 2:
-        raise ConfigError(
-            "zero_optimization.stage",
-            f"{zero.stage} cannot be combined with pipeline parallelism ({module.num_stages} stages): "
-            "gradients accumulate over micro-batches in every stage, so sharding them (stage 2) or the "
-            "parameters (stage 3) does not fit, as in DeepSpeed",
-            hint="use ZeRO stage 0 or 1 with a PipelineModule",
-        )
-    if zero.offload_optimizer.device != "none":
-        raise ConfigError(
-            "zero_optimization.offload_optimizer.device",
-            f"{zero.offload_optimizer.device!r}: optimizer offload is not supported with pipeline "
-            "parallelism yet",
-            hint='remove offload_optimizer (or set "device": "none") when training a PipelineModule',
-        )
-    if zero.offload_param.device != "none":
-        raise ConfigError(
-            "zero_optimization.offload_param.device",
-            f"{zero.offload_param.device!r}: parameter offload is ZeRO-3's, which pipelines do not take",
-            hint='remove offload_param (or set "device": "none") when training a PipelineModule',
-        )
-    if pipe_cfg.stages is not None and pipe_cfg.stages != module.num_stages:
-        raise ConfigError(
-            "pipeline.stages",
-            f"{pipe_cfg.stages} but the PipelineModule was built with {module.num_stages} stages",
-            hint=f'set "stages": {module.num_stages} (or "auto"), or build the module with '
-            f"num_stages={pipe_cfg.stages}",
-        )
-    micro_batches = cfg.gradient_accumulation_steps
-    return check_schedule(pipe_cfg, module.num_stages, module.chunks_per_stage, micro_batches)
+def check_pipeline_config(cfg: Any, module: PipelineModule) -> str:
+    """Refuse what the pipeline engine cannot do, before any training; returns the schedule to run (the
+    rules are `runtime.config.combinations.check_pipeline`; the module's facts come from here)."""
+    return check_pipeline(
+        cfg,
+        stages=module.num_stages,
+        chunks_per_stage=module.chunks_per_stage,
+        model_dim=module.grid.model_parallel_size,
+    )
 
 
 class PipelineEngine(Engine):
     """Trains a `PipelineModule`: `train_batch(data_iter)` and `eval_batch(data_iter)`."""
+
+    model_parallel = True  # 3D: each stage sharded over the topology's model axis
 
     def __init__(
         self,
@@ -139,12 +97,11 @@ class PipelineEngine(Engine):
     ) -> None:
         if not isinstance(module, PipelineModule):
             raise PipelineError(f"PipelineEngine trains a PipelineModule, got {type(module).__name__}")
-        raw = _read_config(config)
-        self_pipe = read_pipeline_config(raw.pop("pipeline", None))
         grid = module.grid
-        tp = _tensor_parallel_degree(raw.pop("tensor_parallel", None), grid.model_parallel_size)
-        cfg = load_config(raw, world_size=grid.data_parallel_size, model=module)
-        schedule_name = check_pipeline_config(cfg, self_pipe, module)
+        cfg = load_config(_read_config(config), world_size=grid.data_parallel_size, model=module)
+        schedule_name = check_pipeline_config(cfg, module)
+        self_pipe = cfg.pipeline
+        tp = grid.model_parallel_size  # the config's autotp_size, where given, agrees (checked above)
         if self_pipe.activation_checkpoint_interval is not None:
             module.activation_checkpoint_interval = self_pipe.activation_checkpoint_interval
         comm = Comm(

@@ -26,8 +26,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
-from runtime.config import ConfigError, read_config_file
+from runtime.config import Config, read_config_file
+from runtime.config.combinations import check_tensor_parallel, check_tensor_parallel_world
 from runtime.parallel import ParallelGrid, topology_for
+from runtime.parallel.mpu import MpuGroups
 from runtime.parallel.mpu_engine import MpuEngine, replicated_squares
 from runtime.tensor_parallel import read_tensor_parallel_config
 from runtime.tensor_parallel.autotp import tp_model_init
@@ -108,10 +110,6 @@ class TensorParallelEngine(MpuEngine):
     """The ZeRO engine (stages 0-2) over the data group of a model sharded with AutoTP: `MpuEngine` with
     the grid as the mpu and the DTensor shards as the split parameters."""
 
-    # stage 3 would partition the parametrized shards again; not built or tested
-    max_zero_stage = 2
-    parallelism = "tensor parallelism (AutoTP)"
-
     def __init__(
         self,
         model: nn.Module,
@@ -122,14 +120,9 @@ class TensorParallelEngine(MpuEngine):
         lr_scheduler: Any = None,
     ) -> None:
         raw = dict(read_config_file(config) if isinstance(config, (str, os.PathLike)) else config)
-        tp = read_tensor_parallel_config(raw.pop("tensor_parallel", None)).autotp_size
+        tp = read_tensor_parallel_config(raw.get("tensor_parallel")).autotp_size
         world = dist.get_world_size()
-        if world % tp:
-            raise ConfigError(
-                "tensor_parallel.autotp_size",
-                f"{tp} does not divide the world size {world}: each data-parallel replica needs {tp} ranks",
-                hint=f"launch a multiple of {tp} ranks, or choose an autotp_size that divides {world}",
-            )
+        check_tensor_parallel_world(tp, world)
         grid = ParallelGrid(topology_for(world, tp=tp))
         # the user's parameters (a client optimizer's groups, model_parameters) by name, before AutoTP
         # replaces them with their shards
@@ -150,6 +143,10 @@ class TensorParallelEngine(MpuEngine):
         )
         self.grid = grid
         self.tp_size = tp
+
+    def _check_combination(self, config: Config, groups: MpuGroups) -> None:
+        """AutoTP stops at ZeRO stage 2 (config/combinations)."""
+        check_tensor_parallel(config, groups.describe())
 
     def checkpoint_folder(self) -> tuple[str, str, str]:
         """Each model rank keeps its own ZeRO checkpoint (its shards of the sharded projections, over its

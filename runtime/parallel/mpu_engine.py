@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from runtime import checkpointing
@@ -35,6 +34,7 @@ from runtime.config.combinations import check_batch_over_data, check_config_worl
 from runtime.engine import Engine
 from runtime.offload import GradMath
 from runtime.parallel.mpu import MpuGroups, is_model_parallel_parameter, resolve_mpu
+from runtime.parallel.norm import grid_square_sum
 from runtime.zero.optimizer import GroupSpec, OptimizerSource, collect_param_groups
 
 __all__ = ["MpuEngine", "replicated_squares", "split_specs"]
@@ -158,18 +158,14 @@ class MpuEngine(Engine):
         return dataclasses.replace(math, all_reduce_sum=self._model_group_sum(math.all_reduce_sum))
 
     def _model_group_sum(self, dp_sum: Any) -> Any:
-        size, group = self.mp_size, self.mpu_groups.model_group
-
-        def reduce(squared: torch.Tensor) -> None:
-            # replicated parameters: every model rank holds the same gradient, so each adds 1/size of it
-            squares = replicated_squares(self, self._replicated_specs)
-            if squares is not None:
-                squared.sub_(squares.to(squared.dtype) * (size - 1) / size)
-            if dp_sum is not None:
-                dp_sum(squared)
-            dist.all_reduce(squared, group=group)
-
-        return reduce
+        """Sum of squared gradients over data and the model group, each weight once (runtime.parallel.norm):
+        every model rank holds a replicated parameter's same gradient, so each adds 1/size of it."""
+        return grid_square_sum(
+            dp_sum,
+            model_size=self.mp_size,
+            model_group=self.mpu_groups.model_group,
+            replicated=lambda: replicated_squares(self, self._replicated_specs),
+        )
 
     def checkpoint_folder(self) -> tuple[str, str, str] | None:
         """Each model rank keeps its own ZeRO checkpoint; the name carries the size, so a resume at

@@ -41,6 +41,7 @@ from runtime.config import load_config, read_config_file
 from runtime.config.combinations import check_pipeline
 from runtime.engine import Engine
 from runtime.offload import GradMath
+from runtime.parallel.norm import grid_square_sum
 from runtime.pipe.config import MULTI_CHUNK_SCHEDULES, PipelineError, check_schedule
 from runtime.pipe.data import read_micro_batches, stage_tensors
 from runtime.pipe.module import PipelineModule, check_every_stage_trains
@@ -293,30 +294,20 @@ class PipelineEngine(Engine):
         return dataclasses.replace(math, all_reduce_sum=self._grid_sum(math.all_reduce_sum))
 
     def _grid_sum(self, dp_sum: Any) -> Any:
-        """Sum of squared gradients over the grid, each weight once: parameters whole on every model rank
-        count 1/tp per rank, then the sum over data (when gradients are sharded), minus the tied copies
-        this stage does not own, then over the pipeline and the model axis."""
-        if self.num_stages == 1 and not self.ties and self.tp_size == 1:
-            return dp_sum
-        tp = self.tp_size
+        """Sum of squared gradients over the grid, each weight once (runtime.parallel.norm): replicated
+        parameters 1/tp per model rank, tied copies this stage does not own taken off, then over the pipe
+        and model axes."""
+        from runtime.tensor_parallel.engine import replicated_squares
 
-        def reduce(squared: torch.Tensor) -> None:
-            if tp > 1:
-                from runtime.tensor_parallel.engine import replicated_squares
-
-                squares = replicated_squares(self, self._replicated_specs)
-                if squares is not None:
-                    squared.sub_(squares.to(squared.dtype) * (tp - 1) / tp)
-            if dp_sum is not None:
-                dp_sum(squared)
-            if self._duplicate_squares is not None:  # tied copies are whole on every model rank
-                squared.sub_(self._duplicate_squares.to(squared.dtype) / tp)
-            if self.num_stages > 1:
-                dist.all_reduce(squared, group=self._pipe_group)
-            if tp > 1:
-                dist.all_reduce(squared, group=self.grid.get_model_parallel_group())
-
-        return reduce
+        return grid_square_sum(
+            dp_sum,
+            model_size=self.tp_size,
+            model_group=self.grid.get_model_parallel_group(),
+            pipe_size=self.num_stages,
+            pipe_group=self._pipe_group,
+            replicated=lambda: replicated_squares(self, self._replicated_specs),
+            duplicates=(lambda: self._duplicate_squares) if self.ties else None,
+        )
 
     def _batch_loss(self) -> torch.Tensor:
         """The mean loss of the batch (over micro-batches and data ranks), sent from the last stage."""

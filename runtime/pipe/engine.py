@@ -112,13 +112,13 @@ class PipelineEngine(Engine):
 
         device = current_device()
         # ties first: the engine copies the weights into its flat buffers and master shards
-        replicated: set[int] = set()
+        # read by _param_group_specs, which Engine.__init__ calls
+        self._sharded: set[torch.nn.Parameter] | None = None  # None: no model axis, nothing to split
+        self._replicated_specs: set[int] = set()
         if tp > 1:  # 3D: each stage's projections sharded over the grid's model axis (AutoTP)
             from runtime.tensor_parallel.engine import shard_for_tensor_parallel
 
-            model_parameters, replicated = shard_for_tensor_parallel(
-                module, tp, grid.mesh["model"], model_parameters
-            )
+            self._sharded = shard_for_tensor_parallel(module, tp, grid.mesh["model"])
         ties = build_ties(module)
         broadcast_tied_weights(ties, device)
         if optimizer is None and model_parameters is None:
@@ -140,7 +140,6 @@ class PipelineEngine(Engine):
         self._engine_mpu = grid
         self.ties = ties
         self.tp_size = tp
-        self._replicated_specs = replicated
         self.num_stages = module.num_stages
         self.stage_id = module.stage_id
         self.micro_batches = cfg.gradient_accumulation_steps
@@ -157,6 +156,17 @@ class PipelineEngine(Engine):
         self._eval_stages: list[PipelineStage] | None = None
         self._losses: list[torch.Tensor] = []
         self.data_iterator: Iterator[Any] | None = None  # what train_batch() reads without an iterator
+
+    def _param_group_specs(self, model: Any, optimizer: Any, model_parameters: Any) -> list[Any]:
+        """The user's groups, each split into its tensor-parallel shards and its replicated parameters
+        (the one split, `runtime.parallel.mpu_engine.split_specs`; the norm counts the latter once)."""
+        specs = super()._param_group_specs(model, optimizer, model_parameters)
+        if self._sharded is None:  # a stage AutoTP found nothing in is split too: all of it replicated
+            return specs
+        from runtime.parallel.mpu_engine import split_specs
+
+        specs, self._replicated_specs = split_specs(specs, self._sharded)
+        return specs
 
     def _torch_stages(self) -> list[PipelineStage]:
         """One torch stage per chunk, with its virtual stage index (r, r + p, ...) out of p * chunks."""

@@ -69,41 +69,15 @@ def localize_parameters(model: nn.Module) -> set[nn.Parameter]:
     return sharded
 
 
-def split_param_groups(
-    model: nn.Module, model_parameters: Any, sharded: set[nn.Parameter]
-) -> tuple[list[dict[str, Any]], set[int]]:
-    """Each param group split into its sharded and its replicated parameters (same options); returns the
-    groups and the indices of the replicated ones."""
-    if model_parameters is None:
-        base = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    else:
-        items = list(model_parameters)
-        base = items if items and isinstance(items[0], dict) else [{"params": items}]
-    groups, replicated = [], set()
-    for group in base:
-        params = list(group["params"])
-        options = {k: v for k, v in group.items() if k != "params"}
-        for is_sharded in (True, False):
-            part = [p for p in params if (p in sharded) == is_sharded]
-            if part:
-                if not is_sharded:
-                    replicated.add(len(groups))
-                groups.append({"params": part, **options})
-    return groups, replicated
-
-
-def shard_for_tensor_parallel(
-    model: nn.Module, tp_size: int, mesh: Any, model_parameters: Any
-) -> tuple[list[dict[str, Any]], set[int]]:
-    """AutoTP `model` over `mesh`, local shards as its parameters; returns the param groups for the
-    engine and the indices of the replicated ones (see `split_param_groups`). A model with nothing to
-    shard (a pipeline stage of only embeddings and norms) stays whole."""
+def shard_for_tensor_parallel(model: nn.Module, tp_size: int, mesh: Any) -> set[nn.Parameter]:
+    """AutoTP `model` over `mesh`, local shards as its parameters; returns the shards split over the
+    model axis (the engine splits its param groups by them). A model with nothing to shard (a pipeline
+    stage of only embeddings and norms) stays whole."""
     from runtime.tensor_parallel.autotp import tp_plan
 
     if tp_plan(model):
         tp_model_init(model, tp_size, mesh=mesh)
-    sharded = localize_parameters(model)
-    return split_param_groups(model, model_parameters, sharded)
+    return localize_parameters(model)
 
 
 class TensorParallelEngine(MpuEngine):
@@ -180,6 +154,5 @@ __all__ = [
     "localize_parameters",
     "replicated_squares",
     "shard_for_tensor_parallel",
-    "split_param_groups",
     "tensor_parallel_size",
 ]

@@ -14,6 +14,7 @@ tp_grain_size are accepted and have no effect; DeepSpeed's AutoTP keys for featu
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ from runtime.config.pipeline import (
     PipelineConfig,
     read_pipeline,
 )
-from runtime.config.reader import ReadContext, SectionReader
+from runtime.config.reader import ReadContext, SectionReader, read_config_file
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,19 @@ def read_tensor_parallel_section(data: Mapping[str, Any] | None) -> TensorParall
     return _standalone(read_tensor_parallel, data, "tensor_parallel")
 
 
+def tensor_parallel_degree(source: Any) -> int:
+    """The autotp_size a config asks for, before it is loaded (a path, a mapping or a loaded `Config`; 1
+    without a "tensor_parallel" section): the job's data-parallel size, which the batch arithmetic counts,
+    depends on it. The one place the degree is read from a config that is not loaded yet."""
+    loaded = getattr(source, "tensor_parallel", None)
+    if isinstance(loaded, TensorParallelConfig):
+        return loaded.autotp_size
+    raw = read_config_file(source) if isinstance(source, (str, os.PathLike)) else source
+    if not isinstance(raw, Mapping) or raw.get("tensor_parallel") is None:
+        return 1
+    return read_tensor_parallel_section(raw["tensor_parallel"]).autotp_size
+
+
 __all__ = [
     "MULTI_CHUNK_SCHEDULES",
     "SCHEDULES",
@@ -92,4 +106,5 @@ __all__ = [
     "read_pipeline_section",
     "read_tensor_parallel",
     "read_tensor_parallel_section",
+    "tensor_parallel_degree",
 ]

@@ -28,10 +28,10 @@ from torch.nn.utils import parametrize
 
 from runtime.config import Config, read_config_file
 from runtime.config.combinations import check_tensor_parallel, check_tensor_parallel_world
+from runtime.config.parallel import tensor_parallel_degree
 from runtime.parallel import ParallelGrid, topology_for
 from runtime.parallel.mpu import MpuGroups
 from runtime.parallel.mpu_engine import MpuEngine, replicated_squares
-from runtime.tensor_parallel import read_tensor_parallel_config
 from runtime.tensor_parallel.autotp import tp_model_init
 
 
@@ -94,7 +94,7 @@ class TensorParallelEngine(MpuEngine):
         lr_scheduler: Any = None,
     ) -> None:
         raw = dict(read_config_file(config) if isinstance(config, (str, os.PathLike)) else config)
-        tp = read_tensor_parallel_config(raw.get("tensor_parallel")).autotp_size
+        tp = tensor_parallel_degree(raw)
         world = dist.get_world_size()
         check_tensor_parallel_world(tp, world)
         grid = ParallelGrid(topology_for(world, tp=tp))
@@ -143,16 +143,9 @@ def _plain_name(name: str) -> str:
     return re.sub(r"(^|\.)parametrizations\.([^.]+)\.original$", r"\1\2", name)
 
 
-def tensor_parallel_size(config: Any) -> int:
-    """The autotp_size a config asks for (1 without a "tensor_parallel" section)."""
-    raw = read_config_file(config) if isinstance(config, (str, os.PathLike)) else config
-    return read_tensor_parallel_config(raw.get("tensor_parallel")).autotp_size
-
-
 __all__ = [
     "TensorParallelEngine",
     "localize_parameters",
     "replicated_squares",
     "shard_for_tensor_parallel",
-    "tensor_parallel_size",
 ]

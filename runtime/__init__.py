@@ -15,7 +15,6 @@ User scripts ``import runtime`` where they would ``import deepspeed``::
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -200,16 +199,12 @@ def _model_parallel_engine(model: nn.Module, source: Any) -> type[Engine] | None
         from runtime.pipe.engine import PipelineEngine
 
         return PipelineEngine
-    from runtime.config import Config, read_config_file
+    from runtime.config import Config
+    from runtime.config.parallel import tensor_parallel_degree
 
     if isinstance(source, Config):
-        return None
-    raw = read_config_file(source) if isinstance(source, (str, os.PathLike)) else source
-    if not isinstance(raw, dict) or raw.get("tensor_parallel") is None:
-        return None
-    from runtime.config.parallel import read_tensor_parallel_section
-
-    if read_tensor_parallel_section(raw["tensor_parallel"]).autotp_size > 1:
+        return None  # loaded for the plain engine, which refuses a degree above 1 (config/combinations)
+    if tensor_parallel_degree(source) > 1:
         from runtime.tensor_parallel.engine import TensorParallelEngine
 
         return TensorParallelEngine

@@ -28,6 +28,7 @@ from torch import nn
 from runtime import checkpointing, engine_inference
 from runtime.comm import Comm
 from runtime.config import Config
+from runtime.config.combinations import check_data_parallel_engine, check_offload_param
 from runtime.distributed import current_device
 from runtime.engine_compat import EngineAccessors
 from runtime.engine_log import StepLog, Timers
@@ -79,6 +80,9 @@ class MemoryBreakdown:
 class Engine(EngineAccessors, nn.Module):
     """Wraps a model for data-parallel training with ZeRO stage 0, 1, 2 or 3 and mixed precision."""
 
+    # whether this engine's model may be split over a model axis (the config's tensor_parallel degree)
+    model_parallel = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -92,7 +96,9 @@ class Engine(EngineAccessors, nn.Module):
     ) -> None:
         super().__init__()
         zero_cfg = config.zero_optimization
-        _refuse_unsupported(config)
+        check_offload_param(zero_cfg)  # the combinations every engine checks (config/combinations)
+        if not self.model_parallel:
+            check_data_parallel_engine(config)
         self.config = config
         self.module = model
         self.comm = comm or Comm(emulate_reduce_scatter=not zero_cfg.reduce_scatter)
@@ -446,16 +452,6 @@ class Engine(EngineAccessors, nn.Module):
         self.masters.close()
         self.monitor.close()
         checkpointing.release_engine_mpu(self._engine_mpu)
-
-
-def _refuse_unsupported(config: Any) -> None:
-    zero = config.zero_optimization
-    if zero.offload_param.enabled and zero.offload_optimizer.device != "cpu":
-        raise NotImplementedError(
-            f"zero_optimization.offload_param.device={zero.offload_param.device!r} needs "
-            'zero_optimization.offload_optimizer = {"device": "cpu"} too (the host optimizer step writes '
-            "the updated weights into the offloaded shards); parameter offload alone is not implemented"
-        )
 
 
 def _pre_reduce_scale(config: Any, world_size: int) -> float:

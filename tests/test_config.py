@@ -751,3 +751,31 @@ def test_the_resolved_dict_reloads_to_the_same_config(path):
 def test_null_optimizer_and_scheduler_mean_none():
     cfg = load_config({**MICRO, "optimizer": None, "scheduler": None}, world_size=1)
     assert cfg.optimizer is None and cfg.scheduler is None
+
+
+def test_combination_refusals_are_config_errors_naming_the_key() -> None:
+    """Refusals that combine sections with the job's shape live in runtime.config.combinations, as
+    ConfigErrors starting with the key path; the job's facts (stages, degrees) are arguments."""
+    from runtime.config.combinations import check_offload_param, check_pipeline
+
+    zero3 = {"stage": 3, "offload_param": {"device": "cpu"}}
+    alone = load_config({**MICRO, "zero_optimization": zero3}, world_size=2)
+    with pytest.raises(ConfigError) as refused:
+        check_offload_param(alone.zero_optimization)
+    assert str(refused.value).startswith(
+        "zero_optimization.offload_param.device: 'cpu' needs zero_optimization.offload_optimizer"
+    )
+
+    class Pipeline(torch.nn.Module):  # what a PipelineModule looks like to the config package
+        is_pipeline_module = True
+
+    section = {"pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2}}
+    piped = load_config({**MICRO, **section}, world_size=2, model=Pipeline())
+    assert (piped.pipeline.stages, piped.tensor_parallel.autotp_size) == (2, 2)
+    with pytest.raises(ConfigError) as refused:
+        check_pipeline(piped, stages=2, chunks_per_stage=1, model_dim=1)
+    assert str(refused.value) == (
+        "tensor_parallel.autotp_size: 2 but the PipelineModule's topology has a model dimension of 1"
+    )
+    # one micro-batch for two stages: GPipe, the same schedule as 1F1B then
+    assert check_pipeline(piped, stages=2, chunks_per_stage=1, model_dim=2) == "gpipe"

@@ -359,12 +359,12 @@ def test_bad_input_is_refused_naming_the_numbers(world4: list[dict[str, Any]]) -
     for r in world4:
         bad = r["bad"]
         assert bad["batch"] == (
-            "MpuError: train_batch_size 5 is not divisible by the data-parallel size 2 (model-parallel "
+            "ConfigError: train_batch_size: 5 is not divisible by the data-parallel size 2 (model-parallel "
             "size 2 x data-parallel size 2 = 4 ranks)"
         )
         assert bad["autotp_stage3"] == (
-            "MpuError: zero_optimization.stage 3 with tensor parallelism (AutoTP) (model-parallel size 2 x "
-            "data-parallel size 2) is not supported; use stage 0, 1 or 2"
+            "ConfigError: zero_optimization.stage: 3 with tensor parallelism (AutoTP) (model-parallel size "
+            "2 x data-parallel size 2) is not supported; use stage 0, 1 or 2"
         )
         assert bad["pipeline"] == (
             "MpuError: the mpu (ParallelGrid) has 2 pipeline stages (get_pipe_parallel_world_size()); "
@@ -379,8 +379,8 @@ def test_bad_input_is_refused_naming_the_numbers(world4: list[dict[str, Any]]) -
             "the job has 4"
         )
         assert bad["autotp"] == (
-            "MpuError: initialize got both mpu=... and tensor_parallel.autotp_size > 1: the mpu's model "
-            "already is tensor parallel; pass one of them"
+            "ConfigError: tensor_parallel.autotp_size: initialize got both mpu=... and "
+            "tensor_parallel.autotp_size > 1: the mpu's model already is tensor parallel; pass one of them"
         )
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from runtime.config import load_config
+from runtime.config.combinations import check_data_parallel_engine
 from runtime.config.parallel import read_pipeline_section, read_tensor_parallel_section
 from runtime.errors import UserError, error_record
 from runtime.parallel.topology import topology_for
@@ -71,7 +72,10 @@ def test_tensor_parallel_of_one_or_zero_is_no_tensor_parallelism_as_in_deepspeed
         config = load_config({**MICRO, "tensor_parallel": {"autotp_size": size}}, world_size=2)
         assert config.train_batch_size == 8
         assert read_tensor_parallel_section({"tp_size": size}).autotp_size == 1
-    assert _message(lambda: load_config({**MICRO, "tensor_parallel": {"autotp_size": 2}}, world_size=2)) == (
+    # the config carries the degree; the plain engine refuses it (config/combinations)
+    two = load_config({**MICRO, "tensor_parallel": {"autotp_size": 2}}, world_size=2)
+    assert two.tensor_parallel.autotp_size == 2
+    assert _message(lambda: check_data_parallel_engine(two)) == (
         "tensor_parallel.autotp_size: 2 needs the tensor-parallel engine, which runtime.initialize builds "
         "for such a config (runtime.tensor_parallel.TensorParallelEngine), not this one"
     )

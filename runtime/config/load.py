@@ -28,7 +28,8 @@ import torch
 from runtime.config.batch import resolve_batch
 from runtime.config.checks import Bool, Choice, Float, Int
 from runtime.config.optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
-from runtime.config.parallel import read_tensor_parallel
+from runtime.config.parallel import TensorParallelConfig, read_tensor_parallel
+from runtime.config.pipeline import PipelineConfig, is_pipeline_model, read_pipeline
 from runtime.config.reader import (
     ConfigError,
     FrozenDict,
@@ -80,6 +81,8 @@ class Config:
     csv_monitor: CSVMonitorConfig = field(default_factory=CSVMonitorConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # read for a PipelineModule only
+    tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
     memory_breakdown: bool = False
     dataloader_drop_last: bool = False
     world_size: int = 1  # the data-parallel world size the batch arithmetic used
@@ -106,9 +109,7 @@ class Config:
 
 
 # DeepSpeed top-level keys for features dslaunch does not have (yet), or not for this model: the value names
-# the feature. ("pipeline" is read by runtime.pipe, whose engine runtime.initialize picks for a
-# PipelineModule; "tensor_parallel" is read below: its degree 1 is DeepSpeed's "none", a higher one has its
-# own engine.)
+# the feature. ("pipeline" is read below for a PipelineModule and refused by this table for any other model.)
 _UNSUPPORTED_TOP_LEVEL = {
     "amp": "apex AMP",
     "pipeline": "a pipeline section for a model that is not a PipelineModule (runtime.pipe.PipelineModule, "
@@ -158,10 +159,14 @@ def load_config(
 ) -> Config:
     """Read and check a DeepSpeed-style config.
 
-    source: a .json/.yaml/.yml path or a mapping. world_size: the data-parallel world size (the caller must
-    know it; it is never assumed to be 1). model: used to resolve "auto" values derived from the model
-    (hidden-size-based ZeRO-3 bucket sizes, fp16/bf16 "enabled"). auto_values: values for other "auto"
-    keys by key path, e.g. {"optimizer.params.lr": 3e-4}, the way a trainer integration fills them.
+    source: a .json/.yaml/.yml path or a mapping. world_size: the data-parallel size, the ranks that split
+    each batch (the caller must know it; it is never assumed to be 1): the world divided by the pipeline
+    and model-parallel degrees, which the caller works out from the job's grid (a pipeline's topology, an
+    mpu's data group, or the world over tensor_parallel.autotp_size). model: used to resolve "auto"
+    values derived from the model (hidden-size-based ZeRO-3 bucket sizes, fp16/bf16 "enabled"); a
+    PipelineModule also has its "pipeline" section read (any other model has it refused).
+    auto_values: values for other "auto" keys by key path, e.g. {"optimizer.params.lr": 3e-4}, the way a
+    trainer integration fills them.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError("world_size", f"expected a positive integer, got {world_size!r}")
@@ -206,6 +211,8 @@ def load_config(
         "checkpoint": read_checkpoint(top.section("checkpoint")),
     }
     tensor_parallel = read_tensor_parallel(top.section("tensor_parallel"))
+    pipelined = is_pipeline_model(model)
+    pipeline = read_pipeline(top.section("pipeline")) if pipelined else PipelineConfig()
     top.ignored("zero_force_ds_cpu_optimizer", True, "any torch optimizer runs on offloaded CPU shards")
     top.ignored("dump_state", False, "no state dump")
     # Lightning's DeepSpeedStrategy always writes an "aio" section. It tunes NVMe offload only, which is
@@ -218,7 +225,8 @@ def load_config(
     for key in [k for k in dotted if k.split(".")[0] in _DOTTED_PREFIXES]:
         # TRL's prepare_deepspeed adds "zero_optimization.reduce_bucket_size" etc. at the top level
         top.ignored(key, object(), "a dotted top-level key is not a nested one; DeepSpeed ignores it too")
-    top.finish(unsupported=_UNSUPPORTED_TOP_LEVEL)
+    unsupported = {k: v for k, v in _UNSUPPORTED_TOP_LEVEL.items() if not (pipelined and k == "pipeline")}
+    top.finish(unsupported=unsupported)
     ctx.raise_pending()  # typos first: they often explain the errors that would follow
 
     train_batch_size, micro, gas = resolve_batch(top, world_size)
@@ -227,12 +235,6 @@ def load_config(
     if fp16.enabled and bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled; keep one of them")
     _check_optimizer_with_zero(optimizer, zero, simple["zero_allow_untested_optimizer"])
-    if tensor_parallel.autotp_size > 1:  # the tensor-parallel engine reads the section before this
-        raise ConfigError(
-            "tensor_parallel.autotp_size",
-            f"{tensor_parallel.autotp_size} needs the tensor-parallel engine, which runtime.initialize "
-            "builds for such a config (runtime.tensor_parallel.TensorParallelEngine), not this one",
-        )
 
     config = Config(
         train_batch_size=train_batch_size,
@@ -243,12 +245,15 @@ def load_config(
         optimizer=optimizer,
         scheduler=scheduler,
         zero_optimization=zero,
+        pipeline=pipeline,
+        tensor_parallel=tensor_parallel,
         world_size=world_size,
         notes=tuple(ctx.notes),
         **simple,
         **sections,
     )
-    return _with_raw(config)
+    given = {key for key in ("pipeline", "tensor_parallel") if top.data.get(key)}
+    return _with_raw(config, given)
 
 
 _DOTTED_PREFIXES = frozenset({"zero_optimization", "optimizer", "scheduler", "fp16", "bf16"})
@@ -281,8 +286,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _with_raw(config: Config) -> Config:
-    raw = {k: v for k, v in _plain(config).items() if k not in ("raw", "notes", "world_size")}
+def _with_raw(config: Config, given: set[str]) -> Config:
+    """`config.raw`: every key explicit, except the model-parallel sections the source did not have (a
+    plain data-parallel config reads back as it was written)."""
+    absent = {"pipeline", "tensor_parallel"} - given
+    skip = {"raw", "notes", "world_size", *absent}
+    raw = {k: v for k, v in _plain(config).items() if k not in skip}
     object.__setattr__(config, "raw", freeze(raw))
     return config
 

@@ -25,14 +25,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from runtime import checkpointing
 from runtime.comm import Comm
 from runtime.config import Config, load_config, read_config_file
+from runtime.config.combinations import check_batch_over_data, check_config_world, check_mpu
 from runtime.engine import Engine
-from runtime.parallel.mpu import MpuError, MpuGroups, is_model_parallel_parameter, resolve_mpu
+from runtime.parallel.mpu import MpuGroups, is_model_parallel_parameter, resolve_mpu
+from runtime.parallel.norm import grid_square_sum
 from runtime.precision.grad_math import GradMath
 from runtime.zero.optimizer import GroupSpec, OptimizerSource, collect_param_groups
 
@@ -72,35 +73,18 @@ def replicated_squares(engine: Engine, replicated_specs: set[int]) -> torch.Tens
 def _config_for(config: Any, groups: MpuGroups, model: nn.Module) -> Config:
     """The config resolved for the data-parallel ranks (train_batch_size counts them, not the world)."""
     if isinstance(config, Config):
-        if config.world_size != groups.data_size:
-            raise MpuError(
-                f"the config was resolved for {config.world_size} data-parallel ranks, but the mpu has "
-                f"{groups.data_size} ({groups.describe()})"
-            )
+        check_config_world(config.world_size, groups.data_size, groups.describe())
         return config
     raw = dict(read_config_file(config) if isinstance(config, (str, os.PathLike)) else config)
-    section = raw.pop("tensor_parallel", None)
-    if isinstance(section, Mapping) and int(section.get("autotp_size", section.get("tp_size", 1)) or 1) > 1:
-        raise MpuError(
-            "initialize got both mpu=... and tensor_parallel.autotp_size > 1: the mpu's model already "
-            "is tensor parallel; pass one of them"
-        )
-    batch = raw.get("train_batch_size")
-    if isinstance(batch, int) and not isinstance(batch, bool) and batch % groups.data_size:
-        raise MpuError(
-            f"train_batch_size {batch} is not divisible by the data-parallel size {groups.data_size} "
-            f"({groups.describe()} = {groups.model_size * groups.data_size} ranks)",
-            hint="train_batch_size counts the samples of all data-parallel ranks together: make it a "
-            "multiple of the data-parallel size (model-parallel ranks share their samples)",
-        )
+    total = f"{groups.describe()} = {groups.model_size * groups.data_size} ranks"
+    check_batch_over_data(raw, groups.data_size, total)
     return load_config(raw, world_size=groups.data_size, model=model)
 
 
 class MpuEngine(Engine):
     """ZeRO stages 0-3 over an mpu's data group; the norm over its model group."""
 
-    max_zero_stage = 3  # the highest ZeRO stage this engine is tested with
-    parallelism = "model parallelism"  # what the refusal of a higher stage calls it
+    model_parallel = True
 
     def __init__(
         self,
@@ -119,14 +103,7 @@ class MpuEngine(Engine):
         them, as AutoTP does), so a client optimizer's or `model_parameters`' groups still apply."""
         groups = resolve_mpu(mpu)
         cfg = _config_for(config, groups, model)
-        stage = cfg.zero_optimization.stage
-        if stage > self.max_zero_stage:
-            stages = ", ".join(str(n) for n in range(self.max_zero_stage)) + f" or {self.max_zero_stage}"
-            raise MpuError(
-                f"zero_optimization.stage {stage} with {self.parallelism} ({groups.describe()}) is not "
-                f"supported; use stage {stages}",
-                hint="stage 2 shards gradients and optimizer state over the data-parallel ranks",
-            )
+        self._check_combination(cfg, groups)
         # read by _param_group_specs, which Engine.__init__ calls
         self._sharded = sharded if sharded is not None else _marked(model)
         self._renamed = dict(renamed or {})
@@ -144,6 +121,10 @@ class MpuEngine(Engine):
         self.mp_size = groups.model_size
         checkpointing.use_engine_mpu(mpu)
         self._engine_mpu = mpu
+
+    def _check_combination(self, config: Config, groups: MpuGroups) -> None:
+        """The user's mpu brings a model already split: AutoTP on top is refused (config/combinations)."""
+        check_mpu(config)
 
     def _param_group_specs(
         self, model: nn.Module, optimizer: OptimizerSource | None, model_parameters: Any
@@ -177,18 +158,14 @@ class MpuEngine(Engine):
         return dataclasses.replace(math, all_reduce_sum=self._model_group_sum(math.all_reduce_sum))
 
     def _model_group_sum(self, dp_sum: Any) -> Any:
-        size, group = self.mp_size, self.mpu_groups.model_group
-
-        def reduce(squared: torch.Tensor) -> None:
-            # replicated parameters: every model rank holds the same gradient, so each adds 1/size of it
-            squares = replicated_squares(self, self._replicated_specs)
-            if squares is not None:
-                squared.sub_(squares.to(squared.dtype) * (size - 1) / size)
-            if dp_sum is not None:
-                dp_sum(squared)
-            dist.all_reduce(squared, group=group)
-
-        return reduce
+        """Sum of squared gradients over data and the model group, each weight once (runtime.parallel.norm):
+        every model rank holds a replicated parameter's same gradient, so each adds 1/size of it."""
+        return grid_square_sum(
+            dp_sum,
+            model_size=self.mp_size,
+            model_group=self.mpu_groups.model_group,
+            replicated=lambda: replicated_squares(self, self._replicated_specs),
+        )
 
     def checkpoint_folder(self) -> tuple[str, str, str] | None:
         """Each model rank keeps its own ZeRO checkpoint; the name carries the size, so a resume at

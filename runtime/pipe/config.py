@@ -1,16 +1,10 @@
-"""The pipeline's inputs checked against each other: the config's "pipeline" section (read strictly by
-`runtime.config.parallel`) with the `PipelineModule` and the batch, and `PipelineError`, the one error
-type for a pipeline input that cannot run (a `UserError`: one line and exit code 2).
+"""The pipeline's own inputs checked: `PipelineModule`'s arguments (`check_module_arguments`) and
+`PipelineError`, the one error type for a pipeline input that cannot run (a `UserError`: one line and exit
+code 2).
 
-The module's own arguments
-(PipelineModule) decide stages, chunks, partition and seeding; the section's values for those are checked
-against the module, not applied to it, since the module is built before the engine sees the config.
-
-Schedules: "1f1b" (the default with one chunk per stage; "gpipe" when there are fewer micro-batches
-than stages, which torch's 1F1B refuses and which is the same schedule then) and "gpipe" run one chunk per
-stage;
-"interleaved_1f1b" (the default with several chunks per stage) and "looped_bfs" run the chunks of a
-`PipelineModule(..., chunks_per_stage=v)`.
+The config's "pipeline" section and the schedule checks are `runtime.config.pipeline`'s (re-exported
+here under their old names); the refusals that combine the pipeline with other options are in
+`runtime.config.combinations`.
 """
 
 from __future__ import annotations
@@ -19,13 +13,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from runtime.config import ConfigError
-from runtime.config.parallel import (
+from runtime.config.parallel import read_pipeline_section
+from runtime.config.pipeline import (
     MULTI_CHUNK_SCHEDULES,
     SCHEDULES,
     SINGLE_CHUNK_SCHEDULES,
     PipelineConfig,
-    read_pipeline_section,
+    check_schedule,
+    interleaved_rounds,
 )
 from runtime.errors import UserError
 
@@ -85,59 +80,6 @@ def check_module_arguments(arguments: Mapping[str, Any]) -> None:
                 if name == "loss_fn"
                 else "seed_fn(seed) seeds the generators before each layer is built",
             )
-
-
-def interleaved_rounds(micro_batches: int, stages: int) -> int:
-    """How many rounds torch's ScheduleInterleaved1F1B cuts the micro-batches into (it needs
-    micro_batches to be a multiple of this): one round per `stages` micro-batches, at least one."""
-    return max(1, micro_batches // stages)
-
-
-def check_schedule(pipe_cfg: PipelineConfig, stages: int, chunks: int, micro_batches: int) -> str:
-    """The schedule to run for a module of `stages` stages x `chunks` chunks and `micro_batches` per
-    batch; a combination that cannot run is refused, naming the numbers."""
-    if pipe_cfg.chunks_per_stage is not None and pipe_cfg.chunks_per_stage != chunks:
-        raise ConfigError(
-            "pipeline.chunks_per_stage",
-            f"{pipe_cfg.chunks_per_stage} but the PipelineModule was built with {chunks} chunks per stage: "
-            f"pass PipelineModule(..., chunks_per_stage={pipe_cfg.chunks_per_stage}) or remove the key",
-        )
-    schedule = pipe_cfg.schedule_for(chunks)
-    if schedule == "1f1b" and micro_batches < stages:
-        if pipe_cfg.schedule is None:  # the default: GPipe is the same schedule when every micro-batch
-            return "gpipe"  # fits in flight at once (DeepSpeed runs fewer micro-batches than stages too)
-        raise ConfigError(
-            "gradient_accumulation_steps",
-            f"{micro_batches} micro-batches, but pipeline.schedule '1f1b' needs at least one per stage "
-            f"({stages})",
-            hint=f"set gradient_accumulation_steps to {stages} or more, or use the schedule 'gpipe'",
-        )
-    if chunks > 1 and schedule not in MULTI_CHUNK_SCHEDULES:
-        raise ConfigError(
-            "pipeline.schedule",
-            f"{schedule!r} runs one chunk per stage but the PipelineModule holds {chunks} chunks per "
-            f"stage; use one of {list(MULTI_CHUNK_SCHEDULES)}",
-        )
-    if chunks == 1 and schedule in MULTI_CHUNK_SCHEDULES:
-        raise ConfigError(
-            "pipeline.schedule",
-            f"{schedule!r} interleaves several chunks per stage but the PipelineModule holds one; build "
-            "it with PipelineModule(..., chunks_per_stage=2) or use '1f1b'",
-        )
-    if schedule == "interleaved_1f1b":
-        rounds = interleaved_rounds(micro_batches, stages)
-        if micro_batches % rounds:
-            fits = [m for m in range(1, 2 * micro_batches) if m % interleaved_rounds(m, stages) == 0]
-            below = max(m for m in fits if m < micro_batches)
-            above = min(m for m in fits if m > micro_batches)
-            raise ConfigError(
-                "gradient_accumulation_steps",
-                f"{micro_batches} is not a multiple of {rounds}: pipeline.schedule 'interleaved_1f1b' "
-                f"with {stages} stages runs the micro-batches in rounds of max(1, {micro_batches} // "
-                f"{stages}) = {rounds}",
-                hint=f"use {below} or {above} micro-batches (gradient_accumulation_steps)",
-            )
-    return schedule
 
 
 def read_pipeline_config(section: Mapping[str, Any] | None) -> PipelineConfig:

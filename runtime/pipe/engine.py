@@ -37,15 +37,11 @@ from torch.distributed.pipelining import (
 
 from runtime import checkpointing
 from runtime.comm import Comm
-from runtime.config import ConfigError, load_config, read_config_file
+from runtime.config import load_config, read_config_file
+from runtime.config.combinations import check_pipeline
 from runtime.engine import Engine
-from runtime.pipe.config import (
-    MULTI_CHUNK_SCHEDULES,
-    PipelineConfig,
-    PipelineError,
-    check_schedule,
-    read_pipeline_config,
-)
+from runtime.parallel.norm import grid_square_sum
+from runtime.pipe.config import MULTI_CHUNK_SCHEDULES, PipelineError, check_schedule
 from runtime.pipe.data import read_micro_batches, stage_tensors
 from runtime.pipe.module import PipelineModule, check_every_stage_trains
 from runtime.pipe.tied import (
@@ -75,58 +71,21 @@ def _read_config(config: Any) -> dict[str, Any]:
     )
 
 
-def _tensor_parallel_degree(section: Any, grid_tp: int) -> int:
-    """The tensor-parallel degree: the grid's model dim, which the config's autotp_size must match."""
-    from runtime.tensor_parallel import read_tensor_parallel_config
-
-    asked = read_tensor_parallel_config(section).autotp_size
-    if section and asked != grid_tp:
-        raise ConfigError(
-            "tensor_parallel.autotp_size",
-            f"{asked} but the PipelineModule's topology has a model dimension of {grid_tp}",
-            hint=f"build the module with PipeModelDataParallelTopology(num_pp, num_mp={asked}, num_dp), or "
-            f"set autotp_size to {grid_tp}",
-        )
-    return grid_tp
-
-
-def check_pipeline_config(cfg: Any, pipe_cfg: PipelineConfig, module: PipelineModule) -> str:
-    """Refuse what the pipeline engine cannot do, before any training; returns the schedule to run."""
-    zero = cfg.zero_optimization
-    if zero.stage >= 2:
-        raise ConfigError(
-            "zero_optimization.stage",
-            f"{zero.stage} cannot be combined with pipeline parallelism ({module.num_stages} stages): "
-            "gradients accumulate over micro-batches in every stage, so sharding them (stage 2) or the "
-            "parameters (stage 3) does not fit, as in DeepSpeed",
-            hint="use ZeRO stage 0 or 1 with a PipelineModule",
-        )
-    if zero.offload_optimizer.device != "none":
-        raise ConfigError(
-            "zero_optimization.offload_optimizer.device",
-            f"{zero.offload_optimizer.device!r}: optimizer offload is not supported with pipeline "
-            "parallelism yet",
-            hint='remove offload_optimizer (or set "device": "none") when training a PipelineModule',
-        )
-    if zero.offload_param.device != "none":
-        raise ConfigError(
-            "zero_optimization.offload_param.device",
-            f"{zero.offload_param.device!r}: parameter offload is ZeRO-3's, which pipelines do not take",
-            hint='remove offload_param (or set "device": "none") when training a PipelineModule',
-        )
-    if pipe_cfg.stages is not None and pipe_cfg.stages != module.num_stages:
-        raise ConfigError(
-            "pipeline.stages",
-            f"{pipe_cfg.stages} but the PipelineModule was built with {module.num_stages} stages",
-            hint=f'set "stages": {module.num_stages} (or "auto"), or build the module with '
-            f"num_stages={pipe_cfg.stages}",
-        )
-    micro_batches = cfg.gradient_accumulation_steps
-    return check_schedule(pipe_cfg, module.num_stages, module.chunks_per_stage, micro_batches)
+def check_pipeline_config(cfg: Any, module: PipelineModule) -> str:
+    """Refuse what the pipeline engine cannot do, before any training; returns the schedule to run (the
+    rules are `runtime.config.combinations.check_pipeline`; the module's facts come from here)."""
+    return check_pipeline(
+        cfg,
+        stages=module.num_stages,
+        chunks_per_stage=module.chunks_per_stage,
+        model_dim=module.grid.model_parallel_size,
+    )
 
 
 class PipelineEngine(Engine):
     """Trains a `PipelineModule`: `train_batch(data_iter)` and `eval_batch(data_iter)`."""
+
+    model_parallel = True  # 3D: each stage sharded over the topology's model axis
 
     def __init__(
         self,
@@ -139,12 +98,11 @@ class PipelineEngine(Engine):
     ) -> None:
         if not isinstance(module, PipelineModule):
             raise PipelineError(f"PipelineEngine trains a PipelineModule, got {type(module).__name__}")
-        raw = _read_config(config)
-        self_pipe = read_pipeline_config(raw.pop("pipeline", None))
         grid = module.grid
-        tp = _tensor_parallel_degree(raw.pop("tensor_parallel", None), grid.model_parallel_size)
-        cfg = load_config(raw, world_size=grid.data_parallel_size, model=module)
-        schedule_name = check_pipeline_config(cfg, self_pipe, module)
+        cfg = load_config(_read_config(config), world_size=grid.data_parallel_size, model=module)
+        schedule_name = check_pipeline_config(cfg, module)
+        self_pipe = cfg.pipeline
+        tp = grid.model_parallel_size  # the config's autotp_size, where given, agrees (checked above)
         if self_pipe.activation_checkpoint_interval is not None:
             module.activation_checkpoint_interval = self_pipe.activation_checkpoint_interval
         comm = Comm(
@@ -154,13 +112,13 @@ class PipelineEngine(Engine):
 
         device = current_device()
         # ties first: the engine copies the weights into its flat buffers and master shards
-        replicated: set[int] = set()
+        # read by _param_group_specs, which Engine.__init__ calls
+        self._sharded: set[torch.nn.Parameter] | None = None  # None: no model axis, nothing to split
+        self._replicated_specs: set[int] = set()
         if tp > 1:  # 3D: each stage's projections sharded over the grid's model axis (AutoTP)
             from runtime.tensor_parallel.engine import shard_for_tensor_parallel
 
-            model_parameters, replicated = shard_for_tensor_parallel(
-                module, tp, grid.mesh["model"], model_parameters
-            )
+            self._sharded = shard_for_tensor_parallel(module, tp, grid.mesh["model"])
         ties = build_ties(module)
         broadcast_tied_weights(ties, device)
         if optimizer is None and model_parameters is None:
@@ -182,7 +140,6 @@ class PipelineEngine(Engine):
         self._engine_mpu = grid
         self.ties = ties
         self.tp_size = tp
-        self._replicated_specs = replicated
         self.num_stages = module.num_stages
         self.stage_id = module.stage_id
         self.micro_batches = cfg.gradient_accumulation_steps
@@ -199,6 +156,17 @@ class PipelineEngine(Engine):
         self._eval_stages: list[PipelineStage] | None = None
         self._losses: list[torch.Tensor] = []
         self.data_iterator: Iterator[Any] | None = None  # what train_batch() reads without an iterator
+
+    def _param_group_specs(self, model: Any, optimizer: Any, model_parameters: Any) -> list[Any]:
+        """The user's groups, each split into its tensor-parallel shards and its replicated parameters
+        (the one split, `runtime.parallel.mpu_engine.split_specs`; the norm counts the latter once)."""
+        specs = super()._param_group_specs(model, optimizer, model_parameters)
+        if self._sharded is None:  # a stage AutoTP found nothing in is split too: all of it replicated
+            return specs
+        from runtime.parallel.mpu_engine import split_specs
+
+        specs, self._replicated_specs = split_specs(specs, self._sharded)
+        return specs
 
     def _torch_stages(self) -> list[PipelineStage]:
         """One torch stage per chunk, with its virtual stage index (r, r + p, ...) out of p * chunks."""
@@ -336,30 +304,20 @@ class PipelineEngine(Engine):
         return dataclasses.replace(math, all_reduce_sum=self._grid_sum(math.all_reduce_sum))
 
     def _grid_sum(self, dp_sum: Any) -> Any:
-        """Sum of squared gradients over the grid, each weight once: parameters whole on every model rank
-        count 1/tp per rank, then the sum over data (when gradients are sharded), minus the tied copies
-        this stage does not own, then over the pipeline and the model axis."""
-        if self.num_stages == 1 and not self.ties and self.tp_size == 1:
-            return dp_sum
-        tp = self.tp_size
+        """Sum of squared gradients over the grid, each weight once (runtime.parallel.norm): replicated
+        parameters 1/tp per model rank, tied copies this stage does not own taken off, then over the pipe
+        and model axes."""
+        from runtime.tensor_parallel.engine import replicated_squares
 
-        def reduce(squared: torch.Tensor) -> None:
-            if tp > 1:
-                from runtime.tensor_parallel.engine import replicated_squares
-
-                squares = replicated_squares(self, self._replicated_specs)
-                if squares is not None:
-                    squared.sub_(squares.to(squared.dtype) * (tp - 1) / tp)
-            if dp_sum is not None:
-                dp_sum(squared)
-            if self._duplicate_squares is not None:  # tied copies are whole on every model rank
-                squared.sub_(self._duplicate_squares.to(squared.dtype) / tp)
-            if self.num_stages > 1:
-                dist.all_reduce(squared, group=self._pipe_group)
-            if tp > 1:
-                dist.all_reduce(squared, group=self.grid.get_model_parallel_group())
-
-        return reduce
+        return grid_square_sum(
+            dp_sum,
+            model_size=self.tp_size,
+            model_group=self.grid.get_model_parallel_group(),
+            pipe_size=self.num_stages,
+            pipe_group=self._pipe_group,
+            replicated=lambda: replicated_squares(self, self._replicated_specs),
+            duplicates=(lambda: self._duplicate_squares) if self.ties else None,
+        )
 
     def _batch_loss(self) -> torch.Tensor:
         """The mean loss of the batch (over micro-batches and data ranks), sent from the last stage."""

@@ -212,6 +212,10 @@ class PipelineModule(nn.Module):
             config; the config's `pipeline.chunks_per_stage`, where given, must agree.
     """
 
+    # how runtime.config knows a pipeline without importing this package (it reads the "pipeline" section
+    # for one and refuses the section for any other model)
+    is_pipeline_module = True
+
     def __init__(
         self,
         layers: Sequence[Any],

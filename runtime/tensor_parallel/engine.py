@@ -26,10 +26,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
-from runtime.config import ConfigError, read_config_file
+from runtime.config import Config, read_config_file
+from runtime.config.combinations import check_tensor_parallel, check_tensor_parallel_world
+from runtime.config.parallel import tensor_parallel_degree
 from runtime.parallel import ParallelGrid, topology_for
+from runtime.parallel.mpu import MpuGroups
 from runtime.parallel.mpu_engine import MpuEngine, replicated_squares
-from runtime.tensor_parallel import read_tensor_parallel_config
 from runtime.tensor_parallel.autotp import tp_model_init
 
 
@@ -67,50 +69,20 @@ def localize_parameters(model: nn.Module) -> set[nn.Parameter]:
     return sharded
 
 
-def split_param_groups(
-    model: nn.Module, model_parameters: Any, sharded: set[nn.Parameter]
-) -> tuple[list[dict[str, Any]], set[int]]:
-    """Each param group split into its sharded and its replicated parameters (same options); returns the
-    groups and the indices of the replicated ones."""
-    if model_parameters is None:
-        base = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    else:
-        items = list(model_parameters)
-        base = items if items and isinstance(items[0], dict) else [{"params": items}]
-    groups, replicated = [], set()
-    for group in base:
-        params = list(group["params"])
-        options = {k: v for k, v in group.items() if k != "params"}
-        for is_sharded in (True, False):
-            part = [p for p in params if (p in sharded) == is_sharded]
-            if part:
-                if not is_sharded:
-                    replicated.add(len(groups))
-                groups.append({"params": part, **options})
-    return groups, replicated
-
-
-def shard_for_tensor_parallel(
-    model: nn.Module, tp_size: int, mesh: Any, model_parameters: Any
-) -> tuple[list[dict[str, Any]], set[int]]:
-    """AutoTP `model` over `mesh`, local shards as its parameters; returns the param groups for the
-    engine and the indices of the replicated ones (see `split_param_groups`). A model with nothing to
-    shard (a pipeline stage of only embeddings and norms) stays whole."""
+def shard_for_tensor_parallel(model: nn.Module, tp_size: int, mesh: Any) -> set[nn.Parameter]:
+    """AutoTP `model` over `mesh`, local shards as its parameters; returns the shards split over the
+    model axis (the engine splits its param groups by them). A model with nothing to shard (a pipeline
+    stage of only embeddings and norms) stays whole."""
     from runtime.tensor_parallel.autotp import tp_plan
 
     if tp_plan(model):
         tp_model_init(model, tp_size, mesh=mesh)
-    sharded = localize_parameters(model)
-    return split_param_groups(model, model_parameters, sharded)
+    return localize_parameters(model)
 
 
 class TensorParallelEngine(MpuEngine):
     """The ZeRO engine (stages 0-2) over the data group of a model sharded with AutoTP: `MpuEngine` with
     the grid as the mpu and the DTensor shards as the split parameters."""
-
-    # stage 3 would partition the parametrized shards again; not built or tested
-    max_zero_stage = 2
-    parallelism = "tensor parallelism (AutoTP)"
 
     def __init__(
         self,
@@ -122,14 +94,9 @@ class TensorParallelEngine(MpuEngine):
         lr_scheduler: Any = None,
     ) -> None:
         raw = dict(read_config_file(config) if isinstance(config, (str, os.PathLike)) else config)
-        tp = read_tensor_parallel_config(raw.pop("tensor_parallel", None)).autotp_size
+        tp = tensor_parallel_degree(raw)
         world = dist.get_world_size()
-        if world % tp:
-            raise ConfigError(
-                "tensor_parallel.autotp_size",
-                f"{tp} does not divide the world size {world}: each data-parallel replica needs {tp} ranks",
-                hint=f"launch a multiple of {tp} ranks, or choose an autotp_size that divides {world}",
-            )
+        check_tensor_parallel_world(tp, world)
         grid = ParallelGrid(topology_for(world, tp=tp))
         # the user's parameters (a client optimizer's groups, model_parameters) by name, before AutoTP
         # replaces them with their shards
@@ -150,6 +117,10 @@ class TensorParallelEngine(MpuEngine):
         )
         self.grid = grid
         self.tp_size = tp
+
+    def _check_combination(self, config: Config, groups: MpuGroups) -> None:
+        """AutoTP stops at ZeRO stage 2 (config/combinations)."""
+        check_tensor_parallel(config, groups.describe())
 
     def checkpoint_folder(self) -> tuple[str, str, str]:
         """Each model rank keeps its own ZeRO checkpoint (its shards of the sharded projections, over its
@@ -172,17 +143,9 @@ def _plain_name(name: str) -> str:
     return re.sub(r"(^|\.)parametrizations\.([^.]+)\.original$", r"\1\2", name)
 
 
-def tensor_parallel_size(config: Any) -> int:
-    """The autotp_size a config asks for (1 without a "tensor_parallel" section)."""
-    raw = read_config_file(config) if isinstance(config, (str, os.PathLike)) else config
-    return read_tensor_parallel_config(raw.get("tensor_parallel")).autotp_size
-
-
 __all__ = [
     "TensorParallelEngine",
     "localize_parameters",
     "replicated_squares",
     "shard_for_tensor_parallel",
-    "split_param_groups",
-    "tensor_parallel_size",
 ]

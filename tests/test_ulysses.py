@@ -80,6 +80,12 @@ def _worker(rank: int, world: int, sp: int, kv_heads: int) -> dict[str, Any]:
         seq_length_is_variable=False,
     )
     sp_group, data_group = mpu.get_sequence_parallel_group(), mpu.get_data_parallel_group()
+    # where HF Trainer's sp loss and Accelerate's late adapter look the group up
+    from deepspeed.utils import groups
+
+    assert groups._get_sequence_parallel_group() is sp_group
+    assert groups._get_sequence_parallel_world_size() == sp
+    assert groups._get_sequence_parallel_rank() == rank % sp
     dp = mpu.get_data_parallel_world_size()
     own = [row[rank] for row in _data(world, STEPS // sp)]
     loader = UlyssesSPDataLoaderAdapter(

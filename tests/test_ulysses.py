@@ -7,7 +7,8 @@ group (``reduce_sequence_loss``), gradients are summed over the sequence group a
 group (what the engine will do), and AdamW steps. At sp 2, sp 4 (2 kv heads: replicated) and sp 2 x dp 2,
 8 steps' losses and the final weights equal one process training the whole sequences in the order the
 adapter serves them. Some shards have only -100 labels (a prompt), so their ranks count zero tokens.
-Also: the adapter's shards against hand-computed ones, the group layout, and the bad-input messages.
+Also: the adapter serving batches of different lengths drawn on the group's ranks in group order, its
+shards against hand-computed ones, the group layout, and the bad-input messages.
 """
 
 from __future__ import annotations
@@ -112,7 +113,11 @@ def _worker(rank: int, world: int, sp: int, kv_heads: int) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    # batches of another length on each rank of the group: each rank's is served in group order
+    ragged = [{"input_ids": torch.arange(4 * (rank + 1)).reshape(1, -1) + 100 * rank, "tag": rank}]
+    served = list(UlyssesSPDataLoaderAdapter(ragged, mpu.get_sequence_parallel_rank(), sp_group, sp, None))
     return {
+        "served": served,
         "losses": losses,
         "params": [p.detach().clone() for p in model.parameters()],
         "groups": (dist.get_process_group_ranks(sp_group), dist.get_process_group_ranks(data_group)),
@@ -153,6 +158,15 @@ def test_ulysses_equals_one_process(world: int, sp: int, kv_heads: int) -> None:
     for rank, result in enumerate(results):
         assert result["groups"] == (layout.sequence_ranks(rank), layout.data_ranks(rank))
         assert result["len"] == (STEPS // sp) * sp
+        first = rank - rank % sp
+        drawn = [
+            {"input_ids": torch.arange(4 * (r + 1)).reshape(1, -1) + 100 * r, "tag": r}
+            for r in range(first, first + sp)
+        ]
+        want = [shard_batch(batch, rank % sp, sp) for batch in drawn]
+        assert [(s["tag"], s["input_ids"].tolist()) for s in result["served"]] == [
+            (w["tag"], w["input_ids"].tolist()) for w in want
+        ]
         assert result["errors"] == [f"sequence_parallel_size=3 does not divide the world size {world}"]
         expected = [step[rank // sp] for step in ref_losses]
         torch.testing.assert_close(result["losses"], expected, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,9 @@ so each rank gets the one its query heads use. Any other count is refused in one
 ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` under the model's own implementation name with a wrapper, so
 every code path HF keys on that name (mask building, kernels) stays as it is and only the call to
 attention is intercepted. The masks HF builds are for the local shard and are dropped: attention is
-causal over the gathered sequence, so padding inside a sequence must be masked through the labels (-100).
+causal over the gathered sequence, so padding inside a sequence must be masked through the labels (-100);
+packed documents stay apart only under kernels that read the gathered ``position_ids`` (flash varlen), not
+under ``sdpa``. The entry is per process: every model there running that implementation runs Ulysses.
 """
 
 from __future__ import annotations

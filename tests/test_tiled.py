@@ -130,7 +130,7 @@ def test_tiled_loss_in_bf16_matches_the_fp32_logits_loss() -> None:
         assert torch.allclose(a.float(), b.float(), rtol=1.6e-2, atol=1e-3), (a - b).abs().max()
 
 
-def test_deepspeed_names_keep_their_signatures_and_ulysses_is_refused() -> None:
+def test_deepspeed_names_keep_their_signatures() -> None:
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
     torch.manual_seed(3)
@@ -171,16 +171,9 @@ def test_deepspeed_names_keep_their_signatures_and_ulysses_is_refused() -> None:
     assert torch.allclose(h.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
     assert torch.allclose(head.weight.grad, ref_head.weight.grad, rtol=1e-5, atol=1e-6)
 
-    # constructed, or registered as Accelerate's sp_backend="deepspeed" does: refused by name
-    for refuse in (
-        ulysses_sp.UlyssesSPAttentionHF,
-        ulysses_sp.UlyssesSPDataLoaderAdapter,
-        lambda: ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(model_name_or_path=None),
-    ):
-        with pytest.raises(NotImplementedError) as refused:
-            refuse()
-        assert "sequence parallelism (Ulysses)" in str(refused.value)
-        assert "planned, issue 34" in str(refused.value)
+    # the Ulysses names are real (tests/test_ulysses.py); at sequence_parallel_size=1 DeepSpeed's
+    # register_with_transformers does nothing and returns no mpu
+    assert ulysses_sp.UlyssesSPAttentionHF.register_with_transformers(None, "sdpa", 1, 1) is None
 
 
 def test_bad_input_is_one_line_naming_the_argument() -> None:

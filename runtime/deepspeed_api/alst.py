@@ -7,38 +7,98 @@ trainable parameter of ``self`` gets its gradient (``compute_params`` only adds 
 ``self`` does not own), each gradient is accumulated once per backward, and ``output_reduction="mean"``
 averages over the tiles actually run (``torch.chunk`` may make fewer than ``shards``).
 
-The Ulysses classes (``UlyssesSPAttentionHF``, ``UlyssesSPDataLoaderAdapter``) need the sequence axis of
-the parallel plan (issue 34, after issue 31); until then they refuse by name.
+``UlyssesSPAttentionHF.register_with_transformers(...)`` (Accelerate's ``ParallelismConfig(sp_backend=
+"deepspeed")`` path calls it) builds the sequence groups (runtime.sequence.sp_groups), installs Ulysses
+attention (runtime.sequence.ulysses) under the model's attention implementation, and returns the ``mpu``;
+``UlyssesSPDataLoaderAdapter`` is runtime.sequence.ulysses_data's ``SequenceShardLoader``. Bad input is a
+one-line UserError where DeepSpeed raises ValueError/RuntimeError or asserts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from runtime.deepspeed_api.unsupported import unsupported_callable, unsupported_class
 from runtime.errors import UserError
+from runtime.sequence.sp_groups import SequenceParallelGroups, init_sequence_parallel
 from runtime.sequence.tiled_loss import tiled_loss
 from runtime.sequence.tiled_mlp import tiled_mlp, trainable_params
 from runtime.sequence.tiles import check_tiles
+from runtime.sequence.ulysses import UlyssesAttention, install_ulysses
+from runtime.sequence.ulysses_data import SequenceShardLoader
 
 __all__ = ["TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
 
-_ULYSSES = "sequence parallelism (Ulysses)"
-_ULYSSES_ALTERNATIVE = (
-    "planned, issue 34; on one GPU, long sequences train with the tiled MLP and loss and "
-    "activation_checkpointing.cpu_checkpointing (README, Long sequences)"
-)
 
-UlyssesSPAttentionHF = unsupported_class("UlyssesSPAttentionHF", _ULYSSES, _ULYSSES_ALTERNATIVE)
-# Accelerate's sp_backend="deepspeed" path calls this class method (after reading its signature) rather
-# than constructing the class: it must exist and refuse by name, not fail as an AttributeError
-UlyssesSPAttentionHF.register_with_transformers = staticmethod(  # type: ignore[attr-defined]
-    unsupported_callable("register_with_transformers", _ULYSSES, _ULYSSES_ALTERNATIVE)
-)
-UlyssesSPDataLoaderAdapter = unsupported_class("UlyssesSPDataLoaderAdapter", _ULYSSES, _ULYSSES_ALTERNATIVE)
+class UlyssesSPAttentionHF(UlyssesAttention):
+    """DeepSpeed's ``UlyssesSPAttentionHF``: Ulysses attention around ``attn`` over ``process_group``.
+    The shape arguments DeepSpeed checks each call against are accepted; shapes are read from the tensors."""
+
+    def __init__(
+        self,
+        attn: Callable[..., Any],
+        batch_size: int,
+        attn_head_count: int,
+        attn_head_size: int,
+        kv_head_count: int,
+        num_hidden_layers: int,
+        process_group: Any,
+        seq_length_is_variable: bool = False,
+        local_seq_length: int | None = None,
+        global_seq_length: int | None = None,
+        disable_in_eval: bool = False,
+    ) -> None:
+        super().__init__(attn, process_group, attn_head_count, kv_head_count, disable_in_eval)
+
+    @classmethod
+    def register_with_transformers(
+        cls,
+        model_name_or_path: Any,
+        core_attn_implementation: str,
+        sequence_parallel_size: int,
+        micro_batch_size: int,
+        seq_length: int | None = None,
+        seq_length_is_variable: bool = True,
+        disable_in_eval: bool = False,
+        max_length: int | None = None,
+    ) -> SequenceParallelGroups | None:
+        """Build the sequence groups, make models with this config (a model, or a hub name / path whose
+        config is read) run Ulysses attention, and return the ``mpu``; None at sequence_parallel_size 1."""
+        if sequence_parallel_size == 1:
+            return None
+        seq_length = seq_length if seq_length is not None else max_length
+        if not seq_length_is_variable and seq_length is None:
+            raise UserError(
+                "register_with_transformers(seq_length_is_variable=False) needs seq_length",
+                hint="pass seq_length=<tokens per sequence>, or seq_length_is_variable=True",
+            )
+        if seq_length is not None and seq_length % sequence_parallel_size:
+            raise UserError(
+                f"seq_length={seq_length} is not divisible by "
+                f"sequence_parallel_size={sequence_parallel_size}",
+                hint=f"pad sequences to a multiple of {sequence_parallel_size} tokens",
+            )
+        config = getattr(model_name_or_path, "config", None)
+        if config is None:
+            if not isinstance(model_name_or_path, str):
+                raise UserError(
+                    "register_with_transformers(model_name_or_path=...): a "
+                    f"{type(model_name_or_path).__name__} has no HF config",
+                    hint="pass the HF model, or its hub name or local path",
+                )
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(model_name_or_path)
+        mpu = init_sequence_parallel(sequence_parallel_size)
+        install_ulysses(config, mpu.get_sequence_parallel_group(), core_attn_implementation, disable_in_eval)
+        return mpu
+
+
+class UlyssesSPDataLoaderAdapter(SequenceShardLoader):
+    """DeepSpeed's ``UlyssesSPDataLoaderAdapter(dl, sp_rank, sp_group, sp_world_size, device)``."""
 
 
 class TiledMLP:
@@ -89,7 +149,7 @@ class TiledFusedLogitsLoss:
         tokens = x.shape[0] * x.shape[1] if x.dim() >= 2 else 0
         scale = 1.0 / _tiles_made(tokens, shards) if output_reduction == "mean" else 1.0
 
-        def tile_loss(xt: torch.Tensor, yt: torch.Tensor, mt: torch.Tensor | None) -> torch.Tensor:
+        def tile_loss(xt: torch.Tensor, yt: torch.Tensor, mt: Any) -> torch.Tensor:
             return fn(self, xt, yt) if mt is None else fn(self, xt, yt, mt)
 
         return tiled_loss(tile_loss, x, y, shards, trainable_params(self, compute_params), mask, scale)

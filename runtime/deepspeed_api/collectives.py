@@ -433,13 +433,23 @@ def _get_expert_parallel_group(group_name: str = "") -> ProcessGroup:
     return _no_group("expert-parallel (MoE)", "dslaunch has no MoE layers; train a dense model")
 
 
+def _sequence_groups() -> Any:
+    """The Ulysses groups built in this process (HF Trainer reads them back here), or a refusal."""
+    from runtime.sequence.sp_groups import current_sequence_groups
+
+    groups = current_sequence_groups()
+    if groups is None:
+        _no_group("sequence-parallel (Ulysses)", "train with data parallelism and ZeRO")
+    return groups
+
+
 def _get_sequence_parallel_group() -> ProcessGroup:
-    return _no_group("sequence-parallel (Ulysses)", "train with data parallelism and ZeRO")
+    return _sequence_groups().get_sequence_parallel_group()
 
 
 def _get_sequence_parallel_world_size() -> int:
-    return _no_group("sequence-parallel (Ulysses)", "train with data parallelism and ZeRO")
+    return _sequence_groups().get_sequence_parallel_world_size()
 
 
 def _get_sequence_parallel_rank() -> int:
-    return _no_group("sequence-parallel (Ulysses)", "train with data parallelism and ZeRO")
+    return _sequence_groups().get_sequence_parallel_rank()

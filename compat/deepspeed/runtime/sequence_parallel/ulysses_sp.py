@@ -1,5 +1,6 @@
-"""``deepspeed.runtime.sequence_parallel.ulysses_sp``: the tiled MLP and loss (runtime.sequence); the
-Ulysses classes raise UnsupportedFeature until sequence parallelism exists (issue 34)."""
+"""``deepspeed.runtime.sequence_parallel.ulysses_sp``: the tiled MLP and loss and Ulysses sequence
+parallelism's attention and data loader adapter (runtime.sequence); other names of the module are refused
+by name."""
 
 from runtime.deepspeed_api.alst import (
     TiledFusedLogitsLoss,
@@ -13,5 +14,5 @@ __all__ = ["TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF", "UlyssesS
 
 __getattr__ = missing_names(
     "deepspeed.runtime.sequence_parallel.ulysses_sp",
-    "sequence parallelism (Ulysses) is planned (issue 34); see README.md, Long sequences",
+    "dslaunch has the tiled MLP and loss and Ulysses attention and data; see README.md, Long sequences",
 )

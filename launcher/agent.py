@@ -75,17 +75,14 @@ import threading
 import time
 from collections import deque
 
+from launcher.agent_worker import Worker, exit_code_of, write_all
 from launcher.agentspec import PROTOCOL_VERSION, SpecError, decode_spec_arg, encode_spec_arg, load_spec
-from launcher.errorfile import WorkerError, error_file_env, make_error_dir, read_error_file, traceback_block
+from launcher.errorfile import error_file_env, make_error_dir, read_error_file, traceback_block
 from launcher.leftovers import Leftovers
 from launcher.stop import StopAction, StopSequence, StopState
 
-# `typing` would cost the agent ~10 ms at start; type checkers take this name as True and see the import
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import IO
-
 __all__ = ["EVENT_PREFIX", "PROTOCOL_VERSION", "Agent", "decode_spec_arg", "encode_spec_arg", "main"]
+
 EVENT_PREFIX = b"@dslaunch "
 MAX_LINE = 64 * 1024
 _READ_SIZE = 64 * 1024
@@ -97,64 +94,6 @@ EXIT_LIFELINE = 128 + signal.SIGHUP
 EXIT_STOP_COMMAND = 128 + signal.SIGTERM
 
 
-def exit_code_of(returncode: int) -> tuple[int, str | None]:
-    """Popen returncode -> (shell-style exit code, signal name or None)."""
-    if returncode >= 0:
-        return returncode, None
-    signum = -returncode
-    try:
-        name = signal.Signals(signum).name
-    except ValueError:
-        name = f"signal {signum}"
-    return 128 + signum, name
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except BlockingIOError:  # an inherited non-blocking stdout: wait a little and retry
-            time.sleep(0.001)
-            continue
-        view = view[n:]
-
-
-class _Worker:
-    __slots__ = (
-        "error",
-        "error_path",
-        "exited",
-        "fd",
-        "local_rank",
-        "log",
-        "partial",
-        "pid",
-        "prefix",
-        "proc",
-        "rank",
-    )
-
-    def __init__(self, rank: int, local_rank: int) -> None:
-        self.rank = rank
-        self.local_rank = local_rank
-        self.prefix = b"%d:" % rank
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.pid = 0
-        self.fd = -1
-        self.partial = b""
-        self.log: IO[bytes] | None = None
-        self.exited = False
-        self.error_path = ""
-        self.error: WorkerError | None = None  # what its error file held, once it exited non-zero
-
-    def pipe(self) -> IO[bytes]:
-        """The read end of the worker's output (every worker starts with stdout=PIPE)."""
-        if self.proc is None or self.proc.stdout is None:
-            raise RuntimeError(f"rank {self.rank} has no output pipe")
-        return self.proc.stdout
-
-
 class Agent:
     """One node's workers and the loop that watches them. ``run`` returns the exit code."""
 
@@ -163,7 +102,7 @@ class Agent:
         self.node = int(spec.get("node_rank", 0))
         self.grace = float(spec.get("grace_period", 5.0))
         self.lifeline = set(spec.get("lifeline", ["stdin", "parent"]))
-        self.workers: list[_Worker] = []
+        self.workers: list[Worker] = []
         self.stop = StopSequence(self.grace)
         self.failure_code: int | None = None
         self.stop_code = 0
@@ -186,7 +125,7 @@ class Agent:
         if not self.stdout_ok:
             return
         try:
-            _write_all(1, data)
+            write_all(1, data)
         except (BrokenPipeError, OSError):
             # Nobody reads us any more: the launcher is gone. Stop the node; keep running silently.
             self.stdout_ok = False
@@ -259,7 +198,7 @@ class Agent:
         self.error_dir = make_error_dir()
         default_cwd = self.spec.get("cwd")
         for ws in specs:
-            w = _Worker(int(ws["rank"]), int(ws.get("local_rank", 0)))
+            w = Worker(int(ws["rank"]), int(ws.get("local_rank", 0)))
             self.workers.append(w)
             env = dict(base)
             env.update({k: str(v) for k, v in ws.get("env", {}).items()})
@@ -296,7 +235,7 @@ class Agent:
             self._sel.register(w.fd, selectors.EVENT_READ, w)
             self.event("started", rank=w.rank, local_rank=w.local_rank, pid=w.pid)
 
-    def _forward(self, w: _Worker) -> bool:
+    def _forward(self, w: Worker) -> bool:
         """Forward what the worker's pipe holds now (one read); False when it held nothing."""
         try:
             data = os.read(w.fd, _READ_SIZE)
@@ -487,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         spec, leftover = load_spec(sys.argv[1:] if argv is None else argv)
     except SpecError as exc:
         msg = {"ev": "error", "node": 0, "message": f"dslaunch agent: {exc}"}
-        _write_all(1, EVENT_PREFIX + json.dumps(msg).encode() + b"\n")
-        _write_all(1, EVENT_PREFIX + json.dumps({"ev": "done", "node": 0, "code": 2}).encode() + b"\n")
+        write_all(1, EVENT_PREFIX + json.dumps(msg).encode() + b"\n")
+        write_all(1, EVENT_PREFIX + json.dumps({"ev": "done", "node": 0, "code": 2}).encode() + b"\n")
         return EXIT_BAD_SPEC
     return Agent(spec, leftover).run()
 

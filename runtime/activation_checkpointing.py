@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -52,9 +51,9 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
+from runtime.activation_inputs import InputSlots, PackedInput
 from runtime.comm import Comm
 from runtime.config import ActivationCheckpointingConfig, Config, ConfigError
-from runtime.distributed import accelerator
 from runtime.parallel.mpu import model_parallel_names
 from runtime.parallel.rng import (
     CudaRNGStatesTracker,
@@ -63,7 +62,7 @@ from runtime.parallel.rng import (
     model_parallel_cuda_manual_seed,
     set_default_mpu,
 )
-from runtime.sequence.host_stash import HostCopy, HostStash
+from runtime.sequence.host_stash import HostStash
 
 __all__ = [
     "CheckpointSettings",
@@ -113,7 +112,7 @@ class _State:
     mpu: Any = None
     mpu_from_engine: bool = False  # the mpu is an engine's (use_engine_mpu), not configure()'s
     partition: Comm | None = None  # the model-parallel group's collectives, when partitioning applies
-    arena: _Arena | None = None
+    arena: InputSlots | None = None
     stats: CheckpointStats = field(default_factory=CheckpointStats)
     depth: int = 0  # > 0 while a checkpointed forward or a recomputation runs (nested calls)
     stash: HostStash = field(default_factory=HostStash)  # cpu_checkpointing's host copies
@@ -170,7 +169,7 @@ def configure(
     set_default_mpu(mpu_)
     group = _partition_group(mpu_) if chosen.partition_activations else None
     _state.partition = Comm(group) if group is not None else None
-    _state.arena = _Arena(chosen.number_checkpoints) if chosen.contiguous_memory_optimization else None
+    _state.arena = InputSlots(chosen.number_checkpoints) if chosen.contiguous_memory_optimization else None
     _state.stats = CheckpointStats()
     _state.configured = True
     return chosen
@@ -228,7 +227,7 @@ def reset() -> None:
     if you want the slots' memory back at once; inputs still saved keep their old buffer alive.
     """
     if _state.arena is not None:
-        _state.arena = _Arena(_state.settings.number_checkpoints)
+        _state.arena = InputSlots(_state.settings.number_checkpoints)
 
 
 def take_profile() -> CheckpointStats:
@@ -292,60 +291,13 @@ def _partition_group(mpu: Any) -> Any:
 # Where inputs are kept
 
 
-class _Arena:
-    """``slots`` preallocated copies per (numel, dtype, device): one contiguous buffer each."""
-
-    def __init__(self, slots: int | None) -> None:
-        self.slots = slots or 1
-        self._pools: dict[tuple[int, torch.dtype, torch.device], tuple[torch.Tensor, list[int]]] = {}
-
-    def store(self, data: torch.Tensor, owner: object) -> torch.Tensor:
-        """Copy flat `data` into a free slot; the slot is free again when `owner` is garbage."""
-        key = (data.numel(), data.dtype, data.device)
-        pool = self._pools.get(key)
-        if pool is None:
-            pin = data.device.type == "cpu" and accelerator() == "cuda"
-            buffer = torch.empty(
-                (self.slots, data.numel()), dtype=data.dtype, device=data.device, pin_memory=pin
-            )
-            pool = self._pools[key] = (buffer, list(range(self.slots - 1, -1, -1)))
-        buffer, free = pool
-        if not free:
-            raise RuntimeError(
-                f"activation checkpointing: more than number_checkpoints={self.slots} checkpointed inputs "
-                f"of {data.numel()} {str(data.dtype).removeprefix('torch.')} elements are alive at once; "
-                "set activation_checkpointing.number_checkpoints to at least the number of checkpointed "
-                "calls per forward (or call runtime.activation_checkpointing.reset() after forwards "
-                "without backward)"
-            )
-        index = free.pop()
-        weakref.finalize(owner, free.append, index)
-        slot = buffer[index]
-        slot.copy_(data, non_blocking=True)
-        return slot
-
-
-class _Packed:
-    """A checkpointed input as kept for backward: flat data (a piece of it when partitioned)."""
-
-    __slots__ = ("__weakref__", "comm", "data", "device", "numel", "shape", "stashed")
-
-    def __init__(self, shape: torch.Size, device: torch.device, numel: int) -> None:
-        self.shape = shape
-        self.device = device
-        self.numel = numel
-        self.comm: Comm | None = None  # the model-parallel group it was split over, if partitioned
-        self.data: torch.Tensor | None = None
-        self.stashed: HostCopy | None = None  # kept in host memory (cpu_checkpointing)
-
-
 def _pack(tensor: torch.Tensor) -> Any:
     if isinstance(tensor, nn.Parameter) or not tensor.is_floating_point() or tensor.numel() == 0:
         # weights and index tensors are not activations, and an empty tensor (some torch versions save
         # one as a placeholder) holds nothing: keep them as they are, out of the contiguous slots
         return tensor
     chosen, comm = _state.settings, _state.partition
-    packed = _Packed(tensor.shape, tensor.device, tensor.numel())
+    packed = PackedInput(tensor.shape, tensor.device, tensor.numel())
     data = tensor.detach().reshape(-1)
     if comm is not None:
         world, rank = comm.world_size, comm.rank
@@ -370,7 +322,7 @@ def _pack(tensor: torch.Tensor) -> Any:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
-    if not isinstance(packed, _Packed):
+    if not isinstance(packed, PackedInput):
         return packed
     if packed.stashed is not None:
         data = _state.stash.take(packed.stashed)

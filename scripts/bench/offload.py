@@ -68,8 +68,8 @@ machine and command (common.py); a table on stderr. --out FILE appends them to F
 results/<yyyymmdd>_<hw>_offload.jsonl (offload-find-max with --find_max). A run split over several
 commands (--configs ... --out FILE each) is summarized with --summarize FILE. Exit code 1 when a
 configuration of ours failed, or when --find_max trained no size (an engine that is not importable is
-skipped, not failed). The measurements are in offload_work.py. CPU smoke check (tiny model, the
-same code paths, copies synchronous):
+skipped, not failed). The measurements are in offload_work.py and offload_parts.py. CPU smoke check
+(tiny model, the same code paths, copies synchronous):
 
     python scripts/bench/offload.py --device cpu --model tiny --micro_batch 2 --seq_len 64 --steps 2
     python scripts/bench/offload.py --device cpu --find_max --sizes 64:4:2,128:4:2 --start_params 0 \
@@ -104,16 +104,8 @@ from scripts.bench.common import (  # noqa: E402
     run_isolated,
 )
 from scripts.bench.offload_max import find_max  # noqa: E402
-from scripts.bench.offload_work import (  # noqa: E402
-    LR,
-    model_config,
-    work_adam,
-    work_deepspeed,
-    work_devstep,
-    work_gpu,
-    work_ours,
-    work_pcie,
-)
+from scripts.bench.offload_parts import work_adam, work_devstep, work_pcie  # noqa: E402
+from scripts.bench.offload_work import LR, model_config, work_deepspeed, work_gpu, work_ours  # noqa: E402
 
 ENGINES = (
     "ours",

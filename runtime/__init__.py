@@ -67,7 +67,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--deepspeed_activation_checkpointing",
         default=False,
         action="store_true",
-        help="checkpoint activations (the script picks the blocks; runtime.checkpointing.checkpoint)",
+        help="checkpoint activations (the script picks the blocks; runtime.activation_checkpointing)",
     )
     group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
     group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)

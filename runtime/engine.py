@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime import checkpointing, engine_inference
+from runtime import activation_checkpointing, engine_inference
 from runtime.comm import Comm
 from runtime.config import Config
 from runtime.config.combinations import check_data_parallel_engine, check_offload_param
@@ -154,7 +154,7 @@ class Engine(EngineAccessors, nn.Module):
         self.monitor = TrainingMonitor.from_config(
             config, rank=self.comm.rank, world_size=self.comm.world_size, device=self.device, model=model
         )
-        checkpointing.apply_engine_config(config)
+        activation_checkpointing.apply_engine_config(config)
         self.parameter_offload = engine_inference.parameter_offload(self)
 
     # -- construction helpers -------------------------------------------------------------------------
@@ -451,7 +451,7 @@ class Engine(EngineAccessors, nn.Module):
         self.zero.close()
         self.masters.close()
         self.monitor.close()
-        checkpointing.release_engine_mpu(self._engine_mpu)
+        activation_checkpointing.release_engine_mpu(self._engine_mpu)
 
 
 def _pre_reduce_scale(config: Any, world_size: int) -> float:

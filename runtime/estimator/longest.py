@@ -2,7 +2,7 @@
 
 ``ds_estimate --longest_seq --llama 8b --gpu_memory 139 --host_memory 125`` answers with a token count
 and what stops the next length. The model is given by its config numbers (``LlamaShape``); the parts of
-runtime.sequence and runtime.checkpointing change which terms grow with the sequence:
+runtime.sequence and runtime.activation_checkpointing change which terms grow with the sequence:
 
 GPU, per token of the sequence (w = bytes of the working dtype, h = hidden size, kv = key/value width):
 

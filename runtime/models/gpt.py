@@ -10,7 +10,7 @@ Two choices exist for the sake of the runtime rather than the model:
 
 - Each block is its own ``nn.Module`` in ``GPT.blocks`` so that ZeRO-3 can gather parameters block by block
   and activation checkpointing can wrap whole blocks: set ``model.checkpoint_fn`` (for example to
-  ``runtime.checkpointing.checkpoint``) and each block runs as ``checkpoint_fn(block, x)``.
+  ``runtime.activation_checkpointing.checkpoint``) and each block runs as ``checkpoint_fn(block, x)``.
 - The output head is its own ``nn.Linear`` module whose weight *is* the token embedding's ``Parameter``
   (one object, registered under two modules). A gatherer that works module by module (DeepSpeed's ZeRO-3)
   then sees the head's weight used inside the head's own forward, and ``parameters()`` yields it once.

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime import checkpointing
+from runtime import activation_checkpointing
 from runtime.comm import Comm
 from runtime.config import Config, load_config, read_config_file
 from runtime.config.combinations import check_batch_over_data, check_config_world, check_mpu
@@ -119,7 +119,7 @@ class MpuEngine(Engine):
         self.mpu = mpu
         self.mpu_groups = groups
         self.mp_size = groups.model_size
-        checkpointing.use_engine_mpu(mpu)
+        activation_checkpointing.use_engine_mpu(mpu)
         self._engine_mpu = mpu
 
     def _check_combination(self, config: Config, groups: MpuGroups) -> None:

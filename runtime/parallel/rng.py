@@ -15,7 +15,7 @@ default generator for the duration of the block and keeps the advanced state whe
 continues where it left off next time while the default stream is untouched. The generator is the one
 this process trains with: the current CUDA device's under CUDA, the CPU default generator otherwise
 (``DS_ACCELERATOR=cpu`` tests run the same code). Activation checkpointing replays the streams' states on
-recomputation (runtime.checkpointing), so recomputed dropout draws the forward's masks.
+recomputation (runtime.activation_checkpointing), so recomputed dropout draws the forward's masks.
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ _default_mpu: Any = None  # set_default_mpu's; None: no model parallelism
 
 def set_default_mpu(mpu: Any) -> None:
     """The model-parallel unit `model_parallel_cuda_manual_seed` uses when called without one.
-    ``runtime.checkpointing`` sets it (``configure(mpu_)``, or the engine's mpu), so this module does
-    not need to import checkpointing back."""
+    ``runtime.activation_checkpointing`` sets it (``configure(mpu_)``, or the engine's mpu), so this
+    module does not need to import checkpointing back."""
     global _default_mpu
     _default_mpu = mpu
 
@@ -147,7 +147,8 @@ def model_parallel_cuda_manual_seed(seed: int, mpu: Any = None) -> None:
     ranks, inside it differs. Forgets every other stream of the tracker.
 
     The model-parallel rank comes from `mpu`, else from the mpu given to
-    ``runtime.checkpointing.configure(mpu_)`` (`set_default_mpu`), else it is 0 (no model parallelism).
+    ``runtime.activation_checkpointing.configure(mpu_)`` (`set_default_mpu`), else it is 0 (no model
+    parallelism).
     Data-parallel ranks draw alike when they pass the same seed; pass a seed that includes the data rank
     for different masks.
     """

@@ -35,7 +35,7 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from runtime import checkpointing
+from runtime import activation_checkpointing
 from runtime.comm import Comm
 from runtime.config import load_config, read_config_file
 from runtime.config.combinations import check_pipeline
@@ -136,7 +136,7 @@ class PipelineEngine(Engine):
         self.grid = grid
         # the grid is the pipeline's mpu, as DeepSpeed's engine takes it: checkpointing, the model-parallel
         # seed and deepspeed.utils.groups answer with its groups, not the world's
-        checkpointing.use_engine_mpu(grid)
+        activation_checkpointing.use_engine_mpu(grid)
         self._engine_mpu = grid
         self.ties = ties
         self.tp_size = tp

@@ -1,7 +1,7 @@
 """Checkpointed activations kept in host memory: copied out on a side stream, prefetched back for backward.
 
-``activation_checkpointing.cpu_checkpointing`` (runtime.checkpointing) keeps each checkpointed block's
-input here instead of on the GPU. At long sequences these inputs are what is left of the activations
+``activation_checkpointing.cpu_checkpointing`` (runtime.activation_checkpointing) keeps each checkpointed
+block's input here instead of on the GPU. At long sequences these inputs are what is left of the activations
 (one ``[seq, hidden]`` tensor per layer: Llama-8B at 500K tokens keeps 32 x 4 GiB in bf16), so moving
 them to the host is what lets the sequence grow until the host fills.
 
@@ -15,7 +15,8 @@ The copies overlap compute:
   its backward; the compute stream waits only on the event of the copy it needs now.
 
 Host buffers are pinned (page-locked) on CUDA, which the asynchronous copies need. Without CUDA the stash
-copies synchronously (the same code path; runtime.checkpointing uses it only for tensors off the CPU).
+copies synchronously (the same code path; runtime.activation_checkpointing uses it only for tensors off
+the CPU).
 
 Why not ``torch.autograd.graph.save_on_cpu``: it moves *every* tensor saved for backward, each copy on the
 compute stream (pinned, but serialised with the kernels around it), and copies each back only when

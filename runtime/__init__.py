@@ -191,14 +191,8 @@ def _dataloader(
         loader = pipeline_dataloader(dataset, engine.config, engine.grid, collate_fn=collate_fn)
         engine.set_dataloader(loader)
         return loader
-    groups = engine.parallel.groups
-    loader = build_dataloader(
-        dataset,
-        engine.config,
-        collate_fn=collate_fn,
-        replicas=None if groups is None else groups.data_size,
-        rank=None if groups is None else groups.data_rank,
-    )
+    replicas, rank = engine.parallel.data_ranks() or (None, None)
+    loader = build_dataloader(dataset, engine.config, collate_fn=collate_fn, replicas=replicas, rank=rank)
     engine.training_dataloader = loader
     return loader
 

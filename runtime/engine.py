@@ -134,7 +134,8 @@ class Engine(EngineAccessors, nn.Module):
         zero_cfg = config.zero_optimization
         registration = {p: i for i, p in enumerate(model.parameters())}
         sharded = shards_optimizer_state(zero_cfg.stage) and self.comm.world_size > 1
-        self._pre_reduce_scale = pre_reduce_scale(config, self.comm.world_size)
+        self._mean_ranks = plan.mean_ranks(self.comm.world_size)  # the data ranks the mean divides by
+        self._pre_reduce_scale = pre_reduce_scale(config, self._mean_ranks)
         # The stage owns the grouping (one flat group per param group, or per ZeRO-3 gather unit and param
         # group) and moves the model to the device.
         setup = StageSetup(
@@ -283,7 +284,7 @@ class Engine(EngineAccessors, nn.Module):
         accumulation = self.gradient_accumulation_steps() if self._scale_wrt_gas else 1
         math = GradMath(
             # what is left of the mean over ranks and micro-steps after the pre-reduce scaling
-            divisor=self.comm.world_size * accumulation * self._pre_reduce_scale,
+            divisor=self._mean_ranks * accumulation * self._pre_reduce_scale,
             loss_scale=self.loss_scale,
             max_norm=self.config.gradient_clipping,
             check_overflow=self.guard.checks,

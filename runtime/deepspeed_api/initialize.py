@@ -43,14 +43,3 @@ def check_mpu_model(model: nn.Module, mpu: Any) -> None:
             hint="drop mpu, or build the PipelineModule with PipeModelDataParallelTopology(num_pp, num_mp, "
             "num_dp)",
         )
-    from runtime.sequence.sp_groups import SequenceParallelGroups
-
-    if isinstance(mpu, SequenceParallelGroups):
-        # the engine would take the sequence group for a tensor-parallel one and never sum the gradient
-        # shares of a sequence's ranks: each rank would step on its share alone
-        raise MpuError(
-            "initialize(mpu=...) got Ulysses sequence-parallel groups (register_with_transformers): the "
-            "engine does not train over a sequence axis yet",
-            hint="sum gradients over mpu.get_sequence_parallel_group() yourself (README, Sequence "
-            "parallelism), or train without sequence parallelism",
-        )

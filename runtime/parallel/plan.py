@@ -11,9 +11,11 @@ the axes beyond plain data parallelism, so the engine composes it instead of bei
 - the user's parameters mapped onto the model's own (`renamed`: AutoTP replaces them with local shards);
 - the checkpoint sub-folder of this model rank.
 
-Three sources make a plan: a user's model-parallel unit (``initialize(mpu=...)``: Megatron-style layers
-that do their own collectives), AutoTP (``tensor_parallel.autotp_size``: the plan builds the grid and
-shards the model), and plain data parallelism (the trivial plan). A pipeline's grid is its module's.
+Four sources make a plan: a user's model-parallel unit (``initialize(mpu=...)``: Megatron-style layers
+that do their own collectives), Ulysses sequence groups passed as that mpu (runtime.sequence.sp_groups:
+ZeRO over data x sequence, the mean over the data ranks), AutoTP (``tensor_parallel.autotp_size``: the
+plan builds the grid and shards the model), and plain data parallelism (the trivial plan). A pipeline's
+grid is still its module's (PipelineEngine builds its own; issue 31's next step).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.comm import Comm
-from runtime.config import Config, load_config, read_config_file
+from runtime.config import Config, ConfigError, load_config, read_config_file
 from runtime.config.combinations import (
     check_batch_over_data,
     check_config_world,
@@ -90,6 +92,21 @@ class ParallelPlan:
     tp_size: int = 1  # the AutoTP degree (1: none, or the user's own layers)
     sharded: frozenset[nn.Parameter] = field(default_factory=frozenset)
     renamed: Mapping[torch.Tensor, nn.Parameter] = field(default_factory=dict)
+    # Ulysses: the ranks sharing one sequence. `comm` spans data x sequence; they hold the same weights
+    # and each back-propagates its share of its sample's mean loss, so their gradients add up
+    sequence_size: int = 1
+
+    def mean_ranks(self, comm_size: int) -> int:
+        """The ranks the gradient mean divides by: the data ranks of `comm` (a sequence's ranks sum)."""
+        return comm_size // self.sequence_size
+
+    def data_ranks(self) -> tuple[int, int] | None:
+        """(data-parallel size, this rank's place) the samples are split over; None: the world."""
+        if self.groups is not None:
+            return self.groups.data_size, self.groups.data_rank
+        if self.sequence_size > 1:
+            return self.mpu.get_data_parallel_world_size(), self.mpu.get_data_parallel_rank()
+        return None
 
     @property
     def model_parallel(self) -> bool:
@@ -172,6 +189,8 @@ def build_parallel_plan(
     resolved for that size)."""
     world = dist.get_world_size() if world_size is None else world_size
     raw = None if isinstance(config, Config) else _raw(config)
+    if mpu is not None and hasattr(mpu, "get_sequence_data_parallel_group"):
+        return _sequence_plan(model, config, raw, mpu)
     tp = 1 if raw is None else tensor_parallel_degree(raw)
     if mpu is None and tp == 1:
         if raw is not None:
@@ -204,6 +223,33 @@ def build_parallel_plan(
     now = {_plain_name(name): param for name, param in model.named_parameters()}
     renamed: dict[torch.Tensor, nn.Parameter] = {p: now[name] for p, name in names.items() if name in now}
     return ParallelPlan(comm, grid, groups, grid, tp, frozenset(sharded), renamed), cfg
+
+
+def _sequence_plan(
+    model: nn.Module, config: Any, raw: dict[str, Any] | None, mpu: Any
+) -> tuple[ParallelPlan, Config]:
+    """Ulysses sequence groups (runtime.sequence.sp_groups): ZeRO over data x sequence, the batch
+    arithmetic and the gradient mean over the data ranks; the config's `sequence_parallel_size`, where
+    given, must agree with the groups."""
+    sp, dp = mpu.get_sequence_parallel_world_size(), mpu.get_data_parallel_world_size()
+    if raw is None:
+        assert isinstance(config, Config)
+        check_config_world(config.world_size, dp, f"{mpu!r}")
+        cfg = config
+    else:
+        given = raw.pop("sequence_parallel_size", None)
+        if given is not None and given != sp:
+            raise ConfigError(
+                "sequence_parallel_size",
+                f"{given} disagrees with the sequence groups passed as mpu ({mpu!r})",
+                hint=f"set it to {sp}, or leave it out (the groups decide)",
+            )
+        cfg = load_config(raw, world_size=dp, model=model)
+    comm = Comm(
+        mpu.get_sequence_data_parallel_group(),
+        emulate_reduce_scatter=not cfg.zero_optimization.reduce_scatter,
+    )
+    return ParallelPlan(comm, mpu, sequence_size=sp), cfg
 
 
 def _raw(config: Any) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from runtime.monitor import TrainingMonitor
 from runtime.offload import MasterPlacement, build_master_placement, with_auto_ratio
 from runtime.parallel.folders import part_root
 from runtime.parallel.plan import ParallelPlan, replicated_squares
+from runtime.parallel.rng import RNGStatesTracker, get_cuda_rng_tracker
 from runtime.precision.grad_math import GradMath, pre_reduce_scale
 from runtime.precision.loss_scaler import LossScaler
 from runtime.precision.mixed import cast_floating, cast_unmanaged, input_dtype_error, policy_from_config
@@ -450,6 +451,11 @@ class Engine(EngineAccessors, nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
         )
+
+    @property
+    def rng_tracker(self) -> RNGStatesTracker:
+        """The model-parallel random streams a checkpoint saves and restores with the generators."""
+        return get_cuda_rng_tracker()
 
     def checkpoint_folder(self) -> tuple[str, str, str] | None:
         """Model-parallel engines: (this rank's sub-folder, the family's name prefix, what it holds in

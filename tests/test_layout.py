@@ -276,7 +276,6 @@ def test_no_library_file_passes_500_lines() -> None:
 KNOWN_LOOPS: frozenset[str] = frozenset(
     {
         "activation_checkpointing -> parallel",
-        "checkpoint -> parallel",
         "checkpoint -> pipe",
         "deepspeed_api -> activation_checkpointing",
         "deepspeed_api -> parallel",

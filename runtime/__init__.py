@@ -140,6 +140,7 @@ def initialize(
     from runtime.initialize_args import check_arguments, config_source
 
     model_parameters = check_arguments(model, optimizer, model_parameters, training_data, lr_scheduler)
+    assert model is not None  # check_arguments refused None
     source = deepspeed_keywords(config_source(args, config, config_params), None, distributed_port)
     if not dist.is_initialized() and dist_init_required is False:
         raise RuntimeError(

@@ -140,82 +140,49 @@ def initialize(
     from runtime.initialize_args import check_arguments, config_source
 
     model_parameters = check_arguments(model, optimizer, model_parameters, training_data, lr_scheduler)
+    assert model is not None  # check_arguments refused None
     source = deepspeed_keywords(config_source(args, config, config_params), None, distributed_port)
     if not dist.is_initialized() and dist_init_required is False:
         raise RuntimeError(
             "dist_init_required=False but no process group exists; call runtime.init_distributed()"
         )
     init_distributed()  # the group, or for one the script made, only the care its exit needs
-    from runtime.config import Config, load_config
+    if mpu is not None:
+        from runtime.deepspeed_api.initialize import check_mpu_model
 
-    if mpu is not None:  # a Megatron-style model-parallel unit: ZeRO over its data group
-        from runtime.deepspeed_api.initialize import mpu_engine
+        check_mpu_model(model, mpu)
+    from runtime.pipe.module import PipelineModule
 
-        engine = mpu_engine(model, mpu)(
+    if isinstance(model, PipelineModule):  # its grid is its topology's; the engine reads its sections
+        from runtime.pipe.engine import PipelineEngine
+
+        engine: Engine = PipelineEngine(
             model, source, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
         )
-        loader = None
-        if training_data is not None:
-            loader = build_dataloader(
-                training_data,
-                engine.config,
-                collate_fn=collate_fn,
-                replicas=engine.mpu_groups.data_size,
-                rank=engine.mpu_groups.data_rank,
-            )
-            engine.training_dataloader = loader
-        return engine, engine.optimizer, loader, engine.lr_scheduler
-    parallel = _model_parallel_engine(model, source)
-    if parallel is not None:  # pipeline or tensor parallel: the engine reads its own sections of the config
-        engine = parallel(
-            model, source, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
+    else:
+        from runtime.parallel.plan import build_parallel_plan
+
+        # the config loaded once, for the data-parallel size; AutoTP applied to the model where asked
+        plan, cfg = build_parallel_plan(model, source, mpu=mpu)
+        engine = Engine(
+            model,
+            cfg,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            parallel=plan,
         )
-        loader = None
-        if training_data is not None:
-            loader = _parallel_dataloader(engine, training_data, collate_fn)
-        return engine, engine.optimizer, loader, engine.lr_scheduler
-    world_size = dist.get_world_size()
-    cfg = source if isinstance(source, Config) else load_config(source, world_size=world_size, model=model)
-    if cfg.world_size != world_size:
-        raise ValueError(
-            f"the config was resolved for world_size {cfg.world_size}, but the job has {world_size} ranks"
-        )
-    engine = Engine(
-        model, cfg, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
-    )
     loader = None
     if training_data is not None:
-        loader = build_dataloader(training_data, cfg, collate_fn=collate_fn)
-        engine.training_dataloader = loader
+        loader = _dataloader(engine, training_data, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def _model_parallel_engine(model: nn.Module, source: Any) -> type[Engine] | None:
-    """The engine class for pipeline parallelism (a PipelineModule) or tensor parallelism (the config's
-    ``tensor_parallel.autotp_size`` > 1); None for data parallelism alone (the plain Engine)."""
-    from runtime.pipe.module import PipelineModule
-
-    if isinstance(model, PipelineModule):
-        from runtime.pipe.engine import PipelineEngine
-
-        return PipelineEngine
-    from runtime.config import Config
-    from runtime.config.parallel import tensor_parallel_degree
-
-    if isinstance(source, Config):
-        return None  # loaded for the plain engine, which refuses a degree above 1 (config/combinations)
-    if tensor_parallel_degree(source) > 1:
-        from runtime.tensor_parallel.engine import TensorParallelEngine
-
-        return TensorParallelEngine
-    return None
-
-
-def _parallel_dataloader(
+def _dataloader(
     engine: Engine, dataset: torch.utils.data.Dataset, collate_fn: Callable[..., Any] | None
 ) -> torch.utils.data.DataLoader:
     """The loader of `training_data` for a pipeline (DeepSpeed's: in order, over the grid's data ranks,
-    read by train_batch() / eval_batch() without an iterator) or a tensor-parallel engine (over the data
+    read by train_batch() / eval_batch() without an iterator) or any other engine (over the plan's data
     ranks: the model ranks of one data rank read the same samples)."""
     from runtime.pipe.engine import PipelineEngine
 
@@ -225,14 +192,8 @@ def _parallel_dataloader(
         loader = pipeline_dataloader(dataset, engine.config, engine.grid, collate_fn=collate_fn)
         engine.set_dataloader(loader)
         return loader
-    grid = engine.grid
-    loader = build_dataloader(
-        dataset,
-        engine.config,
-        collate_fn=collate_fn,
-        replicas=grid.get_data_parallel_world_size(),
-        rank=grid.get_data_parallel_rank(),
-    )
+    replicas, rank = engine.parallel.data_ranks() or (None, None)
+    loader = build_dataloader(dataset, engine.config, collate_fn=collate_fn, replicas=replicas, rank=rank)
     engine.training_dataloader = loader
     return loader
 

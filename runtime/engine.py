@@ -36,9 +36,11 @@ from runtime.initialize_args import checkpoint_dir
 from runtime.monitor import TrainingMonitor
 from runtime.offload import MasterPlacement, build_master_placement, with_auto_ratio
 from runtime.parallel.folders import part_root
-from runtime.precision.grad_math import GradMath
+from runtime.parallel.plan import ParallelPlan, replicated_squares
+from runtime.parallel.rng import RNGStatesTracker, get_cuda_rng_tracker
+from runtime.precision.grad_math import GradMath, pre_reduce_scale
 from runtime.precision.loss_scaler import LossScaler
-from runtime.precision.mixed import cast_floating, input_dtype_error, policy_from_config
+from runtime.precision.mixed import cast_floating, cast_unmanaged, input_dtype_error, policy_from_config
 from runtime.precision.nonfinite import StepGuard, guard_from_config
 from runtime.zero import StageSetup, ZeroStage, build_zero_stage, shards_optimizer_state
 from runtime.zero.optimizer import (
@@ -93,15 +95,19 @@ class Engine(EngineAccessors, nn.Module):
         lr_scheduler: Any = None,
         comm: Comm | None = None,
         device: torch.device | None = None,
+        parallel: ParallelPlan | None = None,
     ) -> None:
+        """`parallel`: the axes beyond data parallelism (runtime.parallel.plan.build_parallel_plan), whose
+        data communicator, param-group split, gradient norm and checkpoint folder the engine takes."""
         super().__init__()
         zero_cfg = config.zero_optimization
         check_offload_param(zero_cfg)  # the combinations every engine checks (config/combinations)
-        if not self.model_parallel:
+        self.parallel = plan = parallel or ParallelPlan()
+        if not (self.model_parallel or plan.model_parallel):
             check_data_parallel_engine(config)
         self.config = config
         self.module = model
-        self.comm = comm or Comm(emulate_reduce_scatter=not zero_cfg.reduce_scatter)
+        self.comm = comm or plan.comm or Comm(emulate_reduce_scatter=not zero_cfg.reduce_scatter)
         self.device = device or current_device()
         self.policy = policy_from_config(config)
         self.guard: StepGuard = guard_from_config(config)
@@ -114,7 +120,13 @@ class Engine(EngineAccessors, nn.Module):
         self._boundary_override: bool | None = None
         self._scale_wrt_gas = True
         self.training_dataloader: Any = None  # set by runtime.initialize; its position is checkpointed
-        self._engine_mpu: Any = None  # model-parallel groups this engine lent to checkpointing (subclasses)
+        self._engine_mpu: Any = None  # model-parallel groups this engine lent to checkpointing
+        self._replicated_specs: set[int] = set()  # param groups every model rank holds whole
+        self.mpu, self.mpu_groups, self.mp_size = plan.mpu, plan.groups, plan.model_size
+        self.grid, self.tp_size = plan.grid, plan.tp_size
+        if plan.model_parallel:
+            activation_checkpointing.use_engine_mpu(plan.mpu)
+            self._engine_mpu = plan.mpu
 
         self.inference_only = engine_inference.is_inference_only(optimizer, config)  # DeepSpeed's kind
         specs = self._param_group_specs(model, optimizer, model_parameters)
@@ -123,7 +135,8 @@ class Engine(EngineAccessors, nn.Module):
         zero_cfg = config.zero_optimization
         registration = {p: i for i, p in enumerate(model.parameters())}
         sharded = shards_optimizer_state(zero_cfg.stage) and self.comm.world_size > 1
-        self._pre_reduce_scale = _pre_reduce_scale(config, self.comm.world_size)
+        self._mean_ranks = plan.mean_ranks(self.comm.world_size)  # the data ranks the mean divides by
+        self._pre_reduce_scale = pre_reduce_scale(config, self._mean_ranks)
         # The stage owns the grouping (one flat group per param group, or per ZeRO-3 gather unit and param
         # group) and moves the model to the device.
         setup = StageSetup(
@@ -139,7 +152,7 @@ class Engine(EngineAccessors, nn.Module):
         self.groups = self.zero.groups
         self._group_sources = [specs[group.spec_index].source for group in self.groups]
         managed = {p for g in self.groups for p in g.params}
-        _cast_unmanaged(model, managed, self.policy.param_dtype)
+        cast_unmanaged(model, managed, self.policy.param_dtype)
         # where the masters live (device, or host under offload_optimizer); before the optimizer is built
         self.masters: MasterPlacement = build_master_placement(
             config, self.groups, self.zero, self.comm, self.device, registration=registration
@@ -161,9 +174,12 @@ class Engine(EngineAccessors, nn.Module):
     def _param_group_specs(
         self, model: nn.Module, optimizer: OptimizerSource | None, model_parameters: Any
     ) -> list[GroupSpec]:
-        """The user's param groups. Model-parallel engines override it: they map the user's parameters
-        onto the model's sharded ones, or split groups by how the parameters are shared."""
-        return engine_inference.group_specs(self, model, optimizer, model_parameters)
+        """The user's param groups; with a model axis mapped onto the model's own parameters and split by
+        how they are shared (the plan's one split)."""
+        if not self.parallel.model_parallel:
+            return engine_inference.group_specs(self, model, optimizer, model_parameters)
+        specs, self._replicated_specs = self.parallel.param_group_specs(model, optimizer, model_parameters)
+        return specs
 
     def _build_optimizer(self, source: OptimizerSource | None, sharded: bool) -> tuple[Any, bool]:
         if source is None and self.config.optimizer is None:
@@ -265,17 +281,18 @@ class Engine(EngineAccessors, nn.Module):
         self.monitor.after_step(self)
 
     def _grad_math(self) -> GradMath:
-        """The gradient arithmetic of the coming step."""
+        """The gradient arithmetic of the coming step (the norm summed over the plan's model axis too)."""
         accumulation = self.gradient_accumulation_steps() if self._scale_wrt_gas else 1
-        return GradMath(
+        math = GradMath(
             # what is left of the mean over ranks and micro-steps after the pre-reduce scaling
-            divisor=self.comm.world_size * accumulation * self._pre_reduce_scale,
+            divisor=self._mean_ranks * accumulation * self._pre_reduce_scale,
             loss_scale=self.loss_scale,
             max_norm=self.config.gradient_clipping,
             check_overflow=self.guard.checks,
             want_norm=self._log.wants_norm(self.global_steps + 1) or self.monitor.wants_norm,
             all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
         )
+        return self.parallel.grad_math(math, lambda: replicated_squares(self, self._replicated_specs))
 
     def _apply_step(self, lr_kwargs: dict[str, Any] | None) -> bool:
         math = self._grad_math()
@@ -435,12 +452,17 @@ class Engine(EngineAccessors, nn.Module):
             load_module_only=load_module_only,
         )
 
+    @property
+    def rng_tracker(self) -> RNGStatesTracker:
+        """The model-parallel random streams a checkpoint saves and restores with the generators."""
+        return get_cuda_rng_tracker()
+
     def checkpoint_folder(self) -> tuple[str, str, str] | None:
         """Model-parallel engines: (this rank's sub-folder, the family's name prefix, what it holds in
         words). Ranks holding different shards at the same data rank (pipeline stages, tensor-parallel
         ranks) each keep their own ZeRO checkpoint there, since the checkpoint's files are named by data
         rank only. None: the checkpoint directory itself."""
-        return None
+        return self.parallel.checkpoint_folder(self.tp_size if self.tp_size > 1 else self.mp_size)
 
     def _checkpoint_root(self, root: str | os.PathLike, *, loading: bool = False) -> str:
         return part_root(root, self.checkpoint_folder(), loading=loading)
@@ -452,28 +474,6 @@ class Engine(EngineAccessors, nn.Module):
         self.masters.close()
         self.monitor.close()
         activation_checkpointing.release_engine_mpu(self._engine_mpu)
-
-
-def _pre_reduce_scale(config: Any, world_size: int) -> float:
-    """Gradient scaling before the reduction, DeepSpeed's way: prescale_gradients divides by the world size
-    up front; otherwise gradient_predivide_factor (default 1) is divided out before and the rest after."""
-    if world_size == 1:
-        return 1.0
-    if config.prescale_gradients:
-        return 1.0 / world_size
-    return 1.0 / config.gradient_predivide_factor
-
-
-def _cast_unmanaged(model: nn.Module, managed: set[nn.Parameter], dtype: torch.dtype) -> None:
-    """Frozen parameters and floating-point buffers follow the working dtype (like module.to(dtype))."""
-    with torch.no_grad():
-        for param in model.parameters():
-            if param not in managed and param.is_floating_point() and param.dtype != dtype:
-                param.data = param.data.to(dtype)
-        for module in model.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
-                    module._buffers[key] = buf.to(dtype)
 
 
 def _describe(value: Any) -> str:

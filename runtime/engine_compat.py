@@ -126,6 +126,14 @@ class EngineAccessors:
     def save_fp16_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         return self.save_16bit_model(save_dir, save_filename)  # type: ignore[attr-defined]
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model in the Hugging Face layout (AutoTP's shards gathered over the model group, the
+        fused q|k|v order undone); every rank must call it."""
+        from runtime.tensor_parallel.autotp import full_state_dict
+
+        self.masters.flush()  # type: ignore[attr-defined]
+        return full_state_dict(self.module)  # type: ignore[attr-defined]
+
     @contextlib.contextmanager
     def excluding_frozen(self, exclude: bool) -> Iterator[None]:
         """While a save runs: the state-dict keys of the frozen (requires_grad False) parameters, which

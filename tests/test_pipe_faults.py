@@ -76,8 +76,9 @@ def test_tensor_parallel_of_one_or_zero_is_no_tensor_parallelism_as_in_deepspeed
     two = load_config({**MICRO, "tensor_parallel": {"autotp_size": 2}}, world_size=2)
     assert two.tensor_parallel.autotp_size == 2
     assert _message(lambda: check_data_parallel_engine(two)) == (
-        "tensor_parallel.autotp_size: 2 needs the tensor-parallel engine, which runtime.initialize builds "
-        "for such a config (runtime.tensor_parallel.TensorParallelEngine), not this one"
+        "tensor_parallel.autotp_size: 2 needs the model sharded over a tensor-parallel grid, which "
+        "runtime.initialize does for such a config (runtime.parallel.plan.build_parallel_plan), not this "
+        "engine alone"
     )
 
 

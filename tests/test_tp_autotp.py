@@ -6,9 +6,9 @@ Runs in the shared spawn of 4 gloo ranks (tests/pipe_world4.py), laid out tp2 x 
   (the reference) on the same data: losses to 1e-5 relative, the gathered Hugging Face-layout weights
   (so the fused q|k|v reordering is undone), per-rank parameter elements against the plan (sharded
   projections / 2), local head counts, and the errors for degrees that do not divide;
-- `TensorParallelEngine` (`"tensor_parallel": {"autotp_size": 2}`): ZeRO-0/1/2 over data, clipping by the
-  norm over the whole grid, and a client AdamW with two param groups built on the whole model before
-  sharding, against one process training on the global batch.
+- the engine with AutoTP's parallel plan (`"tensor_parallel": {"autotp_size": 2}`): ZeRO-0/1/2 over
+  data, clipping by the norm over the whole grid, and a client AdamW with two param groups built on the
+  whole model before sharding, against one process training on the global batch.
 """
 
 from __future__ import annotations
@@ -108,10 +108,11 @@ def _client_groups(model: nn.Module) -> list[dict]:
 
 
 def _engine_run(kind: str, stage: int, clip: float, optimizer: str) -> dict:
-    """tp2 x dp2 through TensorParallelEngine: ZeRO over data, clipping by the norm over the whole grid."""
+    """tp2 x dp2 through AutoTP's parallel plan: ZeRO over data, clipping by the norm over the whole grid."""
     import torch.distributed as dist
 
-    from runtime.tensor_parallel.engine import TensorParallelEngine
+    from runtime.engine import Engine
+    from runtime.parallel.plan import build_parallel_plan
 
     torch.manual_seed(0)
     model = TinyLM(GPT2Block if kind == "gpt2" else LlamaBlock)
@@ -130,7 +131,8 @@ def _engine_run(kind: str, stage: int, clip: float, optimizer: str) -> dict:
     if optimizer == "client":
         del config["optimizer"]
         client = torch.optim.AdamW(_client_groups(model), lr=lr)
-    engine = TensorParallelEngine(model, config, optimizer=client)
+    plan, loaded = build_parallel_plan(model, config)
+    engine = Engine(model, loaded, optimizer=client, parallel=plan)
     dp_rank = engine.grid.get_data_parallel_rank()
     losses, norms = [], []
     for step in range(STEPS):

@@ -16,7 +16,7 @@ import logging
 import random
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -49,13 +49,20 @@ def check_loadable(value: Any, where: str) -> None:
 
 
 # -- RNG --------------------------------------------------------------------------------------------------
-def capture_rng(device: torch.device) -> dict[str, Any]:
-    from runtime.parallel.rng import get_cuda_rng_tracker
+class RngStreams(Protocol):
+    """The named random streams an engine keeps besides the generators (`engine.rng_tracker`:
+    runtime.parallel.rng's model-parallel tracker); a checkpoint saves and restores them."""
 
+    def get_states(self) -> dict[str, torch.Tensor]: ...
+
+    def set_states(self, states: Mapping[str, torch.Tensor]) -> None: ...
+
+
+def capture_rng(device: torch.device, streams_of: RngStreams) -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
-    streams = get_cuda_rng_tracker().get_states()  # the model-parallel random streams, when seeded
+    streams = streams_of.get_states()  # the model-parallel random streams, when seeded
     if streams:
         state["streams"] = streams
     try:
@@ -74,16 +81,14 @@ def capture_rng(device: torch.device) -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: Mapping[str, Any], device: torch.device) -> None:
+def restore_rng(state: Mapping[str, Any], device: torch.device, streams_of: RngStreams) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
     if "streams" in state:
-        from runtime.parallel.rng import get_cuda_rng_tracker
-
-        get_cuda_rng_tracker().set_states(dict(state["streams"]))
+        streams_of.set_states(dict(state["streams"]))
     if "numpy" in state:
         try:
             import numpy as np
@@ -318,7 +323,7 @@ def restore(
         loader.load_state_dict(dict(position))
     rngs = state.get("rng") or []
     if saved_world == engine.comm.world_size and engine.comm.rank < len(rngs):
-        restore_rng(rngs[engine.comm.rank], engine.device)
+        restore_rng(rngs[engine.comm.rank], engine.device, engine.rng_tracker)
     elif rngs and engine.comm.rank == 0:  # none saved (a DeepSpeed checkpoint): nothing to warn about
         _log.warning(
             "RNG states were saved by %d ranks and are not restored on %d ranks (each rank keeps its own)",

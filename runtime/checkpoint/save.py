@@ -115,7 +115,8 @@ def save_checkpoint(
         ]
         states = step(lambda: [optimizer_state(engine, group) for group in engine.groups])
         shard = step(lambda: _write_shard(staging, tag, comm.rank, plan, states))
-        records = all_gather_objects(comm, (shard, engine_state.capture_rng(engine.device)))
+        rng = engine_state.capture_rng(engine.device, engine.rng_tracker)
+        records = all_gather_objects(comm, (shard, rng))
 
         def finish_part() -> None:
             if comm.rank != 0:

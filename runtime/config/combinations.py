@@ -36,14 +36,14 @@ def check_offload_param(zero: ZeroConfig) -> None:
 
 
 def check_data_parallel_engine(config: Any) -> None:
-    """The plain engine trains data parallelism alone: a tensor-parallel degree needs the engine that
-    shards the model first."""
+    """An engine without a parallel plan trains data parallelism alone: a tensor-parallel degree needs the
+    plan that shards the model first."""
     if config.tensor_parallel.autotp_size > 1:
         raise ConfigError(
             "tensor_parallel.autotp_size",
-            f"{config.tensor_parallel.autotp_size} needs the tensor-parallel engine, which "
-            "runtime.initialize builds for such a config (runtime.tensor_parallel.TensorParallelEngine), "
-            "not this one",
+            f"{config.tensor_parallel.autotp_size} needs the model sharded over a tensor-parallel grid, "
+            "which runtime.initialize does for such a config (runtime.parallel.plan.build_parallel_plan), "
+            "not this engine alone",
         )
 
 

@@ -114,7 +114,8 @@ _UNSUPPORTED_TOP_LEVEL = {
     "amp": "apex AMP",
     "pipeline": "a pipeline section for a model that is not a PipelineModule (runtime.pipe.PipelineModule, "
     "deepspeed.pipe.PipelineModule: pipeline parallelism)",
-    "sequence_parallel_size": "sequence parallelism",
+    "sequence_parallel_size": "sequence parallelism without its groups (pass initialize(mpu=...) the Ulysses "
+    "groups of register_with_transformers or runtime.sequence.init_sequence_parallel)",
     "compression_training": "compression training",
     "compression": "compression",
     "elasticity": "elastic training",

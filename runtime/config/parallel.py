@@ -28,6 +28,7 @@ from runtime.config.pipeline import (
     read_pipeline,
 )
 from runtime.config.reader import ReadContext, SectionReader, read_config_file
+from runtime.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -96,12 +97,36 @@ def tensor_parallel_degree(source: Any) -> int:
     return read_tensor_parallel_section(raw["tensor_parallel"]).autotp_size
 
 
+class TopologyError(UserError, ValueError):
+    """Degrees that do not lay out the job's ranks, or a coordinate outside them (a ValueError as before,
+    and a UserError: one line)."""
+
+    hint = (
+        "choose pipeline and tensor-parallel degrees whose product divides the number of ranks "
+        "(the data-parallel degree is what is left)"
+    )
+
+
+def check_grid_degrees(world_size: int, *, pp: int = 1, tp: int = 1) -> None:
+    """The pipeline and tensor-parallel degrees must lay out `world_size` ranks (data is what is left)."""
+    for name, degree in (("pipeline stages", pp), ("tensor-parallel degree", tp)):
+        if degree < 1:
+            raise TopologyError(f"the {name} must be at least 1, got {degree}")
+    if world_size % (pp * tp) != 0:
+        raise TopologyError(
+            f"{pp} pipeline stages x tensor-parallel degree {tp} = {pp * tp} ranks per replica does not "
+            f"divide the world size {world_size}"
+        )
+
+
 __all__ = [
     "MULTI_CHUNK_SCHEDULES",
     "SCHEDULES",
     "SINGLE_CHUNK_SCHEDULES",
     "PipelineConfig",
     "TensorParallelConfig",
+    "TopologyError",
+    "check_grid_degrees",
     "read_pipeline",
     "read_pipeline_section",
     "read_tensor_parallel",

@@ -3,22 +3,20 @@
 Accelerate calls ``deepspeed.initialize(model=..., config_params=<dict>)``; older scripts pass
 ``distributed_port``, and Megatron-style scripts a model-parallel unit ``mpu``. `deepspeed_keywords` maps
 the first two onto `runtime.initialize`'s own arguments, so that function keeps one meaning per argument;
-`mpu_engine` says which engine trains with an mpu (runtime.parallel.mpu_engine.MpuEngine) and refuses
-what does not combine with one.
+`check_mpu_model` refuses what does not combine with an mpu (the engine's parallel plan,
+runtime.parallel.plan, takes the mpu's groups).
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from runtime.parallel.mpu import MpuError
 
-__all__ = ["deepspeed_keywords", "mpu_engine"]
+__all__ = ["check_mpu_model", "deepspeed_keywords"]
 
 
 def deepspeed_keywords(config: Any, config_params: Any, distributed_port: int) -> Any:
@@ -34,10 +32,9 @@ def deepspeed_keywords(config: Any, config_params: Any, distributed_port: int) -
     return config_params
 
 
-def mpu_engine(model: nn.Module, mpu: Any) -> Callable[..., Any]:
-    """The engine class for ``initialize(mpu=...)``, its mpu bound; a pipeline with an mpu is refused
-    (its topology is the pipeline's own mpu)."""
-    from runtime.parallel.mpu_engine import MpuEngine
+def check_mpu_model(model: nn.Module, mpu: Any) -> None:
+    """Refuse what ``initialize(mpu=...)`` cannot train: a pipeline with an mpu (its topology is the
+    pipeline's own mpu)."""
     from runtime.pipe.module import PipelineModule
 
     if isinstance(model, PipelineModule):
@@ -46,15 +43,3 @@ def mpu_engine(model: nn.Module, mpu: Any) -> Callable[..., Any]:
             hint="drop mpu, or build the PipelineModule with PipeModelDataParallelTopology(num_pp, num_mp, "
             "num_dp)",
         )
-    from runtime.sequence.sp_groups import SequenceParallelGroups
-
-    if isinstance(mpu, SequenceParallelGroups):
-        # the engine would take the sequence group for a tensor-parallel one and never sum the gradient
-        # shares of a sequence's ranks: each rank would step on its share alone
-        raise MpuError(
-            "initialize(mpu=...) got Ulysses sequence-parallel groups (register_with_transformers): the "
-            "engine does not train over a sequence axis yet",
-            hint="sum gradients over mpu.get_sequence_parallel_group() yourself (README, Sequence "
-            "parallelism), or train without sequence parallelism",
-        )
-    return functools.partial(MpuEngine, mpu=mpu)

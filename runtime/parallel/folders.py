@@ -41,7 +41,9 @@ def data_parallel_root(root: str | os.PathLike) -> str:
             and os.path.isdir(os.path.join(path, name))
         )
         if saved:
-            degree = str(int(_FOLDER.fullmatch(saved[0][len(prefix) :]).group(2)))
+            match = _FOLDER.fullmatch(saved[0][len(prefix) :])
+            assert match is not None  # `saved` holds only names it matched
+            degree = str(int(match.group(2)))
             more = ", ..." if len(saved) > 4 else ""
             raise CheckpointNotFound(
                 f"{path} holds a checkpoint saved with {saved_with.format(degree)} "

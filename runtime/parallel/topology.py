@@ -14,19 +14,10 @@ from collections import namedtuple
 from collections.abc import Sequence
 from typing import Any
 
-from runtime.errors import UserError
+from runtime.config.parallel import TopologyError, check_grid_degrees
 
 PIPE, DATA, MODEL = "pipe", "data", "model"
 
-
-class TopologyError(UserError, ValueError):
-    """Degrees that do not lay out the job's ranks, or a coordinate outside them (a ValueError as before,
-    and a UserError: one line)."""
-
-    hint = (
-        "choose pipeline and tensor-parallel degrees whose product divides the number of ranks "
-        "(the data-parallel degree is what is left)"
-    )
 
 
 class ProcessTopology:
@@ -142,14 +133,7 @@ class PipeModelDataParallelTopology(ProcessTopology):
 def topology_for(world_size: int, *, pp: int = 1, tp: int = 1) -> ProcessTopology:
     """The 3-axis topology of `world_size` ranks with the given pipeline and tensor degrees (data is what is
     left); a clear error when they do not divide the world."""
-    for name, degree in (("pipeline stages", pp), ("tensor-parallel degree", tp)):
-        if degree < 1:
-            raise TopologyError(f"the {name} must be at least 1, got {degree}")
-    if world_size % (pp * tp) != 0:
-        raise TopologyError(
-            f"{pp} pipeline stages x tensor-parallel degree {tp} = {pp * tp} ranks per replica does not "
-            f"divide the world size {world_size}"
-        )
+    check_grid_degrees(world_size, pp=pp, tp=tp)
     return PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world_size // (pp * tp))
 
 

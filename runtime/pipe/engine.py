@@ -116,7 +116,7 @@ class PipelineEngine(Engine):
         self._sharded: set[torch.nn.Parameter] | None = None  # None: no model axis, nothing to split
         self._replicated_specs: set[int] = set()
         if tp > 1:  # 3D: each stage's projections sharded over the grid's model axis (AutoTP)
-            from runtime.tensor_parallel.engine import shard_for_tensor_parallel
+            from runtime.tensor_parallel.localize import shard_for_tensor_parallel
 
             self._sharded = shard_for_tensor_parallel(module, tp, grid.mesh["model"])
         ties = build_ties(module)
@@ -159,11 +159,11 @@ class PipelineEngine(Engine):
 
     def _param_group_specs(self, model: Any, optimizer: Any, model_parameters: Any) -> list[Any]:
         """The user's groups, each split into its tensor-parallel shards and its replicated parameters
-        (the one split, `runtime.parallel.mpu_engine.split_specs`; the norm counts the latter once)."""
+        (the one split, `runtime.parallel.plan.split_specs`; the norm counts the latter once)."""
         specs = super()._param_group_specs(model, optimizer, model_parameters)
         if self._sharded is None:  # a stage AutoTP found nothing in is split too: all of it replicated
             return specs
-        from runtime.parallel.mpu_engine import split_specs
+        from runtime.parallel.plan import split_specs
 
         specs, self._replicated_specs = split_specs(specs, self._sharded)
         return specs
@@ -307,7 +307,7 @@ class PipelineEngine(Engine):
         """Sum of squared gradients over the grid, each weight once (runtime.parallel.norm): replicated
         parameters 1/tp per model rank, tied copies this stage does not own taken off, then over the pipe
         and model axes."""
-        from runtime.tensor_parallel.engine import replicated_squares
+        from runtime.parallel.plan import replicated_squares
 
         return grid_square_sum(
             dp_sum,

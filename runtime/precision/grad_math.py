@@ -137,3 +137,13 @@ def scale_from_device_grads(
         return GradResult(norm, False), inv
     clip = float((math.max_norm / (norm + 1e-6)).clamp_(max=1.0))  # the caller needs this number: one sync
     return GradResult(norm, False), clip * inv
+
+
+def pre_reduce_scale(config: Any, world_size: int) -> float:
+    """Gradient scaling before the reduction, DeepSpeed's way: prescale_gradients divides by the world size
+    up front; otherwise gradient_predivide_factor (default 1) is divided out before and the rest after."""
+    if world_size == 1:
+        return 1.0
+    if config.prescale_gradients:
+        return 1.0 / world_size
+    return 1.0 / config.gradient_predivide_factor

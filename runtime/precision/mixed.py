@@ -134,3 +134,15 @@ def _foreign_floating(value: Any, dtype: torch.dtype, where: str = "") -> tuple[
         if found is not None:
             return found
     return None
+
+
+def cast_unmanaged(model: torch.nn.Module, managed: set[torch.nn.Parameter], dtype: torch.dtype) -> None:
+    """Frozen parameters and floating-point buffers follow the working dtype (like module.to(dtype))."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param not in managed and param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+        for module in model.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None and buf.is_floating_point() and buf.dtype != dtype:
+                    module._buffers[key] = buf.to(dtype)

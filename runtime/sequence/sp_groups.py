@@ -9,7 +9,7 @@ rule as a pure value; ``init_sequence_parallel`` builds the groups on a torch ``
 its method names (``get_sequence_parallel_*``, ``get_sequence_data_parallel_*``, the model-parallel
 aliases), plus ``get_data_parallel_*`` for the data axis alone.
 
-What an engine does with it (not wired yet; the parallel plan takes the sequence axis next): gradients are
+What the engine does with it (runtime.parallel.plan, ``initialize(mpu=<these groups>)``): gradients are
 SUMMED over the sequence group (each rank back-propagates only its share of the sequence's mean loss, see
 runtime.sequence.ulysses_data.reduce_sequence_loss) and AVERAGED over the data group. DeepSpeed does both
 in one reduction over the sequence-data group (the whole sp x dp world) divided by dp; ZeRO partitions over

@@ -209,16 +209,15 @@ def tp_model_init(
             every rank of the model group, with equal weights there.
         tp_size: the tensor-parallel degree; must divide the world size, the heads and the sizes.
         dtype: cast the model to this dtype first (None: keep).
-        mesh: the 1-D model mesh; default: `ParallelGrid(topology_for(world, tp=tp_size)).mesh["model"]`.
+        mesh: the 1-D model mesh; default: the model axis of a data x model mesh over the world, the
+            ranks `runtime.parallel.ParallelGrid(topology_for(world, tp=tp_size))` gives that axis.
     """
     if tp_size < 1:
         raise TensorParallelError(f"tensor-parallel degree must be at least 1, got {tp_size}")
     if dtype is not None:
         model.to(dtype)
     if mesh is None:
-        from runtime.parallel import ParallelGrid, topology_for
-
-        mesh = ParallelGrid(topology_for(dist.get_world_size(), tp=tp_size)).mesh["model"]
+        mesh = _default_model_mesh(tp_size)
     if mesh.size() != tp_size:
         raise TensorParallelError(f"the model mesh has {mesh.size()} ranks but tp_size is {tp_size}")
     plan = tp_plan(model)
@@ -261,6 +260,21 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def local_numel(model: nn.Module) -> int:
     """Elements of the parameters this rank holds (its shards of the sharded ones)."""
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def _default_model_mesh(tp_size: int) -> DeviceMesh:
+    """The model axis of (data, model) over the world: model ranks adjacent, as the grid lays them out
+    (the grid itself is runtime.parallel's; this package only shards, so it builds the mesh alone)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from runtime.config.parallel import check_grid_degrees
+    from runtime.distributed import current_device
+
+    world = dist.get_world_size()
+    check_grid_degrees(world, tp=tp_size)
+    shape = (world // tp_size, tp_size)
+    return init_device_mesh(current_device().type, shape, mesh_dim_names=("data", "model"))["model"]
+
 
 
 __all__ = [

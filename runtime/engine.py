@@ -38,7 +38,8 @@ from runtime.offload import MasterPlacement, build_master_placement, with_auto_r
 from runtime.parallel.folders import part_root
 from runtime.precision.grad_math import GradMath
 from runtime.precision.loss_scaler import LossScaler
-from runtime.precision.mixed import cast_floating, input_dtype_error, policy_from_config
+from runtime.precision.master_adam import for_masters
+from runtime.precision.mixed import autocast_context, cast_floating, input_dtype_error, policy_from_config
 from runtime.precision.nonfinite import StepGuard, guard_from_config
 from runtime.zero import StageSetup, ZeroStage, build_zero_stage, shards_optimizer_state
 from runtime.zero.optimizer import (
@@ -182,8 +183,14 @@ class Engine(EngineAccessors, nn.Module):
             def build(groups: list[dict[str, Any]]) -> Any:
                 return build_optimizer(self.config.optimizer, groups)
 
-        return build_shard_optimizer(
-            self.groups, build, sharded=sharded, allow_untested=self.config.zero_allow_untested_optimizer
+        policy = self.policy
+        return build_shard_optimizer(  # bf16 masters: Adam/AdamW becomes precision.MasterAdam
+            self.groups,
+            lambda groups: for_masters(
+                build(groups), policy.master_dtype, policy.state_dtype, policy.stochastic_rounding
+            ),
+            sharded=sharded,
+            allow_untested=self.config.zero_allow_untested_optimizer,
         )
 
     def _build_scheduler(self, source: Any) -> Any:
@@ -214,7 +221,7 @@ class Engine(EngineAccessors, nn.Module):
             inputs = cast_floating(inputs, self.policy.param_dtype)
             kwargs = cast_floating(kwargs, self.policy.param_dtype)
         self.monitor.observe_inputs(inputs)
-        with self._timers("forward"):
+        with self._timers("forward"), autocast_context(self.policy, self.device):
             try:
                 return self.module(*inputs, **kwargs)
             except RuntimeError as error:

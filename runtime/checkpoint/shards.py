@@ -211,7 +211,9 @@ def load_optimizer_state(
         if current is not None and current.shape == master.shape:
             dst = current
         else:
-            dst = torch.zeros(master.numel(), dtype=dtypes[key], device=master.device)
+            # an optimizer that keeps its moments in a dtype of its own (bf16 states) gets them converted
+            dtype = getattr(engine.optimizer, "state_dtype", None) or dtypes[key]
+            dst = torch.zeros(master.numel(), dtype=dtype, device=master.device)
         reader.fill(dst, copies, key)
         if flat:
             state.setdefault(master, {})[key] = dst

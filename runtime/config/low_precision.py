@@ -1,0 +1,118 @@
+"""The `torch_autocast` section and the refusals of 16-bit model-state combinations.
+
+Owns `TorchAutocastConfig` (DeepSpeed's keys: `enabled`, `dtype`, `lower_precision_safe_modules`) and
+`check_low_precision`, which looks at the bf16, fp16, torch_autocast, zero and optimizer sections at once
+and refuses, with the key path first, what DeepSpeed refuses or what we do not build:
+
+- bf16 masters or bf16 optimizer states without `bf16.enabled` (they are 16-bit copies of bf16 weights);
+- bf16 optimizer states with fp32 masters (the moments follow the masters' dtype or are fp32, as in
+  DeepSpeed, where the moments of fp32 masters are fp32);
+- bf16 masters at ZeRO stage 0 (DeepSpeed builds them in its ZeRO optimizers only);
+- stochastic rounding for an optimizer other than Adam/AdamW (the remedy lives in our Adam update);
+- torch_autocast together with the fp16 or bf16 section (autocast keeps fp32 weights; the sections
+  make the weights 16-bit: one or the other), and autocast to float16 (it needs a loss scaler that
+  autocast runs do not have here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.config.checks import Bool, Choice
+from runtime.config.reader import ConfigError, SectionReader, describe
+
+# DeepSpeed's default: the module types whose matmuls autocast runs in the low dtype anyway
+DEFAULT_SAFE_MODULES = ("torch.nn.Linear", "torch.nn.Conv1d", "torch.nn.Conv2d", "torch.nn.Conv3d")
+_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "torch.float16": "float16",
+}
+
+
+@dataclass(frozen=True)
+class TorchAutocastConfig:
+    enabled: bool = False
+    dtype: str = "bfloat16"  # the torch dtype's name
+    lower_precision_safe_modules: tuple[str, ...] = DEFAULT_SAFE_MODULES
+
+
+def read_torch_autocast(r: SectionReader) -> TorchAutocastConfig:
+    dtype = r.get("dtype", Choice(tuple(_DTYPES)), "bfloat16")
+    cfg = TorchAutocastConfig(
+        enabled=r.get("enabled", Bool(), False),
+        dtype=_DTYPES[dtype],
+        lower_precision_safe_modules=r.get(
+            "lower_precision_safe_modules", _ModuleNames(), DEFAULT_SAFE_MODULES
+        ),
+    )
+    r.finish()
+    return cfg
+
+
+@dataclass(frozen=True)
+class _ModuleNames:
+    """A list of dotted class names ("torch.nn.Linear"); whether each imports is checked by the engine."""
+
+    def __call__(self, path: str, value: Any) -> tuple[str, ...]:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(
+                path, f'expected a list of module class names like "torch.nn.Linear", got {describe(value)}'
+            )
+        return tuple(value)
+
+
+def check_low_precision(
+    bf16: Any, fp16: Any, autocast: TorchAutocastConfig, zero_stage: int, optimizer_type: str | None
+) -> None:
+    """Refuse the 16-bit state and autocast combinations above (each a one-line ConfigError)."""
+    masters, states = bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states
+    for key, on in (("bf16_master_weights_and_grads", masters), ("bf16_optimizer_states", states)):
+        if on and not bf16.enabled:
+            raise ConfigError(
+                f"bf16.{key}",
+                "keeps 16-bit copies of bf16 weights and needs bf16.enabled true",
+                hint='set "bf16": {"enabled": true, ...} or remove the key',
+            )
+    if states and not masters:
+        raise ConfigError(
+            "bf16.bf16_optimizer_states",
+            "needs bf16.bf16_master_weights_and_grads true too: fp32 master weights keep fp32 moments",
+            hint='add "bf16_master_weights_and_grads": true to the bf16 section',
+        )
+    if masters and zero_stage == 0:
+        raise ConfigError(
+            "bf16.bf16_master_weights_and_grads",
+            "needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is 0), as in DeepSpeed",
+            hint='set "zero_optimization": {"stage": 1} or higher',
+        )
+    adam = optimizer_type in (None, "Adam", "AdamW")  # None: a client optimizer, checked at build
+    if masters and bf16.stochastic_rounding and not adam:
+        raise ConfigError(
+            "bf16.stochastic_rounding",
+            f"is built into the Adam/AdamW update only, not {optimizer_type}",
+            hint=f'set "stochastic_rounding": false to step {optimizer_type} on bf16 masters with '
+            "round-to-nearest (small updates are lost), or use AdamW",
+        )
+    if not autocast.enabled:
+        return
+    for name, section in (("bf16", bf16), ("fp16", fp16)):
+        if section.enabled:
+            raise ConfigError(
+                "torch_autocast.enabled",
+                f"cannot be combined with {name}.enabled: autocast keeps fp32 weights and casts per op, "
+                f"the {name} section makes the weights {name}",
+                hint=f"keep one of torch_autocast and {name}",
+            )
+    if autocast.dtype != "bfloat16":
+        raise ConfigError(
+            "torch_autocast.dtype",
+            f"{autocast.dtype!r} is not supported: float16 autocast needs a loss scaler that dslaunch's "
+            "autocast runs do not have",
+            hint='use "bfloat16", or the fp16 section for fp16 training with loss scaling',
+        )

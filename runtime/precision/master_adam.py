@@ -1,0 +1,186 @@
+"""Adam/AdamW over bf16 master weights (DeepSpeed's `bf16_master_weights_and_grads`), with the moments in
+fp32 or bf16 (`bf16_optimizer_states`) and the new weights rounded stochastically.
+
+Owns `MasterAdam`, `stochastic_round_` and `for_masters`, which the engine calls on the optimizer it built
+over the flat master shards: where the policy's masters are bf16 and the optimizer is torch's Adam/AdamW,
+it is rebuilt as a `MasterAdam` with the same param groups and hyperparameters.
+
+Why stochastic rounding: a bf16 weight w moves only when the update exceeds half its ulp (2^-8 |w|), so
+with round-to-nearest the many small Adam updates of a low learning rate, or late in a schedule, are
+rounded away and training stalls. Rounding up with probability equal to the discarded fraction makes the
+stored weight equal the fp32 result in expectation: no update is lost on average, at no memory cost (a
+Kahan compensation buffer would add 2 bytes a parameter back). torchao's `_AdamW(bf16_stochastic_round=
+True)` does the same, but it compiles its step with `torch.compile` per parameter shape (tens of seconds
+on a CPU host, and a C++ toolchain), so the update here is our own: torch's fused Adam kernel on fp32
+copies of one chunk at a time, then the rounding, written back. Chunks bound the fp32 temporaries to
+`_CHUNK` elements whatever the shard size.
+
+The state keys are torch's (`step` as a float32 tensor, `exp_avg`, `exp_avg_sq`), so checkpoints move to
+and from runs with fp32 states; `load_state_dict` converts the moments to `state_dtype` (torch's own would
+cast them to the parameter's dtype). The offloaded step runs this optimizer's `step()` on the host masters
+(runtime.offload.step.host_adam.supports says no to it, so the generic host path takes it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+_log = logging.getLogger(__name__)
+_CHUNK = 1 << 22  # elements a chunk: 16 MiB of fp32 per operand
+_LOW_BITS = -(1 << 16)  # int32 mask 0xFFFF0000: the bits a bf16 keeps of an fp32
+
+
+def stochastic_round_(out: torch.Tensor, value: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Write fp32 `value` into bf16 `out`, rounding to one of the two nearest bf16 numbers with the
+    probability of its distance from the other: add uniform noise below the 16 bits bf16 drops, then
+    truncate (exact, since the dropped bits are then zero). Infinities and NaNs stay what they are."""
+    bits = value.view(torch.int32)
+    noise = torch.randint(
+        0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator
+    )
+    rounded = ((bits + noise) & _LOW_BITS).view(torch.float32)
+    out.copy_(torch.where(value.isfinite(), rounded, value))
+
+
+class MasterAdam(torch.optim.Adam):
+    """Adam (or AdamW: `decoupled_weight_decay`) whose parameters are bf16 masters; the update is computed
+    in fp32 and the moments are kept in `state_dtype`."""
+
+    runs_own_update = True  # the offloaded step calls step(), not its fused one-pass Adam
+
+    def __init__(
+        self,
+        params: Any,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        decoupled_weight_decay: bool = True,
+        state_dtype: torch.dtype = torch.float32,
+        stochastic_rounding: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
+        self.state_dtype = state_dtype
+        self.stochastic_rounding = stochastic_rounding
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device).manual_seed(self._seed)
+        return self._generators[device]
+
+    def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+            settings = dict(
+                lr=float(group["lr"]),
+                beta1=float(beta1),
+                beta2=float(beta2),
+                weight_decay=float(group["weight_decay"]),
+                eps=float(group["eps"]),
+                amsgrad=False,
+                maximize=False,
+            )
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state_of(p)
+                state["step"] += 1
+                step = state["step"].to(p.device)
+                self._update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, kernel, settings)
+        return loss
+
+    def _update(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        step: torch.Tensor,
+        kernel: Any,
+        settings: dict[str, Any],
+    ) -> None:
+        flat = [t.view(-1) for t in (p, g, m, v)]
+        for start in range(0, p.numel(), _CHUNK):
+            pc, gc, mc, vc = (t[start : start + _CHUNK] for t in flat)
+            # fp32 working copies (the ones already fp32 are stepped in place)
+            pw, gw, mw, vw = (t if t.dtype == torch.float32 else t.float() for t in (pc, gc, mc, vc))
+            kernel([pw], [gw], [mw], [vw], [], [step], **settings)
+            for low, work in ((mc, mw), (vc, vw)):
+                if low is not work:
+                    low.copy_(work)  # the moments round to nearest: their relative error does not pile up
+            if pc is pw:
+                continue
+            if self.stochastic_rounding and pc.dtype == torch.bfloat16:
+                stochastic_round_(pc, pw, self._generator(pw.device))
+            else:
+                pc.copy_(pw)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, then the moments taken again from `state_dict` in `state_dtype` (torch's own load
+        casts them to the parameter's dtype, which would round fp32 moments of bf16 masters)."""
+        super().load_state_dict(state_dict)
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, param in zip(ids, params, strict=True):
+            saved = state_dict["state"].get(index, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if torch.is_tensor(saved.get(key)):
+                    self.state[param][key] = saved[key].to(device=param.device, dtype=self.state_dtype)
+
+
+def for_masters(
+    optimizer: Any, master_dtype: torch.dtype, state_dtype: torch.dtype, stochastic_rounding: bool
+) -> Any:
+    """`optimizer`, rebuilt as a `MasterAdam` over the same param groups when the masters are bf16 and it
+    is torch's Adam/AdamW; otherwise as it is (an error for another optimizer with stochastic rounding)."""
+    if master_dtype != torch.bfloat16 or isinstance(optimizer, MasterAdam) or optimizer is None:
+        return optimizer
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        if stochastic_rounding:
+            from runtime.config import ConfigError
+
+            raise ConfigError(
+                "bf16.stochastic_rounding",
+                f"is built into the Adam/AdamW update only, not {type(optimizer).__name__}",
+                hint='set "stochastic_rounding": false to step this optimizer on bf16 masters with '
+                "round-to-nearest (small updates are lost), or use AdamW",
+            )
+        return optimizer
+    groups = []
+    for group in optimizer.param_groups:
+        if group.get("amsgrad") or group.get("maximize"):
+            raise ValueError("bf16 master weights: Adam with amsgrad or maximize is not built")
+        keep = ("params", "lr", "betas", "eps", "weight_decay")
+        groups.append({k: v for k, v in group.items() if k in keep or k not in optimizer.defaults})
+        groups[-1]["decoupled_weight_decay"] = isinstance(optimizer, torch.optim.AdamW) or bool(
+            group.get("decoupled_weight_decay", False)
+        )
+    return MasterAdam(groups, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from runtime.checkpoint import get_fp32_state_dict_from_checkpoint
 from runtime.config import ConfigError, load_config
 from runtime.models import GPT, GPTConfig
 from tests.dist import run_distributed
@@ -193,6 +194,10 @@ def test_a_checkpoint_resumes_at_the_other_state_precision(
     source = _engine(saved)
     source.save_checkpoint(str(tmp_path), tag="t")
     moments = [s["exp_avg"].clone() for s in source.optimizer.state.values()]
+    # the consolidated (zero_to_fp32) state dict holds the masters, bf16 ones widened to fp32
+    full = source.full_state_dict()
+    consolidated = get_fp32_state_dict_from_checkpoint(str(tmp_path), tag="t")
+    assert all(torch.equal(consolidated[k].float(), full[k].float()) for k in full)
     source.destroy()
     target = _engine(loaded)
     with caplog.at_level(logging.INFO):
@@ -253,3 +258,32 @@ def test_torch_autocast_keeps_fp32_weights_and_runs_the_forward_in_bf16() -> Non
     bad = {**config, "torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.nn.Nope"]}}
     with pytest.raises(ConfigError, match=r"^torch_autocast.lower_precision_safe_modules: 'torch.nn.Nope'"):
         runtime.initialize(model=make_model(0), config=bad)
+
+
+def test_the_estimator_and_auto_ratio_count_the_16_bit_states() -> None:
+    from runtime.estimator import estimate
+    from runtime.offload.auto_ratio import ActivationGuess, AutoFacts, auto_ratio
+
+    n = 20_000_000_000  # 20B parameters, ZeRO-2 with the optimizer on the host of one H200
+    fp32 = estimate(n, stage=2, offload_optimizer=True)
+    bf16 = estimate(n, stage=2, offload_optimizer=True, master_dtype="bf16", state_dtype="bf16")
+    assert (fp32.host_per_rank.master, fp32.host_per_rank.optimizer) == (4 * n, 8 * n)
+    assert (bf16.host_per_rank.master, bf16.host_per_rank.optimizer) == (2 * n, 4 * n)
+    on_device = estimate(n, stage=1, master_dtype="bf16", state_dtype="fp32")
+    assert (on_device.gpu.master, on_device.gpu.optimizer) == (0, 8 * n)  # the working shard is the master
+    with pytest.raises(ValueError, match="stage 1-3"):
+        estimate(n, stage=0, master_dtype="bf16")
+
+    gib = 1 << 30
+    facts = dict(
+        shard_numel=n,
+        fixed_device_bytes=4 * n,  # bf16 weights and gradients
+        device_capacity=int(139.5 * gib),
+        host_available=int(124.8 * gib),
+        activations=ActivationGuess(8 * gib, "a guess"),
+        working_bytes=2,
+    )
+    with pytest.raises(ValueError, match="does not fit"):  # 16 bytes an element: 298 GiB
+        auto_ratio(AutoFacts(**facts))
+    choice = auto_ratio(AutoFacts(**facts, master_bytes=2, moment_bytes=4))  # 8 bytes on the host
+    assert 0.0 < choice.ratio < 1.0, choice.reason

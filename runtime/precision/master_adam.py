@@ -77,10 +77,13 @@ class MasterAdam(torch.optim.Adam):
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def _generator(self, device: torch.device, step: int, index: int, chunk: int) -> torch.Generator:
+        """The rounding noise of one chunk, a function of (seed, step, parameter, chunk) alone: a run
+        resumed from a checkpoint (which restores the step count) rounds exactly as the unbroken run."""
         if device not in self._generators:
-            self._generators[device] = torch.Generator(device).manual_seed(self._seed)
-        return self._generators[device]
+            self._generators[device] = torch.Generator(device)
+        key = ((self._seed * 1_000_003 + step) * 1_000_033 + index) * 65_537 + chunk
+        return self._generators[device].manual_seed(key % (1 << 63))
 
     def _state_of(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
@@ -96,6 +99,7 @@ class MasterAdam(torch.optim.Adam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = -1  # the parameter's position in the optimizer (the rounding noise's key)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
@@ -109,12 +113,14 @@ class MasterAdam(torch.optim.Adam):
                 maximize=False,
             )
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 state = self._state_of(p)
                 state["step"] += 1
                 step = state["step"].to(p.device)
-                self._update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, kernel, settings)
+                noise = (int(state["step"].item()), index)
+                self._update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step, kernel, settings, noise)
         return loss
 
     def _update(
@@ -126,6 +132,7 @@ class MasterAdam(torch.optim.Adam):
         step: torch.Tensor,
         kernel: Any,
         settings: dict[str, Any],
+        noise: tuple[int, int],
     ) -> None:
         flat = [t.view(-1) for t in (p, g, m, v)]
         for start in range(0, p.numel(), _CHUNK):
@@ -139,7 +146,7 @@ class MasterAdam(torch.optim.Adam):
             if pc is pw:
                 continue
             if self.stochastic_rounding and pc.dtype == torch.bfloat16:
-                stochastic_round_(pc, pw, self._generator(pw.device))
+                stochastic_round_(pc, pw, self._generator(pw.device, *noise, start // _CHUNK))
             else:
                 pc.copy_(pw)
 

@@ -226,6 +226,33 @@ def test_a_checkpoint_resumes_at_the_other_state_precision(
     target.destroy()
 
 
+def test_a_deepspeed_checkpoint_resumes_with_bf16_states() -> None:
+    """DeepSpeed's own ZeRO-2 bf16 checkpoint (fp32 masters and moments) continues with bf16 ones."""
+    import json
+    from pathlib import Path
+
+    import runtime
+    from tests.fixtures.deepspeed import tiny
+
+    folder = Path(__file__).parent / "fixtures" / "deepspeed" / "zero2_bf16"
+    expected = json.loads((folder / "expected.json").read_text())
+    model = tiny.make_model(123, frozen=expected["frozen"])
+    config = {**tiny.config(2, "bf16", 1), "bf16": STATES16}
+    engine, *_ = runtime.initialize(model=model, model_parameters=tiny.param_groups(model), config=config)
+    engine.load_checkpoint(str(folder / "ckpt"))
+    assert {s["exp_avg"].dtype for s in engine.optimizer.state.values()} == {torch.bfloat16}
+    losses = []
+    for step in range(tiny.SAVED_AT + 1, tiny.SAVED_AT + tiny.CONTINUE + 1):
+        x, y = tiny.batch(step, 0, 1)
+        loss = tiny.loss_fn(engine(x.to(torch.bfloat16)), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    # DeepSpeed's continuation (fp32 states); measured: at most 0.0019 apart (0.0001 with our fp32 states)
+    assert losses == pytest.approx(expected["continuation"], abs=0.01)
+
+
 def test_a_resumed_run_rounds_as_the_unbroken_one(tmp_path: Any) -> None:
     """The rounding noise is a function of the step count, which the checkpoint keeps."""
     source = _engine(STATES16)

@@ -294,6 +294,13 @@ BAD = [
     ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),
     ({"bf16": STATES16, "zero_optimization": {"stage": 0}}, "bf16.bf16_master_weights_and_grads"),
     ({"bf16": STATES16, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "bf16.stochastic_rounding"),
+    (
+        {
+            "bf16": {**MASTERS16, "stochastic_rounding": False},
+            "optimizer": {"type": "SGD", "params": {"lr": 1}},
+        },
+        "bf16.bf16_optimizer_states",
+    ),
     ({"bf16": BF16, "torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
     ({"torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype"),
     (

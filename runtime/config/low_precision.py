@@ -8,7 +8,8 @@ and refuses, with the key path first, what DeepSpeed refuses or what we do not b
 - bf16 optimizer states with fp32 masters (the moments follow the masters' dtype or are fp32, as in
   DeepSpeed, where the moments of fp32 masters are fp32);
 - bf16 masters at ZeRO stage 0 (DeepSpeed builds them in its ZeRO optimizers only);
-- stochastic rounding for an optimizer other than Adam/AdamW (the remedy lives in our Adam update);
+- stochastic rounding for an optimizer other than Adam/AdamW (the remedy lives in our Adam update), and
+  fp32 states for one (torch's optimizers keep their state in the parameters' dtype);
 - torch_autocast together with the fp16 or bf16 section (autocast keeps fp32 weights; the sections
   make the weights 16-bit: one or the other), and autocast to float16 (it needs a loss scaler that
   autocast runs do not have here).
@@ -98,6 +99,13 @@ def check_low_precision(
             f"is built into the Adam/AdamW update only, not {optimizer_type}",
             hint=f'set "stochastic_rounding": false to step {optimizer_type} on bf16 masters with '
             "round-to-nearest (small updates are lost), or use AdamW",
+        )
+    if masters and not states and not adam:
+        raise ConfigError(
+            "bf16.bf16_optimizer_states",
+            f"false, but {optimizer_type} keeps its state in its parameters' dtype, bf16 with bf16 masters "
+            "(only Adam/AdamW keep fp32 moments beside bf16 masters here)",
+            hint='set "bf16_optimizer_states": true, or use AdamW',
         )
     if not autocast.enabled:
         return

@@ -376,3 +376,14 @@ def test_the_estimator_and_auto_ratio_count_the_16_bit_states() -> None:
         auto_ratio(AutoFacts(**facts))
     choice = auto_ratio(AutoFacts(**facts, master_bytes=2, moment_bytes=4))  # 8 bytes on the host
     assert 0.0 < choice.ratio < 1.0, choice.reason
+
+
+def test_ds_estimate_largest_counts_the_16_bit_states() -> None:
+    from runtime.estimator.fit import Machine, Workload, fit_gpt
+
+    h200 = Machine(gpu_bytes=int(139.5 * (1 << 30)), host_bytes=125 * (1 << 30), gpus_per_node=1)
+    gpt20b = GPTConfig(n_layer=44, n_head=48, n_embd=6144, vocab_size=50304, max_seq_len=1024)
+    assert 19e9 < gpt20b.num_params() < 21e9
+    fp32 = fit_gpt(gpt20b, h200, Workload(), ratio="auto")
+    bf16 = fit_gpt(gpt20b, h200, Workload(master_dtype="bf16", state_dtype="bf16"), ratio="auto")
+    assert not fp32.fits and bf16.fits, (fp32.reason, bf16.reason)

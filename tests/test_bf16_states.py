@@ -196,14 +196,15 @@ def test_bf16_states_track_fp32_states_on_a_tiny_gpt() -> None:
     assert nearest_tail > 1.3 * fp32_tail, (fp32_tail, nearest_tail)
 
 
-def _engine(bf16: dict[str, Any]) -> Any:
+def _engine(bf16: dict[str, Any], steps: int = 1) -> Any:
     import runtime
 
     model = make_model(0)
     engine, *_ = runtime.initialize(model=model, config=_config(bf16, {"stage": 1}, 1))
-    x, y = rank_batch(0, 0, 8, 0, 1)
-    engine.backward(loss_fn(engine(x), y))
-    engine.step()
+    for _ in range(steps):
+        x, y = rank_batch(0, 0, 8, 0, 1)
+        engine.backward(loss_fn(engine(x), y))
+        engine.step()
     return engine
 
 
@@ -219,7 +220,7 @@ def test_a_checkpoint_resumes_at_the_other_state_precision(
     consolidated = get_fp32_state_dict_from_checkpoint(str(tmp_path), tag="t")
     assert all(torch.equal(consolidated[k].float(), full[k].float()) for k in full)
     source.destroy()
-    target = _engine(loaded)
+    target = _engine(loaded, steps=0)  # a fresh run: its state is made by the load
     with caplog.at_level(logging.INFO):
         target.load_checkpoint(str(tmp_path), tag="t")
     want = torch.bfloat16 if loaded is STATES16 else torch.float32

@@ -58,7 +58,7 @@ class MemoryBreakdown:
 
     param_bytes: int  # working weights (flat buffers and parameters the engine does not manage)
     grad_bytes: int  # gradient buffers (full for stages 0/1, this rank's shard for stage 2)
-    master_bytes: int  # fp32 master weights that are not the working weights themselves
+    master_bytes: int  # master weights (fp32, or bf16_master_weights_and_grads) not the working weights
     optimizer_bytes: int  # optimizer state tensors (Adam: exp_avg, exp_avg_sq, step)
     buffer_bytes: int = 0  # device staging buffers alive right now (communication, the offload's device step)
     host_bytes: int = 0  # of the model states above, the bytes in host memory (CPU offload)

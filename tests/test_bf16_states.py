@@ -307,7 +307,7 @@ BAD = [
         },
         "bf16.bf16_optimizer_states",
     ),
-    ({"bf16": BF16, "torch_autocast": {"enabled": True}}, "torch_autocast.enabled"),
+    ({"bf16": BF16, "torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype"),
     ({"torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype"),
     (
         {"torch_autocast": {"lower_precision_safe_modules": "torch.nn.Linear"}},
@@ -345,6 +345,21 @@ def test_torch_autocast_keeps_fp32_weights_and_runs_the_forward_in_bf16() -> Non
     assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
     assert {p.dtype for p in engine.module.parameters()} == {torch.float32}
     engine.destroy()
+    # DeepSpeed's own example: bf16 weights with bf16 masters and moments, and autocast beside them
+    losses = {}
+    for autocast in (False, True):
+        model = make_model(0)
+        config16 = {**_config(STATES16, {"stage": 2}, 1), "torch_autocast": {"enabled": autocast}}
+        engine, *_ = runtime.initialize(model=model, config=config16)
+        for step in range(5):
+            x, y = rank_batch(step, 0, 8, 0, 1)
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+        losses[autocast] = loss.item()
+        assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
+        engine.destroy()
+    assert losses[True] == pytest.approx(losses[False], abs=0.05)
     bad = {**config, "torch_autocast": {"enabled": True, "lower_precision_safe_modules": ["torch.nn.Nope"]}}
     with pytest.raises(ConfigError, match=r"^torch_autocast.lower_precision_safe_modules: 'torch.nn.Nope'"):
         runtime.initialize(model=make_model(0), config=bad)

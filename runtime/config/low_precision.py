@@ -10,9 +10,9 @@ and refuses, with the key path first, what DeepSpeed refuses or what we do not b
 - bf16 masters at ZeRO stage 0 (DeepSpeed builds them in its ZeRO optimizers only);
 - stochastic rounding for an optimizer other than Adam/AdamW (the remedy lives in our Adam update), and
   fp32 states for one (torch's optimizers keep their state in the parameters' dtype);
-- torch_autocast together with the fp16 or bf16 section (autocast keeps fp32 weights; the sections
-  make the weights 16-bit: one or the other), and autocast to float16 (it needs a loss scaler that
-  autocast runs do not have here).
+- torch_autocast in another dtype than the fp16 or bf16 section's (DeepSpeed runs autocast beside
+  either section since its low-precision master states), and autocast to float16 without the fp16
+  section (it needs that section's loss scaler).
 """
 
 from __future__ import annotations
@@ -109,18 +109,21 @@ def check_low_precision(
         )
     if not autocast.enabled:
         return
-    for name, section in (("bf16", bf16), ("fp16", fp16)):
-        if section.enabled:
+    # DeepSpeed (since its low-precision master states) runs autocast beside a bf16 or fp16 section: the
+    # weights are 16-bit and autocast keeps its fp32 ops (softmax, norms, losses) in fp32; the dtypes agree
+    for name, section, dtype in (("bf16", bf16, "bfloat16"), ("fp16", fp16, "float16")):
+        if section.enabled and autocast.dtype != dtype:
             raise ConfigError(
-                "torch_autocast.enabled",
-                f"cannot be combined with {name}.enabled: autocast keeps fp32 weights and casts per op, "
-                f"the {name} section makes the weights {name}",
-                hint=f"keep one of torch_autocast and {name}",
+                "torch_autocast.dtype",
+                f"{autocast.dtype!r} with {name}.enabled: autocast must run in the weights' dtype, {dtype!r}",
+                hint=f'set "dtype": "{dtype}", or turn torch_autocast off',
             )
+    if fp16.enabled:
+        return  # fp16's loss scaler scales the autocast forward's loss
     if autocast.dtype != "bfloat16":
         raise ConfigError(
             "torch_autocast.dtype",
             f"{autocast.dtype!r} is not supported: float16 autocast needs a loss scaler that dslaunch's "
-            "autocast runs do not have",
-            hint='use "bfloat16", or the fp16 section for fp16 training with loss scaling',
+            "autocast runs without the fp16 section do not have",
+            hint='use "bfloat16", or enable the fp16 section too (its loss scaler then scales the loss)',
         )

@@ -40,7 +40,14 @@ from runtime.parallel.plan import ParallelPlan, replicated_squares
 from runtime.parallel.rng import RNGStatesTracker, get_cuda_rng_tracker
 from runtime.precision.grad_math import GradMath, pre_reduce_scale
 from runtime.precision.loss_scaler import LossScaler
-from runtime.precision.mixed import cast_floating, cast_unmanaged, input_dtype_error, policy_from_config
+from runtime.precision.master_adam import for_masters
+from runtime.precision.mixed import (
+    autocast_context,
+    cast_floating,
+    cast_unmanaged,
+    input_dtype_error,
+    policy_from_config,
+)
 from runtime.precision.nonfinite import StepGuard, guard_from_config
 from runtime.zero import StageSetup, ZeroStage, build_zero_stage, shards_optimizer_state
 from runtime.zero.optimizer import (
@@ -59,7 +66,7 @@ class MemoryBreakdown:
 
     param_bytes: int  # working weights (flat buffers and parameters the engine does not manage)
     grad_bytes: int  # gradient buffers (full for stages 0/1, this rank's shard for stage 2)
-    master_bytes: int  # fp32 master weights that are not the working weights themselves
+    master_bytes: int  # master weights (fp32, or bf16_master_weights_and_grads) not the working weights
     optimizer_bytes: int  # optimizer state tensors (Adam: exp_avg, exp_avg_sq, step)
     buffer_bytes: int = 0  # device staging buffers alive right now (communication, the offload's device step)
     host_bytes: int = 0  # of the model states above, the bytes in host memory (CPU offload)
@@ -198,8 +205,14 @@ class Engine(EngineAccessors, nn.Module):
             def build(groups: list[dict[str, Any]]) -> Any:
                 return build_optimizer(self.config.optimizer, groups)
 
-        return build_shard_optimizer(
-            self.groups, build, sharded=sharded, allow_untested=self.config.zero_allow_untested_optimizer
+        policy = self.policy
+        return build_shard_optimizer(  # bf16 masters: Adam/AdamW becomes precision.MasterAdam
+            self.groups,
+            lambda groups: for_masters(
+                build(groups), policy.master_dtype, policy.state_dtype, policy.stochastic_rounding
+            ),
+            sharded=sharded,
+            allow_untested=self.config.zero_allow_untested_optimizer,
         )
 
     def _build_scheduler(self, source: Any) -> Any:
@@ -230,7 +243,7 @@ class Engine(EngineAccessors, nn.Module):
             inputs = cast_floating(inputs, self.policy.param_dtype)
             kwargs = cast_floating(kwargs, self.policy.param_dtype)
         self.monitor.observe_inputs(inputs)
-        with self._timers("forward"):
+        with self._timers("forward"), autocast_context(self.policy, self.device):
             try:
                 return self.module(*inputs, **kwargs)
             except RuntimeError as error:

@@ -257,6 +257,7 @@ def _fill(
                 current,
                 ", ".join(keys) or "none",
             )
+    _log_precision_change(engine, manifest, dtypes, with_optimizer)
     first_group = {p.name: g for g, grp in enumerate(manifest.groups) for p in grp.params}
     try:
         with torch.no_grad():
@@ -274,6 +275,26 @@ def _fill(
                 load_optimizer_state(engine, group, reader, copies, keys, dtypes, scalars)
     finally:
         reader.close()
+
+
+def _log_precision_change(
+    engine: Any, manifest: Manifest, dtypes: dict[str, torch.dtype], with_optimizer: bool
+) -> None:
+    """One line when the checkpoint's masters or moments are in another dtype than this run keeps
+    (bf16.bf16_master_weights_and_grads / bf16_optimizer_states changed between save and load)."""
+    if engine.comm.rank != 0 or not engine.groups:
+        return
+    changes = []
+    master = str(engine.groups[0].master.dtype).removeprefix("torch.")
+    if manifest.master_dtype != master:
+        changes.append(f"master weights {manifest.master_dtype} -> {master}")
+    state_dtype = getattr(engine.optimizer, "state_dtype", None)
+    saved = {str(d).removeprefix("torch.") for k, d in dtypes.items() if k in ("exp_avg", "exp_avg_sq")}
+    now = str(state_dtype or engine.groups[0].master.dtype).removeprefix("torch.")
+    if with_optimizer and saved and saved != {now}:
+        changes.append(f"optimizer moments {'/'.join(sorted(saved))} -> {now}")
+    if changes:
+        _log.info("checkpoint: converting %s on load (bf16 section's 16-bit state keys)", ", ".join(changes))
 
 
 def _few(names: list[str], limit: int = 6) -> str:

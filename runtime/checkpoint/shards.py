@@ -211,7 +211,12 @@ def load_optimizer_state(
         if current is not None and current.shape == master.shape:
             dst = current
         else:
-            dst = torch.zeros(master.numel(), dtype=dtypes[key], device=master.device)
+            # floating-point state in the dtype this run keeps it in (torch's optimizers: the masters';
+            # precision.MasterAdam: its state_dtype), whatever the saving run kept: bf16 <-> fp32 states
+            dtype = dtypes[key]
+            if dtype.is_floating_point:
+                dtype = getattr(engine.optimizer, "state_dtype", None) or master.dtype
+            dst = torch.zeros(master.numel(), dtype=dtype, device=master.device)
         reader.fill(dst, copies, key)
         if flat:
             state.setdefault(master, {})[key] = dst

@@ -27,6 +27,7 @@ import torch
 
 from runtime.config.batch import resolve_batch
 from runtime.config.checks import Bool, Choice, Float, Int
+from runtime.config.low_precision import TorchAutocastConfig, check_low_precision, read_torch_autocast
 from runtime.config.optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
 from runtime.config.parallel import TensorParallelConfig, read_tensor_parallel
 from runtime.config.pipeline import PipelineConfig, is_pipeline_model, read_pipeline
@@ -70,6 +71,7 @@ class Config:
     communication_data_type: str | None = None  # "fp32" | "fp16" | "bf16"; None = the gradients' dtype
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
+    torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
@@ -134,7 +136,6 @@ _UNSUPPORTED_TOP_LEVEL = {
     "weight_quantization": "weight quantization",
     "hybrid_engine": "hybrid engine (RLHF)",
     "data_types": "data_types (gradient accumulation dtype)",
-    "torch_autocast": "torch_autocast section",
 }
 
 
@@ -185,6 +186,7 @@ def load_config(
 
     fp16 = read_fp16(top.section("fp16"), model)
     bf16 = read_bf16(top.section("bf16"), model)
+    torch_autocast = read_torch_autocast(top.section("torch_autocast"))
     zero = read_zero(top.section("zero_optimization"), model)
     # A null section means "none", as in DeepSpeed (a client optimizer / scheduler, or none at all).
     has_optimizer = top.has("optimizer") and top.data["optimizer"] is not None
@@ -236,6 +238,7 @@ def load_config(
     if fp16.enabled and bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled; keep one of them")
     _check_optimizer_with_zero(optimizer, zero, simple["zero_allow_untested_optimizer"])
+    check_low_precision(bf16, fp16, torch_autocast, zero.stage, optimizer.type if optimizer else None)
 
     config = Config(
         train_batch_size=train_batch_size,
@@ -243,6 +246,7 @@ def load_config(
         gradient_accumulation_steps=gas,
         fp16=fp16,
         bf16=bf16,
+        torch_autocast=torch_autocast,
         optimizer=optimizer,
         scheduler=scheduler,
         zero_optimization=zero,

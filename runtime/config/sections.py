@@ -14,7 +14,7 @@ the other unsupported top-level keys in `runtime.config.load`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,6 +48,13 @@ class BF16Config:
     # Stop with NonfiniteGradientsError after this many consecutive skipped steps; 0 = never stop (ours:
     # DeepSpeed has no such key).
     max_consecutive_nonfinite_steps: int = 10
+    # DeepSpeed's 16-bit model states (ZeRO 1-3): the optimizer steps bf16 master weights (and gradients),
+    # and with bf16_optimizer_states its moments are bf16 too (runtime.precision.master_adam).
+    bf16_master_weights_and_grads: bool = False
+    bf16_optimizer_states: bool = False
+    # Ours: round the bf16 masters stochastically in the Adam update, so updates smaller than half a bf16
+    # ulp still move the weights on average (round-to-nearest drops them). Read with bf16 masters only.
+    stochastic_rounding: bool = True
 
 
 @dataclass(frozen=True)
@@ -89,8 +96,13 @@ def read_bf16(r: SectionReader, model: torch.nn.Module | None) -> BF16Config:
         max_consecutive_nonfinite_steps=r.get("max_consecutive_nonfinite_steps", Int(0), 10),
     )
     r.ignored("immediate_grad_update", False, "gradients are reduced during backward, applied at the step")
-    r.default_only("bf16_master_weights_and_grads", False, "bf16 master weights")
-    r.default_only("bf16_optimizer_states", False, "bf16 optimizer states")
+    masters = r.get("bf16_master_weights_and_grads", Bool(), False)
+    cfg = replace(
+        cfg,
+        bf16_master_weights_and_grads=masters,
+        bf16_optimizer_states=r.get("bf16_optimizer_states", Bool(), False),
+        stochastic_rounding=r.get("stochastic_rounding", Bool(), True),
+    )
     r.finish()
     return cfg
 

@@ -54,7 +54,9 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
-def format_table(estimates: Sequence[Estimate], sizes: ModelSizes, dtype: str = "bf16") -> str:
+def format_table(
+    estimates: Sequence[Estimate], sizes: ModelSizes, dtype: str = "bf16", master_dtype: str = "fp32"
+) -> str:
     """A plain-text table of `estimates`, with a header naming the model and the cluster."""
     if not estimates:
         return "no configuration to estimate"
@@ -70,8 +72,9 @@ def format_table(estimates: Sequence[Estimate], sizes: ModelSizes, dtype: str = 
         data = first.gpus_per_node * first.num_nodes // (pp * tp)
         grid = f"; pipeline {pp} x tensor {tp} x data {data}: a GPU holds (replicated + sharded/{tp}) / {pp}"
     lines = [
-        f"Model states of {sizes.total_params / 1e9:.3f}B parameters{largest}; {dtype} weights, fp32 master "
-        f"weights; {first.gpus_per_node} GPU(s) per node x {first.num_nodes} node(s){grid}",
+        f"Model states of {sizes.total_params / 1e9:.3f}B parameters{largest}; {dtype} weights, "
+        f"{master_dtype} master weights; {first.gpus_per_node} GPU(s) per node x {first.num_nodes} "
+        f"node(s){grid}",
         "Not included: activations, CUDA context, allocator fragmentation.",
         "per host = host memory of all local ranks: offloaded states, or the fp32 model each process builds",
         "before moving it to its GPU (none under zero.Init at stage 3), whichever is larger.",
@@ -244,6 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="working weights")
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZER_BYTES), default="adam")
     parser.add_argument(
+        "--bf16_master_weights",
+        action="store_true",
+        help="bf16.bf16_master_weights_and_grads: 2-byte masters (stages 1-3)",
+    )
+    parser.add_argument(
+        "--bf16_optimizer_states",
+        action="store_true",
+        help="bf16.bf16_optimizer_states: half the optimizer state (with --bf16_master_weights)",
+    )
+    parser.add_argument(
         "--reduce_bucket_size", type=_count, default=DEFAULT_BUCKET, help="elements per reduce bucket"
     )
     parser.add_argument("--stages", default="0,1,2,3", help="comma-separated stages to show")
@@ -298,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         reduce_bucket_size=args.reduce_bucket_size,
         pipeline_parallel=args.pipeline_parallel,
         tensor_parallel=args.tensor_parallel,
+        **_state_dtypes(parser, args),
     )
     if args.json:
         print(
@@ -306,5 +320,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     else:
-        print(format_table(estimates, sizes, args.dtype))
+        masters = "bf16" if args.bf16_master_weights else "fp32"
+        print(format_table(estimates, sizes, args.dtype, masters))
     return 0
+
+
+def _state_dtypes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, str]:
+    """estimate()'s master_dtype/state_dtype from the two bf16 flags (refused where the config is)."""
+    if args.bf16_optimizer_states and not args.bf16_master_weights:
+        parser.error("--bf16_optimizer_states needs --bf16_master_weights (as bf16.bf16_optimizer_states)")
+    if args.bf16_master_weights and args.dtype != "bf16":
+        parser.error("--bf16_master_weights needs --dtype bf16 (as bf16.bf16_master_weights_and_grads)")
+    return {
+        "master_dtype": "bf16" if args.bf16_master_weights else "fp32",
+        "state_dtype": "bf16" if args.bf16_optimizer_states else "fp32",
+    }

@@ -77,6 +77,8 @@ class Workload:
     activation_checkpointing: bool = True
     dtype: str = "bf16"  # working weights and activations
     optimizer: str = "adam"
+    master_dtype: str = "fp32"  # "bf16": bf16.bf16_master_weights_and_grads
+    state_dtype: str = "fp32"  # "bf16": bf16.bf16_optimizer_states
 
 
 @dataclass(frozen=True)
@@ -151,12 +153,20 @@ def fit_gpt(
         offload_param=offload_param,
         dtype=work.dtype,
         optimizer=work.optimizer,
+        master_dtype=work.master_dtype,
+        state_dtype=work.state_dtype,
     )
     params = config.num_params()
     shard = math.ceil(params / ranks) if stage >= 1 else params
-    movable = shard * (MASTER_BYTES + OPTIMIZER_BYTES[work.optimizer])  # what ratio moves, per rank
+    # bf16 masters: on the device they are the working weights (no bytes, no fp32 gradient copy at the
+    # step: runtime.precision.master_adam), on the host 2 bytes; bf16 states: half the optimizer's
+    bf16_masters = work.master_dtype == "bf16"
+    moments = OPTIMIZER_BYTES[work.optimizer] * DTYPE_BYTES[work.state_dtype] // 4
+    host_movable = shard * (DTYPE_BYTES[work.master_dtype] + moments)  # what ratio moves, per rank
+    movable = host_movable if not bf16_masters else shard * moments
     # on the device the step also makes an fp32 copy of 16-bit gradients (runtime.precision.mixed)
-    device_movable = movable + (shard * MASTER_BYTES if w < MASTER_BYTES else 0)
+    copies = w < MASTER_BYTES and not bf16_masters
+    device_movable = movable + (shard * MASTER_BYTES if copies else 0)
     landing = shard * w if host_step else 0
     # the GPU without any of the movable state: weights, gradients, buckets, activations, fixed costs
     gpu_fixed = (
@@ -181,13 +191,13 @@ def fit_gpt(
     activations = activation_bytes(config, work)
     base = gpu_fixed - activations
     state = movable  # the share's state at ratio 0
-    at_step = device_movable - movable + (shard * FRAGMENTATION_BYTES if w < MASTER_BYTES else 0)
+    at_step = device_movable - movable + (shard * FRAGMENTATION_BYTES if copies else 0)
 
     def gpu_need_at(r: float) -> int:
         kept = 1.0 - r
         return base + math.floor(kept * state) + max(activations, math.floor(kept * at_step))
 
-    per_host_share = ranks * (movable + landing)  # host bytes at ratio 1
+    per_host_share = ranks * (host_movable + landing)  # host bytes at ratio 1
     # GPU: gpu_need_at(r) <= gpu, both terms of its max; host: host_fixed + r * per_host_share <= host
     room = machine.gpu_bytes - base
     lows = [1.0 - (room - activations) / state if state else 0.0]

@@ -118,6 +118,8 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         activation_checkpointing=not args.no_activation_checkpointing,
         dtype=args.dtype,
         optimizer=args.optimizer,
+        master_dtype="bf16" if getattr(args, "bf16_master_weights", False) else "fp32",
+        state_dtype="bf16" if getattr(args, "bf16_optimizer_states", False) else "fp32",
     )
     options: _FitOptions = {
         "stage": args.stage,

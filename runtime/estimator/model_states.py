@@ -200,6 +200,8 @@ def estimate(
     zero_init: bool = True,
     pipeline_parallel: int = 1,
     tensor_parallel: int = 1,
+    master_dtype: str = "fp32",
+    state_dtype: str = "fp32",
 ) -> Estimate:
     """Model-state bytes of one ZeRO configuration.
 
@@ -216,6 +218,8 @@ def estimate(
         zero_init: stage 3 models built under ``runtime.zero.Init`` never exist whole on the host.
         pipeline_parallel, tensor_parallel: model-parallel degrees; the data-parallel world is the ranks
             divided by their product (stages 0 and 1, no offload).
+        master_dtype, state_dtype: "bf16" for bf16.bf16_master_weights_and_grads and
+            bf16.bf16_optimizer_states (stages 1-3): 2 bytes a master and half the optimizer state.
     """
     if not isinstance(sizes, ModelSizes):
         sizes = ModelSizes(total_params=_positive_int(sizes, "total_params"))
@@ -228,7 +232,9 @@ def estimate(
     sizes = rank_sizes(sizes, pipeline_parallel, tensor_parallel)
     world = num_gpus_per_node * num_nodes // (pipeline_parallel * tensor_parallel)
     w = DTYPE_BYTES[dtype]
-    opt = OPTIMIZER_BYTES[optimizer]
+    _check_states(stage, dtype, master_dtype, state_dtype)
+    master_bytes = DTYPE_BYTES[master_dtype]
+    opt = OPTIMIZER_BYTES[optimizer] * DTYPE_BYTES[state_dtype] // 4
     if stage == 3 and sizes.largest_layer_params is None:
         raise ValueError(
             "a stage-3 estimate needs the largest layer's parameter count (largest_layer_params)"
@@ -238,8 +244,9 @@ def estimate(
     numel, shard, contiguous = _flat(sizes, world if sharded else 1, reduce_bucket_size)
     # fp32: the master is this rank's range of the working buffer when that range is contiguous (stage 3
     # keeps each unit's shard as a buffer of its own, so always)
-    master_alias = dtype == "fp32" and (contiguous or stage == 3) and not offload_optimizer
-    master = 0 if master_alias else shard * MASTER_BYTES
+    # (bf16 masters of bf16 weights alike: runtime.zero.flat aliases whenever the dtypes agree)
+    master_alias = dtype == master_dtype and (contiguous or stage == 3) and not offload_optimizer
+    master = 0 if master_alias else shard * master_bytes
     transient = 0
     if stage <= 2:
         params = numel * w
@@ -254,8 +261,10 @@ def estimate(
     if offload_optimizer:
         # runtime.offload.host_masters: the shard's gradients land in a host buffer of their own dtype
         # (optimizers without the one-pass Adam step also convert them into an fp32 buffer there)
-        landing = shard * w + (0 if optimizer in ("adam", "adamw") else shard * MASTER_BYTES)
-        host = StateBytes(grads=landing, master=shard * MASTER_BYTES, optimizer=shard * opt)
+        # (bf16 masters take the gradients as they land: no conversion buffer)
+        one_pass = optimizer in ("adam", "adamw") or master_bytes == w
+        landing = shard * w + (0 if one_pass else shard * master_bytes)
+        host = StateBytes(grads=landing, master=shard * master_bytes, optimizer=shard * opt)
         gpu = StateBytes(params=params, grads=grads)
         if stage == 3 and offload_param:
             host = StateBytes(
@@ -327,6 +336,16 @@ def _check_args(
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_BYTES)}, got {optimizer!r}")
 
 
+def _check_states(stage: int, dtype: str, master_dtype: str, state_dtype: str) -> None:
+    for name, value in (("master_dtype", master_dtype), ("state_dtype", state_dtype)):
+        if value not in ("fp32", "bf16"):
+            raise ValueError(f"{name} must be fp32 or bf16, got {value!r}")
+    if master_dtype == "bf16" and (stage == 0 or dtype != "bf16"):
+        raise ValueError("bf16 master weights need ZeRO stage 1-3 and bf16 working weights")
+    if state_dtype == "bf16" and master_dtype != "bf16":
+        raise ValueError("bf16 optimizer states need bf16 master weights")
+
+
 def estimate_all(
     sizes: ModelSizes | int | float,
     *,
@@ -345,6 +364,8 @@ def estimate_all(
     for stage in stages:
         if stage == 3 and sizes.largest_layer_params is None:
             continue
+        if stage == 0 and options.get("master_dtype", "fp32") != "fp32":
+            continue  # bf16 masters are ZeRO 1-3's
         if model_parallel and stage >= 2:
             continue
         choices = [(False, False)]

@@ -79,6 +79,24 @@ class AutoFacts:
     host_available: int
     activations: ActivationGuess
     working_bytes: int  # bytes of a working-weight element: a 16-bit one makes the device step copy fp32
+    # bf16.bf16_master_weights_and_grads / bf16_optimizer_states: bf16 masters (the device share's are the
+    # working weights themselves, stepped without an fp32 gradient copy) and half-size moments
+    master_bytes: int = MASTER_BYTES
+    moment_bytes: int = OPTIMIZER_BYTES["adamw"]
+
+    @property
+    def bf16_masters(self) -> bool:
+        return self.master_bytes < MASTER_BYTES
+
+    @property
+    def device_state_bytes(self) -> int:
+        """An element of the device's share: its master (none when it is the working weight) and moments."""
+        return (0 if self.bf16_masters else self.master_bytes) + self.moment_bytes
+
+    @property
+    def host_state_bytes(self) -> int:
+        """An element of the host's share: master, moments and the gradient landing buffer."""
+        return self.master_bytes + self.moment_bytes + LANDING_BYTES
 
 
 @dataclass(frozen=True)
@@ -170,7 +188,8 @@ def choose_ratio(
 def device_bytes_per_element(facts: AutoFacts) -> int:
     """Device bytes an element of the device's share costs: its state, and the fp32 copy the device's step
     makes of a 16-bit gradient (runtime.precision.mixed)."""
-    return STATE_BYTES + (4 if facts.working_bytes < 4 else 0)
+    copy = 4 if facts.working_bytes < 4 and not facts.bf16_masters else 0
+    return facts.device_state_bytes + copy
 
 
 def auto_ratio(facts: AutoFacts) -> RatioChoice:
@@ -184,14 +203,14 @@ def auto_ratio(facts: AutoFacts) -> RatioChoice:
     unallocated; at 0.68, what this budget chooses, it trained with a 115 GiB peak, the same with and
     without activation checkpointing (the activations are gone by the step)."""
     slack = int(ALLOCATOR_SLACK * facts.device_capacity) + DEVICE_STEP_STAGING_BYTES
-    step_bytes = device_bytes_per_element(facts) - STATE_BYTES
+    step_bytes = device_bytes_per_element(facts) - facts.device_state_bytes
     if step_bytes:
         step_bytes += FRAGMENTATION_BYTES
     choice = choose_ratio(
         shard_numel=facts.shard_numel,
-        device_bytes_per_element=STATE_BYTES,
+        device_bytes_per_element=facts.device_state_bytes,
         step_bytes_per_element=step_bytes,
-        host_bytes_per_element=STATE_BYTES + LANDING_BYTES,
+        host_bytes_per_element=facts.host_state_bytes,
         device_free=max(0, facts.device_capacity - facts.fixed_device_bytes),
         activation_bytes=facts.activations.nbytes,
         device_reserve=slack,
@@ -211,7 +230,7 @@ def ratio_shortfall(facts: AutoFacts, ratio: float) -> str | None:
     host_numel = math.ceil(ratio * facts.shard_numel)
     device_numel = facts.shard_numel - host_numel
     device_need = facts.fixed_device_bytes + device_numel * device_bytes_per_element(facts)
-    host_need = host_numel * (STATE_BYTES + LANDING_BYTES)
+    host_need = host_numel * facts.host_state_bytes
     short = []
     if device_need > facts.device_capacity:
         short.append(
@@ -334,6 +353,9 @@ def read_auto_facts(
         host_available=host_available_bytes(),
         activations=guess_activations(model, micro, working_bytes, capacity),
         working_bytes=working_bytes,
+        master_bytes=2 if config.bf16.enabled and config.bf16.bf16_master_weights_and_grads else MASTER_BYTES,
+        moment_bytes=OPTIMIZER_BYTES["adamw"]
+        // (2 if config.bf16.enabled and config.bf16.bf16_optimizer_states else 1),
     )
 
 

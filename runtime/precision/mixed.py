@@ -2,8 +2,10 @@
 
 Working weights (forward/backward) are in `param_dtype` (bf16, fp16 or fp32); gradients are produced,
 reduced and accumulated in that dtype too (the ZeRO paper's 2 bytes/parameter); the optimizer steps fp32
-master weights. The arithmetic between the reduced gradients and the optimizer step (average, unscale,
-norm, clip) is grad_math.py's.
+master weights, or bf16 ones with `bf16.bf16_master_weights_and_grads` (their moments in `state_dtype`,
+the update in master_adam.py). With `torch_autocast` the weights stay fp32 and the forward runs under
+`torch.autocast(autocast_dtype)`. The arithmetic between the reduced gradients and the optimizer step
+(average, unscale, norm, clip) is grad_math.py's.
 
 `input_dtype_error` turns the model's failure on inputs of another dtype into an `InputDtypeError` that
 says which key or cast fixes it.
@@ -11,6 +13,8 @@ says which key or cast fixes it.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +35,10 @@ class PrecisionPolicy:
     master_dtype: torch.dtype = torch.float32  # weights the optimizer updates, and its state
     reduce_dtype: torch.dtype = torch.float32  # gradients on the wire
     cast_inputs: bool = False  # cast floating-point forward inputs to param_dtype
+    # the optimizer's moments (bf16.bf16_optimizer_states); masters in bf16 keep fp32 moments without it
+    state_dtype: torch.dtype = torch.float32
+    stochastic_rounding: bool = False  # bf16 masters rounded stochastically in the update (master_adam.py)
+    autocast_dtype: torch.dtype | None = None  # torch_autocast: the forward runs under torch.autocast
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -48,7 +56,49 @@ def policy_from_config(config: Config) -> PrecisionPolicy:
         _DTYPE_NAMES[config.communication_data_type] if config.communication_data_type else param_dtype
     )
     cast = param_dtype == torch.bfloat16 or (param_dtype == torch.float16 and config.fp16.auto_cast)
-    return PrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_inputs=cast)
+    bf16 = config.bf16
+    masters = torch.bfloat16 if bf16.enabled and bf16.bf16_master_weights_and_grads else torch.float32
+    autocast = config.torch_autocast
+    if autocast.enabled:
+        safe_module_types(autocast.lower_precision_safe_modules)  # refuse a name that does not import
+    return PrecisionPolicy(
+        param_dtype=param_dtype,
+        master_dtype=masters,
+        reduce_dtype=reduce_dtype,
+        cast_inputs=cast,
+        state_dtype=torch.bfloat16 if bf16.enabled and bf16.bf16_optimizer_states else torch.float32,
+        stochastic_rounding=masters == torch.bfloat16 and bf16.stochastic_rounding,
+        autocast_dtype=getattr(torch, autocast.dtype) if autocast.enabled else None,
+    )
+
+
+def autocast_context(policy: PrecisionPolicy, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """torch.autocast in the policy's dtype for the forward (torch_autocast), else nothing."""
+    if policy.autocast_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=policy.autocast_dtype)
+
+
+def safe_module_types(names: tuple[str, ...]) -> tuple[type, ...]:
+    """The classes `torch_autocast.lower_precision_safe_modules` names, each an nn.Module subclass."""
+    from runtime.config import ConfigError
+
+    key = "torch_autocast.lower_precision_safe_modules"
+    found = []
+    for name in names:
+        module_name, _, attr = name.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr) if module_name else None
+        except (ImportError, AttributeError):
+            cls = None
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise ConfigError(
+                key,
+                f"{name!r} is not an importable torch.nn.Module class",
+                hint='name module classes with their import path, like "torch.nn.Linear"',
+            )
+        found.append(cls)
+    return tuple(found)
 
 
 def scaler_from_config(config: Config) -> LossScaler | None:

@@ -52,8 +52,8 @@ def adam_hyperparams(optimizer: torch.optim.Optimizer, group: dict[str, Any]) ->
 
 def supports(optimizer: torch.optim.Optimizer | None) -> bool:
     """Whether every param group of `optimizer` can take the one-pass path."""
-    if optimizer is None:
-        return False
+    if optimizer is None or getattr(optimizer, "runs_own_update", False):
+        return False  # runtime.precision.MasterAdam (bf16 masters): its own step() on the host masters
     groups = optimizer.param_groups
     return all(len(g["params"]) == 1 and adam_hyperparams(optimizer, g) is not None for g in groups)
 

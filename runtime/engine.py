@@ -35,6 +35,7 @@ from runtime.engine_log import StepLog, Timers
 from runtime.initialize_args import checkpoint_dir
 from runtime.monitor import TrainingMonitor
 from runtime.offload import MasterPlacement, build_master_placement, with_auto_ratio
+from runtime.optim.muon import muon_split
 from runtime.parallel.folders import part_root
 from runtime.precision.grad_math import GradMath
 from runtime.precision.loss_scaler import LossScaler
@@ -46,6 +47,7 @@ from runtime.zero.optimizer import (
     OptimizerSource,
     build_shard_optimizer,
     rebuild_client_optimizer,
+    split_muon_specs,
 )
 
 _log = logging.getLogger("runtime.engine")
@@ -118,6 +120,8 @@ class Engine(EngineAccessors, nn.Module):
 
         self.inference_only = engine_inference.is_inference_only(optimizer, config)  # DeepSpeed's kind
         specs = self._param_group_specs(model, optimizer, model_parameters)
+        if optimizer is None and config.optimizer is not None and config.optimizer.type == "Muon":
+            specs = split_muon_specs(specs, muon_split(model))  # Muon's matrices apart from AdamW's rest
         # "ratio": "auto" becomes a number before the stage splits its groups by it
         config = self.config = with_auto_ratio(config, model, self.comm, self.device, self.policy.param_dtype)
         zero_cfg = config.zero_optimization
@@ -183,7 +187,11 @@ class Engine(EngineAccessors, nn.Module):
                 return build_optimizer(self.config.optimizer, groups)
 
         return build_shard_optimizer(
-            self.groups, build, sharded=sharded, allow_untested=self.config.zero_allow_untested_optimizer
+            self.groups,
+            build,
+            sharded=sharded,
+            allow_untested=self.config.zero_allow_untested_optimizer,
+            comm=self.comm,
         )
 
     def _build_scheduler(self, source: Any) -> Any:

@@ -147,13 +147,22 @@ def test_muon_across_zero_stages_at_world_2_and_resume(tmp_path) -> None:
 
 
 def test_muon_state_is_one_buffer_for_muon_params_and_two_for_adam() -> None:
-    """memory_breakdown's optimizer bytes: 4 per Muon parameter (momentum), 8 per AdamW one (+ its step)."""
-    engine = run_distributed(_state_bytes, 1)[0]
+    """memory_breakdown's optimizer bytes: 4 per Muon parameter (momentum), 8 per AdamW one (+ its step
+    count); ds_estimate's "muon" counts the same bytes from model_sizes' Muon share."""
+    from runtime.estimator import estimate, model_sizes
+    from runtime.estimator.model_states import ModelSizes
+
+    measured = run_distributed(_state_bytes, 1)[0]
     model = make_model(0)
     split = muon_split(model)
     muon = sum(p.numel() for p in model.parameters() if split[p])
     adam = [p for p in model.parameters() if not split[p]]
-    assert engine == 4 * muon + 8 * sum(p.numel() for p in adam) + 4 * len(adam)
+    adam_numel = sum(p.numel() for p in adam)
+    assert measured == 4 * muon + 8 * adam_numel + 4 * len(adam)
+    sizes = model_sizes(model)
+    assert sizes.muon_params == muon
+    unpadded = ModelSizes(total_params=sizes.total_params, muon_params=muon)
+    assert estimate(unpadded, stage=0, optimizer="muon").gpu.optimizer == 4 * muon + 8 * adam_numel
 
 
 def _state_bytes(rank: int, world_size: int) -> int:

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from runtime.estimator.model_states import (
     DTYPE_BYTES,
     MASTER_BYTES,
-    OPTIMIZER_BYTES,
     ModelSizes,
     estimate,
+    state_bytes_per_param,
 )
 from runtime.models.gpt import GPTConfig
 
@@ -154,7 +154,8 @@ def fit_gpt(
     )
     params = config.num_params()
     shard = math.ceil(params / ranks) if stage >= 1 else params
-    movable = shard * (MASTER_BYTES + OPTIMIZER_BYTES[work.optimizer])  # what ratio moves, per rank
+    # what ratio moves, per rank (Muon's split is unknown here: its AdamW bound)
+    movable = round(shard * (MASTER_BYTES + state_bytes_per_param(ModelSizes(params), work.optimizer)))
     # on the device the step also makes an fp32 copy of 16-bit gradients (runtime.precision.mixed)
     device_movable = movable + (shard * MASTER_BYTES if w < MASTER_BYTES else 0)
     landing = shard * w if host_step else 0

@@ -98,8 +98,10 @@ def _run(rank: int, world_size: int, stage: int, offload: bool) -> dict:
 
 
 def _run_stages(rank: int, world_size: int, ckpt: str) -> dict:
-    """Stages 1-3 at this world size, then save at step 2 and resume into a fresh engine (stage 2)."""
+    """Stages 1-3 at this world size (and stage 2 with offload_optimizer), then save at step 2 and resume
+    into a fresh engine (stage 2)."""
     out = {stage: _run(rank, world_size, stage, False) for stage in (1, 2, 3)}
+    out["offload"] = _run(rank, world_size, 2, True)
     first = _engine(_config(2))
     _train(first, rank, world_size, range(2))
     first.save_checkpoint(ckpt, tag="two")
@@ -133,11 +135,12 @@ def test_muon_on_one_process_equals_torch_muon_and_adamw() -> None:
 
 
 def test_muon_across_zero_stages_at_world_2_and_resume(tmp_path) -> None:
-    """Stages 1-3 at world 2 (matrices split over both ranks' shards) equal the one-process reference fed
-    the same global batch; a resumed run continues exactly like the one that saved."""
+    """Stages 1-3 at world 2 (matrices split over both ranks' shards; stage 2 offloaded too) equal the
+    one-process reference fed the same global batch; a resumed run continues exactly like the one that
+    saved."""
     losses, master = _reference()
     rank0 = run_distributed(_run_stages, 2, str(tmp_path))[0]
-    for stage in (1, 2, 3):
+    for stage in (1, 2, 3, "offload"):
         # the ranks' gradient sums round differently from the whole batch's (measured: 1.5e-8 apart)
         _assert_close(rank0[stage], losses, master, 1e-6)
     resume = rank0["resume"]

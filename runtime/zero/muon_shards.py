@@ -62,9 +62,12 @@ class ShardOrthogonalizer:
         for piece in layout.param_pieces(rank):
             holder = layout.slots[piece.param].bucket
             by_bucket.setdefault(holder, []).append((piece.param, piece.param_offset, piece.numel))
+        # under offload_optimizer the update is on the host: the collectives and Newton-Schulz run on the
+        # training device, where the working weights are (NCCL takes no host tensors)
+        device = self.group.working.device
         for bucket in layout.buckets:
-            mine = update.narrow(0, bucket.shard_offset, bucket.piece_numel)
-            whole = torch.empty(bucket.numel, dtype=update.dtype, device=update.device)
+            mine = update.narrow(0, bucket.shard_offset, bucket.piece_numel).to(device)
+            whole = torch.empty(bucket.numel, dtype=update.dtype, device=device)
             self.comm.all_gather(whole, mine)
             ortho = torch.zeros_like(whole)
             for index in bucket.params:
@@ -80,7 +83,12 @@ class ShardOrthogonalizer:
                 slot = layout.slots[index]
                 within = slot.offset + param_offset - bucket.piece(rank)[0]
                 pieces.append(
-                    (bucket.shard_offset + within, numel, own.narrow(0, within, numel), self.shapes[index])
+                    (
+                        bucket.shard_offset + within,
+                        numel,
+                        own.narrow(0, within, numel).to(update.device),
+                        self.shapes[index],
+                    )
                 )
         return pieces
 

@@ -189,6 +189,10 @@ def test_muon_refuses_a_model_without_hidden_matrices_and_unknown_keys() -> None
 
     with pytest.raises(MuonSplitError, match="no 2-D hidden weight"):
         runtime.initialize(model=_NoMatrices(), config=_config(0))
+    split = make_model(0)
+    split.hidden.weight.tensor_model_parallel = True  # a tensor-parallel shard is not the whole matrix
+    with pytest.raises(MuonSplitError, match=r"hidden\.weight is split over the model-parallel group"):
+        muon_split(split)
     bad = copy.deepcopy(_config(0))
     bad["optimizer"]["params"]["ns_step"] = 3
     with pytest.raises(ConfigError, match=r"optimizer\.params\.ns_step.*ns_steps"):

@@ -72,6 +72,14 @@ def muon_split(model: nn.Module) -> dict[nn.Parameter, bool]:
                 f"{tuple(param.shape)}; Muon orthogonalizes 2-D matrices only",
                 hint=f"set {name}.use_muon = False (AdamW then updates it) or reshape it to 2-D",
             )
+        if muon and (
+            getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False)
+        ):
+            raise MuonSplitError(
+                f"optimizer.type Muon: parameter {name} is split over the model-parallel group, and Muon "
+                "orthogonalizes whole matrices",
+                hint=f"set {name}.use_muon = False (AdamW updates it) or train without model parallelism",
+            )
         out[param] = muon
     if out and not any(out.values()):
         raise MuonSplitError(

@@ -25,10 +25,10 @@ STEPS = 4
 MUON = {"lr": 0.02, "momentum": 0.9, "weight_decay": 0.01, "adam_lr": 3e-3, "betas": [0.9, 0.99]}
 
 
-def _config(stage: int, *, offload: bool = False) -> dict:
+def _config(stage: int, *, offload: bool = False, ratio: float = 1.0) -> dict:
     zero: dict = {"stage": stage, "reduce_bucket_size": 700}  # several buckets: matrices over pieces
     if offload:
-        zero["offload_optimizer"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu", "ratio": ratio}
     return {
         "train_batch_size": ROWS,
         "steps_per_print": 0,
@@ -91,17 +91,18 @@ def _train(engine, rank: int, world_size: int, steps: range) -> list[float]:
     return (out / world_size).tolist()
 
 
-def _run(rank: int, world_size: int, stage: int, offload: bool) -> dict:
-    engine = _engine(_config(stage, offload=offload))
+def _run(rank: int, world_size: int, stage: int, offload: bool, ratio: float = 1.0) -> dict:
+    engine = _engine(_config(stage, offload=offload, ratio=ratio))
     losses = _train(engine, rank, world_size, range(STEPS))
     return {"losses": losses, "master": engine.full_state_dict()}
 
 
 def _run_stages(rank: int, world_size: int, ckpt: str) -> dict:
-    """Stages 1-3 at this world size (and stage 2 with offload_optimizer), then save at step 2 and resume
-    into a fresh engine (stage 2)."""
+    """Stages 1-3 at this world size (and stage 2 with offload_optimizer ratio 0.5), then save at step 2
+    and resume into a fresh engine (stage 2)."""
     out = {stage: _run(rank, world_size, stage, False) for stage in (1, 2, 3)}
-    out["offload"] = _run(rank, world_size, 2, True)
+    # half the groups' state on the host, half on the device: each side steps only its own groups
+    out["offload"] = _run(rank, world_size, 2, True, 0.5)
     first = _engine(_config(2))
     _train(first, rank, world_size, range(2))
     first.save_checkpoint(ckpt, tag="two")
@@ -135,7 +136,7 @@ def test_muon_on_one_process_equals_torch_muon_and_adamw() -> None:
 
 
 def test_muon_across_zero_stages_at_world_2_and_resume(tmp_path) -> None:
-    """Stages 1-3 at world 2 (matrices split over both ranks' shards; stage 2 offloaded too) equal the
+    """Stages 1-3 at world 2 (matrices split over both ranks' shards; stage 2 half offloaded too) equal the
     one-process reference fed the same global batch; a resumed run continues exactly like the one that
     saved."""
     losses, master = _reference()

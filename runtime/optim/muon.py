@@ -168,13 +168,15 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             )
 
         for param in group["params"]:
-            if param.grad is None and orthogonalize is None:
+            # (ZeRO attaches a gradient to a group's master on every rank or on none, as partial offload's
+            # two sides step their own groups: the orthogonalizer's collectives stay in step)
+            if param.grad is None:
                 continue
             state = self.state[param]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(param)
             buf = state["momentum_buffer"]
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            grad = param.grad
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             if orthogonalize is not None:

@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 
 from runtime.config.optim import OptimizerConfig, resolve_optimizer_config
+from runtime.optim.muon import MuonWithAuxAdam
 
 
 class Lamb(torch.optim.Optimizer):
@@ -169,8 +170,6 @@ def build_optimizer(
             **adam_implementation(tensors),
         )
     if config.type == "Muon":
-        from runtime.optim.muon import MuonWithAuxAdam
-
         return MuonWithAuxAdam(
             cast("list[dict[str, Any]]", param_list),
             lr=p["lr"],

@@ -119,6 +119,13 @@ def _run_stages(rank: int, world_size: int, ckpt: str) -> dict:
     return out
 
 
+def _resume_alone(rank: int, world_size: int, ckpt: str, stage: int) -> dict:
+    """The world-2 checkpoint resumed by one process (the momentum shards joined), to the end."""
+    engine = _engine(_config(stage))
+    engine.load_checkpoint(ckpt, tag="two")
+    return {"losses": _train(engine, rank, world_size, range(2, STEPS)), "master": engine.full_state_dict()}
+
+
 def _assert_close(got: dict, want_losses: list[float], want: dict[str, torch.Tensor], tol: float) -> None:
     assert got["losses"] == pytest.approx(want_losses, rel=tol, abs=tol)
     for name, value in want.items():
@@ -138,7 +145,7 @@ def test_muon_on_one_process_equals_torch_muon_and_adamw() -> None:
 def test_muon_across_zero_stages_at_world_2_and_resume(tmp_path) -> None:
     """Stages 1-3 at world 2 (matrices split over both ranks' shards; stage 2 half offloaded too) equal the
     one-process reference fed the same global batch; a resumed run continues exactly like the one that
-    saved."""
+    saved, and one process (stage 0) resumes the world-2 checkpoint to the same weights."""
     losses, master = _reference()
     rank0 = run_distributed(_run_stages, 2, str(tmp_path))[0]
     for stage in (1, 2, 3, "offload"):
@@ -148,6 +155,8 @@ def test_muon_across_zero_stages_at_world_2_and_resume(tmp_path) -> None:
     assert resume["again"] == resume["straight"]
     for name, value in resume["a"].items():
         assert torch.equal(resume["b"][name], value), name
+    alone = run_distributed(_resume_alone, 1, str(tmp_path), 0)[0]
+    _assert_close(alone, resume["straight"], resume["a"], 1e-6)
 
 
 def test_muon_state_is_one_buffer_for_muon_params_and_two_for_adam() -> None:

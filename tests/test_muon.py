@@ -210,3 +210,12 @@ def test_muon_refuses_a_model_without_hidden_matrices_and_unknown_keys() -> None
     bad["optimizer"]["params"] = {"lr": 0.02, "muon_lr": 0.01}
     with pytest.raises(ConfigError, match=r"optimizer\.params\.muon_lr"):
         runtime.initialize(model=make_model(0), config=bad)
+
+
+def test_matrix_owners_balance_newton_schulz_work_over_ranks() -> None:
+    """Each matrix is orthogonalized on one rank; the largest first onto the least-loaded rank."""
+    from runtime.zero.muon_shards import assign_owners
+
+    shapes = [torch.Size(s) for s in ((4, 4), (8, 8), (2, 2), (8, 8), (16, 4))]
+    assert assign_owners(shapes, 2) == [1, 0, 1, 1, 0]  # loads: 512 + 256 = 768 and 512 + 64 + 8 = 584
+    assert assign_owners(shapes, 1) == [0] * 5

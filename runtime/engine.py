@@ -35,6 +35,7 @@ from runtime.engine_log import StepLog, Timers
 from runtime.initialize_args import checkpoint_dir
 from runtime.monitor import TrainingMonitor
 from runtime.offload import MasterPlacement, build_master_placement, with_auto_ratio
+from runtime.optim.muon import muon_split
 from runtime.parallel.folders import part_root
 from runtime.parallel.plan import ParallelPlan, replicated_squares
 from runtime.parallel.rng import RNGStatesTracker, get_cuda_rng_tracker
@@ -55,6 +56,7 @@ from runtime.zero.optimizer import (
     OptimizerSource,
     build_shard_optimizer,
     rebuild_client_optimizer,
+    split_muon_specs,
 )
 
 _log = logging.getLogger("runtime.engine")
@@ -137,6 +139,8 @@ class Engine(EngineAccessors, nn.Module):
 
         self.inference_only = engine_inference.is_inference_only(optimizer, config)  # DeepSpeed's kind
         specs = self._param_group_specs(model, optimizer, model_parameters)
+        if optimizer is None and config.optimizer is not None and config.optimizer.type == "Muon":
+            specs = split_muon_specs(specs, muon_split(model))  # Muon's matrices apart from AdamW's rest
         # "ratio": "auto" becomes a number before the stage splits its groups by it
         config = self.config = with_auto_ratio(config, model, self.comm, self.device, self.policy.param_dtype)
         zero_cfg = config.zero_optimization
@@ -213,6 +217,7 @@ class Engine(EngineAccessors, nn.Module):
             ),
             sharded=sharded,
             allow_untested=self.config.zero_allow_untested_optimizer,
+            comm=self.comm,
         )
 
     def _build_scheduler(self, source: Any) -> Any:

@@ -272,7 +272,10 @@ def _fill(
                 names = engine_state.param_names(engine, group)
                 source = first_group.get(names[0]) if names else None
                 scalars = saved_scalars[source] if source is not None and source < len(saved_scalars) else {}
-                load_optimizer_state(engine, group, reader, copies, keys, dtypes, scalars)
+                # an optimizer whose groups keep different state (Muon's momentum, AdamW's moments) names them
+                group_keys = getattr(engine.optimizer, "state_keys", None)
+                own = keys if group_keys is None else [k for k in keys if k in group_keys(group.index)]
+                load_optimizer_state(engine, group, reader, copies, own, dtypes, scalars)
     finally:
         reader.close()
 

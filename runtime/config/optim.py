@@ -17,7 +17,7 @@ from runtime.config.reader import ConfigError, FrozenDict, ReadContext, SectionR
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    type: str  # canonical: "Adam" | "AdamW" | "Lamb" | "SGD"
+    type: str  # canonical: "Adam" | "AdamW" | "Lamb" | "SGD" | "Muon"
     params: Mapping[str, Any] = field(default_factory=FrozenDict)  # read-only
 
 
@@ -27,7 +27,7 @@ class SchedulerConfig:
     params: Mapping[str, Any] = field(default_factory=FrozenDict)  # read-only
 
 
-OPTIMIZER_TYPES = ("Adam", "AdamW", "Lamb", "SGD")
+OPTIMIZER_TYPES = ("Adam", "AdamW", "Lamb", "SGD", "Muon")
 SCHEDULER_TYPES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle")
 
 # DeepSpeed (and the torch.optim fallback DeepSpeed offers) names we recognise but do not implement.
@@ -37,7 +37,6 @@ _UNSUPPORTED_OPTIMIZERS = (
     "MuAdam",
     "MuAdamW",
     "MuSGD",
-    "Muon",
     "OneBitAdam",
     "ZeroOneAdam",
     "OneBitLamb",
@@ -145,6 +144,27 @@ def _sgd_params(p: SectionReader) -> dict[str, Any]:
     return params
 
 
+def _muon_params(p: SectionReader) -> dict[str, Any]:
+    """Muon's keys (DeepSpeed's names; `muon_lr` is DeepSpeed's other name for `lr`) and the AdamW keys of
+    the parameters Muon does not update (runtime/optim/muon.py says which)."""
+    lr = p.get("lr", Float(0.0), None)
+    muon_lr = p.get("muon_lr", Float(0.0), None)
+    if lr is not None and muon_lr is not None and lr != muon_lr:
+        raise ConfigError(p.key_path("muon_lr"), f"{muon_lr} contradicts lr ({lr}); give one of them")
+    lr = muon_lr if muon_lr is not None else (0.02 if lr is None else lr)
+    return {
+        "lr": lr,
+        "momentum": p.get("momentum", Float(0.0, 1.0), 0.95),
+        "weight_decay": p.get("weight_decay", Float(0.0), 0.0),
+        "nesterov": p.get("nesterov", Bool(), True),
+        "ns_steps": p.get("ns_steps", Int(1, 99), 5),
+        "adjust_lr_fn": p.get("adjust_lr_fn", Choice(("original", "match_rms_adamw")), "original"),
+        "adam_lr": p.get("adam_lr", Float(0.0), 1e-3),
+        "betas": p.get("betas", FloatPair(), (0.9, 0.999)),
+        "eps": p.get("eps", Float(0.0), 1e-8),
+    }
+
+
 def read_optimizer(r: SectionReader) -> OptimizerConfig:
     type_name = _canonical_type(r, OPTIMIZER_TYPES, _UNSUPPORTED_OPTIMIZERS, "optimizer")
     p = r.section("params")
@@ -153,6 +173,8 @@ def read_optimizer(r: SectionReader) -> OptimizerConfig:
         params = _adam_params(p, type_name)
     elif type_name == "Lamb":
         params = _lamb_params(p)
+    elif type_name == "Muon":
+        params = _muon_params(p)
     else:
         params = _sgd_params(p)
     p.finish()

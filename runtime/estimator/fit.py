@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from runtime.estimator.model_states import (
     DTYPE_BYTES,
     MASTER_BYTES,
-    OPTIMIZER_BYTES,
     ModelSizes,
     estimate,
+    state_bytes_per_param,
 )
 from runtime.models.gpt import GPTConfig
 
@@ -159,11 +159,12 @@ def fit_gpt(
     params = config.num_params()
     shard = math.ceil(params / ranks) if stage >= 1 else params
     # bf16 masters: on the device they are the working weights (no bytes, no fp32 gradient copy at the
-    # step: runtime.precision.master_adam), on the host 2 bytes; bf16 states: half the optimizer's
+    # step: runtime.precision.master_adam), on the host 2 bytes; bf16 states: half the optimizer's.
+    # Muon's split is unknown here: its AdamW bound.
     bf16_masters = work.master_dtype == "bf16"
-    moments = OPTIMIZER_BYTES[work.optimizer] * DTYPE_BYTES[work.state_dtype] // 4
-    host_movable = shard * (DTYPE_BYTES[work.master_dtype] + moments)  # what ratio moves, per rank
-    movable = host_movable if not bf16_masters else shard * moments
+    moments = state_bytes_per_param(ModelSizes(params), work.optimizer) * DTYPE_BYTES[work.state_dtype] / 4
+    host_movable = round(shard * (DTYPE_BYTES[work.master_dtype] + moments))  # what ratio moves, per rank
+    movable = host_movable if not bf16_masters else round(shard * moments)
     # on the device the step also makes an fp32 copy of 16-bit gradients (runtime.precision.mixed)
     copies = w < MASTER_BYTES and not bf16_masters
     device_movable = movable + (shard * MASTER_BYTES if copies else 0)

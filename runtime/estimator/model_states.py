@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from runtime.optim.muon import uses_muon
 from runtime.zero.partition import plan_flat_layout
 
 __all__ = [
@@ -69,11 +70,22 @@ __all__ = [
     "estimate",
     "estimate_all",
     "model_sizes",
+    "state_bytes_per_param",
 ]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # bytes of optimizer state per (master) parameter
-OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "lamb": 8, "lion": 4, "sgd_momentum": 4, "adagrad": 4, "sgd": 0}
+# ("muon": its momentum, for the parameters Muon updates; the rest carry AdamW's 8: see _state_bytes)
+OPTIMIZER_BYTES = {
+    "adam": 8,
+    "adamw": 8,
+    "lamb": 8,
+    "lion": 4,
+    "sgd_momentum": 4,
+    "adagrad": 4,
+    "sgd": 0,
+    "muon": 4,
+}
 MASTER_BYTES = 4  # fp32 master weights
 DEFAULT_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size default (elements)
 _STAGE2_BUCKETS_ALIVE = 3  # one bucket being filled + two in flight (ShardedGradStage.max_in_flight)
@@ -87,6 +99,7 @@ class ModelSizes:
     largest_layer_params: int | None = None  # stage 3 gathers one layer (module) at a time
     numels: tuple[int, ...] | None = None  # every parameter's size: the flat layout's padding becomes exact
     tensor_parallel_params: int | None = None  # the part AutoTP shards (projection weights, colwise biases)
+    muon_params: int | None = None  # the part optimizer "muon" updates with Muon (runtime.optim.muon's rule)
 
 
 @dataclass(frozen=True)
@@ -145,6 +158,9 @@ def model_sizes(model: nn.Module) -> ModelSizes:
         bias = getattr(module, "bias", None)
         if bias is not None and "Rowwise" not in type(style).__name__:  # a row-wise bias stays whole
             sharded += bias.numel()
+    embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = sum(p.numel() for p in params if uses_muon(names[id(p)], p, embedding))
     largest = 0
     seen: set[int] = set()
     for module in model.modules():
@@ -156,6 +172,7 @@ def model_sizes(model: nn.Module) -> ModelSizes:
         largest_layer_params=largest,
         numels=tuple(p.numel() for p in reversed(params)),  # the engine lays out in reverse order
         tensor_parallel_params=sharded,
+        muon_params=muon,
     )
 
 
@@ -234,7 +251,7 @@ def estimate(
     w = DTYPE_BYTES[dtype]
     _check_states(stage, dtype, master_dtype, state_dtype)
     master_bytes = DTYPE_BYTES[master_dtype]
-    opt = OPTIMIZER_BYTES[optimizer] * DTYPE_BYTES[state_dtype] // 4
+    opt = state_bytes_per_param(sizes, optimizer) * DTYPE_BYTES[state_dtype] / 4
     if stage == 3 and sizes.largest_layer_params is None:
         raise ValueError(
             "a stage-3 estimate needs the largest layer's parameter count (largest_layer_params)"
@@ -264,7 +281,7 @@ def estimate(
         # (bf16 masters take the gradients as they land: no conversion buffer)
         one_pass = optimizer in ("adam", "adamw") or master_bytes == w
         landing = shard * w + (0 if one_pass else shard * master_bytes)
-        host = StateBytes(grads=landing, master=shard * master_bytes, optimizer=shard * opt)
+        host = StateBytes(grads=landing, master=shard * master_bytes, optimizer=round(shard * opt))
         gpu = StateBytes(params=params, grads=grads)
         if stage == 3 and offload_param:
             host = StateBytes(
@@ -272,7 +289,7 @@ def estimate(
             )
             gpu = StateBytes(grads=grads)
     else:
-        gpu = StateBytes(params=params, grads=grads, master=master, optimizer=shard * opt)
+        gpu = StateBytes(params=params, grads=grads, master=master, optimizer=round(shard * opt))
     init = 0 if stage == 3 and zero_init else stage_params * 4
     return Estimate(
         stage=stage,
@@ -287,6 +304,15 @@ def estimate(
         pipeline_parallel=pipeline_parallel,
         tensor_parallel=tensor_parallel,
     )
+
+
+def state_bytes_per_param(sizes: ModelSizes, optimizer: str) -> float:
+    """Optimizer state bytes per parameter; for "muon" the mean over its Muon part (one momentum) and the
+    AdamW rest (two moments). Without `muon_params` every parameter counts as AdamW's (an upper bound)."""
+    if optimizer != "muon":
+        return OPTIMIZER_BYTES[optimizer]
+    share = (sizes.muon_params or 0) / sizes.total_params
+    return share * OPTIMIZER_BYTES["muon"] + (1 - share) * OPTIMIZER_BYTES["adamw"]
 
 
 def _positive_int(value: int | float, name: str) -> int:

@@ -1,4 +1,4 @@
-"""Optimizers for the config's `optimizer` section: torch Adam/AdamW/SGD, and our own Lamb.
+"""Optimizers for the config's `optimizer` section: torch Adam/AdamW/SGD, our own Lamb, Muon (muon.py).
 
 `build_optimizer` is what the engine calls, on model parameters (stage 0) or on the fp32 master shards
 of ZeRO (plain leaf tensors, possibly on CPU under offload). Adam/AdamW use torch's fused kernels when every
@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 
 from runtime.config.optim import OptimizerConfig, resolve_optimizer_config
+from runtime.optim.muon import MuonWithAuxAdam
 
 
 class Lamb(torch.optim.Optimizer):
@@ -167,6 +168,20 @@ def build_optimizer(
             weight_decay=p["weight_decay"],
             amsgrad=p["amsgrad"],
             **adam_implementation(tensors),
+        )
+    if config.type == "Muon":
+        return MuonWithAuxAdam(
+            cast("list[dict[str, Any]]", param_list),
+            lr=p["lr"],
+            momentum=p["momentum"],
+            weight_decay=p["weight_decay"],
+            nesterov=p["nesterov"],
+            ns_steps=p["ns_steps"],
+            adjust_lr_fn=p["adjust_lr_fn"],
+            adam_lr=p["adam_lr"],
+            betas=tuple(p["betas"]),
+            eps=p["eps"],
+            fused=adam_implementation(tensors).get("fused"),
         )
     if config.type == "Lamb":
         return Lamb(

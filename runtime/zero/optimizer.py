@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from runtime.comm import Comm
 from runtime.errors import UserError
 from runtime.zero.flat import FlatGroup
+from runtime.zero.muon_shards import install_orthogonalizers
 
 # Optimizers whose update of an element depends only on that element's history: stepping a flat shard
 # equals stepping the original tensors.
@@ -130,6 +132,18 @@ def collect_param_groups(
     return groups
 
 
+def split_muon_specs(specs: Sequence[GroupSpec], split: Mapping[nn.Parameter, bool]) -> list[GroupSpec]:
+    """Each param group as a Muon group and an AdamW group (`use_muon` in the options; an empty one left
+    out), so that ZeRO flattens them apart and every flat group has one kind of update."""
+    out: list[GroupSpec] = []
+    for spec in specs:
+        for muon in (True, False):
+            chosen = [p for p in spec.params if split.get(p, False) == muon]
+            if chosen:
+                out.append(GroupSpec(chosen, {**spec.options, "use_muon": muon}, spec.source))
+    return out
+
+
 def inference_param_groups(model: nn.Module, *, shard_frozen: bool) -> list[GroupSpec]:
     """The groups of an engine built without an optimizer (DeepSpeed's inference engine: a frozen
     reference model through `initialize(model=..., config=...)`). At ZeRO stage 3 (`shard_frozen`) every
@@ -208,13 +222,18 @@ def build_shard_optimizer(
     *,
     sharded: bool,
     allow_untested: bool,
+    comm: Comm | None = None,
 ) -> tuple[torch.optim.Optimizer, bool]:
-    """Build the optimizer over the master shards; returns it and whether it got per-parameter views."""
+    """Build the optimizer over the master shards; returns it and whether it got per-parameter views.
+    `comm` (the ranks the shards split over) lets Muon orthogonalize whole matrices from shards."""
     optimizer = build(master_param_groups(groups, per_tensor=False))
     if is_elementwise(optimizer):
         return optimizer, False
     if not sharded:
         return build(master_param_groups(groups, per_tensor=True)), True
+    if comm is not None and hasattr(optimizer, "orthogonalizers"):  # Muon: runtime/zero/muon_shards.py
+        install_orthogonalizers(optimizer, groups, comm)
+        return optimizer, False
     if allow_untested:
         return optimizer, False
     raise ValueError(

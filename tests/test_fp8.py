@@ -221,3 +221,72 @@ def test_fp8_engine_at_zero_0_and_3_equals_converted_plain_pytorch() -> None:
         for name, want in ref_master.items():
             err = update_error(run["master"][name], want, initial[name])
             assert err <= 0.10, f"stage {stage} {name}: update error {err:.3f}"
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------
+def _train_from(engine: Any, first: int, steps: int, rank: int, world_size: int) -> list[float]:
+    """Train steps first .. first+steps-1 on this rank's rows; the per-micro-step losses, mean over ranks."""
+    import torch.distributed as dist
+
+    losses = []
+    for step in range(first, first + steps):
+        for micro in range(ACCUMULATION):
+            x, y = rank_batch(step, micro, ROWS, rank, world_size)
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach().float())
+    mean = torch.stack(losses)
+    dist.all_reduce(mean)
+    return (mean / world_size).tolist()
+
+
+def _fp8_bf16_fp8(rank: int, world_size: int, stage: int, root: str) -> dict:
+    import runtime
+
+    def engine(fp8: bool) -> Any:
+        return runtime.initialize(model=make_net(0), config=_config(stage, fp8=fp8))[0]
+
+    straight = engine(fp8=True)
+    uninterrupted = _train_from(straight, 0, 4, rank, world_size)
+    straight.destroy()
+
+    first = engine(fp8=True)
+    _train_from(first, 0, 2, rank, world_size)
+    first.save_checkpoint(root, tag="fp8")
+    saved = first.full_state_dict()
+    first.destroy()
+
+    bf16 = engine(fp8=False)  # no fp8 section: plain nn.Linear layers
+    bf16.load_checkpoint(root, tag="fp8")
+    loaded = bf16.full_state_dict()
+    bf16.save_checkpoint(root, tag="bf16")
+    bf16_losses = _train_from(bf16, 2, 1, rank, world_size)
+    kinds = sorted({type(m).__name__ for m in bf16.module.modules() if isinstance(m, nn.Linear)})
+    bf16.destroy()
+
+    back = engine(fp8=True)
+    back.load_checkpoint(root, tag="bf16")
+    resumed = _train_from(back, 2, 2, rank, world_size)
+    back.destroy()
+    same = all(torch.equal(saved[name], loaded[name]) for name in saved)
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "bf16": bf16_losses,
+        "same": same,
+        "kinds": kinds,
+    }
+
+
+@pytest.mark.parametrize(("world_size", "stage"), [(1, 2), (2, 3)])
+def test_fp8_checkpoint_resumes_in_bf16_and_back(world_size: int, stage: int, tmp_path: Any) -> None:
+    """Saved in fp8 training, loaded by a bf16 run (every fp32 master equal), saved again, and loaded back
+    into fp8 training: the losses continue exactly as an uninterrupted fp8 run's."""
+    got = run_distributed(_fp8_bf16_fp8, world_size, stage, str(tmp_path))[0]
+    assert got["same"], "the bf16 run's masters differ from the fp8 run's saved ones"
+    assert got["kinds"] == ["Linear"]
+    assert got["resumed"] == got["uninterrupted"][2 * ACCUMULATION :]
+    # bf16 training from the fp8 weights: the same step in bf16 matmuls, within float8's rounding
+    for a, b in zip(got["bf16"], got["uninterrupted"][2 * ACCUMULATION :], strict=False):
+        assert abs(a - b) <= 0.02 * abs(b)

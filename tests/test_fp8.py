@@ -163,18 +163,33 @@ def test_selection_on_a_tiny_hf_llama_keeps_the_untied_head() -> None:
 
 
 # -- the engine ------------------------------------------------------------------------------------------
-def _train_stages(rank: int, world_size: int) -> dict:
+# name -> (ZeRO stage, zero_optimization keys, compiled)
+RUNS = {
+    "stage 0": (0, {}, False),
+    "stage 3": (3, {}, False),
+    "stage 3, params and optimizer offloaded": (
+        3,
+        {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
+        False,
+    ),
+    "stage 2, compiled": (2, {}, True),
+}
+
+
+def _train_runs(rank: int, world_size: int) -> dict:
     import runtime
 
     out = {}
-    for stage in (0, 3):
+    for name, (stage, zero, compiled) in RUNS.items():
         model = make_net(0)
-        engine, _, _, _ = runtime.initialize(model=model, config=_config(stage))
+        engine, _, _, _ = runtime.initialize(model=model, config=_config(stage, **zero))
+        if compiled:
+            engine.compile(backend="eager")  # CPU: dynamo traces torchao's casts; no inductor kernels
         kinds = sorted({type(m).__name__ for m in engine.module.modules() if isinstance(m, nn.Linear)})
         losses, _ = train_engine(
             engine, steps=STEPS, accumulation=ACCUMULATION, rows=ROWS, rank=rank, world_size=world_size
         )
-        out[stage] = {"losses": losses, "master": engine.full_state_dict(), "kinds": kinds}
+        out[name] = {"losses": losses, "master": engine.full_state_dict(), "kinds": kinds}
         engine.destroy()
     return out
 
@@ -211,16 +226,17 @@ def _reference(world_size: int) -> tuple[list[float], dict, dict]:
     return losses, {n: p.detach().clone() for n, p in master.named_parameters()}, initial
 
 
-def test_fp8_engine_at_zero_0_and_3_equals_converted_plain_pytorch() -> None:
-    got = run_distributed(_train_stages, 2)[0]
+def test_fp8_engine_equals_converted_plain_pytorch() -> None:
+    """ZeRO 0, 3 (also with parameters and optimizer offloaded) and a compiled ZeRO 2, at world 2."""
+    got = run_distributed(_train_runs, 2)[0]
     ref_losses, ref_master, initial = _reference(2)
-    for stage, run in got.items():
-        assert run["kinds"] == ["Float8Linear", "Linear"], stage
+    for run_name, run in got.items():
+        assert run["kinds"] == ["Float8Linear", "Linear"], run_name
         for i, (a, b) in enumerate(zip(run["losses"], ref_losses, strict=True)):
-            assert abs(a - b) <= 0.01 * abs(b), f"stage {stage} loss[{i}] {a} vs {b}"
+            assert abs(a - b) <= 0.01 * abs(b), f"{run_name} loss[{i}] {a} vs {b}"
         for name, want in ref_master.items():
             err = update_error(run["master"][name], want, initial[name])
-            assert err <= 0.10, f"stage {stage} {name}: update error {err:.3f}"
+            assert err <= 0.10, f"{run_name} {name}: update error {err:.3f}"
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------

@@ -25,11 +25,13 @@ from __future__ import annotations
 import fnmatch
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
 from runtime.config.fp8 import DIM_MULTIPLE, FP8Config
 from runtime.errors import UserError
+from runtime.log import ensure_handler
 
 _log = logging.getLogger(__name__)
 
@@ -89,9 +91,9 @@ def select_linears(model: nn.Module, cfg: FP8Config) -> Selection:
     return Selection(tuple(converted), tuple(kept))
 
 
-def _torchao_float8() -> tuple[object, object]:
+def _torchao_float8() -> tuple[Any, Any]:
     try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # type: ignore[import-untyped]
     except ImportError as error:
         raise UserError(
             f"fp8.enabled needs torchao's float8 training, which did not import ({error})",
@@ -106,12 +108,13 @@ def convert_model(model: nn.Module, cfg: FP8Config, *, rank: int = 0) -> Selecti
     float8_config_cls, convert = _torchao_float8()
     selection = select_linears(model, cfg)
     if rank == 0:
+        ensure_handler()  # the engine's own reports set it up later; this line comes first
         _log.info(selection.summary(cfg.recipe))
     if selection.converted:
         chosen = set(selection.converted)
         convert(
             model,
-            config=float8_config_cls.from_recipe_name(cfg.recipe),  # type: ignore[attr-defined]
+            config=float8_config_cls.from_recipe_name(cfg.recipe),
             module_filter_fn=lambda _module, fqn: fqn in chosen,
         )
     return selection

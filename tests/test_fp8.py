@@ -163,16 +163,18 @@ def test_selection_on_a_tiny_hf_llama_keeps_the_untied_head() -> None:
 
 
 # -- the engine ------------------------------------------------------------------------------------------
-# name -> (ZeRO stage, zero_optimization keys, compiled)
+# name -> (ZeRO stage, zero_optimization keys, compiled, built under runtime.zero.Init)
 RUNS = {
-    "stage 0": (0, {}, False),
-    "stage 3": (3, {}, False),
+    "stage 0": (0, {}, False, False),
+    "stage 3": (3, {}, False, False),
+    "stage 3, built under zero.Init": (3, {}, False, True),
     "stage 3, params and optimizer offloaded": (
         3,
         {"offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}},
         False,
+        False,
     ),
-    "stage 2, compiled": (2, {}, True),
+    "stage 2, compiled": (2, {}, True, False),
 }
 
 
@@ -180,9 +182,14 @@ def _train_runs(rank: int, world_size: int) -> dict:
     import runtime
 
     out = {}
-    for name, (stage, zero, compiled) in RUNS.items():
-        model = make_net(0)
-        engine, _, _, _ = runtime.initialize(model=model, config=_config(stage, **zero))
+    for name, (stage, zero, compiled, partitioned) in RUNS.items():
+        config = _config(stage, **zero)
+        if partitioned:  # the weights are sharded before the engine swaps the modules holding them
+            with runtime.zero.Init(config_dict_or_path=config):
+                model = make_net(0)
+        else:
+            model = make_net(0)
+        engine, _, _, _ = runtime.initialize(model=model, config=config)
         if compiled:
             engine.compile(backend="eager")  # CPU: dynamo traces torchao's casts; no inductor kernels
         kinds = sorted({type(m).__name__ for m in engine.module.modules() if isinstance(m, nn.Linear)})
@@ -227,7 +234,8 @@ def _reference(world_size: int) -> tuple[list[float], dict, dict]:
 
 
 def test_fp8_engine_equals_converted_plain_pytorch() -> None:
-    """ZeRO 0, 3 (also with parameters and optimizer offloaded) and a compiled ZeRO 2, at world 2."""
+    """ZeRO 0, 3 (also under zero.Init, and with parameters and optimizer offloaded) and a compiled ZeRO 2,
+    at world 2."""
     got = run_distributed(_train_runs, 2)[0]
     ref_losses, ref_master, initial = _reference(2)
     for run_name, run in got.items():

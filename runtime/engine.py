@@ -105,7 +105,7 @@ class Engine(EngineAccessors, nn.Module):
         self.comm = comm or Comm(emulate_reduce_scatter=not zero_cfg.reduce_scatter)
         self.device = device or current_device()
         if config.fp8.enabled:  # swaps modules, keeps their Parameters: before ZeRO groups and flattens them
-            convert_to_fp8(model, config.fp8, rank=self.comm.rank)
+            convert_to_fp8(model, config.fp8, rank=self.comm.rank, model_parallel=self.model_parallel)
         self.policy = policy_from_config(config)
         self.guard: StepGuard = guard_from_config(config)
         self.global_steps = 0

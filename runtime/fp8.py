@@ -29,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from runtime.config import ConfigError
 from runtime.config.fp8 import DIM_MULTIPLE, FP8Config
 from runtime.errors import UserError
 from runtime.log import ensure_handler
@@ -102,9 +103,19 @@ def _torchao_float8() -> tuple[Any, Any]:
     return Float8LinearConfig, convert_to_float8_training
 
 
-def convert_model(model: nn.Module, cfg: FP8Config, *, rank: int = 0) -> Selection:
+def convert_model(
+    model: nn.Module, cfg: FP8Config, *, rank: int = 0, model_parallel: bool = False
+) -> Selection:
     """Swap the selected linears of `model` for torchao's Float8Linear, in place; logs the selection once
-    (rank 0). A model with nothing to convert is left as it is, and the log says why."""
+    (rank 0). A model with nothing to convert is left as it is, and the log says why. Refused on a
+    model-parallel engine (AutoTP, an mpu, pipeline stages): AutoTP has already sharded its linears and
+    hooked them for communication by then, and a swapped module would drop those hooks."""
+    if model_parallel:
+        raise ConfigError(
+            "fp8.enabled",
+            "float8 training is not supported with tensor_parallel, an mpu or pipeline parallelism yet",
+            hint='train data-parallel only (ZeRO 0-3), or leave "fp8" out',
+        )
     float8_config_cls, convert = _torchao_float8()
     selection = select_linears(model, cfg)
     if rank == 0:

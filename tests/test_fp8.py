@@ -115,6 +115,15 @@ def test_missing_torchao_is_one_line_with_the_extra(monkeypatch: pytest.MonkeyPa
     assert error.value.hint == "install the fp8 extra: pip install 'dslaunch[fp8]' (torchao==0.18.0)"
 
 
+def test_model_parallel_engines_refuse_fp8() -> None:
+    with pytest.raises(ConfigError) as error:
+        convert_model(make_net(), SMALL, model_parallel=True)
+    assert str(error.value) == (
+        "fp8.enabled: float8 training is not supported with tensor_parallel, an mpu or pipeline "
+        "parallelism yet"
+    )
+
+
 # -- the selection rule ----------------------------------------------------------------------------------
 def test_selection_on_a_tiny_gpt_keeps_the_tied_head_and_small_layers() -> None:
     from runtime.models.gpt import GPT, GPTConfig

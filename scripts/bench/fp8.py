@@ -174,6 +174,7 @@ def run_setting(fp8: bool, args: argparse.Namespace, device: Any, batches: Any) 
         if device.type == "cuda":
             record["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     engine.destroy()
+    torch._dynamo.reset()  # the compiled graphs of this model hold its tensors; the next setting recompiles
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

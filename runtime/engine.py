@@ -32,6 +32,7 @@ from runtime.config.combinations import check_data_parallel_engine, check_offloa
 from runtime.distributed import current_device
 from runtime.engine_compat import EngineAccessors
 from runtime.engine_log import StepLog, Timers
+from runtime.fp8 import convert_model as convert_to_fp8
 from runtime.initialize_args import checkpoint_dir
 from runtime.monitor import TrainingMonitor
 from runtime.offload import MasterPlacement, build_master_placement, with_auto_ratio
@@ -118,6 +119,10 @@ class Engine(EngineAccessors, nn.Module):
         self.module = model
         self.comm = comm or plan.comm or Comm(emulate_reduce_scatter=not zero_cfg.reduce_scatter)
         self.device = device or current_device()
+        if config.fp8.enabled:  # swaps modules, keeps their Parameters: before ZeRO groups and flattens them
+            convert_to_fp8(
+                model, config.fp8, rank=self.comm.rank, model_parallel=self.model_parallel or plan.model_parallel
+            )
         self.policy = policy_from_config(config)
         self.guard: StepGuard = guard_from_config(config)
         self.global_steps = 0

@@ -28,6 +28,7 @@ import torch
 from runtime.config.batch import resolve_batch
 from runtime.config.checks import Bool, Choice, Float, Int
 from runtime.config.low_precision import TorchAutocastConfig, check_low_precision, read_torch_autocast
+from runtime.config.fp8 import FP8Config, read_fp8
 from runtime.config.optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
 from runtime.config.parallel import TensorParallelConfig, read_tensor_parallel
 from runtime.config.pipeline import PipelineConfig, is_pipeline_model, read_pipeline
@@ -72,6 +73,7 @@ class Config:
     fp16: FP16Config = field(default_factory=FP16Config)
     bf16: BF16Config = field(default_factory=BF16Config)
     torch_autocast: TorchAutocastConfig = field(default_factory=TorchAutocastConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)  # ours: float8 linear layers through torchao
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
@@ -188,6 +190,7 @@ def load_config(
     bf16 = read_bf16(top.section("bf16"), model)
     torch_autocast = read_torch_autocast(top.section("torch_autocast"))
     zero = read_zero(top.section("zero_optimization"), model)
+    fp8 = read_fp8(top.section("fp8"))
     # A null section means "none", as in DeepSpeed (a client optimizer / scheduler, or none at all).
     has_optimizer = top.has("optimizer") and top.data["optimizer"] is not None
     has_scheduler = top.has("scheduler") and top.data["scheduler"] is not None
@@ -237,6 +240,12 @@ def load_config(
 
     if fp16.enabled and bf16.enabled:
         raise ConfigError("fp16.enabled", "fp16 and bf16 cannot both be enabled; keep one of them")
+    if fp8.enabled and not bf16.enabled:
+        # float8 matmuls take bf16 activations and give bf16 outputs; fp32 or fp16 working weights around
+        # them would be cast at every layer, and fp16's loss scale would fight float8's own scales
+        raise ConfigError(
+            "fp8.enabled", "fp8 training runs on bf16 working weights", hint='set "bf16": {"enabled": true}'
+        )
     _check_optimizer_with_zero(optimizer, zero, simple["zero_allow_untested_optimizer"])
     check_low_precision(bf16, fp16, torch_autocast, zero.stage, optimizer.type if optimizer else None)
 
@@ -247,6 +256,7 @@ def load_config(
         fp16=fp16,
         bf16=bf16,
         torch_autocast=torch_autocast,
+        fp8=fp8,
         optimizer=optimizer,
         scheduler=scheduler,
         zero_optimization=zero,

@@ -1,0 +1,131 @@
+"""FP8 training: which linear layers run their matmuls in float8, and the swap through torchao.
+
+Owns the module-selection rule (`select_linears`, a pure function of the model and the `fp8` section) and
+`convert_model`, which the engine calls once on the user's model before ZeRO groups and flattens its
+parameters. torchao's `Float8Linear` keeps `weight` and `bias` as the same bf16 Parameters the plain
+`nn.Linear` had (it casts them to float8 inside each forward, with dynamic scales), so the ZeRO stages, the
+optimizer and checkpoints see the same parameters and state-dict keys as without fp8: a checkpoint written
+in fp8 training loads into a bf16 run and back.
+
+The rule (a linear stays in bf16 for the first reason that applies, in this order):
+
+1. `excluded`: its module name matches one of `fp8.exclude_modules` (fnmatch patterns; a pattern also
+   matches any module below a matched name, so "blocks.0" keeps all of block 0);
+2. `tied to an embedding`: its weight is an `nn.Embedding`'s (a tied LM head: the embedding lookup would
+   see the same tensor, and float8 gains nothing there);
+3. `output head`: it projects onto a vocabulary (out_features equals an embedding's num_embeddings), or is
+   called `lm_head` / `output`: the logits feed a softmax over the whole vocabulary, the layer float8 hurts
+   most (torchtitan keeps it in bf16 for the same reason);
+4. `dims not divisible by 16`: float8 matmul kernels need both dims multiples of 16;
+5. `smaller than min_features`: a dim under `fp8.min_features` costs more in casts than it saves.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from runtime.config import ConfigError
+from runtime.config.fp8 import DIM_MULTIPLE, FP8Config
+from runtime.errors import UserError
+from runtime.log import ensure_handler
+
+_log = logging.getLogger(__name__)
+
+HEAD_NAMES = frozenset({"lm_head", "output"})
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rule's answer: module names converted to float8, and those kept in bf16 with the reason."""
+
+    converted: tuple[str, ...]
+    kept: tuple[tuple[str, str], ...]  # (module name, reason)
+
+    def summary(self, recipe: str) -> str:
+        total = len(self.converted) + len(self.kept)
+        text = f"fp8: {len(self.converted)} of {total} linear layers train in float8 ({recipe} scaling)"
+        if self.kept:
+            kept = ", ".join(f"{name} ({why})" for name, why in self.kept)
+            text += f"; kept in bf16: {kept}"
+        return text
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    parts = name.split(".")
+    prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(fnmatch.fnmatchcase(prefix, pattern) for pattern in patterns for prefix in prefixes)
+
+
+def _keep_reason(name: str, module: nn.Linear, cfg: FP8Config, embeddings: list[nn.Embedding]) -> str | None:
+    if _matches(name, cfg.exclude_modules):
+        return "excluded"
+    if any(module.weight is emb.weight for emb in embeddings):
+        return "tied to an embedding"
+    vocab_sizes = {emb.num_embeddings for emb in embeddings}
+    if module.out_features in vocab_sizes or name.rsplit(".", 1)[-1] in HEAD_NAMES:
+        return "output head"
+    if module.in_features % DIM_MULTIPLE or module.out_features % DIM_MULTIPLE:
+        return f"dims not divisible by {DIM_MULTIPLE}"
+    if min(module.in_features, module.out_features) < cfg.min_features:
+        return f"smaller than min_features={cfg.min_features}"
+    return None
+
+
+def select_linears(model: nn.Module, cfg: FP8Config) -> Selection:
+    """Which `nn.Linear`s of `model` train in float8 under `cfg` (the rule in the module docstring)."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    converted: list[str] = []
+    kept: list[tuple[str, str]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        reason = _keep_reason(name, module, cfg, embeddings)
+        if reason is None:
+            converted.append(name)
+        else:
+            kept.append((name, reason))
+    return Selection(tuple(converted), tuple(kept))
+
+
+def _torchao_float8() -> tuple[Any, Any]:
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # type: ignore[import-untyped]
+    except ImportError as error:
+        raise UserError(
+            f"fp8.enabled needs torchao's float8 training, which did not import ({error})",
+            hint="install the fp8 extra: pip install 'dslaunch[fp8]' (torchao==0.18.0)",
+        ) from None
+    return Float8LinearConfig, convert_to_float8_training
+
+
+def convert_model(
+    model: nn.Module, cfg: FP8Config, *, rank: int = 0, model_parallel: bool = False
+) -> Selection:
+    """Swap the selected linears of `model` for torchao's Float8Linear, in place; logs the selection once
+    (rank 0). A model with nothing to convert is left as it is, and the log says why. Refused on a
+    model-parallel engine (AutoTP, an mpu, pipeline stages): AutoTP has already sharded its linears and
+    hooked them for communication by then, and a swapped module would drop those hooks."""
+    if model_parallel:
+        raise ConfigError(
+            "fp8.enabled",
+            "float8 training is not supported with tensor_parallel, an mpu or pipeline parallelism yet",
+            hint='train data-parallel only (ZeRO 0-3), or leave "fp8" out',
+        )
+    float8_config_cls, convert = _torchao_float8()
+    selection = select_linears(model, cfg)
+    if rank == 0:
+        ensure_handler()  # the engine's own reports set it up later; this line comes first
+        _log.info(selection.summary(cfg.recipe))
+    if selection.converted:
+        chosen = set(selection.converted)
+        convert(
+            model,
+            config=float8_config_cls.from_recipe_name(cfg.recipe),
+            module_filter_fn=lambda _module, fqn: fqn in chosen,
+        )
+    return selection

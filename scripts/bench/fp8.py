@@ -1,0 +1,246 @@
+"""FP8 against bf16 training (issue 33 item 2): a compiled engine each way, one process, ZeRO 2, world 1.
+
+The model is a Llama-shaped ``LlamaForCausalLM`` built from a ``LlamaConfig`` in this script (no hub): by
+default about 2.9B parameters (hidden 3072, MLP 8192, 28 layers, 24 heads of which 8 key/value, vocab
+32000, tied head: Llama-3.2-3B's body with a smaller vocabulary). Both settings train it with bf16
+weights, fp32 masters, AdamW(lr 3e-4, weight decay 0.01), clipping at 1.0, ZeRO stage 2, and
+``engine.compile()``; the fp8 setting adds ``"fp8": {"enabled": true, "recipe": --recipe}``, which converts
+every attention and MLP projection (the tied head stays bf16: runtime/fp8.py's rule, logged at start).
+
+Throughput: for each setting, a fresh engine, --warmup steps (compilation), then --repeats timed blocks of
+--steps steps each on one fixed batch of random tokens; tokens/s of each block, and the median, min and
+max over blocks. MFU counts 6·N + 12·L·d·T FLOPs a token (N: the parameters of every linear layer, the
+head included) against the device's bf16 dense peak, for both settings (fp8's own peak is twice that).
+The two settings run one after the other (both engines at once do not fit beside each other's state).
+
+--loss_steps N: instead, train each setting N steps from the same initial weights on the same batches of
+a real corpus: the Python standard library's own sources (every ``*.py`` under ``sysconfig``'s stdlib
+path, tests and site-packages left out, sorted by path), tokenized bytewise (token = byte, ids 0-255), in
+consecutive windows of --seq_len bytes (labels = inputs; the model shifts them). Prints each setting's
+loss every 25 steps and the mean of its last 50 steps; issue 33's goal is fp8's within 1% of bf16's.
+
+    python scripts/bench/fp8.py --repeats 3                      # H200: ~3B model, both settings
+    python scripts/bench/fp8.py --loss_steps 300                 # the loss curves on the stdlib corpus
+    python scripts/bench/fp8.py --tiny                           # CPU smoke run: a tiny model, eager backend
+
+Output: one JSON line per setting (``"bench": "fp8"``), stamped with the commit and machine (common.py);
+--out FILE appends them to FILE as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.bench.common import add_out_argument, emit, mfu, out_file, synchronize  # noqa: E402
+
+SHAPES = {
+    "3b": {
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+    },
+}
+
+
+def stdlib_corpus(limit: int) -> bytes:
+    """Up to `limit` bytes of the standard library's Python sources, in path order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        parts = set(path.relative_to(root).parts)
+        if parts & {"test", "tests", "site-packages", "idlelib"}:
+            continue
+        data = path.read_bytes()
+        chunks.append(data)
+        size += len(data)
+        if size >= limit:
+            break
+    return b"".join(chunks)[:limit]
+
+
+def build_model(shape: dict[str, int], seq_len: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        **shape, max_position_embeddings=seq_len, tie_word_embeddings=True, attn_implementation="sdpa"
+    )
+    return LlamaForCausalLM(config)
+
+
+def engine_config(fp8: bool, args: argparse.Namespace) -> dict:
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 0,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 2},
+    }
+    if fp8:
+        cfg["fp8"] = {"enabled": True, "recipe": args.recipe}
+        if args.tiny:
+            cfg["fp8"]["min_features"] = 16  # the tiny model's layers are 64-128 wide
+    return cfg
+
+
+def linear_params(model: Any) -> int:
+    from torch import nn
+
+    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def run_setting(fp8: bool, args: argparse.Namespace, device: Any, batches: Any) -> dict:
+    """Build, compile and train one setting; its measurements. `batches(step)` gives (input, labels)."""
+    import torch
+
+    import runtime
+
+    shape = SHAPES["tiny" if args.tiny else "3b"]
+    model = build_model(shape, args.seq_len)
+    n_linear = linear_params(model)
+    engine, _, _, _ = runtime.initialize(model=model, config=engine_config(fp8, args))
+    engine.compile(backend="eager" if device.type == "cpu" else None)
+
+    def step(i: int) -> torch.Tensor:
+        x, y = batches(i)
+        loss = engine(input_ids=x, labels=y).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    record: dict[str, Any] = {
+        "bench": "fp8",
+        "setting": "fp8" if fp8 else "bf16",
+        "recipe": args.recipe if fp8 else None,
+        "linear_params": n_linear,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "device": str(device),
+    }
+    if args.loss_steps:
+        losses = [float(step(i)) for i in range(args.loss_steps)]
+        for i in range(0, len(losses), 25):
+            print(f"{record['setting']} step {i}: loss {losses[i]:.4f}", file=sys.stderr)
+        tail = losses[-50:]
+        record.update(loss_steps=args.loss_steps, last50_mean=statistics.fmean(tail), final_loss=losses[-1])
+    else:
+        for i in range(args.warmup):
+            step(i)
+        tokens = args.micro_batch * args.seq_len * args.steps
+        rates = []
+        for _ in range(args.repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            for i in range(args.steps):
+                step(i)
+            synchronize(device)
+            rates.append(tokens / (time.perf_counter() - start))
+        layers, hidden = shape["num_hidden_layers"], shape["hidden_size"]
+        flops_per_token = 6 * n_linear + 12 * layers * hidden * args.seq_len
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        med = statistics.median(rates)
+        record.update(
+            repeats=args.repeats,
+            steps=args.steps,
+            tokens_per_s_median=round(med, 1),
+            tokens_per_s_min=round(min(rates), 1),
+            tokens_per_s_max=round(max(rates), 1),
+            mfu_bf16_peak=mfu(med * flops_per_token, name),
+        )
+        if device.type == "cuda":
+            record["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    engine.destroy()
+    torch._dynamo.reset()  # the compiled graphs of this model hold its tensors; the next setting recompiles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
+    parser.add_argument("--recipe", default="tensorwise", choices=("tensorwise", "rowwise"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--micro_batch", type=int, default=2)
+    parser.add_argument("--loss_steps", type=int, default=0, help="train N steps on the corpus instead")
+    add_out_argument(parser, "fp8")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.seq_len, args.micro_batch = min(args.seq_len, 64), min(args.micro_batch, 2)
+        args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
+
+    import torch
+
+    from scripts.bench.common import init_single_process_group
+
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda:0")
+    init_single_process_group(device)
+    rows, width = args.micro_batch, args.seq_len  # the model shifts labels itself
+    if args.loss_steps:
+        corpus = stdlib_corpus(rows * width * args.loss_steps)
+        data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
+        if data.numel() < rows * width * args.loss_steps:
+            parser.error(f"the stdlib corpus has {data.numel()} bytes; fewer --loss_steps or --seq_len")
+        print(f"corpus: {data.numel()} bytes of {sysconfig.get_paths()['stdlib']}/**/*.py", file=sys.stderr)
+
+        def batches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            block = data[i * rows * width : (i + 1) * rows * width].view(rows, width).to(device)
+            return block, block
+    else:
+        vocab = SHAPES["tiny" if args.tiny else "3b"]["vocab_size"]
+        fixed = torch.randint(0, vocab, (rows, args.seq_len), generator=torch.Generator().manual_seed(0))
+        fixed = fixed.to(device)
+
+        def batches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return fixed, fixed
+
+    out = out_file(args.out, "fp8")
+    records = [run_setting(fp8, args, device, batches) for fp8 in (False, True)]
+    for record in records:
+        emit(record, out)
+    bf16, fp8 = records
+    if args.loss_steps:
+        print(
+            f"last-50 mean loss: bf16 {bf16['last50_mean']:.4f}, fp8 {fp8['last50_mean']:.4f} "
+            f"({fp8['last50_mean'] / bf16['last50_mean'] - 1:+.2%})",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"tokens/s median: bf16 {bf16['tokens_per_s_median']}, fp8 {fp8['tokens_per_s_median']} "
+            f"({fp8['tokens_per_s_median'] / bf16['tokens_per_s_median']:.3f}x)",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -132,3 +132,47 @@ def test_deepcompile_features_we_lack_are_refused_by_key(key: str, hint: str):
 def test_a_typo_in_the_compile_section_gets_did_you_mean():
     with pytest.raises(ConfigError, match=r'compile\.deepcompil: unknown key; did you mean "deepcompile"'):
         _load({"deepcompil": True})
+
+
+# -- the Hugging Face route: TrainingArguments(torch_compile=True) with a DeepSpeed config ---------------
+
+
+def _trainer_losses(rank: int, world: int, out: str) -> dict:
+    import sys
+    from pathlib import Path
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    from hf_trainer import SEQ, VOCAB, RecordLosses, Tokens
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "train_batch_size": "auto", "zero_optimization": {"stage": 3},
+          "compile": {"deepcompile": True}}  # fmt: skip
+    result: dict = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=2, max_steps=3, logging_steps=1, report_to="none",
+            seed=0, deepspeed=ds, disable_tqdm=True, learning_rate=3e-3, save_strategy="no",
+            torch_compile=compiled, torch_compile_backend="eager" if compiled else None,
+        )  # fmt: skip
+        recorder = RecordLosses()
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(32), callbacks=[recorder])
+        trainer.train()
+        engine = trainer.model_wrapped
+        result[compiled] = (recorder.losses, engine.is_compiled, getattr(engine, "compile_plan", None))
+    return result
+
+
+def test_trainer_torch_compile_with_a_deepspeed_config_compiles_our_engine(tmp_path) -> None:
+    """Accelerate calls engine.compile(backend, compile_kwargs) for torch_compile=True: ZeRO-3 over two
+    ranks trains to the same losses compiled, through the per-unit path."""
+    results = run_distributed(_trainer_losses, 2, str(tmp_path))
+    for result in results:
+        (eager, eager_compiled, _), (losses, is_compiled, plan) = result[False], result[True]
+        assert (eager_compiled, is_compiled) == (False, True)
+        assert not plan.whole_model and "transformer.h.0" in plan.regions
+        assert len(losses) == 3
+        torch.testing.assert_close(losses, eager, rtol=1e-5, atol=1e-6)

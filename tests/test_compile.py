@@ -3,7 +3,7 @@
 Each case trains a tiny GPT twice in one process per rank, from the same seed on the same batches: the
 eager engine, then the same engine built again and compiled (backend "eager": dynamo traces and
 AOT-free graphs run, so CPU checks take seconds). The compiled losses must equal the eager ones step for
-step, and dynamo's counters must not move after the second step (no recompile, no new graph break per
+step, and dynamo's counters must not move after the first step (no recompile, no new graph break per
 step). ZeRO-3 at world 1 with `offload_param` (sharded parameters, so gather hooks) and at world 2 take
 the per-region path; the others compile the whole model.
 """
@@ -71,8 +71,8 @@ def _case(rank: int, world: int, stage: int, accumulation: int, ckpt: bool, offl
 def _check(result: dict, whole_model: bool) -> None:
     torch.testing.assert_close(result["compiled"], result["eager"], rtol=1e-5, atol=1e-6)
     counts = result["counts"]
-    assert counts[1]["graphs_compiled"] > 0
-    assert counts[-1] == {**counts[1], "calls_captured": counts[-1]["calls_captured"]}, counts  # no recompile
+    assert counts[0]["graphs_compiled"] > 0
+    assert counts[-1] == counts[0], counts  # nothing compiled after the first step: no recompile
     assert counts[-1]["graph_breaks"] == 0
     assert result["plan"].whole_model is whole_model
 

@@ -388,6 +388,10 @@ def _first_device(args: tuple[Any, ...]) -> torch.device | None:
     return None
 
 
+# Dynamo skips this frame only (not what it calls): in a compiled model the graph breaks here cleanly and
+# the checkpointed block's own compiled forward still runs (runtime.compile), instead of dynamo tracing
+# this function's bookkeeping (timers, the RNG tracker) and leaving the block eager.
+@torch.compiler.disable(recursive=False)
 def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``function(*args, **kwargs)`` and recompute its activations in backward instead of keeping them.
 

@@ -10,6 +10,7 @@ for DeepSpeed features dslaunch lacks raise `runtime.deepspeed_api.unsupported.U
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -178,7 +179,7 @@ class EngineAccessors:
         groups = self.optimizer.param_groups  # type: ignore[attr-defined]
         return [g.get("betas", g.get("momentum")) for g in groups]
 
-    # -- features dslaunch does not have --------------------------------------------------------------
+    # -- compiling (runtime.compile owns how) ---------------------------------------------------------
     def compile(
         self,
         backend: str | None = None,
@@ -186,24 +187,34 @@ class EngineAccessors:
         schedule: Any = None,
         compiled_autograd_enabled: bool = False,
     ) -> None:
-        """torch.compile the wrapped model in place (``nn.Module.compile``): the engine's gradient hooks
-        and ZeRO-3's gather hooks stay on the same module objects. DeepSpeed's DeepCompile schedules
-        (``schedule``) and compiled autograd are not available."""
+        """torch.compile the wrapped model in place: at ZeRO 0-2 the whole model, at ZeRO 3 with sharded
+        parameters each gather unit's forward, its gather and release hooks outside the graphs
+        (`runtime.compile`). DeepSpeed's DeepCompile schedules (``schedule``) and compiled autograd are
+        not available. A second call does nothing."""
         if schedule is not None or compiled_autograd_enabled:
             unsupported(
                 "DeepCompile (engine.compile(schedule=...) / compiled autograd)",
                 "call engine.compile(backend=...) without a schedule (the model is then torch.compile'd)",
             )
+        if self.is_compiled:
+            return
+        from runtime.compile import compile_model
+
         kwargs = dict(compile_kwargs or {})
         if backend is not None:
             kwargs["backend"] = backend
-        self.module.compile(**kwargs)
+        zero = self.zero  # type: ignore[attr-defined]
+        hooked = {name for unit in zero.units for name in unit.plan.users} if zero.params_sharded else set()
+        self.compile_plan = compile_model(self.module, hooked, kwargs)
         self._is_compiled = True
+        if self.comm.rank == 0:
+            logging.getLogger("runtime.compile").info("engine.compile(): %s", self.compile_plan.describe())
 
     @property
     def is_compiled(self) -> bool:
         return getattr(self, "_is_compiled", False)
 
+    # -- features dslaunch does not have --------------------------------------------------------------
     def register_post_step_hook(self, hook: Callable[..., Any]) -> None:
         unsupported("engine.register_post_step_hook()", "call your function after engine.step() in the loop")
 

@@ -27,8 +27,9 @@ import torch
 
 from runtime.config.batch import resolve_batch
 from runtime.config.checks import Bool, Choice, Float, Int
-from runtime.config.low_precision import TorchAutocastConfig, check_low_precision, read_torch_autocast
+from runtime.config.compile import CompileConfig, read_compile
 from runtime.config.fp8 import FP8Config, read_fp8
+from runtime.config.low_precision import TorchAutocastConfig, check_low_precision, read_torch_autocast
 from runtime.config.optim import OptimizerConfig, SchedulerConfig, read_optimizer, read_scheduler
 from runtime.config.parallel import TensorParallelConfig, read_tensor_parallel
 from runtime.config.pipeline import PipelineConfig, is_pipeline_model, read_pipeline
@@ -87,6 +88,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)  # read for a PipelineModule only
     tensor_parallel: TensorParallelConfig = field(default_factory=TensorParallelConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)  # the `compile` section (runtime.compile)
     memory_breakdown: bool = False
     dataloader_drop_last: bool = False
     world_size: int = 1  # the data-parallel world size the batch arithmetic used
@@ -132,7 +134,6 @@ _UNSUPPORTED_TOP_LEVEL = {
     "curriculum_learning": "curriculum learning",
     "eigenvalue": "eigenvalue computation",
     "progressive_layer_drop": "progressive layer drop",
-    "compile": "deepspeed.compile",
     "nebula": "Nebula checkpointing",
     "quantize_training": "quantization-aware training",
     "weight_quantization": "weight quantization",
@@ -215,6 +216,7 @@ def load_config(
         "csv_monitor": read_monitor(top.section("csv_monitor"), CSVMonitorConfig),
         "wandb": read_wandb(top.section("wandb")),
         "checkpoint": read_checkpoint(top.section("checkpoint")),
+        "compile": read_compile(top.section("compile")),
     }
     tensor_parallel = read_tensor_parallel(top.section("tensor_parallel"))
     pipelined = is_pipeline_model(model)

@@ -1,0 +1,139 @@
+"""How the engine compiles its model: `engine.compile()` at ZeRO stages 0-3.
+
+The design, per stage:
+
+- ZeRO 0, 1, 2, and stage 3 on one rank without `offload_param` (nothing sharded, no module hooks): the
+  whole model is compiled in place (`nn.Module.compile`), and each parameter-holding subtree below the
+  module containers (each block, the embeddings, the head) has its `forward` compiled as well. Inside the
+  whole model's graph dynamo inlines those; where the model's own forward cannot be traced (dynamo gives
+  up on a frame whose loop breaks the graph, e.g. at a checkpointed block), they still run compiled
+  instead of silently eager. The engine's gradient reductions are post-accumulate-grad hooks on the
+  parameters: they run after autograd's AccumulateGrad, outside the compiled forward and backward graphs,
+  so they neither break the graphs nor guard anything that changes between steps (the accumulation
+  boundary is the engine's state, never read by the model).
+- ZeRO 3 with sharded parameters: every module that gathers a unit (`runtime.zero.stage3_hooks`) carries
+  a forward pre-hook (gather, prefetch) and a forward post-hook (release, hooks on the outputs for
+  backward). Compiling the whole model would put those hooks (collectives, storage swaps, Python
+  bookkeeping) inside dynamo's trace, which does not capture them (measured below: it gives up on the
+  model's frame) and would guard on the scheduler's state, which changes. Instead the regions are the largest
+  subtrees with no gather hook *below* their root: for a transformer, each block, and the head. Each
+  region's `forward` is compiled (not its `__call__`), so the hooks stay in eager `_call_impl` around the
+  compiled graph and run exactly as without compilation; the gathered parameters are graph inputs
+  (dynamo's inlined built-in modules), so a new gather's storage is no recompile. The glue between
+  regions (the model's own forward: embedding lookups, the loop over blocks) stays eager. What it costs:
+  no fusion across a block boundary, and one compiled-graph call per block; every block of one class
+  shares one compiled code object, so compile time is one block's, not the model's.
+- Activation checkpointing: `runtime.activation_checkpointing.checkpoint` is a frame dynamo skips (not
+  what it calls), so the graph ends cleanly before a checkpointed block and the block's own compiled
+  forward runs, in the forward (without grad) and in the recomputation (with grad): two graphs per block
+  class from the first step on, none added later. The glue around the blocks then runs eager.
+
+Measured on CPU with backend "eager" (tests/test_compile.py): the compiled engine's losses equal the eager
+engine's at every stage, and after the first step dynamo compiles no graph and counts no graph break.
+Compiling the whole model at ZeRO 3 over two ranks instead (what `engine.compile()` did before) reported
+no graph break either, but compiled one graph only, a block's: dynamo abandoned the model's own frame at
+the hooks, so the embeddings, head and loss ran eager without a word.
+
+Anything the module does that dynamo cannot trace still graph-breaks as in `torch.compile(model)`;
+`compile_counts()` reports dynamo's counters so tests and benchmarks can check that a step adds none.
+The entry point compiles whatever module the engine holds, so a caller that converts layers first (FP8)
+compiles the converted model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CompilePlan", "compile_counts", "compile_model", "plan_regions"]
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: recurse into them
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """Which modules were compiled: `regions` by qualified name ("" is the whole model)."""
+
+    regions: tuple[str, ...]
+    whole_model: bool
+
+    def describe(self) -> str:
+        if self.whole_model:
+            return "the whole model, one region (no module hooks)"
+        return f"{len(self.regions)} regions, one per ZeRO-3 gather boundary (hooks outside the graphs)"
+
+
+def plan_regions(model: nn.Module, hooked: Collection[str]) -> tuple[str, ...]:
+    """Pure: the largest subtrees of `model` with no hooked module strictly below their root, by name.
+
+    `hooked` names the modules that carry gather hooks. A subtree's root may itself be hooked (its hooks
+    stay around the compiled forward); a subtree with a hooked module inside is split into its children.
+    Containers without a forward are always split, and subtrees without parameters are left eager (they
+    are glue: dropout, activations)."""
+    hooked = set(hooked)
+    below: dict[str, bool] = {}  # module name -> a hooked module strictly inside it
+    names = [name for name, _ in model.named_modules()]
+    for name in names:
+        prefix = f"{name}." if name else ""
+        below[name] = any(other.startswith(prefix) and other != name for other in hooked)
+    regions: list[str] = []
+
+    def visit(name: str, module: nn.Module) -> None:
+        if below[name] or isinstance(module, _CONTAINERS):
+            for child_name, child in module.named_children():
+                visit(f"{name}.{child_name}" if name else child_name, child)
+            return
+        if any(True for _ in module.parameters()):
+            regions.append(name)
+
+    visit("", model)
+    return tuple(regions)
+
+
+def compile_model(
+    model: nn.Module, hooked: Collection[str], compile_kwargs: Mapping[str, Any] | None = None
+) -> CompilePlan:
+    """Compile `model` in place for the engine: whole when nothing is hooked, else per region (above).
+    `hooked`: the modules carrying ZeRO-3 gather hooks (empty at stages 0-2)."""
+    kwargs = dict(compile_kwargs or {})
+    # Without hooks the blocks (and the other parameter-holding subtrees) are compiled on their own as well
+    # as the whole model: inside the whole model's graph dynamo inlines them, and where the model's forward
+    # cannot be traced (a checkpointed block: dynamo leaves a frame eager when its loop breaks the graph),
+    # they still run compiled instead of silently eager.
+    regions = plan_regions(model, hooked or block_names(model))
+    modules = dict(model.named_modules())
+    for name in regions:
+        module = modules[name]
+        # The forward only: `_call_impl`, which runs the gather/release hooks, stays eager around it.
+        module.forward = torch.compile(module.forward, **kwargs)  # type: ignore[method-assign]
+    if hooked:
+        return CompilePlan(regions=regions, whole_model=False)
+    model.compile(**kwargs)  # in place: the engine's parameter hooks stay on the same objects
+    return CompilePlan(regions=("", *regions), whole_model=True)
+
+
+def block_names(model: nn.Module) -> tuple[str, ...]:
+    """Pure: the children of the model's module containers that hold parameters (transformer blocks)."""
+    return tuple(
+        f"{name}.{child}" if name else child
+        for name, module in model.named_modules()
+        if isinstance(module, (*_CONTAINERS, nn.Sequential))
+        for child, sub in module.named_children()
+        if any(True for _ in sub.parameters())
+    )
+
+
+def compile_counts() -> dict[str, int]:
+    """Dynamo's process-wide counters that say whether compiling cost anything per step: graphs
+    compiled (each recompile is one more), graph breaks, operations captured into the graphs."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graphs_compiled": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+        "calls_captured": int(counters["stats"]["calls_captured"]),
+    }

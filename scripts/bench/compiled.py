@@ -1,0 +1,242 @@
+"""Compiled training throughput on one device: our compiled engine at ZeRO 0, 2 and 3 against a compiled plain
+PyTorch loop (issue 33), for GPT-2 XL and a ~3B Llama-shaped model.
+
+Each model runs in a process of its own (this script starts itself once per model with --only), which
+measures, in this order: `torch-compiled` (plain PyTorch: fp32 weights, bf16 autocast, fused AdamW,
+`torch.compile(model)`), then `ours-compiled-zeroS` for each of --stages (runtime.initialize with bf16 and
+that ZeRO stage, then `engine.compile()`: runtime/compile.py decides the regions). Every configuration is
+built and compiled once, trained --warmup steps (the compilation happens there), then timed in --repeats
+windows of --steps steps each (every step between two synchronizations; a window's median step time gives
+its tokens/s). A row reports the median, min and max over the windows, MFU of the median (989 dense bf16
+TFLOP/s; 6N + 12·L·d·T FLOPs per token) and `ratio_to_torch_compiled`, both medians from the same process.
+
+Models: `xl` is our GPT at GPT-2 XL sizes (1.56B, micro batch 8 x 1024); `llama3b` a transformers
+LlamaForCausalLM built from a LlamaConfig here (Llama-3.2-3B's shape: 28 layers, d 3072, 24 heads / 8 KV
+heads, MLP 8192, vocab 128256, tied head; 3.2B; micro batch 4 x 2048; sdpa attention; no download).
+--tiny swaps both for tiny sizes on the CPU with backend "eager" (the smoke check).
+
+    python scripts/bench/compiled.py --repeats 3 --out                      # H200: both models
+    python scripts/bench/compiled.py --tiny --steps 2 --warmup 1 --repeats 2 # CPU smoke check
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from scripts.bench.common import (
+    add_out_argument,
+    emit,
+    environment,
+    init_single_process_group,
+    median_time,
+    out_file,
+)
+
+PEAK_BF16_TFLOPS = 989.0
+MODELS = ("xl", "llama3b")
+LR, WEIGHT_DECAY = 1e-4, 0.01
+
+
+def build(name: str, tiny: bool, device: torch.device) -> tuple[torch.nn.Module, float, int, int, int]:
+    """(model, FLOPs per token, micro batch, sequence length, vocabulary) of a named model, seeded."""
+    torch.manual_seed(0)
+    if name == "xl":
+        from runtime.models import GPT, GPTConfig
+
+        config = GPTConfig.named("tiny", vocab_size=256) if tiny else GPTConfig.named("xl")
+        micro, seq = (2, 64) if tiny else (8, 1024)
+        with torch.device(device):
+            model: torch.nn.Module = GPT(config)
+        return model, config.flops_per_token(seq), micro, seq, config.vocab_size
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sizes = (
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 256}
+        if tiny else
+        {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+         "num_key_value_heads": 8, "vocab_size": 128256}
+    )  # fmt: skip
+    micro, seq = (2, 64) if tiny else (4, 2048)
+    config = LlamaConfig(**sizes, max_position_embeddings=seq, tie_word_embeddings=True, rope_theta=500000.0)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    n = sum(p.numel() for p in model.parameters())
+    flops = 6.0 * n + 12.0 * config.num_hidden_layers * config.hidden_size * seq
+    return model, flops, micro, seq, config.vocab_size
+
+
+def loss_of(model: Any, name: str, batch: torch.Tensor) -> torch.Tensor:
+    if name == "xl":
+        return model(batch[:, :-1], batch[:, 1:]).loss
+    return model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+
+
+def setup(
+    peer: str, stage: int, name: str, args: argparse.Namespace, batch: torch.Tensor
+) -> Callable[[], Any]:
+    model = build(name, args.tiny, args.device)[0]
+    backend = "eager" if args.tiny else args.backend
+    if peer == "torch-compiled":
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=args.device.type == "cuda"
+        )
+        compiled = torch.compile(model, backend=backend)
+
+        def torch_step() -> torch.Tensor:
+            with torch.autocast(args.device.type, dtype=torch.bfloat16):
+                loss = loss_of(compiled, name, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return torch_step
+    import runtime
+
+    config = {
+        "train_micro_batch_size_per_gpu": batch.shape[0],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+    }
+    engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.compile(backend=backend)
+
+    def engine_step() -> torch.Tensor:
+        loss = loss_of(engine, name, batch)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    return engine_step
+
+
+def measure(peer: str, stage: int, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    flops, micro, seq, vocab = _sizes(name, args)
+    gen = torch.Generator().manual_seed(1234)
+    batch = torch.randint(0, vocab, (micro, seq + 1), generator=gen).to(args.device)
+    step = setup(peer, stage, name, args, batch)
+    losses = [step() for _ in range(args.warmup)]
+    windows = []
+    for _ in range(args.repeats):
+        median, _times = median_time(lambda: losses.append(step()), args.device, 0, args.steps)
+        windows.append(micro * seq / median)
+    tokens = statistics.median(windows)
+    tflops = flops * tokens / 1e12
+    result = {
+        "tokens_per_s": round(tokens, 1),
+        "tokens_per_s_min": round(min(windows), 1),
+        "tokens_per_s_max": round(max(windows), 1),
+        "tflops": float(f"{tflops:.4g}"),
+        "mfu": round(tflops / PEAK_BF16_TFLOPS, 4),
+        "loss_first": round(float(losses[0]), 4),
+        "loss_last": round(float(losses[-1]), 4),
+        "micro_batch": micro,
+        "seq_len": seq,
+    }
+    if args.device.type == "cuda":
+        result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(args.device) / 2**30, 2)
+    return result
+
+
+def _sizes(name: str, args: argparse.Namespace) -> tuple[float, int, int, int]:
+    """(FLOPs per token, micro batch, sequence, vocabulary) without building the model's weights."""
+    with torch.device("meta"):
+        _, flops, micro, seq, vocab = build(name, args.tiny, torch.device("meta"))
+    return flops, micro, seq, vocab
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    torch._dynamo.reset()  # compiled graphs hold the previous model's tensors
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run_model(name: str, args: argparse.Namespace) -> int:
+    os.environ["DS_ACCELERATOR"] = args.device.type
+    init_single_process_group(args.device)
+    base: float | None = None
+    failed = False
+    for peer, stage in [("torch-compiled", -1)] + [("ours-compiled", s) for s in args.stages]:
+        label = peer if stage < 0 else f"{peer}-zero{stage}"
+        record: dict[str, Any] = {"bench": "compiled", "model": name, "config": label, "stage": stage}
+        record.update(repeats=args.repeats, steps=args.steps, warmup=args.warmup)
+        release(args.device)
+        try:
+            record.update(measure(peer, stage, name, args))
+        except Exception as exc:  # one failed configuration must not hide the others' numbers
+            failed = True
+            record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        finally:
+            release(args.device)
+        if peer == "torch-compiled":
+            base = record.get("tokens_per_s")
+        if base and "tokens_per_s" in record:
+            record["ratio_to_torch_compiled"] = round(record["tokens_per_s"] / base, 4)
+        emit(record, args.out)
+    with contextlib.suppress(Exception):
+        torch.distributed.destroy_process_group()
+    return 1 if failed else 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--only", choices=MODELS, help=argparse.SUPPRESS)  # the per-model process
+    parser.add_argument("--stages", default="0,2,3", help="ZeRO stages of ours")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU, backend eager")
+    add_out_argument(parser, "compiled")
+    args = parser.parse_args(argv)
+    args.out = out_file(args.out, "compiled")
+    args.stages = [int(s) for s in str(args.stages).split(",") if s.strip()]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if not models or any(m not in MODELS for m in models):
+        parser.error(f"--models: choose from {', '.join(MODELS)}")
+    args.models = models
+    use_cuda = torch.cuda.is_available() and not args.tiny and os.environ.get("DS_ACCELERATOR") != "cpu"
+    args.device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.only:
+        return run_model(args.only, args)
+    emit({"bench": "compiled", "event": "start", **environment(str(args.device)), "args": argv}, args.out)
+    codes = []
+    for name in args.models:  # one process per model: nothing compiled or allocated carries over
+        argv_model = [*argv, "--only", name]
+        if args.out is not None and "--out" not in argv:
+            argv_model += ["--out", str(args.out)]
+        codes.append(subprocess.run([sys.executable, __file__, *argv_model], check=False).returncode)
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -87,6 +87,7 @@ class ParamShardedStage:
         host: HostMemory | None = None,
         *,
         offload_split: OffloadSplit | None = None,
+        uploads: ShardUploads | None = None,
     ) -> None:
         self.comm = comm
         self.host = host  # the HostMemory of offloaded shards (offload_param), released by close()
@@ -94,7 +95,7 @@ class ParamShardedStage:
         self.units = list(units)
         self.groups: list[FlatGroup] = [s.group for u in self.units for s in u.segments]
         self.offload_split = offload_split  # partial optimizer offload: which groups go to the host
-        self.uploads: ShardUploads | None = None  # offload_param: the host shards' upload stream
+        self.uploads = uploads  # offload_param: the host shards' upload stream (stage3_upload)
         self.stats = self.units[0].stats if self.units else GatherStats()
         self.schedule = GatherScheduler(model, self.units, options.policy, names, self.stats)
         self._where: dict[nn.Parameter, tuple[ShardedUnit, Segment, int]] = {}
@@ -323,9 +324,7 @@ def build_stage3(
         units.append(unit)
     groups = [s.group for u in units for s in u.segments]
     split = whole_group_split(groups, options.split_ratio, registration)
-    stage = ParamShardedStage(model, units, comm, options, names, host, offload_split=split)
-    stage.uploads = uploads
-    return stage
+    return ParamShardedStage(model, units, comm, options, names, host, offload_split=split, uploads=uploads)
 
 
 def resident_unit_groups(

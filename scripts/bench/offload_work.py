@@ -237,11 +237,8 @@ def work_ours(
         )
         if dpu is not None:
             runtime.offload.enable_delayed_update(engine, after_steps=dpu)
-        uploads = getattr(engine.zero, "uploads", None)  # ZeRO-3 offload_param (stage3_upload.py)
-        if uploads is not None:
-            uploads.timed = True
-            if spec.get("serial_uploads"):  # the A/B: uploads queued on the compute stream, as before
-                uploads.use_compute_stream()
+        if spec.get("serial_uploads") and _uploads(engine) is not None:  # the A/B: as before the stream
+            _uploads(engine).use_compute_stream()
         return engine
 
     run = _engine_steps(spec, device, make)
@@ -268,7 +265,7 @@ def work_ours(
         result["grad_landing"] = landed
         if on_device:
             result["host_share"] = masters.update.host_share
-    if getattr(engine.zero, "uploads", None) is not None:
+    if _uploads(engine) is not None:
         result.update(_upload_rows(run, device, spec))
     if phases:
         result["phases"] = _phases(run, device)
@@ -276,21 +273,30 @@ def work_ours(
     return result
 
 
+def _uploads(engine: Any) -> Any:
+    """ZeRO-3 offload_param's uploads (runtime/zero/stage3_upload.py), else None."""
+    offloaded = engine.config.zero_optimization.offload_param.device != "none"
+    return engine.zero.uploads if engine.zero_stage == 3 and offloaded else None
+
+
 def _upload_rows(run: dict[str, Any], device: torch.device, spec: Spec) -> dict[str, Any]:
     """ZeRO-3 offload_param: the host shards' uploads over `spec["steps"]` more steps, per step: their
     bytes and the upload stream's busy time (CUDA events around each upload), so the upload time can be
     held to bytes / the pcie row's host-to-device bandwidth."""
     engine, (x, y) = run["engine"], run["batch"]
-    stats = engine.zero.uploads.stats
+    uploads = _uploads(engine)
+    stats = uploads.stats
     steps = spec["steps"]
     synchronize(device)
     stats.reset()
+    uploads.timed = True  # only here: two events per upload
     for _ in range(steps * spec.get("accumulation", 1)):
         _, loss = engine(x, y)
         engine.backward(loss)
         engine.step()
     synchronize(device)
     seconds = stats.seconds()
+    uploads.timed = False
     rows = {
         "upload_serial": bool(spec.get("serial_uploads")),
         "uploads_per_step": stats.uploads // steps,

@@ -101,6 +101,17 @@ def test_prefetch_respects_both_budgets_and_order() -> None:
     assert pick(prefetch_left=100, live_left=9) == []
 
 
+def test_a_unit_larger_than_the_prefetch_bucket_is_prefetched_when_nothing_else_is_in_flight() -> None:
+    # DeepSpeed's soft bucket: a 10B model's layer is larger than the default 5e7 elements, and must
+    # still upload while the layer before it computes (offload_param); the live limit stays hard
+    sizes = {1: 300, 2: 300, 3: 10}
+    pick = lambda **kw: prefetch_candidates([1, 2, 3], sizes.__getitem__, lambda u: False, **kw)  # noqa: E731
+    assert pick(prefetch_left=50, live_left=10**6, nothing_in_flight=True) == [1]  # one unit, not two
+    assert pick(prefetch_left=50, live_left=10**6) == []  # one is in flight already
+    assert pick(prefetch_left=50, live_left=299, nothing_in_flight=True) == []
+    assert pick(prefetch_left=700, live_left=10**6, nothing_in_flight=True) == [1, 2, 3]
+
+
 def test_reuse_distance_counts_distinct_units_in_between() -> None:
     sizes = {1: 10, 2: 30, 3: 7}
     assert reuse_distance([2, 3, 2, 1], 1, sizes.__getitem__) == 37

@@ -46,6 +46,7 @@ from runtime.zero.optimizer import GroupSpec
 from runtime.zero.stage3_hooks import OUTSIDE_ENGINE_BACKWARD, GatherPolicy, GatherScheduler
 from runtime.zero.stage3_plan import UnitPlan, plan_units
 from runtime.zero.stage3_unit import GatherStats, Segment, ShardedUnit, UnitState, build_segment
+from runtime.zero.stage3_upload import ShardUploads
 
 if TYPE_CHECKING:
     from runtime.zero import StageSetup
@@ -86,6 +87,7 @@ class ParamShardedStage:
         host: HostMemory | None = None,
         *,
         offload_split: OffloadSplit | None = None,
+        uploads: ShardUploads | None = None,
     ) -> None:
         self.comm = comm
         self.host = host  # the HostMemory of offloaded shards (offload_param), released by close()
@@ -93,6 +95,7 @@ class ParamShardedStage:
         self.units = list(units)
         self.groups: list[FlatGroup] = [s.group for u in self.units for s in u.segments]
         self.offload_split = offload_split  # partial optimizer offload: which groups go to the host
+        self.uploads = uploads  # offload_param: the host shards' upload stream (stage3_upload)
         self.stats = self.units[0].stats if self.units else GatherStats()
         self.schedule = GatherScheduler(model, self.units, options.policy, names, self.stats)
         self._where: dict[nn.Parameter, tuple[ShardedUnit, Segment, int]] = {}
@@ -196,6 +199,8 @@ class ParamShardedStage:
                     segment.grad_shard.zero_()
         self._finish_all()
         self.schedule.end_backward()
+        if self.uploads is not None:
+            self.uploads.drain()  # the offloaded step may write new weights into the host shards next
         self._has_grads = True
         self._left = {}
 
@@ -282,9 +287,10 @@ def build_stage3(
     a time, also for a model built under zero.Init), and build the strategy (`registration`: each
     parameter's index in `model.parameters()`, which orders the groups for a partial optimizer offload)."""
     names, plans, segments = _plan(model, specs, comm, options)
-    host = None
+    host = uploads = None
     if options.offload_param:
         host = HostMemory(options.device, pin=options.pin_memory)
+        uploads = ShardUploads(options.device)
     stats = GatherStats()
     units: list[ShardedUnit] = []
     index = 0
@@ -312,13 +318,13 @@ def build_stage3(
             for param in params:
                 zero_init.forget(param)
                 stage3_param.release(param, dtype=options.param_dtype, device=options.device)
-        unit = ShardedUnit(plan, built, comm, stats)
+        unit = ShardedUnit(plan, built, comm, stats, uploads=uploads)
         if unit.persistent:
             unit.finish_gather()
         units.append(unit)
     groups = [s.group for u in units for s in u.segments]
     split = whole_group_split(groups, options.split_ratio, registration)
-    return ParamShardedStage(model, units, comm, options, names, host, offload_split=split)
+    return ParamShardedStage(model, units, comm, options, names, host, offload_split=split, uploads=uploads)
 
 
 def resident_unit_groups(

@@ -231,6 +231,7 @@ class GatherScheduler:
             lambda i: self.units[i].state is not UnitState.SHARDED or self.units[i].persistent,
             prefetch_left=self.policy.prefetch_numel - in_flight,
             live_left=self.policy.max_live_numel - self.stats.live_numel,
+            nothing_in_flight=not self._prefetched,
         ):
             self.units[index].start_gather()
             self._prefetched.add(index)

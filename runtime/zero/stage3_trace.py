@@ -84,6 +84,7 @@ def prefetch_candidates(
     *,
     prefetch_left: int,
     live_left: int,
+    nothing_in_flight: bool = False,
 ) -> list[int]:
     """Units to gather early, in need order, while both budgets (elements) allow.
 
@@ -93,6 +94,11 @@ def prefetch_candidates(
         skip: units that need no gather (already gathered or in flight, or persistent).
         prefetch_left: elements that may still be prefetched ahead of their need.
         live_left: elements that may still be gathered without exceeding the live limit.
+        nothing_in_flight: no prefetch is in flight: the next unit may then exceed `prefetch_left`
+            (never `live_left`). DeepSpeed's prefetch bucket is a soft limit that always admits the next
+            parameter, so its default (5e7 elements) still keeps one unit of a 10B+ model coming (a
+            layer there is several times that); a hard limit would prefetch nothing, and every upload
+            of an offloaded shard (offload_param) would wait for the compute before it.
 
     Stops at the first unit that does not fit, so prefetches never overtake each other.
     """
@@ -101,7 +107,8 @@ def prefetch_candidates(
         if unit in out or skip(unit):
             continue
         size = numel(unit)
-        if size > prefetch_left or size > live_left:
+        first = nothing_in_flight and not out
+        if size > live_left or (size > prefetch_left and not first):
             break
         out.append(unit)
         prefetch_left -= size

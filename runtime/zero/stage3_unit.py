@@ -38,6 +38,7 @@ from runtime.zero import stage3_param
 from runtime.zero.flat import FlatGroup
 from runtime.zero.partition import ALIGN_ELEMENTS, plan_flat_layout
 from runtime.zero.stage3_plan import UnitPlan
+from runtime.zero.stage3_upload import ShardUploads
 
 
 class UnitState(enum.Enum):
@@ -164,7 +165,9 @@ class ShardedUnit:
     comm: Comm
     stats: GatherStats
     state: UnitState = UnitState.SHARDED
+    uploads: ShardUploads | None = None  # offload_param: the uploads' own stream (stage3_upload)
     _pending: list[Pending] = field(default_factory=list)
+    _uploaded: Any = None  # the event that ends this gather's uploads (CUDA, offload_param)
 
     @property
     def index(self) -> int:
@@ -191,15 +194,24 @@ class ShardedUnit:
         """SHARDED -> GATHERING: allocate the working buffers and launch one all-gather per segment."""
         if self.state is not UnitState.SHARDED:
             return
-        for segment in self.segments:
+        for segment in self.segments:  # allocated on the compute stream (stage3_upload says why)
             working = segment.group.working
             working.untyped_storage().resize_(working.numel() * working.element_size())
-            self._pending.append(self.comm.all_gather(working, segment.gather_source(), async_op=True))
-            for param in segment.group.params:
-                stage3_param.set_ds_attributes(param, ds_status=stage3_param.ZeroParamStatus.INFLIGHT)
+        if self.uploads is not None and self.host_shard_bytes():
+            with self.uploads.side(self.index, self.host_shard_bytes()) as self._uploaded:
+                self._launch_gathers()
+        else:
+            self._launch_gathers()
         self.state = UnitState.GATHERING
         self.stats.gathers += 1
         self.stats.add(self.nbytes, self.numel)
+
+    def _launch_gathers(self) -> None:
+        for segment in self.segments:
+            working = segment.group.working
+            self._pending.append(self.comm.all_gather(working, segment.gather_source(), async_op=True))
+            for param in segment.group.params:
+                stage3_param.set_ds_attributes(param, ds_status=stage3_param.ZeroParamStatus.INFLIGHT)
 
     def finish_gather(self) -> None:
         """GATHERING -> GATHERED: wait for the all-gathers and point the parameters at the full weights."""
@@ -210,6 +222,8 @@ class ShardedUnit:
         pending, self._pending = self._pending, []
         for handle in pending:
             handle.wait()
+        uploaded, self._uploaded = self._uploaded, None
+        ShardUploads.wait(uploaded)  # compute waits for this unit's uploads only
         for segment in self.segments:
             for param, view in zip(segment.group.params, segment.views, strict=True):
                 stage3_param.materialize(param, view)

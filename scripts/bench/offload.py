@@ -29,7 +29,11 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
     ours-bf16grads   "ours-host" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=native: gradients land as bf16 and
                  the host step is ours (the adam row), 14 host bytes a parameter instead of 16
-    ours-z3-param  ZeRO-3 with offload_param {device: cpu} too: weight shards in host memory
+    ours-z3-param  ZeRO-3 with offload_param {device: cpu} too: weight shards in host memory, uploaded
+                 ahead of use on their own stream (runtime/zero/stage3_upload.py); its row gives the
+                 uploads' bytes and the upload stream's busy time a step (upload_bytes_per_step,
+                 upload_s_per_step, upload_gb_per_s: hold them to the pcie row's bandwidth)
+    ours-z3-param-serial  the same with the uploads queued on the compute stream (the path before)
     ours-device  the same engine without offload (for the offload/no-offload ratio)
     deepspeed    deepspeed.initialize with the same config (DeepSpeedCPUAdam), when importable (our compat/
                  package of DeepSpeed's names does not count); a ratio only at ZeRO-3 (deepspeed_ratio)
@@ -115,6 +119,7 @@ ENGINES = (
     "ours-dpu",
     "ours-bf16grads",
     "ours-z3-param",
+    "ours-z3-param-serial",
     "ours-device",
     "deepspeed",
 )
@@ -162,6 +167,9 @@ WORKERS = {
     "ours-bf16grads": work_ours,
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
     "ours-z3-param": lambda spec, device: work_ours({**spec, "stage": 3, "offload_param": True}, device),
+    "ours-z3-param-serial": lambda spec, device: work_ours(
+        {**spec, "stage": 3, "offload_param": True, "serial_uploads": True}, device
+    ),
     "ours-device": lambda spec, device: work_ours(spec, device, offload=False),
     "deepspeed": work_deepspeed,
     "trial": work_trial,

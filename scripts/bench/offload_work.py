@@ -237,6 +237,8 @@ def work_ours(
         )
         if dpu is not None:
             runtime.offload.enable_delayed_update(engine, after_steps=dpu)
+        if spec.get("serial_uploads") and _uploads(engine) is not None:  # the A/B: as before the stream
+            _uploads(engine).use_compute_stream()
         return engine
 
     run = _engine_steps(spec, device, make)
@@ -263,10 +265,47 @@ def work_ours(
         result["grad_landing"] = landed
         if on_device:
             result["host_share"] = masters.update.host_share
+    if _uploads(engine) is not None:
+        result.update(_upload_rows(run, device, spec))
     if phases:
         result["phases"] = _phases(run, device)
     engine.destroy()
     return result
+
+
+def _uploads(engine: Any) -> Any:
+    """ZeRO-3 offload_param's uploads (runtime/zero/stage3_upload.py), else None."""
+    offloaded = engine.config.zero_optimization.offload_param.device != "none"
+    return engine.zero.uploads if engine.zero_stage == 3 and offloaded else None
+
+
+def _upload_rows(run: dict[str, Any], device: torch.device, spec: Spec) -> dict[str, Any]:
+    """ZeRO-3 offload_param: the host shards' uploads over `spec["steps"]` more steps, per step: their
+    bytes and the upload stream's busy time (CUDA events around each upload), so the upload time can be
+    held to bytes / the pcie row's host-to-device bandwidth."""
+    engine, (x, y) = run["engine"], run["batch"]
+    uploads = _uploads(engine)
+    stats = uploads.stats
+    steps = spec["steps"]
+    synchronize(device)
+    stats.reset()
+    uploads.timed = True  # only here: two events per upload
+    for _ in range(steps * spec.get("accumulation", 1)):
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+    synchronize(device)
+    seconds = stats.seconds()
+    uploads.timed = False
+    rows = {
+        "upload_serial": bool(spec.get("serial_uploads")),
+        "uploads_per_step": stats.uploads // steps,
+        "upload_bytes_per_step": stats.bytes // steps,
+        "upload_s_per_step": round(seconds / steps, 4) if device.type == "cuda" else None,
+    }
+    if seconds > 0:
+        rows["upload_gb_per_s"] = round(stats.bytes / seconds / 1e9, 2)
+    return rows
 
 
 def _host_masters(engine: Any) -> Any:

@@ -29,10 +29,15 @@ def test_benchmark_reports_the_bound_and_every_configuration_on_cpu() -> None:
     # on a CPU-only machine the engine lands gradients in their own dtype; fp32 is asked for here, so the
     # summary's fp32 bound is exercised too
     env = {"DSLAUNCH_OFFLOAD_GRAD_TRANSFER": "fp32"}
-    configs = "gpu,adam,pcie,devstep,ours,ours-dpu,ours-bf16grads"
+    configs = "gpu,adam,pcie,devstep,ours,ours-dpu,ours-bf16grads,ours-z3-param"
     records = {r["config"]: r for r in _bench("--model", "tiny", *small, "--configs", configs, env=env)}
-    for name in ("gpu", "adam", "pcie", "devstep", "ours", "ours-dpu", "ours-bf16grads"):
+    for name in ("gpu", "adam", "pcie", "devstep", "ours", "ours-dpu", "ours-bf16grads", "ours-z3-param"):
         assert "error" not in records[name], records[name]
+    # ZeRO-3 offload_param: the uploads' bytes a step (timed only on a GPU, by the upload stream's events)
+    z3 = records["ours-z3-param"]
+    assert z3["stage"] == 3 and z3["offload_param"] and z3["upload_serial"] is False
+    assert z3["uploads_per_step"] > 0 and z3["upload_bytes_per_step"] > 0
+    assert z3["upload_s_per_step"] is None and z3["loss_last"] < z3["loss_first"], z3
     # the device step alone runs on a CPU too (its "device" is host memory), through the engine's code
     assert records["devstep"]["step_s"] > 0 and records["devstep"]["params"] == records["adam"]["params"]
     summary = records["summary"]

@@ -40,10 +40,11 @@ def test_clients_bench_runs_lightning_and_accelerate_launch_on_cpu(tmp_path: Pat
         assert record["provenance"]["commit"]
     assert by["accelerate-ds3"]["distributed_type"] == "DistributedType.DEEPSPEED"
     assert by["accelerate-ds3"]["zero_stage"] == 3
-    assert by["accelerate-ds3"]["trained_by"] == "runtime.engine.Engine"  # our engine, under DeepSpeed's name
+    # our engine, under DeepSpeed's name
+    assert by["accelerate-ds3"]["trained_by"] == "runtime.engine.engine.Engine"
     assert by["accelerate"]["distributed_type"] == "DistributedType.NO"
     assert by["lightning-ddp"]["strategy"] == "DDPStrategy"
-    assert by["lightning-ds3"]["trained_by"] == "runtime.engine.Engine"
+    assert by["lightning-ds3"]["trained_by"] == "runtime.engine.engine.Engine"
     # the same model, batches and seed: ZeRO-3 through Lightning follows DDP's curve
     for key in ("first_loss", "last_loss"):
         assert by["lightning-ds3"][key] == pytest.approx(by["lightning-ddp"][key], abs=1e-4), key

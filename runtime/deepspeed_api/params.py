@@ -4,7 +4,7 @@ A trained parameter's fp32 master value lives in its flat group's master buffer,
 stage 1 on (and on the host under offload). These functions find the engine and group that own a
 parameter, all-gather that group's master (a collective: every rank must call them, in the same
 order), and cut the parameter out. Engines register themselves when they are built
-(`runtime.engine_compat.EngineAccessors`).
+(`runtime.engine.accessors.EngineAccessors`).
 """
 
 from __future__ import annotations

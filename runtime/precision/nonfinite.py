@@ -57,7 +57,7 @@ def _is_rank0() -> bool:
 
 
 class SkipLog(Protocol):
-    """Where skipped steps are reported (runtime.engine_log.StepLog; rank 0 prints)."""
+    """Where skipped steps are reported (runtime.engine.log.StepLog; rank 0 prints)."""
 
     def overflow(self, update: ScaleUpdate, step: int) -> None: ...
 

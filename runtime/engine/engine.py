@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from runtime import activation_checkpointing, engine_inference
+from runtime import activation_checkpointing
 from runtime.comm import Comm
 from runtime.config import Config
 from runtime.config.combinations import check_data_parallel_engine, check_offload_param
 from runtime.distributed import current_device
-from runtime.engine_compat import EngineAccessors
-from runtime.engine_log import StepLog, Timers
+from runtime.engine import inference as engine_inference
+from runtime.engine.accessors import EngineAccessors
+from runtime.engine.log import StepLog, Timers
+from runtime.engine.memory import MemoryBreakdown, memory_breakdown
 from runtime.fp8 import convert_model as convert_to_fp8
 from runtime.initialize_args import checkpoint_dir
 from runtime.monitor import TrainingMonitor
@@ -63,32 +64,6 @@ from runtime.zero.optimizer import (
 _log = logging.getLogger("runtime.engine")
 
 
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes of model state this rank holds (the ZeRO paper's "model states"), plus staging buffers."""
-
-    param_bytes: int  # working weights (flat buffers and parameters the engine does not manage)
-    grad_bytes: int  # gradient buffers (full for stages 0/1, this rank's shard for stage 2)
-    master_bytes: int  # master weights (fp32, or bf16_master_weights_and_grads) not the working weights
-    optimizer_bytes: int  # optimizer state tensors (Adam: exp_avg, exp_avg_sq, step)
-    buffer_bytes: int = 0  # device staging buffers alive right now (communication, the offload's device step)
-    host_bytes: int = 0  # of the model states above, the bytes in host memory (CPU offload)
-    host_buffer_bytes: int = 0  # host staging buffers of the offload (gradient landing, copy-back)
-
-    @property
-    def model_state_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.master_bytes + self.optimizer_bytes
-
-    @property
-    def device_model_state_bytes(self) -> int:
-        """Model-state bytes on the training device (all of them without offload)."""
-        return self.model_state_bytes - self.host_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.model_state_bytes + self.buffer_bytes
-
-
 class Engine(EngineAccessors, nn.Module):
     """Wraps a model for data-parallel training with ZeRO stage 0, 1, 2 or 3 and mixed precision."""
 
@@ -113,16 +88,15 @@ class Engine(EngineAccessors, nn.Module):
         zero_cfg = config.zero_optimization
         check_offload_param(zero_cfg)  # the combinations every engine checks (config/combinations)
         self.parallel = plan = parallel or ParallelPlan()
-        if not (self.model_parallel or plan.model_parallel):
+        split_model = self.model_parallel or plan.model_parallel  # weights split over a model axis
+        if not split_model:
             check_data_parallel_engine(config)
         self.config = config
         self.module = model
         self.comm = comm or plan.comm or Comm(emulate_reduce_scatter=not zero_cfg.reduce_scatter)
         self.device = device or current_device()
         if config.fp8.enabled:  # swaps modules, keeps their Parameters: before ZeRO groups and flattens them
-            convert_to_fp8(
-                model, config.fp8, rank=self.comm.rank, model_parallel=self.model_parallel or plan.model_parallel
-            )
+            convert_to_fp8(model, config.fp8, rank=self.comm.rank, model_parallel=split_model)
         self.policy = policy_from_config(config)
         self.guard: StepGuard = guard_from_config(config)
         self.global_steps = 0
@@ -385,28 +359,7 @@ class Engine(EngineAccessors, nn.Module):
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes of working weights, gradients, master weights and optimizer state held by this rank."""
-        managed = {p for g in self.groups for p in g.params}
-        unmanaged = {
-            p.data_ptr(): p.numel() * p.element_size() for p in self.module.parameters() if p not in managed
-        }
-        optimizer_bytes = 0
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                optimizer_bytes += sum(
-                    t.numel() * t.element_size() for t in state.values() if torch.is_tensor(t)
-                )
-        host_bytes, host_buffer_bytes = self.masters.host_bytes(self.optimizer)
-        return MemoryBreakdown(
-            param_bytes=self.zero.param_bytes() + sum(unmanaged.values()),
-            grad_bytes=self.zero.grad_bytes(),
-            master_bytes=sum(
-                g.master.numel() * g.master.element_size() for g in self.groups if not g.master_is_alias
-            ),
-            optimizer_bytes=optimizer_bytes,
-            buffer_bytes=self.zero.buffer_bytes() + self.masters.device_buffer_bytes(),
-            host_bytes=host_bytes,
-            host_buffer_bytes=host_buffer_bytes,
-        )
+        return memory_breakdown(self)
 
     def full_state_dict(self, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The module's state dict with fp32 master values for trained parameters. Every rank must call it

@@ -2,7 +2,8 @@
 `bf16.stochastic_rounding`, and the `torch_autocast` section.
 
 What a user relies on: the master and moment bytes really halve at every ZeRO stage, with and without
-optimizer offload and a `ratio` split, on one rank and two; training with bf16 states tracks fp32 states;
+optimizer offload and a `ratio` split, on one rank and two, and offload steps them to the same weights as
+the un-offloaded run (the device step declines them, saying why); training with bf16 states tracks fp32 states;
 updates too small for a bf16 weight are not lost (stochastic rounding), where plain round-to-nearest
 loses them; checkpoints move between the settings; bad combinations are refused naming the key.
 """
@@ -24,12 +25,13 @@ from tests.models import loss_fn, make_model, param_groups, rank_batch
 BF16 = {"enabled": True}
 STATES16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 MASTERS16 = {"enabled": True, "bf16_master_weights_and_grads": True}  # moments stay fp32
+NEAREST16 = {**STATES16, "stochastic_rounding": False}
 AUTOCAST = {"torch_autocast": {"enabled": True}}
 ZEROS = [
     {"stage": 1},
     {"stage": 2},
     {"stage": 3},
-    {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    {"stage": 2, "offload_optimizer": {"device": "cpu", "update": "device"}},  # bf16 masters: the host's step
     {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
     {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
     {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
@@ -55,7 +57,13 @@ def _state_bytes(rank: int, world_size: int) -> list[dict[str, Any]]:
     out = []
     for zero in ZEROS:
         row: dict[str, Any] = {"zero": zero}
-        variants = (("fp32", BF16), ("bf16", STATES16), ("masters", MASTERS16), ("autocast", AUTOCAST))
+        variants = (
+            ("fp32", BF16),
+            ("bf16", STATES16),
+            ("masters", MASTERS16),
+            ("autocast", AUTOCAST),
+            ("nearest", NEAREST16),
+        )
         for name, bf16 in variants:
             model = make_model(0)
             engine, *_ = runtime.initialize(
@@ -76,6 +84,8 @@ def _state_bytes(rank: int, world_size: int) -> list[dict[str, Any]]:
                 "masters": sorted({str(g.master.dtype) for g in engine.groups}),
                 "losses": losses,
                 "kind": type(engine.optimizer).__name__,
+                "weights": engine.full_state_dict(),
+                "update": getattr(getattr(engine.masters, "update", None), "reason", None),
             }
             engine.destroy()
         out.append(row)
@@ -119,6 +129,22 @@ def test_bf16_masters_and_states_halve_their_bytes_at_every_stage(world_size: in
             assert autocast["kind"] == "AdamW" and autocast["dtypes"] == ["torch.float32"], where
             assert autocast["memory"].param_bytes == 2 * f.param_bytes, where
             assert max(abs(a - c) for a, c in zip(autocast["losses"], fp32["losses"], strict=True)) < 0.05
+            # offload, a ratio split and offload_param step the same masters with the same arithmetic:
+            # round-to-nearest weights equal the un-offloaded run's at the same stage, bit for bit; with
+            # stochastic rounding too where the shard's layout is the same (the noise is keyed by position
+            # in the optimizer's flat groups, which a ratio split at stages 1-2 regroups)
+            stage, offload = row["zero"]["stage"], row["zero"].get("offload_optimizer", {})
+            same = next(r for r in rank_rows if r["zero"] == {"stage": stage})
+            regrouped = stage < 3 and offload.get("ratio", 1) < 1
+            for name in ("nearest",) if regrouped else ("nearest", "bf16", "masters"):
+                for key, value in same[name]["weights"].items():
+                    assert torch.equal(row[name]["weights"][key], value), (where, name, key)
+            if offload.get("update") == "device":  # on a CPU the device step runs in host memory
+                assert fp32["update"].startswith("the GPU runs the Adam step on state streamed"), where
+                assert bf16["update"] == (
+                    "the CPU runs the Adam step: bf16 master weights: their Adam (stochastic rounding, bf16 "
+                    "moments) is its own step"
+                ), where
 
 
 def _drift(bf16: dict[str, Any], steps: int = 20) -> float:

@@ -2,10 +2,11 @@
 `bf16.stochastic_rounding`, and the `torch_autocast` section.
 
 What a user relies on: the master and moment bytes really halve at every ZeRO stage, with and without
-optimizer offload and a `ratio` split, on one rank and two, and offload steps them to the same weights as
-the un-offloaded run (the device step declines them, saying why); training with bf16 states tracks fp32 states;
-updates too small for a bf16 weight are not lost (stochastic rounding), where plain round-to-nearest
-loses them; checkpoints move between the settings; bad combinations are refused naming the key.
+optimizer offload and a `ratio` split, on one rank and two, and offload steps them to the same weights
+as the un-offloaded run (the device step declines them, saying why); training with bf16 states tracks
+fp32 states; updates too small for a bf16 weight are not lost (stochastic rounding), where plain
+round-to-nearest loses them; checkpoints move between the settings; bad combinations are refused naming
+the key.
 """
 
 from __future__ import annotations

@@ -128,7 +128,9 @@ def test_bf16_masters_and_states_halve_their_bytes_at_every_stage(world_size: in
             # torch_autocast: fp32 weights and masters, torch's AdamW, a bf16 forward's losses
             autocast = row["autocast"]
             assert autocast["kind"] == "AdamW" and autocast["dtypes"] == ["torch.float32"], where
-            assert autocast["memory"].param_bytes == 2 * f.param_bytes, where
+            # fp32 weights (the Linears' and the LayerNorm's in flat groups of their own, since their
+            # gradients travel in bf16 and fp32: lower_precision_safe_modules; each group padded)
+            assert 2 * f.param_bytes <= autocast["memory"].param_bytes < 2.2 * f.param_bytes, where
             assert max(abs(a - c) for a, c in zip(autocast["losses"], fp32["losses"], strict=True)) < 0.05
             # offload, a ratio split and offload_param step the same masters with the same arithmetic:
             # round-to-nearest weights equal the un-offloaded run's at the same stage, bit for bit; with
@@ -430,3 +432,55 @@ def test_ds_estimate_largest_counts_the_16_bit_states() -> None:
     fp32 = fit_gpt(gpt20b, h200, Workload(), ratio="auto")
     bf16 = fit_gpt(gpt20b, h200, Workload(master_dtype="bf16", state_dtype="bf16"), ratio="auto")
     assert not fp32.fits and bf16.fits, (fp32.reason, bf16.reason)
+
+
+def _autocast_wire(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """Per ZeRO stage, autocast-only runs with the default safe modules and with none: the first step's
+    reduced gradients by group, the bytes the reduction put on the wire, and the losses."""
+    import runtime
+
+    out = []
+    for stage in (0, 1, 2, 3):
+        for modules in (None, []):
+            autocast: dict[str, Any] = {"enabled": True}
+            if modules is not None:
+                autocast["lower_precision_safe_modules"] = modules
+            config = {**_config(AUTOCAST, {"stage": stage}, world_size), "torch_autocast": autocast}
+            engine, *_ = runtime.initialize(model=make_model(0), config=config)
+            row: dict[str, Any] = {"stage": stage, "modules": modules, "losses": []}
+            for step in range(3):
+                x, y = rank_batch(step, 0, 8, rank, world_size)
+                engine.comm.counter.reset()
+                loss = loss_fn(engine(x), y)
+                engine.backward(loss)
+                if step == 0:
+                    row["wire"] = sum(engine.comm.counter.bytes.values())
+                    row["groups"] = {
+                        tuple(sorted(g.param_names)): all(
+                            torch.equal(p, p.bfloat16().float()) for p in pieces
+                        )
+                        for g, pieces in zip(engine.groups, engine.zero.grad_pieces(), strict=True)
+                    }
+                engine.step()
+                row["losses"].append(loss.item())
+            engine.destroy()
+            out.append(row)
+    return out
+
+
+def test_lower_precision_safe_modules_reduce_their_gradients_in_the_autocast_dtype() -> None:
+    """DeepSpeed's meaning of torch_autocast.lower_precision_safe_modules: with fp32 weights under autocast,
+    the gradients of those modules' own parameters (default: Linear, Conv1d-3d) are reduced in bf16, the
+    rest in fp32. At ZeRO 0-3 on two ranks: the Linear gradients arrive bf16-exact, the LayerNorm's do not,
+    the reduction moves 3584 bytes instead of 6656 (stages 1-3; 3456 of 6400 at stage 0), and the losses
+    stay those of the all-fp32 reduction within bf16 noise."""
+    linears = ("inp.bias", "inp.weight", "hidden.bias", "hidden.weight", "out.bias", "out.weight")
+    rows = run_distributed(_autocast_wire, 2)[0]
+    for low, full in zip(rows[::2], rows[1::2], strict=True):
+        where = f"stage {low['stage']}"
+        assert full["modules"] == [] and len(full["groups"]) == 1, where  # nothing in bf16: one group
+        assert not any(full["groups"].values()), where
+        exact = {name: value for names, value in low["groups"].items() for name in names}
+        assert exact == {**dict.fromkeys(linears, True), "norm.bias": False, "norm.weight": False}, where
+        assert (low["wire"], full["wire"]) == ((3456, 6400) if low["stage"] == 0 else (3584, 6656)), where
+        assert low["losses"] == pytest.approx(full["losses"], abs=0.01), where

@@ -230,6 +230,7 @@ def _flatten_specs(
                 names=[names[p] for p in part],
             )
             group.spec_index = index
+            group.reduce_dtype = spec.reduce_dtype
             groups.append(group)
     if ratio == 1.0:
         return groups, None

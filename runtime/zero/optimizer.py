@@ -61,6 +61,9 @@ class GroupSpec:
     params: list[nn.Parameter]
     options: dict[str, Any] = field(default_factory=dict)
     source: int = 0  # index of the user's group it came from (groups without trainable params are dropped)
+    # torch_autocast.lower_precision_safe_modules: these gradients are reduced in this dtype (None: the
+    # stage's reduce dtype, the run's weights' or communication_data_type)
+    reduce_dtype: torch.dtype | None = None
 
 
 def collect_param_groups(
@@ -141,6 +144,21 @@ def split_muon_specs(specs: Sequence[GroupSpec], split: Mapping[nn.Parameter, bo
             chosen = [p for p in spec.params if split.get(p, False) == muon]
             if chosen:
                 out.append(GroupSpec(chosen, {**spec.options, "use_muon": muon}, spec.source))
+    return out
+
+
+def split_reduce_dtype_specs(
+    specs: Sequence[GroupSpec], low: set[nn.Parameter], dtype: torch.dtype
+) -> list[GroupSpec]:
+    """Each param group as the part whose gradients are reduced in `dtype` (the parameters in `low`) and
+    the rest (an empty one left out), so that every flat group, and so every bucket, has one wire dtype."""
+    out: list[GroupSpec] = []
+    for spec in specs:
+        for in_low in (True, False):
+            chosen = [p for p in spec.params if (p in low) == in_low]
+            if chosen:
+                wire = dtype if in_low else spec.reduce_dtype
+                out.append(GroupSpec(chosen, dict(spec.options), spec.source, wire))
     return out
 
 

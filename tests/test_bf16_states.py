@@ -434,9 +434,10 @@ def test_ds_estimate_largest_counts_the_16_bit_states() -> None:
     assert not fp32.fits and bf16.fits, (fp32.reason, bf16.reason)
 
 
-def _autocast_wire(rank: int, world_size: int) -> list[dict[str, Any]]:
+def _autocast_wire(rank: int, world_size: int, ckpt: str) -> list[dict[str, Any]]:
     """Per ZeRO stage, autocast-only runs with the default safe modules and with none: the first step's
-    reduced gradients by group, the bytes the reduction put on the wire, and the losses."""
+    reduced gradients by group, the bytes the reduction put on the wire, and the losses; each run saves,
+    and the other setting's fresh engine resumes it."""
     import runtime
 
     out = []
@@ -463,19 +464,30 @@ def _autocast_wire(rank: int, world_size: int) -> list[dict[str, Any]]:
                     }
                 engine.step()
                 row["losses"].append(loss.item())
+            engine.save_checkpoint(ckpt, tag=f"s{stage}{'default' if modules is None else 'none'}")
+            other = {
+                **autocast,
+                "lower_precision_safe_modules": [] if modules is None else ["torch.nn.Linear"],
+            }
+            resumed, *_ = runtime.initialize(model=make_model(0), config={**config, "torch_autocast": other})
+            resumed.load_checkpoint(ckpt, tag=f"s{stage}{'default' if modules is None else 'none'}")
+            ours, theirs = engine.full_state_dict(), resumed.full_state_dict()
+            row["resumes"] = all(torch.equal(ours[k], theirs[k]) for k in ours)
+            resumed.destroy()
             engine.destroy()
             out.append(row)
     return out
 
 
-def test_lower_precision_safe_modules_reduce_their_gradients_in_the_autocast_dtype() -> None:
+def test_lower_precision_safe_modules_reduce_their_gradients_in_the_autocast_dtype(tmp_path: Any) -> None:
     """DeepSpeed's meaning of torch_autocast.lower_precision_safe_modules: with fp32 weights under autocast,
     the gradients of those modules' own parameters (default: Linear, Conv1d-3d) are reduced in bf16, the
     rest in fp32. At ZeRO 0-3 on two ranks: the Linear gradients arrive bf16-exact, the LayerNorm's do not,
     the reduction moves 3584 bytes instead of 6656 (stages 1-3; 3456 of 6400 at stage 0), and the losses
-    stay those of the all-fp32 reduction within bf16 noise."""
+    stay those of the all-fp32 reduction within bf16 noise; a checkpoint resumes under the other setting
+    (the optimizer sees the same param groups)."""
     linears = ("inp.bias", "inp.weight", "hidden.bias", "hidden.weight", "out.bias", "out.weight")
-    rows = run_distributed(_autocast_wire, 2)[0]
+    rows = run_distributed(_autocast_wire, 2, str(tmp_path))[0]
     for low, full in zip(rows[::2], rows[1::2], strict=True):
         where = f"stage {low['stage']}"
         assert full["modules"] == [] and len(full["groups"]) == 1, where  # nothing in bf16: one group
@@ -484,3 +496,4 @@ def test_lower_precision_safe_modules_reduce_their_gradients_in_the_autocast_dty
         assert exact == {**dict.fromkeys(linears, True), "norm.bias": False, "norm.weight": False}, where
         assert (low["wire"], full["wire"]) == ((3456, 6400) if low["stage"] == 0 else (3584, 6656)), where
         assert low["losses"] == pytest.approx(full["losses"], abs=0.01), where
+        assert low["resumes"] and full["resumes"], where

@@ -60,7 +60,7 @@ from runtime.zero.optimizer import (
     build_shard_optimizer,
     rebuild_client_optimizer,
     split_muon_specs,
-    split_reduce_dtype_specs,
+    with_low_dtype,
 )
 
 _log = logging.getLogger("runtime.engine")
@@ -124,7 +124,7 @@ class Engine(EngineAccessors, nn.Module):
             specs = split_muon_specs(specs, muon_split(model))  # Muon's matrices apart from AdamW's rest
         low = autocast_reduced_params(model, self.policy)  # torch_autocast.lower_precision_safe_modules
         if low and self.policy.autocast_dtype is not None:
-            specs = split_reduce_dtype_specs(specs, low, self.policy.autocast_dtype)
+            specs = with_low_dtype(specs, low, self.policy.autocast_dtype)
         # "ratio": "auto" becomes a number before the stage splits its groups by it
         config = self.config = with_auto_ratio(config, model, self.comm, self.device, self.policy.param_dtype)
         zero_cfg = config.zero_optimization

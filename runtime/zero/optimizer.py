@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -61,9 +61,25 @@ class GroupSpec:
     params: list[nn.Parameter]
     options: dict[str, Any] = field(default_factory=dict)
     source: int = 0  # index of the user's group it came from (groups without trainable params are dropped)
-    # torch_autocast.lower_precision_safe_modules: these gradients are reduced in this dtype (None: the
-    # stage's reduce dtype, the run's weights' or communication_data_type)
-    reduce_dtype: torch.dtype | None = None
+    # torch_autocast.lower_precision_safe_modules: the gradients of `low_params` are reduced in `low_dtype`
+    # (the others in the stage's reduce dtype: the weights' or communication_data_type). The stage keeps
+    # them in flat groups of their own under this same param group, so checkpoints and the optimizer's
+    # hyperparameters see one group, as without the key
+    low_params: frozenset[nn.Parameter] = frozenset()
+    low_dtype: torch.dtype | None = None
+
+    def wire_parts(self, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """`params` (some of this group's, in layout order) as the low-dtype part and the rest, each in
+        the same order; empty parts left out."""
+        if not self.low_params:
+            return [list(params)] if params else []
+        low = [p for p in params if p in self.low_params]
+        rest = [p for p in params if p not in self.low_params]
+        return [part for part in (low, rest) if part]
+
+    def wire_dtype(self, part: Sequence[nn.Parameter]) -> torch.dtype | None:
+        """The dtype a part from `wire_parts` is reduced in (None: the stage's)."""
+        return self.low_dtype if part and part[0] in self.low_params else None
 
 
 def collect_param_groups(
@@ -147,18 +163,14 @@ def split_muon_specs(specs: Sequence[GroupSpec], split: Mapping[nn.Parameter, bo
     return out
 
 
-def split_reduce_dtype_specs(
-    specs: Sequence[GroupSpec], low: set[nn.Parameter], dtype: torch.dtype
-) -> list[GroupSpec]:
-    """Each param group as the part whose gradients are reduced in `dtype` (the parameters in `low`) and
-    the rest (an empty one left out), so that every flat group, and so every bucket, has one wire dtype."""
-    out: list[GroupSpec] = []
+def with_low_dtype(specs: Sequence[GroupSpec], low: set[nn.Parameter], dtype: torch.dtype) -> list[GroupSpec]:
+    """`specs` with the parameters in `low` marked to reduce their gradients in `dtype` (the stage then
+    flattens them apart: `GroupSpec.wire_parts`), so every flat group, and so every bucket, has one wire
+    dtype."""
+    out = []
     for spec in specs:
-        for in_low in (True, False):
-            chosen = [p for p in spec.params if (p in low) == in_low]
-            if chosen:
-                wire = dtype if in_low else spec.reduce_dtype
-                out.append(GroupSpec(chosen, dict(spec.options), spec.source, wire))
+        mine = frozenset(p for p in spec.params if p in low)
+        out.append(replace(spec, low_params=mine, low_dtype=dtype if mine else None))
     return out
 
 

@@ -336,6 +336,12 @@ BAD = [
         },
         "bf16.bf16_optimizer_states",
     ),
+    # Muon on bf16 masters: its momentum is kept in the masters' dtype, and it rounds to nearest
+    ({"bf16": STATES16, "optimizer": {"type": "Muon", "params": {}}}, "bf16.stochastic_rounding"),
+    (
+        {"bf16": {**MASTERS16, "stochastic_rounding": False}, "optimizer": {"type": "Muon", "params": {}}},
+        "bf16.bf16_optimizer_states",
+    ),
     ({"bf16": BF16, "torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype"),
     ({"torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype"),
     (

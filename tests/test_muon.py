@@ -211,8 +211,9 @@ class _NoMatrices(nn.Module):
 def test_muon_refuses_a_model_without_hidden_matrices_and_unknown_keys() -> None:
     import runtime
 
-    with pytest.raises(MuonSplitError, match="no 2-D hidden weight"):
+    with pytest.raises(MuonSplitError, match="no 2-D hidden weight") as caught:
         runtime.initialize(model=_NoMatrices(), config=_config(0))
+    assert str(caught.value).startswith("optimizer.type Muon: ") and "\n" not in str(caught.value)
     split = make_model(0)
     split.hidden.weight.tensor_model_parallel = True  # a tensor-parallel shard is not the whole matrix
     with pytest.raises(MuonSplitError, match=r"hidden\.weight is split over the model-parallel group"):

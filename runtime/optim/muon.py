@@ -134,6 +134,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         # group index -> where its matrices' O comes from (ZeRO shards); not state: rebuilt with the engine
         self.orthogonalizers: dict[int, Orthogonalizer] = {}
+        # where an unsharded matrix is orthogonalized (None: where it is): the training device when the
+        # masters live in host memory (offload_optimizer); the sharded ones' orthogonalizers do the same
+        self.newton_schulz_device: torch.device | None = None
         self._adam = torch.optim.AdamW([torch.zeros(1)])  # steps our AdamW groups over our state
 
     def state_keys(self, group_index: int) -> tuple[str, ...]:
@@ -184,7 +187,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             else:
                 if param.ndim != 2:
                     raise ValueError(f"Muon updates 2-D parameters only, got shape {tuple(param.shape)}")
-                pieces = [(0, param.numel(), newton_schulz(update).reshape(-1), param.shape)]
+                device = self.newton_schulz_device or update.device
+                ortho = newton_schulz(update.to(device)).to(update.device)
+                pieces = [(0, param.numel(), ortho.reshape(-1), param.shape)]
             param.mul_(1 - lr * decay)
             flat = param.view(-1)
             for offset, numel, ortho, shape in pieces:

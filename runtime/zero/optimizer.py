@@ -260,7 +260,11 @@ def build_shard_optimizer(
     if is_elementwise(optimizer):
         return optimizer, False
     if not sharded:
-        return build(master_param_groups(groups, per_tensor=True)), True
+        per_tensor = build(master_param_groups(groups, per_tensor=True))
+        if hasattr(per_tensor, "newton_schulz_device") and groups:
+            # Muon over offloaded masters: Newton-Schulz on the training device, not the host's cores
+            per_tensor.newton_schulz_device = groups[0].working.device
+        return per_tensor, True
     if comm is not None and hasattr(optimizer, "orthogonalizers"):  # Muon: runtime/zero/muon_shards.py
         install_orthogonalizers(optimizer, groups, comm)
         return optimizer, False

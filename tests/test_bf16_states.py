@@ -225,11 +225,15 @@ def test_bf16_states_track_fp32_states_on_a_tiny_gpt() -> None:
     assert nearest_tail > 1.3 * fp32_tail, (fp32_tail, nearest_tail)
 
 
-def _engine(bf16: dict[str, Any], steps: int = 1) -> Any:
+def _engine(
+    bf16: dict[str, Any], steps: int = 1, zero: dict[str, Any] | None = None, kind: str = "AdamW"
+) -> Any:
     import runtime
 
     model = make_model(0)
-    engine, *_ = runtime.initialize(model=model, config=_config(bf16, {"stage": 1}, 1))
+    config = _config(bf16, zero or {"stage": 1}, 1)
+    config["optimizer"]["type"] = kind
+    engine, *_ = runtime.initialize(model=model, config=config)
     for _ in range(steps):
         x, y = rank_batch(0, 0, 8, 0, 1)
         engine.backward(loss_fn(engine(x), y))
@@ -308,18 +312,24 @@ def test_a_resumed_run_rounds_as_the_unbroken_one(tmp_path: Any) -> None:
     resumed.destroy()
 
 
-def test_a_non_finite_step_is_skipped_with_bf16_states() -> None:
-    engine = _engine(STATES16)
+@pytest.mark.parametrize("kind", ["AdamW", "Muon"])
+@pytest.mark.parametrize("zero", [ZEROS[0], ZEROS[4], ZEROS[6]], ids=["stage1", "ratio", "offload_param"])
+def test_a_non_finite_step_is_skipped_with_bf16_states(zero: dict[str, Any], kind: str) -> None:
+    """The step after a NaN batch is skipped whole: the bf16 masters and the optimizer's 16-bit state are
+    the ones before it, on the device, split by a ratio, and offloaded with the weights."""
+    engine = _engine(STATES16, zero=zero, kind=kind)
     before = [g.master.detach().clone() for g in engine.groups]
-    moments = [s["exp_avg"].clone() for s in engine.optimizer.state.values()]
+    state = [[t.clone() for t in s.values() if torch.is_tensor(t)] for s in engine.optimizer.state.values()]
     x, y = rank_batch(1, 0, 8, 0, 1)
     x[0, 0] = float("nan")
     engine.backward(loss_fn(engine(x), y))
     engine.step()
     assert engine.skipped_steps == 1
     assert all(torch.equal(g.master, b) for g, b in zip(engine.groups, before, strict=True))
-    states = engine.optimizer.state.values()
-    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(states, moments, strict=True))
+    after = [[t for t in s.values() if torch.is_tensor(t)] for s in engine.optimizer.state.values()]
+    assert len(after) == len(state) > 0
+    for old, new in zip(state, after, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
     engine.destroy()
 
 

@@ -17,16 +17,14 @@ be 2-D and is its own matrix.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from runtime.errors import UserError
-
-if TYPE_CHECKING:
-    from runtime.precision.master_adam import MasterAdam
+from runtime.precision.master_adam import MasterAdam
 
 MUON_NAME_EXCLUDES = ("embed", "wte", "wpe", "lm_head")
 """Names of 2-D parameters that stay on AdamW by default: embeddings and the output head."""
@@ -153,8 +151,6 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         `MasterAdam` (moments in `state_dtype`); without it, torch's updates round to nearest."""
         if not stochastic_rounding:
             return
-        from runtime.precision.master_adam import MasterAdam
-
         self.stochastic_rounding = True
         self._adam = self._rounder = MasterAdam(
             [torch.zeros(1, dtype=torch.bfloat16)], state_dtype=state_dtype

@@ -2,9 +2,11 @@
 `bf16.stochastic_rounding`, and the `torch_autocast` section.
 
 What a user relies on: the master and moment bytes really halve at every ZeRO stage, with and without
-optimizer offload and a `ratio` split, on one rank and two; training with bf16 states tracks fp32 states;
-updates too small for a bf16 weight are not lost (stochastic rounding), where plain round-to-nearest
-loses them; checkpoints move between the settings; bad combinations are refused naming the key.
+optimizer offload and a `ratio` split, on one rank and two, and offload steps them to the same weights
+as the un-offloaded run (the device step declines them, saying why); training with bf16 states tracks
+fp32 states; updates too small for a bf16 weight are not lost (stochastic rounding), where plain
+round-to-nearest loses them; checkpoints move between the settings; bad combinations are refused naming
+the key.
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from tests.models import loss_fn, make_model, param_groups, rank_batch
 BF16 = {"enabled": True}
 STATES16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 MASTERS16 = {"enabled": True, "bf16_master_weights_and_grads": True}  # moments stay fp32
+NEAREST16 = {**STATES16, "stochastic_rounding": False}
 AUTOCAST = {"torch_autocast": {"enabled": True}}
 ZEROS = [
     {"stage": 1},
     {"stage": 2},
     {"stage": 3},
-    {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    {"stage": 2, "offload_optimizer": {"device": "cpu", "update": "device"}},  # bf16 masters: the host's step
     {"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
     {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
     {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
@@ -55,7 +58,13 @@ def _state_bytes(rank: int, world_size: int) -> list[dict[str, Any]]:
     out = []
     for zero in ZEROS:
         row: dict[str, Any] = {"zero": zero}
-        variants = (("fp32", BF16), ("bf16", STATES16), ("masters", MASTERS16), ("autocast", AUTOCAST))
+        variants = (
+            ("fp32", BF16),
+            ("bf16", STATES16),
+            ("masters", MASTERS16),
+            ("autocast", AUTOCAST),
+            ("nearest", NEAREST16),
+        )
         for name, bf16 in variants:
             model = make_model(0)
             engine, *_ = runtime.initialize(
@@ -76,6 +85,8 @@ def _state_bytes(rank: int, world_size: int) -> list[dict[str, Any]]:
                 "masters": sorted({str(g.master.dtype) for g in engine.groups}),
                 "losses": losses,
                 "kind": type(engine.optimizer).__name__,
+                "weights": engine.full_state_dict(),
+                "update": getattr(getattr(engine.masters, "update", None), "reason", None),
             }
             engine.destroy()
         out.append(row)
@@ -117,8 +128,26 @@ def test_bf16_masters_and_states_halve_their_bytes_at_every_stage(world_size: in
             # torch_autocast: fp32 weights and masters, torch's AdamW, a bf16 forward's losses
             autocast = row["autocast"]
             assert autocast["kind"] == "AdamW" and autocast["dtypes"] == ["torch.float32"], where
-            assert autocast["memory"].param_bytes == 2 * f.param_bytes, where
+            # fp32 weights (the Linears' and the LayerNorm's in flat groups of their own, since their
+            # gradients travel in bf16 and fp32: lower_precision_safe_modules; each group padded)
+            assert 2 * f.param_bytes <= autocast["memory"].param_bytes < 2.2 * f.param_bytes, where
             assert max(abs(a - c) for a, c in zip(autocast["losses"], fp32["losses"], strict=True)) < 0.05
+            # offload, a ratio split and offload_param step the same masters with the same arithmetic:
+            # round-to-nearest weights equal the un-offloaded run's at the same stage, bit for bit; with
+            # stochastic rounding too where the shard's layout is the same (the noise is keyed by position
+            # in the optimizer's flat groups, which a ratio split at stages 1-2 regroups)
+            stage, offload = row["zero"]["stage"], row["zero"].get("offload_optimizer", {})
+            same = next(r for r in rank_rows if r["zero"] == {"stage": stage})
+            regrouped = stage < 3 and offload.get("ratio", 1) < 1
+            for name in ("nearest",) if regrouped else ("nearest", "bf16", "masters"):
+                for key, value in same[name]["weights"].items():
+                    assert torch.equal(row[name]["weights"][key], value), (where, name, key)
+            if offload.get("update") == "device":  # on a CPU the device step runs in host memory
+                assert fp32["update"].startswith("the GPU runs the Adam step on state streamed"), where
+                assert bf16["update"] == (
+                    "the CPU runs the Adam step: bf16 master weights: their Adam (stochastic rounding, bf16 "
+                    "moments) is its own step"
+                ), where
 
 
 def _drift(bf16: dict[str, Any], steps: int = 20) -> float:
@@ -196,11 +225,15 @@ def test_bf16_states_track_fp32_states_on_a_tiny_gpt() -> None:
     assert nearest_tail > 1.3 * fp32_tail, (fp32_tail, nearest_tail)
 
 
-def _engine(bf16: dict[str, Any], steps: int = 1) -> Any:
+def _engine(
+    bf16: dict[str, Any], steps: int = 1, zero: dict[str, Any] | None = None, kind: str = "AdamW"
+) -> Any:
     import runtime
 
     model = make_model(0)
-    engine, *_ = runtime.initialize(model=model, config=_config(bf16, {"stage": 1}, 1))
+    config = _config(bf16, zero or {"stage": 1}, 1)
+    config["optimizer"]["type"] = kind
+    engine, *_ = runtime.initialize(model=model, config=config)
     for _ in range(steps):
         x, y = rank_batch(0, 0, 8, 0, 1)
         engine.backward(loss_fn(engine(x), y))
@@ -279,18 +312,24 @@ def test_a_resumed_run_rounds_as_the_unbroken_one(tmp_path: Any) -> None:
     resumed.destroy()
 
 
-def test_a_non_finite_step_is_skipped_with_bf16_states() -> None:
-    engine = _engine(STATES16)
+@pytest.mark.parametrize("kind", ["AdamW", "Muon"])
+@pytest.mark.parametrize("zero", [ZEROS[0], ZEROS[4], ZEROS[6]], ids=["stage1", "ratio", "offload_param"])
+def test_a_non_finite_step_is_skipped_with_bf16_states(zero: dict[str, Any], kind: str) -> None:
+    """The step after a NaN batch is skipped whole: the bf16 masters and the optimizer's 16-bit state are
+    the ones before it, on the device, split by a ratio, and offloaded with the weights."""
+    engine = _engine(STATES16, zero=zero, kind=kind)
     before = [g.master.detach().clone() for g in engine.groups]
-    moments = [s["exp_avg"].clone() for s in engine.optimizer.state.values()]
+    state = [[t.clone() for t in s.values() if torch.is_tensor(t)] for s in engine.optimizer.state.values()]
     x, y = rank_batch(1, 0, 8, 0, 1)
     x[0, 0] = float("nan")
     engine.backward(loss_fn(engine(x), y))
     engine.step()
     assert engine.skipped_steps == 1
     assert all(torch.equal(g.master, b) for g, b in zip(engine.groups, before, strict=True))
-    states = engine.optimizer.state.values()
-    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(states, moments, strict=True))
+    after = [[t for t in s.values() if torch.is_tensor(t)] for s in engine.optimizer.state.values()]
+    assert len(after) == len(state) > 0
+    for old, new in zip(state, after, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(old, new, strict=True))
     engine.destroy()
 
 
@@ -305,6 +344,11 @@ BAD = [
             "bf16": {**MASTERS16, "stochastic_rounding": False},
             "optimizer": {"type": "SGD", "params": {"lr": 1}},
         },
+        "bf16.bf16_optimizer_states",
+    ),
+    # Muon on bf16 masters: its momentum is kept in the masters' dtype
+    (
+        {"bf16": {**MASTERS16, "stochastic_rounding": False}, "optimizer": {"type": "Muon", "params": {}}},
         "bf16.bf16_optimizer_states",
     ),
     ({"bf16": BF16, "torch_autocast": {"enabled": True, "dtype": "float16"}}, "torch_autocast.dtype"),
@@ -403,3 +447,68 @@ def test_ds_estimate_largest_counts_the_16_bit_states() -> None:
     fp32 = fit_gpt(gpt20b, h200, Workload(), ratio="auto")
     bf16 = fit_gpt(gpt20b, h200, Workload(master_dtype="bf16", state_dtype="bf16"), ratio="auto")
     assert not fp32.fits and bf16.fits, (fp32.reason, bf16.reason)
+
+
+def _autocast_wire(rank: int, world_size: int, ckpt: str) -> list[dict[str, Any]]:
+    """Per ZeRO stage, autocast-only runs with the default safe modules and with none: the first step's
+    reduced gradients by group, the bytes the reduction put on the wire, and the losses; each run saves,
+    and the other setting's fresh engine resumes it."""
+    import runtime
+
+    out = []
+    for stage in (0, 1, 2, 3):
+        for modules in (None, []):
+            autocast: dict[str, Any] = {"enabled": True}
+            if modules is not None:
+                autocast["lower_precision_safe_modules"] = modules
+            config = {**_config(AUTOCAST, {"stage": stage}, world_size), "torch_autocast": autocast}
+            engine, *_ = runtime.initialize(model=make_model(0), config=config)
+            row: dict[str, Any] = {"stage": stage, "modules": modules, "losses": []}
+            for step in range(3):
+                x, y = rank_batch(step, 0, 8, rank, world_size)
+                engine.comm.counter.reset()
+                loss = loss_fn(engine(x), y)
+                engine.backward(loss)
+                if step == 0:
+                    row["wire"] = sum(engine.comm.counter.bytes.values())
+                    row["groups"] = {
+                        tuple(sorted(g.param_names)): all(
+                            torch.equal(p, p.bfloat16().float()) for p in pieces
+                        )
+                        for g, pieces in zip(engine.groups, engine.zero.grad_pieces(), strict=True)
+                    }
+                engine.step()
+                row["losses"].append(loss.item())
+            engine.save_checkpoint(ckpt, tag=f"s{stage}{'default' if modules is None else 'none'}")
+            other = {
+                **autocast,
+                "lower_precision_safe_modules": [] if modules is None else ["torch.nn.Linear"],
+            }
+            resumed, *_ = runtime.initialize(model=make_model(0), config={**config, "torch_autocast": other})
+            resumed.load_checkpoint(ckpt, tag=f"s{stage}{'default' if modules is None else 'none'}")
+            ours, theirs = engine.full_state_dict(), resumed.full_state_dict()
+            row["resumes"] = all(torch.equal(ours[k], theirs[k]) for k in ours)
+            resumed.destroy()
+            engine.destroy()
+            out.append(row)
+    return out
+
+
+def test_lower_precision_safe_modules_reduce_their_gradients_in_the_autocast_dtype(tmp_path: Any) -> None:
+    """DeepSpeed's meaning of torch_autocast.lower_precision_safe_modules: with fp32 weights under autocast,
+    the gradients of those modules' own parameters (default: Linear, Conv1d-3d) are reduced in bf16, the
+    rest in fp32. At ZeRO 0-3 on two ranks: the Linear gradients arrive bf16-exact, the LayerNorm's do not,
+    the reduction moves 3584 bytes instead of 6656 (stages 1-3; 3456 of 6400 at stage 0), and the losses
+    stay those of the all-fp32 reduction within bf16 noise; a checkpoint resumes under the other setting
+    (the optimizer sees the same param groups)."""
+    linears = ("inp.bias", "inp.weight", "hidden.bias", "hidden.weight", "out.bias", "out.weight")
+    rows = run_distributed(_autocast_wire, 2, str(tmp_path))[0]
+    for low, full in zip(rows[::2], rows[1::2], strict=True):
+        where = f"stage {low['stage']}"
+        assert full["modules"] == [] and len(full["groups"]) == 1, where  # nothing in bf16: one group
+        assert not any(full["groups"].values()), where
+        exact = {name: value for names, value in low["groups"].items() for name in names}
+        assert exact == {**dict.fromkeys(linears, True), "norm.bias": False, "norm.weight": False}, where
+        assert (low["wire"], full["wire"]) == ((3456, 6400) if low["stage"] == 0 else (3584, 6656)), where
+        assert low["losses"] == pytest.approx(full["losses"], abs=0.01), where
+        assert low["resumes"] and full["resumes"], where

@@ -292,7 +292,8 @@ def _log_precision_change(
     if manifest.master_dtype != master:
         changes.append(f"master weights {manifest.master_dtype} -> {master}")
     state_dtype = getattr(engine.optimizer, "state_dtype", None)
-    saved = {str(d).removeprefix("torch.") for k, d in dtypes.items() if k in ("exp_avg", "exp_avg_sq")}
+    moments = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # Adam's, and Muon's momentum
+    saved = {str(d).removeprefix("torch.") for k, d in dtypes.items() if k in moments}
     now = str(state_dtype or engine.groups[0].master.dtype).removeprefix("torch.")
     if with_optimizer and saved and saved != {now}:
         changes.append(f"optimizer moments {'/'.join(sorted(saved))} -> {now}")

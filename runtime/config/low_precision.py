@@ -8,8 +8,9 @@ and refuses, with the key path first, what DeepSpeed refuses or what we do not b
 - bf16 optimizer states with fp32 masters (the moments follow the masters' dtype or are fp32, as in
   DeepSpeed, where the moments of fp32 masters are fp32);
 - bf16 masters at ZeRO stage 0 (DeepSpeed builds them in its ZeRO optimizers only);
-- stochastic rounding for an optimizer other than Adam/AdamW (the remedy lives in our Adam update), and
-  fp32 states for one (torch's optimizers keep their state in the parameters' dtype);
+- stochastic rounding for an optimizer other than Adam/AdamW and Muon (the remedy lives in their updates),
+  and fp32 states for one other than Adam/AdamW (torch's optimizers, and Muon's momentum, keep their
+  state in the parameters' dtype);
 - torch_autocast in another dtype than the fp16 or bf16 section's (DeepSpeed runs autocast beside
   either section since its low-precision master states), and autocast to float16 without the fp16
   section (it needs that section's loss scaler).
@@ -93,12 +94,12 @@ def check_low_precision(
             hint='set "zero_optimization": {"stage": 1} or higher',
         )
     adam = optimizer_type in (None, "Adam", "AdamW")  # None: a client optimizer, checked at build
-    if masters and bf16.stochastic_rounding and not adam:
+    if masters and bf16.stochastic_rounding and not (adam or optimizer_type == "Muon"):
         raise ConfigError(
             "bf16.stochastic_rounding",
-            f"is built into the Adam/AdamW update only, not {optimizer_type}",
+            f"is built into the Adam/AdamW and Muon updates only, not {optimizer_type}",
             hint=f'set "stochastic_rounding": false to step {optimizer_type} on bf16 masters with '
-            "round-to-nearest (small updates are lost), or use AdamW",
+            "round-to-nearest (small updates are lost), or use AdamW or Muon",
         )
     if masters and not states and not adam:
         raise ConfigError(

@@ -46,6 +46,7 @@ from runtime.precision.loss_scaler import LossScaler
 from runtime.precision.master_adam import for_masters
 from runtime.precision.mixed import (
     autocast_context,
+    autocast_reduced_params,
     cast_floating,
     cast_unmanaged,
     input_dtype_error,
@@ -59,6 +60,7 @@ from runtime.zero.optimizer import (
     build_shard_optimizer,
     rebuild_client_optimizer,
     split_muon_specs,
+    with_low_dtype,
 )
 
 _log = logging.getLogger("runtime.engine")
@@ -120,6 +122,9 @@ class Engine(EngineAccessors, nn.Module):
         specs = self._param_group_specs(model, optimizer, model_parameters)
         if optimizer is None and config.optimizer is not None and config.optimizer.type == "Muon":
             specs = split_muon_specs(specs, muon_split(model))  # Muon's matrices apart from AdamW's rest
+        low = autocast_reduced_params(model, self.policy)  # torch_autocast.lower_precision_safe_modules
+        if low and self.policy.autocast_dtype is not None:
+            specs = with_low_dtype(specs, low, self.policy.autocast_dtype)
         # "ratio": "auto" becomes a number before the stage splits its groups by it
         config = self.config = with_auto_ratio(config, model, self.comm, self.device, self.policy.param_dtype)
         zero_cfg = config.zero_optimization

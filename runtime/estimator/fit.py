@@ -43,7 +43,8 @@ from runtime.estimator.model_states import (
     MASTER_BYTES,
     ModelSizes,
     estimate,
-    state_bytes_per_param,
+    host_landing_bytes,
+    moment_bytes,
 )
 from runtime.models.gpt import GPTConfig
 
@@ -123,8 +124,14 @@ def gpt_sizes(config: GPTConfig) -> ModelSizes:
     layers = [config.vocab_size * d, d * 4 * d + b * 4 * d, 4 * d * d + b * d, d * 3 * d + b * 3 * d]
     # AutoTP's share (GPT-2 layout): the q|k|v, attention-out and both MLP weights, and the colwise biases
     sharded = config.n_layer * (12 * d * d + b * 7 * d)
+    # Muon's (runtime.optim.muon_split): the same four matrices of every block; embeddings and the tied
+    # head stay on AdamW
+    muon = config.n_layer * 12 * d * d
     return ModelSizes(
-        total_params=config.num_params(), largest_layer_params=max(layers), tensor_parallel_params=sharded
+        total_params=config.num_params(),
+        largest_layer_params=max(layers),
+        tensor_parallel_params=sharded,
+        muon_params=muon,
     )
 
 
@@ -160,15 +167,15 @@ def fit_gpt(
     shard = math.ceil(params / ranks) if stage >= 1 else params
     # bf16 masters: on the device they are the working weights (no bytes, no fp32 gradient copy at the
     # step: runtime.precision.master_adam), on the host 2 bytes; bf16 states: half the optimizer's.
-    # Muon's split is unknown here: its AdamW bound.
+    # Muon: its momentum on the blocks' matrices, AdamW's moments on the rest (gpt_sizes).
     bf16_masters = work.master_dtype == "bf16"
-    moments = state_bytes_per_param(ModelSizes(params), work.optimizer) * DTYPE_BYTES[work.state_dtype] / 4
+    moments = moment_bytes(gpt_sizes(config), work.optimizer, work.state_dtype)
     host_movable = round(shard * (DTYPE_BYTES[work.master_dtype] + moments))  # what ratio moves, per rank
     movable = host_movable if not bf16_masters else round(shard * moments)
     # on the device the step also makes an fp32 copy of 16-bit gradients (runtime.precision.mixed)
     copies = w < MASTER_BYTES and not bf16_masters
     device_movable = movable + (shard * MASTER_BYTES if copies else 0)
-    landing = shard * w if host_step else 0
+    landing = shard * host_landing_bytes(work.optimizer, work.dtype, work.master_dtype) if host_step else 0
     # the GPU without any of the movable state: weights, gradients, buckets, activations, fixed costs
     gpu_fixed = (
         states.gpu.params

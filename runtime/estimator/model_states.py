@@ -69,13 +69,15 @@ __all__ = [
     "StateBytes",
     "estimate",
     "estimate_all",
+    "host_landing_bytes",
     "model_sizes",
+    "moment_bytes",
     "state_bytes_per_param",
 ]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # bytes of optimizer state per (master) parameter
-# ("muon": its momentum, for the parameters Muon updates; the rest carry AdamW's 8: see _state_bytes)
+# ("muon": its momentum, for the parameters Muon updates; the rest carry AdamW's 8: see state_bytes_per_param)
 OPTIMIZER_BYTES = {
     "adam": 8,
     "adamw": 8,
@@ -251,7 +253,7 @@ def estimate(
     w = DTYPE_BYTES[dtype]
     _check_states(stage, dtype, master_dtype, state_dtype)
     master_bytes = DTYPE_BYTES[master_dtype]
-    opt = state_bytes_per_param(sizes, optimizer) * DTYPE_BYTES[state_dtype] / 4
+    opt = moment_bytes(sizes, optimizer, state_dtype)
     if stage == 3 and sizes.largest_layer_params is None:
         raise ValueError(
             "a stage-3 estimate needs the largest layer's parameter count (largest_layer_params)"
@@ -279,8 +281,7 @@ def estimate(
         # runtime.offload.host_masters: the shard's gradients land in a host buffer of their own dtype
         # (optimizers without the one-pass Adam step also convert them into an fp32 buffer there)
         # (bf16 masters take the gradients as they land: no conversion buffer)
-        one_pass = optimizer in ("adam", "adamw") or master_bytes == w
-        landing = shard * w + (0 if one_pass else shard * master_bytes)
+        landing = shard * host_landing_bytes(optimizer, dtype, master_dtype)
         host = StateBytes(grads=landing, master=shard * master_bytes, optimizer=round(shard * opt))
         gpu = StateBytes(params=params, grads=grads)
         if stage == 3 and offload_param:
@@ -313,6 +314,21 @@ def state_bytes_per_param(sizes: ModelSizes, optimizer: str) -> float:
         return OPTIMIZER_BYTES[optimizer]
     share = (sizes.muon_params or 0) / sizes.total_params
     return share * OPTIMIZER_BYTES["muon"] + (1 - share) * OPTIMIZER_BYTES["adamw"]
+
+
+def host_landing_bytes(optimizer: str, dtype: str, master_dtype: str = "fp32") -> int:
+    """Host bytes an offloaded element's gradient takes (runtime.offload.host_masters): the landing buffer
+    in the working dtype, and, for an optimizer without the one-pass Adam step, its conversion into the
+    masters' dtype (none when the masters are in the working dtype already: bf16 masters). `ratio: "auto"`
+    (runtime/offload/auto_ratio.py) counts the same bytes."""
+    w, master = DTYPE_BYTES[dtype], DTYPE_BYTES[master_dtype]
+    one_pass = optimizer in ("adam", "adamw") or master == w
+    return w + (0 if one_pass else master)
+
+
+def moment_bytes(sizes: ModelSizes, optimizer: str, state_dtype: str = "fp32") -> float:
+    """Optimizer state bytes per element of a shard (`state_bytes_per_param`), halved by bf16 states."""
+    return state_bytes_per_param(sizes, optimizer) * DTYPE_BYTES[state_dtype] / 4
 
 
 def _positive_int(value: int | float, name: str) -> int:

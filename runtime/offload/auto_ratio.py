@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from runtime.comm import Comm
-from runtime.config import Config
+from runtime.config import Config, OptimizerConfig
 from runtime.config.reader import ConfigError
 from runtime.estimator.fit import (  # ds_estimate's constants: both plan a machine alike
     ALLOCATOR_SLACK,
@@ -48,7 +48,15 @@ from runtime.estimator.fit import (  # ds_estimate's constants: both plan a mach
     Workload,
     activation_bytes,
 )
-from runtime.estimator.model_states import DTYPE_BYTES, MASTER_BYTES, OPTIMIZER_BYTES, estimate, model_sizes
+from runtime.estimator.model_states import (
+    DTYPE_BYTES,
+    MASTER_BYTES,
+    OPTIMIZER_BYTES,
+    estimate,
+    host_landing_bytes,
+    model_sizes,
+    moment_bytes,
+)
 from runtime.memory import host_available_bytes
 from runtime.models.gpt import GPTConfig
 from runtime.zero.offload_split import RATIO_KEY
@@ -82,21 +90,26 @@ class AutoFacts:
     # bf16.bf16_master_weights_and_grads / bf16_optimizer_states: bf16 masters (the device share's are the
     # working weights themselves, stepped without an fp32 gradient copy) and half-size moments
     master_bytes: int = MASTER_BYTES
-    moment_bytes: int = OPTIMIZER_BYTES["adamw"]
+    # the optimizer's state an element, as the estimator counts it: Muon's is the mean of its momentum (4)
+    # over its matrices and AdamW's moments (8) over the rest (estimator.model_states.moment_bytes)
+    moment_bytes: float = OPTIMIZER_BYTES["adamw"]
+    # the host's gradient landing (and, for an optimizer without the one-pass Adam step, the conversion
+    # into fp32 masters: estimator.model_states.host_landing_bytes)
+    landing_bytes: int = LANDING_BYTES
 
     @property
     def bf16_masters(self) -> bool:
         return self.master_bytes < MASTER_BYTES
 
     @property
-    def device_state_bytes(self) -> int:
+    def device_state_bytes(self) -> float:
         """An element of the device's share: its master (none when it is the working weight) and moments."""
         return (0 if self.bf16_masters else self.master_bytes) + self.moment_bytes
 
     @property
-    def host_state_bytes(self) -> int:
+    def host_state_bytes(self) -> float:
         """An element of the host's share: master, moments and the gradient landing buffer."""
-        return self.master_bytes + self.moment_bytes + LANDING_BYTES
+        return self.master_bytes + self.moment_bytes + self.landing_bytes
 
 
 @dataclass(frozen=True)
@@ -110,13 +123,13 @@ class RatioChoice:
 def choose_ratio(
     *,
     shard_numel: int,
-    device_bytes_per_element: int,
-    host_bytes_per_element: int,
+    device_bytes_per_element: float,
+    host_bytes_per_element: float,
     device_free: int,
     activation_bytes: int,
     device_reserve: int,
     host_available: int,
-    step_bytes_per_element: int = 0,
+    step_bytes_per_element: float = 0,
     step: float = 0.01,
 ) -> RatioChoice:
     """`"ratio": "auto"`: the largest device share of the optimizer state that fits beside the rest.
@@ -144,14 +157,15 @@ def choose_ratio(
         raise ValueError("choose_ratio needs a positive shard size and positive bytes per element")
     gib = 1 << 30
     budget = max(0, device_free - activation_bytes - device_reserve)
-    on_device = min(shard_numel, budget // device_bytes_per_element)
+    on_device = min(shard_numel, int(budget // device_bytes_per_element))
     if step_bytes_per_element:  # the step's peak: the state and the step's buffers, without activations
-        at_step = max(0, device_free - device_reserve) // (device_bytes_per_element + step_bytes_per_element)
+        per_element = device_bytes_per_element + step_bytes_per_element
+        at_step = int(max(0, device_free - device_reserve) // per_element)
         on_device = min(on_device, at_step)
     ratio = 1.0 - on_device / shard_numel
     ratio = min(1.0, math.ceil(round(ratio / step, 9)) * step)  # whole steps, towards the host
     ratio = round(ratio, 6)
-    host_need = math.ceil(ratio * shard_numel) * host_bytes_per_element
+    host_need = math.ceil(math.ceil(ratio * shard_numel) * host_bytes_per_element)
     device_use = (shard_numel - math.ceil(ratio * shard_numel)) * device_bytes_per_element
     spare = f"{budget / gib:.1f} GiB of the device's {device_free / gib:.1f} GiB free after the activations "
     spare += f"({activation_bytes / gib:.1f} GiB) and a reserve of {device_reserve / gib:.1f} GiB"
@@ -164,7 +178,7 @@ def choose_ratio(
             f"step's buffers ({step_gib:.1f} GiB) after them"
         )
     if host_need > host_available:
-        fits = on_device + host_available // host_bytes_per_element
+        fits = on_device + int(host_available // host_bytes_per_element)
         raise ValueError(
             f"the optimizer state of this rank's {shard_numel:,} elements does not fit: the device can hold "
             f"{on_device:,} of them ({spare}) and the host the rest only with {host_need / gib:.1f} GiB, of "
@@ -185,7 +199,7 @@ def choose_ratio(
     )
 
 
-def device_bytes_per_element(facts: AutoFacts) -> int:
+def device_bytes_per_element(facts: AutoFacts) -> float:
     """Device bytes an element of the device's share costs: its state, and the fp32 copy the device's step
     makes of a 16-bit gradient (runtime.precision.mixed)."""
     copy = 4 if facts.working_bytes < 4 and not facts.bf16_masters else 0
@@ -229,8 +243,8 @@ def ratio_shortfall(facts: AutoFacts, ratio: float) -> str | None:
     device or the host. Only certain failures are refused; the activations are a guess."""
     host_numel = math.ceil(ratio * facts.shard_numel)
     device_numel = facts.shard_numel - host_numel
-    device_need = facts.fixed_device_bytes + device_numel * device_bytes_per_element(facts)
-    host_need = host_numel * facts.host_state_bytes
+    device_need = facts.fixed_device_bytes + math.ceil(device_numel * device_bytes_per_element(facts))
+    host_need = math.ceil(host_numel * facts.host_state_bytes)
     short = []
     if device_need > facts.device_capacity:
         short.append(
@@ -328,13 +342,18 @@ def read_auto_facts(
     sizes = model_sizes(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # the optimizer's elements
     working_bytes = torch.empty((), dtype=working_dtype).element_size()
+    dtype = _dtype_name(working_bytes)
+    optimizer = estimator_optimizer(config.optimizer)
+    bf16 = config.bf16
+    master_dtype = "bf16" if bf16.enabled and bf16.bf16_master_weights_and_grads else "fp32"
+    state_dtype = "bf16" if bf16.enabled and bf16.bf16_optimizer_states else "fp32"
     states = estimate(
         sizes,
         stage=zero.stage,
         num_gpus_per_node=comm.world_size,
         offload_optimizer=True,
         offload_param=zero.offload_param.enabled,
-        dtype=_dtype_name(working_bytes),
+        dtype=dtype,
         reduce_bucket_size=zero.reduce_bucket_size,
     )
     if device.type == "cuda":
@@ -353,10 +372,20 @@ def read_auto_facts(
         host_available=host_available_bytes(),
         activations=guess_activations(model, micro, working_bytes, capacity),
         working_bytes=working_bytes,
-        master_bytes=2 if config.bf16.enabled and config.bf16.bf16_master_weights_and_grads else MASTER_BYTES,
-        moment_bytes=OPTIMIZER_BYTES["adamw"]
-        // (2 if config.bf16.enabled and config.bf16.bf16_optimizer_states else 1),
+        master_bytes=DTYPE_BYTES[master_dtype],
+        moment_bytes=moment_bytes(sizes, optimizer, state_dtype),
+        landing_bytes=host_landing_bytes(optimizer, dtype, master_dtype),
     )
+
+
+def estimator_optimizer(optimizer: OptimizerConfig | None) -> str:
+    """The estimator's name (`OPTIMIZER_BYTES`) for the config's `optimizer` section: Muon, Lamb and SGD
+    (with or without momentum) by their state, everything else as Adam (a client optimizer too: the usual
+    case, and the most state)."""
+    name = optimizer.type.lower() if optimizer is not None else "adamw"
+    if name == "sgd":
+        return "sgd_momentum" if optimizer is not None and optimizer.params.get("momentum") else "sgd"
+    return name if name in ("muon", "lamb") else "adamw"
 
 
 def agree_on_ratio(choice: RatioChoice, comm: Comm, device: torch.device) -> RatioChoice:

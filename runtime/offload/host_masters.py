@@ -118,7 +118,10 @@ class HostMasters:
     def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
         """The engine built `optimizer` over the host masters: the device step needs one it can run."""
         if self._split.on_device and not host_adam.supports(optimizer):
-            self._use_host_step("the optimizer is not Adam or AdamW (or uses options the fused kernel lacks)")
+            why = "the optimizer is not Adam or AdamW (or uses options the fused kernel lacks)"
+            if getattr(optimizer, "runs_own_update", False):  # runtime.precision.MasterAdam
+                why = "bf16 master weights: their Adam (stochastic rounding, bf16 moments) is its own step"
+            self._use_host_step(why)
         if optimizer is not None:
             # the device step's downloads run past engine.step(): reading or replacing the state through
             # torch's own API (optimizer.state_dict(), load_state_dict) waits for them first

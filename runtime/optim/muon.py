@@ -24,6 +24,7 @@ from torch import nn
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from runtime.errors import UserError
+from runtime.precision.master_adam import MasterAdam
 
 MUON_NAME_EXCLUDES = ("embed", "wte", "wpe", "lm_head")
 """Names of 2-D parameters that stay on AdamW by default: embeddings and the output head."""
@@ -134,7 +135,26 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         # group index -> where its matrices' O comes from (ZeRO shards); not state: rebuilt with the engine
         self.orthogonalizers: dict[int, Orthogonalizer] = {}
-        self._adam = torch.optim.AdamW([torch.zeros(1)])  # steps our AdamW groups over our state
+        # where an unsharded matrix is orthogonalized (None: where it is): the training device when the
+        # masters live in host memory (offload_optimizer); the sharded ones' orthogonalizers do the same
+        self.newton_schulz_device: torch.device | None = None
+        self.stochastic_rounding = False  # bf16 masters: round_masters
+        self._steps = 0  # the noise key's step where no AdamW state counts them
+        # steps our AdamW groups over our state (with bf16 masters and stochastic rounding: MasterAdam)
+        self._adam: torch.optim.Adam = torch.optim.AdamW([torch.zeros(1)])
+        self._rounder: MasterAdam | None = None  # that MasterAdam, whose rounding the Muon update uses
+
+    def round_masters(self, state_dtype: torch.dtype, stochastic_rounding: bool) -> None:
+        """bf16 masters (bf16.bf16_master_weights_and_grads): with stochastic rounding, each Muon update is
+        computed in fp32 and rounded stochastically into the bf16 master (runtime.precision.master_adam's
+        rounding, so updates below half a bf16 ulp survive on average), and the AdamW groups step with
+        `MasterAdam` (moments in `state_dtype`); without it, torch's updates round to nearest."""
+        if not stochastic_rounding:
+            return
+        self.stochastic_rounding = True
+        self._adam = self._rounder = MasterAdam(
+            [torch.zeros(1, dtype=torch.bfloat16)], state_dtype=state_dtype
+        )
 
     def state_keys(self, group_index: int) -> tuple[str, ...]:
         """The state tensors a param group keeps (checkpoint loading reads only these for it)."""
@@ -153,10 +173,21 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             self._adam.param_groups = adam_groups
             self._adam.state = self.state
             self._adam.step()
+        self._steps = self._step_count(adam_groups)
         for index, group in enumerate(self.param_groups):
             if group["use_muon"]:
                 self._muon_group(index, group)
         return loss
+
+    def _step_count(self, adam_groups: list[dict[str, Any]]) -> int:
+        """This step's number: the AdamW state's count where there is one (checkpointed, so a resumed run
+        rounds as the unbroken one), else one more than the last."""
+        for group in adam_groups:
+            for param in group["params"]:
+                step = self.state.get(param, {}).get("step")
+                if torch.is_tensor(step):
+                    return int(step.item())
+        return self._steps + 1
 
     def _muon_group(self, index: int, group: dict[str, Any]) -> None:
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
@@ -167,7 +198,7 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
                 matrix, group["ns_coefficients"], group["ns_steps"], group["ns_eps"]
             )
 
-        for param in group["params"]:
+        for position, param in enumerate(group["params"]):
             # (ZeRO attaches a gradient to a group's master on every rank or on none, as partial offload's
             # two sides step their own groups: the orthogonalizer's collectives stay in step)
             if param.grad is None:
@@ -184,11 +215,37 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
             else:
                 if param.ndim != 2:
                     raise ValueError(f"Muon updates 2-D parameters only, got shape {tuple(param.shape)}")
-                pieces = [(0, param.numel(), newton_schulz(update).reshape(-1), param.shape)]
+                device = self.newton_schulz_device or update.device
+                ortho = newton_schulz(update.to(device)).to(update.device)
+                pieces = [(0, param.numel(), ortho.reshape(-1), param.shape)]
+            if self.stochastic_rounding and param.dtype == torch.bfloat16:
+                # the noise key: Muon's parameters after the AdamW ones (keyed by their own positions)
+                self._rounded_update(
+                    param, 1 - lr * decay, pieces, group, (1 << 20) + (index << 12) + position
+                )
+                continue
             param.mul_(1 - lr * decay)
             flat = param.view(-1)
             for offset, numel, ortho, shape in pieces:
                 flat.narrow(0, offset, numel).add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
+
+    def _rounded_update(
+        self, param: torch.Tensor, keep: float, pieces: list[UpdatePiece], group: dict[str, Any], key: int
+    ) -> None:
+        """`param * keep - adjusted lr * O` in fp32, rounded stochastically into the bf16 `param`, one
+        chunk at a time (the fp32 temporaries stay chunk-sized whatever the shard's size)."""
+        flat = param.view(-1)
+        size = 1 << 16 if param.device.type == "cpu" else 1 << 24
+        for chunk, start in enumerate(range(0, flat.numel(), size)):
+            end = min(flat.numel(), start + size)
+            work = flat[start:end].float().mul_(keep)
+            for offset, numel, ortho, shape in pieces:
+                low, high = max(offset, start), min(offset + numel, end)
+                if low < high:
+                    alpha = -_adjust_lr(group["lr"], group["adjust_lr_fn"], shape)
+                    work[low - start : high - start].add_(ortho[low - offset : high - offset], alpha=alpha)
+            assert self._rounder is not None  # round_masters set it with stochastic_rounding
+            self._rounder.round_into(flat[start:end], work, self._steps, key, chunk)
 
 
 _ADAMW_KEYS: dict[str, Any] = {

@@ -112,7 +112,7 @@ class MasterAdam(torch.optim.Adam):
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def _round(self, out: torch.Tensor, value: torch.Tensor, step: int, index: int, chunk: int) -> None:
+    def round_into(self, out: torch.Tensor, value: torch.Tensor, step: int, index: int, chunk: int) -> None:
         """Stochastic rounding with noise that is a function of (seed, step, parameter, chunk) alone: a
         run resumed from a checkpoint (which restores the step count) rounds exactly as the unbroken run."""
         key = (((self._seed * 1_000_003 + step) * 1_000_033 + index) * 65_537 + chunk) % (1 << 63)
@@ -185,7 +185,7 @@ class MasterAdam(torch.optim.Adam):
             if pc is pw:
                 continue
             if self.stochastic_rounding and pc.dtype == torch.bfloat16:
-                self._round(pc, pw, *noise, start // size)
+                self.round_into(pc, pw, *noise, start // size)
             else:
                 pc.copy_(pw)
 
@@ -209,15 +209,18 @@ def for_masters(
     is torch's Adam/AdamW; otherwise as it is (an error for another optimizer with stochastic rounding)."""
     if master_dtype != torch.bfloat16 or isinstance(optimizer, MasterAdam) or optimizer is None:
         return optimizer
+    if hasattr(optimizer, "round_masters"):  # runtime.optim.muon: rounds its own updates, AdamW's with us
+        optimizer.round_masters(state_dtype, stochastic_rounding)
+        return optimizer
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         if stochastic_rounding:
             from runtime.config import ConfigError
 
             raise ConfigError(
                 "bf16.stochastic_rounding",
-                f"is built into the Adam/AdamW update only, not {type(optimizer).__name__}",
+                f"is built into the Adam/AdamW and Muon updates only, not {type(optimizer).__name__}",
                 hint='set "stochastic_rounding": false to step this optimizer on bf16 masters with '
-                "round-to-nearest (small updates are lost), or use AdamW",
+                "round-to-nearest (small updates are lost), or use AdamW or Muon",
             )
         return optimizer
     groups = []

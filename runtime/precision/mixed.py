@@ -39,6 +39,9 @@ class PrecisionPolicy:
     state_dtype: torch.dtype = torch.float32
     stochastic_rounding: bool = False  # bf16 masters rounded stochastically in the update (master_adam.py)
     autocast_dtype: torch.dtype | None = None  # torch_autocast: the forward runs under torch.autocast
+    # torch_autocast.lower_precision_safe_modules: their own parameters' gradients go on the wire in
+    # autocast_dtype (autocast_reduced_params)
+    autocast_safe_modules: tuple[type, ...] = ()
 
     @property
     def uses_loss_scaling(self) -> bool:
@@ -59,8 +62,8 @@ def policy_from_config(config: Config) -> PrecisionPolicy:
     bf16 = config.bf16
     masters = torch.bfloat16 if bf16.enabled and bf16.bf16_master_weights_and_grads else torch.float32
     autocast = config.torch_autocast
-    if autocast.enabled:
-        safe_module_types(autocast.lower_precision_safe_modules)  # refuse a name that does not import
+    # a name that does not import is refused here, before anything is built
+    safe = safe_module_types(autocast.lower_precision_safe_modules) if autocast.enabled else ()
     return PrecisionPolicy(
         param_dtype=param_dtype,
         master_dtype=masters,
@@ -69,7 +72,25 @@ def policy_from_config(config: Config) -> PrecisionPolicy:
         state_dtype=torch.bfloat16 if bf16.enabled and bf16.bf16_optimizer_states else torch.float32,
         stochastic_rounding=masters == torch.bfloat16 and bf16.stochastic_rounding,
         autocast_dtype=getattr(torch, autocast.dtype) if autocast.enabled else None,
+        autocast_safe_modules=safe,
     )
+
+
+def autocast_reduced_params(model: torch.nn.Module, policy: PrecisionPolicy) -> set[torch.nn.Parameter]:
+    """The trainable parameters whose gradients are reduced in the autocast dtype, DeepSpeed's meaning of
+    `torch_autocast.lower_precision_safe_modules`: the own parameters (not their children's) of modules
+    whose class is exactly one of those named (a subclass is not: its extra code may not be safe). Empty
+    where the run reduces in that dtype anyway (bf16 weights beside autocast)."""
+    dtype = policy.autocast_dtype
+    if dtype is None or dtype == policy.reduce_dtype or not policy.autocast_safe_modules:
+        return set()
+    return {
+        p
+        for module in model.modules()
+        if type(module) in policy.autocast_safe_modules
+        for p in module.parameters(recurse=False)
+        if p.requires_grad
+    }
 
 
 def autocast_context(policy: PrecisionPolicy, device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -211,12 +211,14 @@ def _flatten_specs(
     for index, spec in enumerate(specs):
         # reverse registration order: buckets then fill in the order backward produces gradients
         params = sorted(spec.params, key=lambda p: -registration.get(p, -1))
-        parts = [params]
+        sides = [(False, params)]
         if ratio != 1.0:
             count = split_count([p.numel() for p in params], ratio)
-            host += [len(groups)] if count else []
-            parts = [part for part in (params[:count], params[count:]) if part]
-        for part in parts:
+            sides = [(True, params[:count]), (False, params[count:])]
+        # each side as one flat group per wire dtype (torch_autocast.lower_precision_safe_modules)
+        parts = [(on_host, part) for on_host, side in sides for part in spec.wire_parts(side)]
+        for on_host, part in parts:
+            host += [len(groups)] if on_host else []
             group = flatten_group(
                 len(groups),
                 part,
@@ -230,6 +232,7 @@ def _flatten_specs(
                 names=[names[p] for p in part],
             )
             group.spec_index = index
+            group.reduce_dtype = spec.wire_dtype(part)
             groups.append(group)
     if ratio == 1.0:
         return groups, None

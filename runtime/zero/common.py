@@ -108,12 +108,14 @@ class HookedStage:
         for record in records:
             record.finish()
 
-    def _prepare_for_reduce(self, data: torch.Tensor) -> torch.Tensor:
-        """The tensor to put on the wire for `data`: pre-divided and in the reduce dtype."""
+    def _prepare_for_reduce(self, data: torch.Tensor, group: FlatGroup) -> torch.Tensor:
+        """The tensor to put on the wire for `data`: pre-divided and in the reduce dtype (the group's own
+        where it has one: torch_autocast.lower_precision_safe_modules)."""
         if self.pre_reduce_scale != 1.0:
             data.mul_(self.pre_reduce_scale)
-        if self.reduce_dtype is not None and self.reduce_dtype != data.dtype:
-            return data.to(self.reduce_dtype)
+        dtype = group.reduce_dtype or self.reduce_dtype
+        if dtype is not None and dtype != data.dtype:
+            return data.to(dtype)
         return data
 
     def close(self) -> None:

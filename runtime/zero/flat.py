@@ -36,6 +36,8 @@ class FlatGroup:
     master_is_alias: bool = False  # master shares memory with `working` (stage 3: with its shard)
     param_names: list[str] = field(default_factory=list)
     spec_index: int = -1  # the param group (GroupSpec) it came from; -1: the same as `index`
+    # the dtype its gradients are reduced in when it is not the stage's (GroupSpec.reduce_dtype)
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.spec_index < 0:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -61,6 +61,25 @@ class GroupSpec:
     params: list[nn.Parameter]
     options: dict[str, Any] = field(default_factory=dict)
     source: int = 0  # index of the user's group it came from (groups without trainable params are dropped)
+    # torch_autocast.lower_precision_safe_modules: the gradients of `low_params` are reduced in `low_dtype`
+    # (the others in the stage's reduce dtype: the weights' or communication_data_type). The stage keeps
+    # them in flat groups of their own under this same param group, so checkpoints and the optimizer's
+    # hyperparameters see one group, as without the key
+    low_params: frozenset[nn.Parameter] = frozenset()
+    low_dtype: torch.dtype | None = None
+
+    def wire_parts(self, params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
+        """`params` (some of this group's, in layout order) as the low-dtype part and the rest, each in
+        the same order; empty parts left out."""
+        if not self.low_params:
+            return [list(params)] if params else []
+        low = [p for p in params if p in self.low_params]
+        rest = [p for p in params if p not in self.low_params]
+        return [part for part in (low, rest) if part]
+
+    def wire_dtype(self, part: Sequence[nn.Parameter]) -> torch.dtype | None:
+        """The dtype a part from `wire_parts` is reduced in (None: the stage's)."""
+        return self.low_dtype if part and part[0] in self.low_params else None
 
 
 def collect_param_groups(
@@ -141,6 +160,17 @@ def split_muon_specs(specs: Sequence[GroupSpec], split: Mapping[nn.Parameter, bo
             chosen = [p for p in spec.params if split.get(p, False) == muon]
             if chosen:
                 out.append(GroupSpec(chosen, {**spec.options, "use_muon": muon}, spec.source))
+    return out
+
+
+def with_low_dtype(specs: Sequence[GroupSpec], low: set[nn.Parameter], dtype: torch.dtype) -> list[GroupSpec]:
+    """`specs` with the parameters in `low` marked to reduce their gradients in `dtype` (the stage then
+    flattens them apart: `GroupSpec.wire_parts`), so every flat group, and so every bucket, has one wire
+    dtype."""
+    out = []
+    for spec in specs:
+        mine = frozenset(p for p in spec.params if p in low)
+        out.append(replace(spec, low_params=mine, low_dtype=dtype if mine else None))
     return out
 
 
@@ -230,7 +260,11 @@ def build_shard_optimizer(
     if is_elementwise(optimizer):
         return optimizer, False
     if not sharded:
-        return build(master_param_groups(groups, per_tensor=True)), True
+        per_tensor = build(master_param_groups(groups, per_tensor=True))
+        if hasattr(per_tensor, "newton_schulz_device") and groups:
+            # Muon over offloaded masters: Newton-Schulz on the training device, not the host's cores
+            per_tensor.newton_schulz_device = groups[0].working.device
+        return per_tensor, True
     if comm is not None and hasattr(optimizer, "orthogonalizers"):  # Muon: runtime/zero/muon_shards.py
         install_orthogonalizers(optimizer, groups, comm)
         return optimizer, False

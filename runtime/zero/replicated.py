@@ -70,7 +70,7 @@ class ReplicatedGradStage(HookedStage):
     def _launch(self, group: FlatGroup, bucket_index: int) -> None:
         bucket = group.layout.buckets[bucket_index]
         data = group.bucket_view(self.grads[group.index], bucket)
-        wire = self._prepare_for_reduce(data)
+        wire = self._prepare_for_reduce(data, group)
         if self.stage == 0:
             pending = self.comm.all_reduce(wire, async_op=True)
             after = None if wire is data else (lambda: data.copy_(wire))

@@ -62,7 +62,7 @@ class ShardedGradStage(HookedStage):
         if buffer is None:
             g, b = self.tracker.order[position]
             group = self.groups[g]
-            dtype = self.reduce_dtype or group.working.dtype
+            dtype = group.reduce_dtype or self.reduce_dtype or group.working.dtype
             # zeros: padding and parameters without a gradient this pass must contribute nothing
             buffer = torch.zeros(group.layout.buckets[b].numel, dtype=dtype, device=group.working.device)
             self._staging[position] = buffer

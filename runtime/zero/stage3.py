@@ -153,7 +153,7 @@ class ParamShardedStage:
     def _staging_buffer(self, segment: Segment) -> torch.Tensor:
         buffer = self._staging.get(id(segment))
         if buffer is None:
-            dtype = self.options.reduce_dtype or segment.shard.dtype
+            dtype = segment.group.reduce_dtype or self.options.reduce_dtype or segment.shard.dtype
             # zeros: padding and parameters without a gradient this pass contribute nothing
             buffer = torch.zeros(segment.numel, dtype=dtype, device=segment.grad_shard.device)
             self._staging[id(segment)] = buffer
@@ -313,6 +313,7 @@ def build_stage3(
                     host=host,
                 )
             )
+            built[-1].group.reduce_dtype = specs[spec_index].wire_dtype(params)
             del values
             index += 1
             for param in params:
@@ -348,6 +349,7 @@ def resident_unit_groups(
                 names=[names[p] for p in params],
             )
             group.spec_index = spec_index
+            group.reduce_dtype = specs[spec_index].wire_dtype(params)
             groups.append(group)
     return groups
 
@@ -378,6 +380,9 @@ def _plan(
         for name in plan.params:
             param = by_name[name]
             by_spec.setdefault(spec_of[param], []).append(param)
-        segments[plan.index] = [(i, by_spec[i]) for i in sorted(by_spec)]
+        # one segment per param group and wire dtype (torch_autocast.lower_precision_safe_modules)
+        segments[plan.index] = [
+            (i, part) for i in sorted(by_spec) for part in specs[i].wire_parts(by_spec[i])
+        ]
         _log.debug(plan.describe())
     return names, plans, segments

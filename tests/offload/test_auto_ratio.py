@@ -172,3 +172,56 @@ def test_auto_on_a_gpu_with_room_keeps_the_whole_state_on_the_device() -> None:
     assert got["ratio"] == 0.0 and got["placement"] == "DeviceMasters", got
     assert len(got["log"]) == 1 and "ratio 0: all of the optimizer state" in got["log"][0], got["log"]
     assert "the model does not say its width" in got["log"][0]  # the test net has no .config
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "Muon"])
+@pytest.mark.parametrize("states", ["fp32", "bf16"])
+def test_auto_counts_the_host_bytes_the_estimator_counts(optimizer: str, states: str) -> None:
+    """The facts "auto" decides from, read from the config as the engine does: per element of the shard
+    the host share costs what `ds_estimate` counts for the same optimizer and state precision (Muon: one
+    momentum on the matrices, two moments on the rest; its gradients converted to fp32 beside fp32
+    masters), and the device share its state without the master when the masters are bf16."""
+    from runtime.comm import Comm
+    from runtime.config import load_config
+    from runtime.distributed import init_distributed
+    from runtime.estimator import estimate, model_sizes
+    from runtime.estimator.fit import gpt_sizes
+    from runtime.offload.auto_ratio import read_auto_facts
+
+    bf16 = {"enabled": True}
+    if states == "bf16":
+        bf16 |= {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+        bf16["stochastic_rounding"] = optimizer == "AdamW"  # Muon rounds to nearest
+    config = load_config(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "bf16": bf16,
+            "optimizer": {"type": optimizer, "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": "auto"}},
+        },
+        world_size=1,
+    )
+    model = _gpt(layers=2, width=64, heads=2)
+    init_distributed()
+    facts = read_auto_facts(model, config, Comm(), torch.device("cpu"), torch.bfloat16)
+    sizes = model_sizes(model)
+    n = sizes.total_params
+    unpadded = type(sizes)(total_params=n, muon_params=sizes.muon_params)
+    est = estimate(
+        unpadded,
+        stage=2,
+        offload_optimizer=True,
+        optimizer=optimizer.lower(),
+        master_dtype=states,
+        state_dtype=states,
+    )
+    assert facts.shard_numel == n
+    assert facts.host_state_bytes * n == pytest.approx(est.host_per_rank.total, abs=1)
+    assert gpt_sizes(model.config).muon_params == sizes.muon_params  # ds_estimate --largest's GPT count
+    muon_share = sizes.muon_params / n  # the blocks' matrices: 98,304 of the 3,385,088 elements
+    moments = (4 * muon_share + 8 * (1 - muon_share)) if optimizer == "Muon" else 8
+    moments /= 2 if states == "bf16" else 1
+    assert facts.moment_bytes == pytest.approx(moments)
+    converts = optimizer == "Muon" and states == "fp32"  # bf16 gradients into fp32 for the host step
+    assert facts.landing_bytes == 2 + (4 if converts else 0)
+    assert facts.device_state_bytes == pytest.approx(moments + (4 if states == "fp32" else 0))

@@ -4,7 +4,9 @@ Trainer, Accelerate and DeepSpeed's examples ask the engine questions by DeepSpe
 ``engine.local_rank``, ``engine.fp16_enabled()``, ``engine.zero_optimization_stage()``,
 ``engine.zero_gather_16bit_weights_on_model_save()``, ``engine._zero3_consolidated_16bit_state_dict()``.
 Every answer here is read from the engine's typed config or its parts; nothing is stored twice. Methods
-for DeepSpeed features dslaunch lacks raise `runtime.deepspeed_api.unsupported.UnsupportedFeature`.
+for DeepSpeed features dslaunch lacks raise `runtime.errors.UnsupportedFeature`. Every engine registers
+here (`live_engines`), so DeepSpeed's per-parameter functions (`runtime.deepspeed_api.params`) find the
+engine that trains a parameter without the engine importing them.
 """
 
 from __future__ import annotations
@@ -12,14 +14,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from runtime.deepspeed_api.unsupported import unsupported
+from runtime.errors import unsupported
 
-__all__ = ["EngineAccessors"]
+__all__ = ["EngineAccessors", "live_engines"]
+
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def live_engines() -> list[Any]:
+    """The engines of this process still alive, in no order."""
+    return list(_ENGINES)
 
 
 class EngineAccessors:
@@ -34,9 +44,7 @@ class EngineAccessors:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from runtime.deepspeed_api.params import register_engine
-
-        register_engine(self)  # so deepspeed.utils.safe_get_full_fp32_param(p) finds p's engine
+        _ENGINES.add(self)  # so deepspeed.utils.safe_get_full_fp32_param(p) finds p's engine
 
     # -- ranks ----------------------------------------------------------------------------------------
     @property

@@ -212,7 +212,7 @@ class PipelineEngine(Engine):
         """Train from `loader` (first and last stage): `train_batch()` and `eval_batch()` without an
         iterator draw from one iterator over it, kept between batches and restarted at the end of the
         data (DeepSpeed's method; a checkpoint saves the loader's position)."""
-        from runtime.deepspeed_api.utils import RepeatingLoader
+        from runtime.pipe.data import RepeatingLoader
 
         self.training_dataloader = loader
         reads = self.is_first_stage() or self.is_last_stage()

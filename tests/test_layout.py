@@ -1,7 +1,6 @@
-"""The tree's shape (issues 22, 31): imports point one way between modules and, with today's listed loops
-as the only exceptions, between runtime/'s packages; the offload reads no environment below its settings,
-the config is one package, and no library file passes 500 lines. `python tests/test_layout.py` prints the
-measures ARCHITECTURE.md's table reports.
+"""The tree's shape (issues 22, 31): imports point one way between modules and between runtime/'s
+packages; the offload reads no environment below its settings, the config is one package, and no library
+file passes 500 lines. `python tests/test_layout.py` prints the measures ARCHITECTURE.md's table reports.
 
 Everything here reads the source with `ast`; nothing is imported, so the checks take a fraction of a second
 and hold for code paths no other test reaches (an import inside a rarely called function counts too).

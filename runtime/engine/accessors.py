@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from runtime.errors import unsupported
+from runtime.tensor_parallel.autotp import full_state_dict
+from runtime.zero.gathered import gathered_state_dict
 
 __all__ = ["EngineAccessors", "live_engines"]
 
@@ -124,8 +126,6 @@ class EngineAccessors:
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
         """The whole model's working-dtype state dict on rank 0 ({} elsewhere); every rank must call it.
         Parameters are gathered unit by unit."""
-        from runtime.zero.gathered import gathered_state_dict
-
         state = gathered_state_dict(self.module, rank0_only=True)
         if exclude_frozen_parameters and state:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
@@ -138,8 +138,6 @@ class EngineAccessors:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model in the Hugging Face layout (AutoTP's shards gathered over the model group, the
         fused q|k|v order undone); every rank must call it."""
-        from runtime.tensor_parallel.autotp import full_state_dict
-
         self.masters.flush()  # type: ignore[attr-defined]
         return full_state_dict(self.module)  # type: ignore[attr-defined]
 

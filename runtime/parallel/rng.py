@@ -31,6 +31,7 @@ import torch
 
 from runtime.distributed import accelerator
 from runtime.errors import UserError
+from runtime.parallel.mpu import tensor_parallel_rank
 
 
 class RngTrackerError(UserError, ValueError):
@@ -156,8 +157,6 @@ def model_parallel_cuda_manual_seed(seed: int, mpu: Any = None) -> None:
     Data-parallel ranks draw alike when they pass the same seed; pass a seed that includes the data rank
     for different masks.
     """
-    from runtime.parallel.mpu import tensor_parallel_rank
-
     if mpu is None:
         mpu = _default_mpu
     model_rank = tensor_parallel_rank(mpu) if mpu is not None else 0

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from runtime.checkpoint.data_position import ResumableDataLoader, ResumableSampler
 from runtime.pipe.config import PipelineError
 
 
@@ -151,8 +152,6 @@ def pipeline_dataloader(
 ) -> Any:
     """DeepSpeed's pipeline loader over `dataset`: this data-parallel rank's samples in order, micro-batch
     sized (a `ResumableDataLoader`, whose position checkpoints save; the engine repeats it)."""
-    from runtime.checkpoint.data_position import ResumableDataLoader, ResumableSampler
-
     sampler = ResumableSampler(
         dataset,
         num_replicas=grid.get_data_parallel_world_size(),

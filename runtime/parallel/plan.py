@@ -90,7 +90,7 @@ class PipeAxis:
     """A pipeline's stages as the plan sees them (the schedules are `PipelineEngine`'s)."""
 
     size: int  # stages
-    group: Any  # torch ProcessGroup: this rank's pipeline, one rank per stage
+    group: dist.ProcessGroup  # this rank's pipeline, one rank per stage
     stage: int  # this rank's stage
     chunks: int = 1  # chunks (virtual stages) per stage
 

@@ -27,6 +27,7 @@ from runtime.distributed import init_distributed
 from runtime.engine import Engine, MemoryBreakdown
 from runtime.errors import UserError, install_excepthook
 from runtime.memory import see_memory_usage
+from runtime.parallel.plan import build_parallel_plan
 
 __version__ = "0.1.0"
 
@@ -153,16 +154,23 @@ def initialize(
         check_mpu_model(model, mpu)
     from runtime.pipe.module import PipelineModule
 
-    if isinstance(model, PipelineModule):  # its grid is its topology's; the engine reads its sections
+    # the parallel plan, built once with the config loaded for the data-parallel size: a pipeline's is the
+    # grid its module was built on; any other model's comes from the mpu or AutoTP (applied to the model
+    # where asked), or is the trivial plan
+    if isinstance(model, PipelineModule):
+        from runtime.parallel.pipe_plan import build_pipeline_plan
         from runtime.pipe.engine import PipelineEngine
 
+        plan, cfg = build_pipeline_plan(model, source)
         engine: Engine = PipelineEngine(
-            model, source, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler
+            model,
+            cfg,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            parallel=plan,
         )
     else:
-        from runtime.parallel.plan import build_parallel_plan
-
-        # the config loaded once, for the data-parallel size; AutoTP applied to the model where asked
         plan, cfg = build_parallel_plan(model, source, mpu=mpu)
         engine = Engine(
             model,

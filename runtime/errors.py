@@ -5,6 +5,8 @@ checkpoint, the launcher's variables): the message says what is wrong and `hint`
 traceback adds nothing for the user. The runtime's input errors (ConfigError, DataError, CheckpointError,
 TensorFileError, DistEnvError, ...) derive from it and keep their older bases (ValueError, RuntimeError),
 so ``except ValueError`` in user code still catches them.
+`UnsupportedFeature` (a NotImplementedError) names a DeepSpeed feature dslaunch lacks and the nearest
+alternative; any part may raise it (`runtime.deepspeed_api.unsupported` adds compat's stand-ins).
 
 `import runtime` installs `excepthook`. For an uncaught exception it writes the worker's error file when
 TORCHELASTIC_ERROR_FILE names one (torch's format, plus our "kind" and "hint", which dslaunch reads to
@@ -37,7 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 USER_ERROR_EXIT_CODE = 2
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # torch's name; dslaunch sets it, and torchrun does
@@ -57,6 +59,21 @@ class UserError(Exception):
         super().__init__(*args)
         if hint is not None:
             self.hint = hint
+
+
+class UnsupportedFeature(NotImplementedError):
+    """A DeepSpeed feature that dslaunch does not implement. ``feature`` names it, ``alternative`` says
+    what to use instead. (Any part may refuse such a feature, so the error sits here, at the bottom;
+    `runtime.deepspeed_api.unsupported` keeps the name, with the stand-ins compat's modules use.)"""
+
+    def __init__(self, feature: str, alternative: str) -> None:
+        self.feature = feature
+        self.alternative = alternative
+        super().__init__(f"DeepSpeed's {feature} is not supported by dslaunch; {alternative}")
+
+
+def unsupported(feature: str, alternative: str) -> NoReturn:
+    raise UnsupportedFeature(feature, alternative)
 
 
 def one_line(error: BaseException, *, with_type: bool = False) -> str:

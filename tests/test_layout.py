@@ -1,7 +1,6 @@
-"""The tree's shape (issues 22, 31): imports point one way between modules and, with today's listed loops
-as the only exceptions, between runtime/'s packages; the offload reads no environment below its settings,
-the config is one package, and no library file passes 500 lines. `python tests/test_layout.py` prints the
-measures ARCHITECTURE.md's table reports.
+"""The tree's shape (issues 22, 31): imports point one way between modules and between runtime/'s
+packages; the offload reads no environment below its settings, the config is one package, and no library
+file passes 500 lines. `python tests/test_layout.py` prints the measures ARCHITECTURE.md's table reports.
 
 Everything here reads the source with `ast`; nothing is imported, so the checks take a fraction of a second
 and hold for code paths no other test reaches (an import inside a rarely called function counts too).
@@ -267,31 +266,11 @@ def test_no_library_file_passes_500_lines() -> None:
 # runtime/ is one node, and each top-level module its own node; every import counts, those inside
 # functions included (they are how the arrows back up hide).
 
-# Today's loops, as the package imports that lie on one (both ends reach each other; names without the
-# `runtime.` prefix). Issue 31's plan (one parallel plan, the engine no subclass's base, activation
-# checkpointing renamed, the estimator given TP shard counts) removes them. The test fails on an import
-# that closes a new loop and on a listed one that no longer does, so this set only shrinks.
-# (22 at 7ca1240; 26 after the DeepSpeed shims became one `deepspeed_api` node: the same imports
-# over fewer, larger nodes.)
-KNOWN_LOOPS: frozenset[str] = frozenset(
-    {
-        "activation_checkpointing -> parallel",
-        "checkpoint -> pipe",
-        "deepspeed_api -> activation_checkpointing",
-        "deepspeed_api -> parallel",
-        "deepspeed_api -> pipe",
-        "engine -> activation_checkpointing",
-        "engine -> checkpoint",
-        "engine -> deepspeed_api",
-        "engine -> parallel",
-        "parallel -> checkpoint",
-        "pipe -> activation_checkpointing",
-        "pipe -> checkpoint",
-        "pipe -> deepspeed_api",
-        "pipe -> engine",
-        "pipe -> parallel",
-    }
-)
+# The package imports that may close a loop: none since issue 31 (the pipeline's consolidation reads
+# folders in checkpoint/, DeepSpeed's engine registry and UnsupportedFeature moved below the engine,
+# set_random_seed and RepeatingLoader below deepspeed_api/). The test fails on an import that closes a loop
+# and on a listed one that no longer does, so this set stays empty. (22 at 7ca1240; 15 before the last cuts.)
+KNOWN_LOOPS: frozenset[str] = frozenset()
 
 
 def _package_of(module: str) -> str:

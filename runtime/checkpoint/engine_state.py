@@ -68,7 +68,9 @@ def capture_rng(device: torch.device, streams_of: RngStreams) -> dict[str, Any]:
     try:
         import numpy as np
 
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        legacy = np.random.get_state(legacy=True)
+        assert isinstance(legacy, tuple)  # the global generator is MT19937: its legacy 5-tuple
+        kind, keys, pos, has_gauss, cached = legacy
         state["numpy"] = (
             kind,
             torch.from_numpy(keys.astype("int64")),
@@ -125,7 +127,8 @@ def module_extras(engine: Any) -> dict[str, Any]:
     """State-dict entries the flat groups do not hold: buffers, frozen parameters, extra state.
     (keep_vars: the trained parameters are not touched, ZeRO-3 keeps them sharded.)"""
     full = engine.module.state_dict(keep_vars=True)
-    left_out = getattr(engine, "checkpoint_excluded_keys", frozenset())  # exclude_frozen_parameters
+    # the keys exclude_frozen_parameters leaves out
+    left_out: frozenset[str] = getattr(engine, "checkpoint_excluded_keys", frozenset())
     extras = {key: full[key] for key, name in module_keys(engine) if name is None and key not in left_out}
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
 
@@ -171,7 +174,7 @@ def capture(
 ) -> dict[str, Any]:
     """Everything rank 0 writes into the engine state file."""
     optimizer = engine.optimizer
-    loader = getattr(engine, "training_dataloader", None)
+    loader: Any = getattr(engine, "training_dataloader", None)  # any loader; ours can resume (state_dict)
     state = {
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
@@ -317,7 +320,7 @@ def restore(
                     group["lr"] = lr
                 if hasattr(scheduler, "after_lr_update"):
                     scheduler.after_lr_update()
-    loader = getattr(engine, "training_dataloader", None)
+    loader: Any = getattr(engine, "training_dataloader", None)  # any loader; ours can resume (state_dict)
     position = state.get("data_position")
     if position is not None and hasattr(loader, "load_state_dict"):
         loader.load_state_dict(dict(position))

@@ -1,7 +1,7 @@
 """One fp32 state dict from any checkpoint folder: the entry behind DeepSpeed's `zero_to_fp32` names.
 
 Ours or DeepSpeed's (runtime.checkpoint.consolidate), or a pipeline checkpoint's root
-(`pipe_stage_SS_of_NN/`, merged by runtime.pipe.checkpoint); a tensor-parallel root (`tp_rank_RR_of_NN/`)
+(`pipe_stage_SS_of_NN/`, merged by pipeline_root); a tensor-parallel root (`tp_rank_RR_of_NN/`)
 is refused with its degree named. DeepSpeed's three functions (`get_fp32_state_dict_from_zero_checkpoint`,
 `convert_zero_checkpoint_to_fp32_state_dict`, `load_state_dict_from_zero_checkpoint`) are here, for
 compat's `deepspeed.utils.zero_to_fp32` to name, with the two file finders Lightning's converter calls
@@ -22,9 +22,9 @@ import torch
 
 from runtime.checkpoint.consolidate import deepspeed_state_dict, get_fp32_state_dict_from_checkpoint
 from runtime.checkpoint.manifest import CheckpointError
+from runtime.checkpoint.pipeline_root import get_fp32_state_dict_from_pipeline_checkpoint
 from runtime.checkpoint.portable import model_parallel_root
 from runtime.checkpoint.portable_cli import write_state_dict
-from runtime.pipe.checkpoint import get_fp32_state_dict_from_pipeline_checkpoint
 
 
 def fp32_state_dict(

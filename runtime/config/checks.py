@@ -70,6 +70,10 @@ class Float:
     def __call__(self, path: str, value: Any) -> float | None:
         if value is None and self.nullable:
             return None
+        return self.number(path, value)
+
+    def number(self, path: str, value: Any) -> float:
+        """`value` checked as a number in range (None is refused here, whatever `nullable` says)."""
         want = f"a number{_range_text(self.lo, self.hi, self.lo_open)}"
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(path, f"expected {want}, got {describe(value)}")
@@ -118,11 +122,11 @@ class FloatPair:
         if not isinstance(value, (list, tuple)) or len(value) != 2:
             raise ConfigError(path, f"expected a list of two numbers in [0, 1), got {describe(value)}")
         check = Float(0.0, 1.0)
-        pair = (check(f"{path}[0]", value[0]), check(f"{path}[1]", value[1]))
+        pair = (check.number(f"{path}[0]", value[0]), check.number(f"{path}[1]", value[1]))
         for i, v in enumerate(pair):
             if v >= 1.0:
                 raise ConfigError(f"{path}[{i}]", f"expected a number in [0, 1), got {v}")
-        return pair  # type: ignore[return-value]
+        return pair
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class FloatOrList:
 
     item: Float = Float()
 
-    def __call__(self, path: str, value: Any) -> float | tuple[float, ...] | None:
+    def __call__(self, path: str, value: Any) -> float | tuple[float | None, ...] | None:
         if isinstance(value, (list, tuple)):
             if not value:
                 raise ConfigError(path, "expected a number or a non-empty list of numbers, got []")

@@ -25,8 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from runtime.activation_checkpointing import configured_mpu
 from runtime.distributed import init_distributed as _init_from_env
 from runtime.distributed import resolve_dist_env
+from runtime.parallel.grid import ParallelGrid
+from runtime.parallel.mpu import read_mpu
 
 __all__ = [
     "ProcessGroup",
@@ -387,9 +390,6 @@ def _model_parallel() -> Any:
     """The engine's model-parallel groups (``initialize(mpu=...)``, AutoTP's grid or a pipeline's, which
     hand their mpu to runtime.activation_checkpointing; the engine checked it), or None with data
     parallelism alone: the world is then the data group."""
-    from runtime.activation_checkpointing import configured_mpu
-    from runtime.parallel.mpu import read_mpu
-
     mpu = configured_mpu()
     return None if mpu is None else read_mpu(mpu)
 
@@ -413,9 +413,6 @@ def _get_model_parallel_world_size() -> int:
     """DeepSpeed's answer: the mpu's model-parallel size. A pipeline's grid counts every rank of one
     data-parallel replica there (its stages x its tensor shards), as DeepSpeed's grid does; the grid's own
     get_model_parallel_world_size() is the tensor axis alone, Megatron's meaning, which the engines use."""
-    from runtime.activation_checkpointing import configured_mpu
-    from runtime.parallel.grid import ParallelGrid
-
     mpu = configured_mpu()
     if isinstance(mpu, ParallelGrid):
         return mpu.pipe_parallel_size * mpu.model_parallel_size

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from runtime.config import Config, load_config, read_config_file
+from runtime.config import Config, load_config, read_config_file, render_config
 from runtime.deepspeed_api.unsupported import unsupported
+from runtime.parallel.mpu import resolve_mpu
 
 __all__ = ["DeepSpeedConfig"]
 
@@ -34,8 +35,6 @@ class DeepSpeedConfig:
         source = read_config_file(config) if isinstance(config, (str, os.PathLike)) else dict(config)
         self._param_dict = source
         if mpu is not None:
-            from runtime.parallel.mpu import resolve_mpu
-
             self.world_size = resolve_mpu(mpu).data_size
         else:
             self.world_size = _world_size()
@@ -45,8 +44,6 @@ class DeepSpeedConfig:
         return f"DeepSpeedConfig(world_size={self.world_size}, zero_stage={self.zero_optimization_stage})"
 
     def print(self, name: str) -> None:
-        from runtime.config import render_config
-
         print(f"{name}:\n{render_config(self.config)}", flush=True)
 
     # batch arithmetic

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from runtime.parallel.mpu import MpuError
+from runtime.pipe.module import PipelineModule
 
 __all__ = ["check_mpu_model", "deepspeed_keywords"]
 
@@ -35,8 +36,6 @@ def deepspeed_keywords(config: Any, config_params: Any, distributed_port: int) -
 def check_mpu_model(model: nn.Module, mpu: Any) -> None:
     """Refuse what ``initialize(mpu=...)`` cannot train: a pipeline with an mpu (its topology is the
     pipeline's own mpu)."""
-    from runtime.pipe.module import PipelineModule
-
     if isinstance(model, PipelineModule):
         raise MpuError(
             "initialize got a PipelineModule and mpu=...: a pipeline takes its groups from its topology",

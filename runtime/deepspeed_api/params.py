@@ -9,17 +9,16 @@ order), and cut the parameter out. Engines register themselves when they are bui
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
 from runtime.deepspeed_api.unsupported import unsupported
+from runtime.engine.accessors import live_engines
 from runtime.zero.gather import gather_flat
 
 __all__ = [
-    "register_engine",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
@@ -27,16 +26,10 @@ __all__ = [
     "set_z3_leaf_modules",
 ]
 
-_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def register_engine(engine: Any) -> None:
-    _ENGINES.add(engine)
-
 
 def _locate(param: nn.Parameter) -> tuple[Any, Any, int]:
     """(engine, flat group, index of the parameter in the group) of a parameter some engine trains."""
-    for engine in list(_ENGINES):
+    for engine in live_engines():
         for group in getattr(engine, "groups", ()):
             for i, p in enumerate(group.params):
                 if p is param:

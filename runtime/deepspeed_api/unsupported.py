@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
+# the error and its raiser are the runtime's (any part may refuse a feature); named here with the stand-ins
+from runtime.errors import UnsupportedFeature, unsupported
+
 __all__ = [
     "UnsupportedFeature",
     "UnsupportedName",
@@ -18,20 +21,6 @@ __all__ = [
     "unsupported_callable",
     "unsupported_class",
 ]
-
-
-class UnsupportedFeature(NotImplementedError):
-    """A DeepSpeed feature that dslaunch does not implement. ``feature`` names it, ``alternative`` says
-    what to use instead."""
-
-    def __init__(self, feature: str, alternative: str) -> None:
-        self.feature = feature
-        self.alternative = alternative
-        super().__init__(f"DeepSpeed's {feature} is not supported by dslaunch; {alternative}")
-
-
-def unsupported(feature: str, alternative: str) -> NoReturn:
-    raise UnsupportedFeature(feature, alternative)
 
 
 def unsupported_callable(name: str, feature: str, alternative: str) -> Any:

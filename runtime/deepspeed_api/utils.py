@@ -3,21 +3,27 @@
 
 The logger (DeepSpeed's is named "DeepSpeed"; Trainer sets its level), ``log_dist`` (log on chosen
 ranks only), ``set_random_seed`` (Python's, numpy's and torch's generators at once, as DeepSpeed seeds
-them; `PipelineModule(seed_layers=True)` seeds each layer with it), ``RepeatingLoader`` (restart a loader
-at its end) and ``clone_tensors_for_torch_save`` (copies that do not drag a whole flat buffer into the
-file); ``zero_to_fp32``'s functions live in `runtime.checkpoint.fp32_state`. They are ordinary runtime
-utilities; the compat package only gives them DeepSpeed's names.
+them; it lives in `runtime.parallel.rng`, beside the random streams), ``RepeatingLoader`` (restart a
+loader at its end; `runtime.pipe.data`, the pipeline's loader) and ``clone_tensors_for_torch_save``
+(copies that do not drag a whole flat buffer into the file); ``zero_to_fp32``'s functions live in
+`runtime.checkpoint.fp32_state`. They are ordinary runtime utilities; the compat package only gives them
+DeepSpeed's names.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# where they live (seeding beside the random streams, the loader with the pipeline's data); named here for
+# deepspeed.utils and deepspeed.runtime.utils
+from runtime.parallel.rng import set_random_seed
+from runtime.pipe.data import RepeatingLoader
 
 __all__ = [
     "RepeatingLoader",
@@ -62,46 +68,6 @@ def log_dist(message: str, ranks: Iterable[int] | None = None, level: int = logg
 def print_rank_0(message: str) -> None:
     if _rank() == 0:
         print(message, flush=True)
-
-
-def set_random_seed(seed: int) -> None:
-    """Seed Python's `random`, numpy's global generator and torch's (every device's) with `seed`.
-
-    DeepSpeed's `deepspeed.runtime.utils.set_random_seed`: numpy takes the seed modulo 2**32 and torch
-    modulo 2**63 (what each accepts), so any Python int works."""
-    import random
-
-    random.seed(seed)
-    try:
-        import numpy
-    except ImportError:  # numpy is optional for the runtime; nothing of ours draws from it
-        pass
-    else:
-        numpy.random.seed(seed % 2**32)
-    torch.manual_seed(seed % 2**63)
-
-
-class RepeatingLoader:
-    """Iterate over `loader` forever, starting it again (a new epoch) each time it runs out."""
-
-    def __init__(self, loader: Iterable[Any]) -> None:
-        self.loader = loader
-        self.data_iter = iter(loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            sampler = getattr(self.loader, "sampler", None)
-            epoch = getattr(sampler, "epoch", None)
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if epoch is not None and set_epoch is not None:
-                set_epoch(epoch + 1)
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)
 
 
 def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:

@@ -4,7 +4,9 @@ Trainer, Accelerate and DeepSpeed's examples ask the engine questions by DeepSpe
 ``engine.local_rank``, ``engine.fp16_enabled()``, ``engine.zero_optimization_stage()``,
 ``engine.zero_gather_16bit_weights_on_model_save()``, ``engine._zero3_consolidated_16bit_state_dict()``.
 Every answer here is read from the engine's typed config or its parts; nothing is stored twice. Methods
-for DeepSpeed features dslaunch lacks raise `runtime.deepspeed_api.unsupported.UnsupportedFeature`.
+for DeepSpeed features dslaunch lacks raise `runtime.errors.UnsupportedFeature`. Every engine registers
+here (`live_engines`), so DeepSpeed's per-parameter functions (`runtime.deepspeed_api.params`) find the
+engine that trains a parameter without the engine importing them.
 """
 
 from __future__ import annotations
@@ -12,14 +14,24 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from runtime.deepspeed_api.unsupported import unsupported
+from runtime.errors import unsupported
+from runtime.tensor_parallel.autotp import full_state_dict
+from runtime.zero.gathered import gathered_state_dict
 
-__all__ = ["EngineAccessors"]
+__all__ = ["EngineAccessors", "live_engines"]
+
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def live_engines() -> list[Any]:
+    """The engines of this process still alive, in no order."""
+    return list(_ENGINES)
 
 
 class EngineAccessors:
@@ -34,9 +46,7 @@ class EngineAccessors:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from runtime.deepspeed_api.params import register_engine
-
-        register_engine(self)  # so deepspeed.utils.safe_get_full_fp32_param(p) finds p's engine
+        _ENGINES.add(self)  # so deepspeed.utils.safe_get_full_fp32_param(p) finds p's engine
 
     # -- ranks ----------------------------------------------------------------------------------------
     @property
@@ -116,8 +126,6 @@ class EngineAccessors:
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any]:
         """The whole model's working-dtype state dict on rank 0 ({} elsewhere); every rank must call it.
         Parameters are gathered unit by unit."""
-        from runtime.zero.gathered import gathered_state_dict
-
         state = gathered_state_dict(self.module, rank0_only=True)
         if exclude_frozen_parameters and state:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
@@ -130,8 +138,6 @@ class EngineAccessors:
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model in the Hugging Face layout (AutoTP's shards gathered over the model group, the
         fused q|k|v order undone); every rank must call it."""
-        from runtime.tensor_parallel.autotp import full_state_dict
-
         self.masters.flush()  # type: ignore[attr-defined]
         return full_state_dict(self.module)  # type: ignore[attr-defined]
 

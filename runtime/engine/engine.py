@@ -17,14 +17,16 @@ scheduler -> working weights written back and all-gathered -> zero grads.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from runtime import activation_checkpointing
+from runtime import activation_checkpointing, checkpoint
 from runtime.comm import Comm
 from runtime.config import Config
 from runtime.config.combinations import check_data_parallel_engine, check_offload_param
@@ -37,6 +39,7 @@ from runtime.fp8 import convert_model as convert_to_fp8
 from runtime.initialize_args import checkpoint_dir
 from runtime.monitor import TrainingMonitor
 from runtime.offload import MasterPlacement, build_master_placement, with_auto_ratio
+from runtime.optim import build_optimizer, build_scheduler
 from runtime.optim.muon import muon_split
 from runtime.parallel.folders import part_root
 from runtime.parallel.plan import ParallelPlan, replicated_squares
@@ -69,9 +72,6 @@ _log = logging.getLogger("runtime.engine")
 class Engine(EngineAccessors, nn.Module):
     """Wraps a model for data-parallel training with ZeRO stage 0, 1, 2 or 3 and mixed precision."""
 
-    # whether this engine's model may be split over a model axis (the config's tensor_parallel degree)
-    model_parallel = False
-
     def __init__(
         self,
         model: nn.Module,
@@ -90,7 +90,7 @@ class Engine(EngineAccessors, nn.Module):
         zero_cfg = config.zero_optimization
         check_offload_param(zero_cfg)  # the combinations every engine checks (config/combinations)
         self.parallel = plan = parallel or ParallelPlan()
-        split_model = self.model_parallel or plan.model_parallel  # weights split over a model axis
+        split_model = plan.model_parallel  # weights split over a model axis
         if not split_model:
             check_data_parallel_engine(config)
         self.config = config
@@ -112,11 +112,10 @@ class Engine(EngineAccessors, nn.Module):
         self.training_dataloader: Any = None  # set by runtime.initialize; its position is checkpointed
         self._engine_mpu: Any = None  # model-parallel groups this engine lent to checkpointing
         self._replicated_specs: set[int] = set()  # param groups every model rank holds whole
+        # a pipeline's tied copies this rank holds but does not own: the norm takes their squares off
+        self._tied_copies: Callable[[], torch.Tensor | None] | None = None
         self.mpu, self.mpu_groups, self.mp_size = plan.mpu, plan.groups, plan.model_size
         self.grid, self.tp_size = plan.grid, plan.tp_size
-        if plan.model_parallel:
-            activation_checkpointing.use_engine_mpu(plan.mpu)
-            self._engine_mpu = plan.mpu
 
         self.inference_only = engine_inference.is_inference_only(optimizer, config)  # DeepSpeed's kind
         specs = self._param_group_specs(model, optimizer, model_parameters)
@@ -163,35 +162,34 @@ class Engine(EngineAccessors, nn.Module):
             config, rank=self.comm.rank, world_size=self.comm.world_size, device=self.device, model=model
         )
         activation_checkpointing.apply_engine_config(config)
+        if plan.model_parallel:  # after the config's section, which would forget an mpu lent before it
+            activation_checkpointing.use_engine_mpu(plan.mpu)
+            self._engine_mpu = plan.mpu
         self.parameter_offload = engine_inference.parameter_offload(self)
 
     # -- construction helpers -------------------------------------------------------------------------
     def _param_group_specs(
         self, model: nn.Module, optimizer: OptimizerSource | None, model_parameters: Any
     ) -> list[GroupSpec]:
-        """The user's param groups; with a model axis mapped onto the model's own parameters and split by
-        how they are shared (the plan's one split)."""
-        if not self.parallel.model_parallel:
-            return engine_inference.group_specs(self, model, optimizer, model_parameters)
-        specs, self._replicated_specs = self.parallel.param_group_specs(model, optimizer, model_parameters)
+        """The user's param groups (an inference engine's without an optimizer), mapped onto the model's own
+        parameters where the plan replaced them, and split by how they are shared (the plan's one split)."""
+        optimizer, model_parameters = self.parallel.own_parameters(optimizer, model_parameters)
+        specs = engine_inference.group_specs(self, model, optimizer, model_parameters)
+        specs, self._replicated_specs = self.parallel.split(specs)
         return specs
 
     def _build_optimizer(self, source: OptimizerSource | None, sharded: bool) -> tuple[Any, bool]:
         if source is None and self.config.optimizer is None:
             return None, False
+        build: Callable[[list[dict[str, Any]]], Any]  # torch param-group dicts -> the optimizer over them
         if isinstance(source, torch.optim.Optimizer):
             if self.config.optimizer is not None:
                 _log.warning("both a client optimizer and a config optimizer were given; using the client's")
-
-            def build(groups: list[dict[str, Any]]) -> Any:
-                return rebuild_client_optimizer(source, groups)
+            build = functools.partial(rebuild_client_optimizer, source)
         elif source is not None:
             build = source
         else:
-            from runtime.optim import build_optimizer
-
-            def build(groups: list[dict[str, Any]]) -> Any:
-                return build_optimizer(self.config.optimizer, groups)
+            build = functools.partial(build_optimizer, self.config.optimizer)
 
         policy = self.policy
         return build_shard_optimizer(  # bf16 masters: Adam/AdamW becomes precision.MasterAdam
@@ -208,8 +206,6 @@ class Engine(EngineAccessors, nn.Module):
         if source is None:
             if self.config.scheduler is None or self.optimizer is None:
                 return None
-            from runtime.optim import build_scheduler
-
             return build_scheduler(self.config.scheduler, self.optimizer)
         if callable(source) and not hasattr(source, "step"):
             return source(self.optimizer)
@@ -218,10 +214,10 @@ class Engine(EngineAccessors, nn.Module):
 
     def _sync_hyperparameters(self, scheduler: Any) -> None:
         """A client scheduler built on the client optimizer drives our groups through its param_groups."""
-        client = self._client_optimizer
-        if client is None or getattr(scheduler, "optimizer", None) is not client:
+        client, optimizer = self._client_optimizer, self.optimizer
+        if getattr(scheduler, "optimizer", None) is not client or client is None or optimizer is None:
             return
-        for ours, source in zip(self.optimizer.param_groups, self._group_sources, strict=True):
+        for ours, source in zip(optimizer.param_groups, self._group_sources, strict=True):
             for key, value in client.param_groups[source].items():
                 if key != "params":
                     ours[key] = value
@@ -283,7 +279,8 @@ class Engine(EngineAccessors, nn.Module):
         self.monitor.after_step(self)
 
     def _grad_math(self) -> GradMath:
-        """The gradient arithmetic of the coming step (the norm summed over the plan's model axis too)."""
+        """The gradient arithmetic of the coming step (the norm summed over the plan's pipe and model axes
+        too)."""
         accumulation = self.gradient_accumulation_steps() if self._scale_wrt_gas else 1
         math = GradMath(
             # what is left of the mean over ranks and micro-steps after the pre-reduce scaling
@@ -294,7 +291,9 @@ class Engine(EngineAccessors, nn.Module):
             want_norm=self._log.wants_norm(self.global_steps + 1) or self.monitor.wants_norm,
             all_reduce_sum=self.comm.all_reduce if self.zero.grads_are_sharded else None,
         )
-        return self.parallel.grad_math(math, lambda: replicated_squares(self, self._replicated_specs))
+        return self.parallel.grad_math(
+            math, lambda: replicated_squares(self, self._replicated_specs), duplicates=self._tied_copies
+        )
 
     def _apply_step(self, lr_kwargs: dict[str, Any] | None) -> bool:
         math = self._grad_math()
@@ -402,12 +401,10 @@ class Engine(EngineAccessors, nn.Module):
     ) -> str:
         """Save the full training state under save_dir/<tag> (default "global_step<N>"), leaving frozen
         parameters out with exclude_frozen_parameters; every rank must call it. Returns the tag directory."""
-        from runtime.checkpoint import save_checkpoint
-
         self.masters.flush()
         save_dir = checkpoint_dir(save_dir, "save_dir")
-        with self.excluding_frozen(exclude_frozen_parameters):
-            return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))  # parts: see there
+        with self.excluding_frozen(exclude_frozen_parameters):  # model-parallel parts: see checkpoint.save
+            return str(checkpoint.save_checkpoint(self, save_dir, tag, client_state, save_latest))
 
     def load_checkpoint(
         self,
@@ -420,10 +417,8 @@ class Engine(EngineAccessors, nn.Module):
     ) -> tuple[str, dict[str, Any]]:
         """Resume from load_dir/<tag> (default: the tag `latest` names), at any world size or ZeRO stage;
         every rank must call it. Returns (tag directory, client_state)."""
-        from runtime.checkpoint import load_checkpoint
-
         self.masters.flush()
-        return load_checkpoint(
+        return checkpoint.load_checkpoint(
             self,
             self._checkpoint_root(checkpoint_dir(load_dir, "load_dir"), loading=True),
             tag,

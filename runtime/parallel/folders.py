@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from runtime.checkpoint.manifest import CheckpointNotFound
 from runtime.checkpoint.misplaced import FAMILIES as _FAMILIES
 from runtime.checkpoint.misplaced import FOLDER as _FOLDER
 from runtime.checkpoint.misplaced import misplaced_root
@@ -24,8 +25,6 @@ from runtime.checkpoint.misplaced import misplaced_root
 def data_parallel_root(root: str | os.PathLike) -> str:
     """`root`, for a data-parallel engine to load from; a root holding only model-parallel folders (no
     `latest` of its own) is refused, naming the degree it was saved with, and so is one tag's folder."""
-    from runtime.checkpoint import CheckpointNotFound
-
     path = os.fspath(root)
     misplaced = misplaced_root(path)
     if misplaced is not None:
@@ -57,8 +56,6 @@ def part_root(root: str | os.PathLike, folder: tuple[str, str, str] | None, *, l
     """Where an engine whose `checkpoint_folder()` is `folder` keeps its checkpoint under `root`. Loading,
     a misplaced root (a tag's or a rank's folder) is refused naming the directory to give, and a root
     without this rank's folder names the folders it holds."""
-    from runtime.checkpoint import CheckpointNotFound
-
     if folder is None:
         return data_parallel_root(root) if loading else os.fspath(root)
     name, prefix, what = folder

@@ -15,7 +15,9 @@ Four sources make a plan: a user's model-parallel unit (``initialize(mpu=...)``:
 that do their own collectives), Ulysses sequence groups passed as that mpu (runtime.sequence.sp_groups:
 ZeRO over data x sequence, the mean over the data ranks), AutoTP (``tensor_parallel.autotp_size``: the
 plan builds the grid and shards the model), and plain data parallelism (the trivial plan). A pipeline's
-grid is still its module's (PipelineEngine builds its own; issue 31's next step).
+plan (`runtime.parallel.pipe_plan.build_pipeline_plan`) is the grid its `PipelineModule` was built on: the
+same fields, plus the pipe axis (`PipeAxis`: the stage group the norm sums over, this rank's stage, the
+chunks per stage the checkpoint folder names).
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ from runtime.parallel.mpu import MpuGroups, is_model_parallel_parameter, resolve
 from runtime.parallel.norm import grid_square_sum
 from runtime.parallel.topology import topology_for
 from runtime.precision.grad_math import GradMath
-from runtime.zero.optimizer import GroupSpec, collect_param_groups
+from runtime.tensor_parallel.autotp import tp_model_init
+from runtime.tensor_parallel.localize import localize_parameters
+from runtime.zero.optimizer import GroupSpec
 
-__all__ = ["ParallelPlan", "build_parallel_plan", "replicated_squares", "split_specs"]
+__all__ = ["ParallelPlan", "PipeAxis", "build_parallel_plan", "replicated_squares", "split_specs"]
 
 
 def split_specs(specs: list[GroupSpec], sharded: set[nn.Parameter]) -> tuple[list[GroupSpec], set[int]]:
@@ -82,6 +86,30 @@ def replicated_squares(engine: Any, replicated_specs: set[int]) -> torch.Tensor 
 
 
 @dataclass(frozen=True)
+class PipeAxis:
+    """A pipeline's stages as the plan sees them (the schedules are `PipelineEngine`'s)."""
+
+    size: int  # stages
+    group: dist.ProcessGroup  # this rank's pipeline, one rank per stage
+    stage: int  # this rank's stage
+    chunks: int = 1  # chunks (virtual stages) per stage
+
+    def folder(self, model_rank: int, model_size: int) -> tuple[str, str, str]:
+        """Each stage (and, in 3D, each model rank of a stage) keeps its own ZeRO checkpoint, all its chunks
+        in one; the name carries the degrees and the chunks per stage, so a resume at another degree or
+        with other chunks is caught."""
+        name = f"pipe_stage_{self.stage:02d}_of_{self.size:02d}"
+        what = f"stage {self.stage} of {self.size}"
+        if self.chunks > 1:
+            name += f"_chunks_{self.chunks:02d}"
+            what += f" with {self.chunks} chunks"
+        if model_size > 1:  # 3D: the model ranks of a stage hold different shards
+            name += f"_tp_{model_rank:02d}_of_{model_size:02d}"
+            what += f", tensor-parallel rank {model_rank} of {model_size}"
+        return name, "pipe_stage_", what
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     """The axes of one engine beyond data parallelism. `mpu is None`: plain data parallelism."""
 
@@ -95,6 +123,7 @@ class ParallelPlan:
     # Ulysses: the ranks sharing one sequence. `comm` spans data x sequence; they hold the same weights
     # and each back-propagates its share of its sample's mean loss, so their gradients add up
     sequence_size: int = 1
+    pipe: PipeAxis | None = None  # a pipeline's stages (its grid is `grid`, its model axis `groups`)
 
     def mean_ranks(self, comm_size: int) -> int:
         """The ranks the gradient mean divides by: the data ranks of `comm` (a sequence's ranks sum)."""
@@ -116,17 +145,12 @@ class ParallelPlan:
     def model_size(self) -> int:
         return 1 if self.groups is None else self.groups.model_size
 
-    def param_group_specs(
-        self, model: nn.Module, optimizer: Any, model_parameters: Any
-    ) -> tuple[list[GroupSpec], set[int]]:
-        """The user's param groups over the model's own parameters, split into sharded and replicated
-        ones (`split_specs`); returns the groups and the indices of the replicated ones."""
+    def own_parameters(self, optimizer: Any, model_parameters: Any) -> tuple[Any, Any]:
+        """(optimizer, model_parameters) over the model's own parameters: where the plan replaced the
+        user's (AutoTP's shards), the user's groups mapped onto them by name and given as
+        model_parameters (one dict each, so group indices stay the user's); else as given."""
         user = self._user_groups(optimizer, model_parameters)
-        if user is not None:
-            specs = collect_param_groups(model, None, user)
-        else:
-            specs = collect_param_groups(model, optimizer, model_parameters)
-        return self.split(specs)
+        return (optimizer, model_parameters) if user is None else (None, user)
 
     def _user_groups(self, optimizer: Any, model_parameters: Any) -> list[dict[str, Any]] | None:
         """The user's groups (one dict each, so group indices stay the user's) over the model's own
@@ -148,15 +172,25 @@ class ParallelPlan:
         return out
 
     def split(self, specs: list[GroupSpec]) -> tuple[list[GroupSpec], set[int]]:
-        """The one param-group split: unsplit for plain data parallelism."""
-        if not self.model_parallel:
+        """The one param-group split: unsplit for plain data parallelism and for a pipeline without a
+        model axis (nothing of it is sharded); returns the groups and the indices of the replicated ones."""
+        if not self.model_parallel or (self.pipe is not None and self.tp_size == 1):
             return specs, set()
         return split_specs(specs, set(self.sharded))
 
-    def grad_math(self, math: GradMath, replicated: Callable[[], torch.Tensor | None]) -> GradMath:
-        """The step's gradient math with the squared-norm sum taken over the model group too, each weight
-        once (`replicated`: this rank's squares of the parameters every model rank holds whole)."""
-        if self.groups is None or self.groups.model_size == 1:
+    def grad_math(
+        self,
+        math: GradMath,
+        replicated: Callable[[], torch.Tensor | None],
+        duplicates: Callable[[], torch.Tensor | None] | None = None,
+    ) -> GradMath:
+        """The step's gradient math with the squared-norm sum taken over the pipe and model axes too, each
+        weight once (`replicated`: this rank's squares of the parameters every model rank holds whole;
+        `duplicates`: a pipeline's tied copies this stage holds but does not own, None without ties)."""
+        if self.groups is None:
+            return math
+        pipe = self.pipe
+        if pipe is None and self.groups.model_size == 1:
             return math
         return dataclasses.replace(
             math,
@@ -164,7 +198,10 @@ class ParallelPlan:
                 math.all_reduce_sum,
                 model_size=self.groups.model_size,
                 model_group=self.groups.model_group,
+                pipe_size=1 if pipe is None else pipe.size,
+                pipe_group=None if pipe is None else pipe.group,
                 replicated=replicated,
+                duplicates=None if pipe is None else duplicates,
             ),
         )
 
@@ -174,6 +211,8 @@ class ParallelPlan:
         if self.groups is None:
             return None
         rank = self.groups.model_rank
+        if self.pipe is not None:
+            return self.pipe.folder(rank, size)
         if self.tp_size > 1:
             return f"tp_rank_{rank:02d}_of_{size:02d}", "tp_rank_", f"tensor-parallel rank {rank} of {size}"
         if size == 1:
@@ -212,9 +251,6 @@ def build_parallel_plan(
         sharded = {p for p in model.parameters() if is_model_parallel_parameter(p)}
         return ParallelPlan(comm, mpu, groups, sharded=frozenset(sharded)), cfg
     check_tensor_parallel(cfg, groups.describe())  # AutoTP stops at ZeRO stage 2
-    from runtime.tensor_parallel.autotp import tp_model_init
-    from runtime.tensor_parallel.localize import localize_parameters
-
     # the user's parameters (a client optimizer's groups, model_parameters) by name, before AutoTP
     # replaces them with their shards
     names = {param: name for name, param in model.named_parameters()}

@@ -16,6 +16,9 @@ continues where it left off next time while the default stream is untouched. The
 this process trains with: the current CUDA device's under CUDA, the CPU default generator otherwise
 (``DS_ACCELERATOR=cpu`` tests run the same code). Activation checkpointing replays the streams' states on
 recomputation (runtime.activation_checkpointing), so recomputed dropout draws the forward's masks.
+
+`set_random_seed` seeds Python's, numpy's and torch's generators at once (DeepSpeed's
+``deepspeed.runtime.utils.set_random_seed``; `PipelineModule(seed_layers=True)` seeds each layer with it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from runtime.distributed import accelerator
 from runtime.errors import UserError
+from runtime.parallel.mpu import tensor_parallel_rank
 
 
 class RngTrackerError(UserError, ValueError):
@@ -54,6 +58,7 @@ __all__ = [
     "RNGStatesTracker",
     "get_cuda_rng_tracker",
     "model_parallel_cuda_manual_seed",
+    "set_random_seed",
 ]
 
 
@@ -152,11 +157,26 @@ def model_parallel_cuda_manual_seed(seed: int, mpu: Any = None) -> None:
     Data-parallel ranks draw alike when they pass the same seed; pass a seed that includes the data rank
     for different masks.
     """
-    from runtime.parallel.mpu import tensor_parallel_rank
-
     if mpu is None:
         mpu = _default_mpu
     model_rank = tensor_parallel_rank(mpu) if mpu is not None else 0
     _TRACKER.reset()
     default_generator().manual_seed(seed)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + model_rank)
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed Python's `random`, numpy's global generator and torch's (every device's) with `seed`.
+
+    DeepSpeed's `deepspeed.runtime.utils.set_random_seed`: numpy takes the seed modulo 2**32 and torch
+    modulo 2**63 (what each accepts), so any Python int works."""
+    import random
+
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:  # numpy is optional for the runtime; nothing of ours draws from it
+        pass
+    else:
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed % 2**63)

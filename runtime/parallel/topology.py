@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import itertools
 from collections import namedtuple
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from runtime.config.parallel import TopologyError, check_grid_degrees
 
 PIPE, DATA, MODEL = "pipe", "data", "model"
-
 
 
 class ProcessTopology:
@@ -35,7 +34,10 @@ class ProcessTopology:
             )
         self.axes = axes
         self.dims = dims
-        self.ProcessCoord = namedtuple("ProcessCoord", axes)
+        # DeepSpeed's coordinate class, one field per axis; built through a plain callable because mypy
+        # types namedtuple() only for field names written in the source, and these are the caller's
+        make_coord: Callable[..., Callable[..., tuple[int, ...]]] = namedtuple
+        self.ProcessCoord = make_coord("ProcessCoord", axes)
         self._coord_of = [self.ProcessCoord(*coord) for coord in itertools.product(*(range(d) for d in dims))]
         self._rank_of = {coord: rank for rank, coord in enumerate(self._coord_of)}
 

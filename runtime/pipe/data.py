@@ -10,20 +10,21 @@ same `PipelineError` instead of waiting forever for a stage that failed alone.
 
 The loader is DeepSpeed's (`PipelineEngine._build_data_iter`): a sampler over the grid's DATA-parallel
 ranks (the stages of one pipeline read the same samples), in order (no shuffle), batches of the micro-batch
-size, repeating at the end of the data (the engine reads it through a `RepeatingLoader`, a new epoch each
-time; the loader itself is what checkpoints save the position of). Ours drops a short last
+size, repeating at the end of the data (the engine reads it through a `RepeatingLoader`, defined here, a new
+epoch each time; the loader itself is what checkpoints save the position of). Ours drops a short last
 micro-batch of an epoch, which a pipeline cannot run (its stages' buffers have the micro-batch's shape),
 where DeepSpeed's drops it only with "dataloader_drop_last".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from runtime.checkpoint.data_position import ResumableDataLoader, ResumableSampler
 from runtime.pipe.config import PipelineError
 
 
@@ -151,8 +152,6 @@ def pipeline_dataloader(
 ) -> Any:
     """DeepSpeed's pipeline loader over `dataset`: this data-parallel rank's samples in order, micro-batch
     sized (a `ResumableDataLoader`, whose position checkpoints save; the engine repeats it)."""
-    from runtime.checkpoint.data_position import ResumableDataLoader, ResumableSampler
-
     sampler = ResumableSampler(
         dataset,
         num_replicas=grid.get_data_parallel_world_size(),
@@ -176,4 +175,34 @@ def pipeline_dataloader(
     return loader
 
 
-__all__ = ["concat", "pipeline_dataloader", "read_micro_batches", "split_batch", "stage_tensors"]
+class RepeatingLoader:
+    """Iterate over `loader` forever, starting it again (a new epoch) each time it runs out."""
+
+    def __init__(self, loader: Iterable[Any]) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            sampler = getattr(self.loader, "sampler", None)
+            epoch = getattr(sampler, "epoch", None)
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if epoch is not None and set_epoch is not None:
+                set_epoch(epoch + 1)
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
+
+
+__all__ = [
+    "RepeatingLoader",
+    "concat",
+    "pipeline_dataloader",
+    "read_micro_batches",
+    "split_batch",
+    "stage_tensors",
+]

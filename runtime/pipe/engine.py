@@ -10,6 +10,11 @@ engine's flat buffers, and then the data-parallel part is the ordinary ZeRO step
 over data (ZeRO stage 0 or 1) -> the gradient norm over the whole grid (each tied weight counted once) ->
 clip -> optimizer step on this rank's shard.
 
+The grid is a parallel plan like any other engine's (`runtime.parallel.pipe_plan.build_pipeline_plan`:
+the data communicator, AutoTP over the model axis, the param-group split, the norm across pipe and model,
+the checkpoint folder per stage); this class keeps the schedules, the tied weights (`runtime.pipe.tied`)
+and `train_batch` / `eval_batch`.
+
 The data-iterator contract is DeepSpeed's: each `next(data_iter)` is one micro-batch `(inputs, labels)`;
 the first stage reads inputs and the last stage labels (middle stages do not touch the iterator, which
 may be None there). `runtime.pipe.data` reads them before any compute and makes every rank agree they
@@ -20,7 +25,6 @@ DeepSpeed, an iterator given to `train_batch` is kept for the next call, and one
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -35,14 +39,13 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from runtime import activation_checkpointing
-from runtime.comm import Comm
-from runtime.config import load_config, read_config_file
-from runtime.config.combinations import check_pipeline
+from runtime.config import Config, read_config_file
+from runtime.distributed import current_device
 from runtime.engine import Engine
-from runtime.parallel.norm import grid_square_sum
+from runtime.parallel.pipe_plan import build_pipeline_plan
+from runtime.parallel.plan import ParallelPlan, PipeAxis
 from runtime.pipe.config import MULTI_CHUNK_SCHEDULES, PipelineError, check_schedule
-from runtime.pipe.data import read_micro_batches, stage_tensors
+from runtime.pipe.data import RepeatingLoader, read_micro_batches, stage_tensors
 from runtime.pipe.module import PipelineModule, check_every_stage_trains
 from runtime.pipe.tied import (
     all_reduce_tied_grads,
@@ -50,7 +53,6 @@ from runtime.pipe.tied import (
     build_ties,
     duplicate_grad_squares,
 )
-from runtime.precision.grad_math import GradMath
 
 _SCHEDULES: dict[str, Any] = {
     "1f1b": Schedule1F1B,
@@ -61,31 +63,20 @@ _SCHEDULES: dict[str, Any] = {
 _PARTS_KEY = "_pipeline_layer_boundaries"  # in each stage's client state: the partition it was saved with
 
 
-def _read_config(config: Any) -> dict[str, Any]:
+def _read_config(config: Any) -> dict[str, Any] | Config:
     if isinstance(config, (str, os.PathLike)):
         return dict(read_config_file(config))
-    if isinstance(config, dict):
-        return dict(config)
+    if isinstance(config, (dict, Config)):
+        return config
     raise PipelineError(
         f"PipelineEngine needs the config as a dict or a file path, got {type(config).__name__}"
-    )
-
-
-def check_pipeline_config(cfg: Any, module: PipelineModule) -> str:
-    """Refuse what the pipeline engine cannot do, before any training; returns the schedule to run (the
-    rules are `runtime.config.combinations.check_pipeline`; the module's facts come from here)."""
-    return check_pipeline(
-        cfg,
-        stages=module.num_stages,
-        chunks_per_stage=module.chunks_per_stage,
-        model_dim=module.grid.model_parallel_size,
     )
 
 
 class PipelineEngine(Engine):
     """Trains a `PipelineModule`: `train_batch(data_iter)` and `eval_batch(data_iter)`."""
 
-    model_parallel = True  # 3D: each stage sharded over the topology's model axis
+    module: PipelineModule
 
     def __init__(
         self,
@@ -95,30 +86,25 @@ class PipelineEngine(Engine):
         optimizer: Any = None,
         model_parameters: Any = None,
         lr_scheduler: Any = None,
+        parallel: ParallelPlan | None = None,
     ) -> None:
+        """`parallel`: the module's plan (`build_pipeline_plan`, which `runtime.initialize` builds with the
+        config loaded for it); without it, built here from `config` (a dict or a file path)."""
         if not isinstance(module, PipelineModule):
             raise PipelineError(f"PipelineEngine trains a PipelineModule, got {type(module).__name__}")
-        grid = module.grid
-        cfg = load_config(_read_config(config), world_size=grid.data_parallel_size, model=module)
-        schedule_name = check_pipeline_config(cfg, module)
-        self_pipe = cfg.pipeline
-        tp = grid.model_parallel_size  # the config's autotp_size, where given, agrees (checked above)
-        if self_pipe.activation_checkpoint_interval is not None:
-            module.activation_checkpoint_interval = self_pipe.activation_checkpoint_interval
-        comm = Comm(
-            grid.get_data_parallel_group(), emulate_reduce_scatter=not cfg.zero_optimization.reduce_scatter
-        )
-        from runtime.distributed import current_device
-
+        if parallel is None:  # refusals first, then AutoTP over the grid's model axis where it has one
+            parallel, config = build_pipeline_plan(module, _read_config(config))
+        pipe = parallel.pipe
+        if pipe is None or not isinstance(config, Config):
+            raise PipelineError(
+                "PipelineEngine(parallel=...) takes the plan and the Config that "
+                "runtime.parallel.pipe_plan.build_pipeline_plan returned"
+            )
+        cfg = config
+        if cfg.pipeline.activation_checkpoint_interval is not None:
+            module.activation_checkpoint_interval = cfg.pipeline.activation_checkpoint_interval
         device = current_device()
         # ties first: the engine copies the weights into its flat buffers and master shards
-        # read by _param_group_specs, which Engine.__init__ calls
-        self._sharded: set[torch.nn.Parameter] | None = None  # None: no model axis, nothing to split
-        self._replicated_specs: set[int] = set()
-        if tp > 1:  # 3D: each stage's projections sharded over the grid's model axis (AutoTP)
-            from runtime.tensor_parallel.localize import shard_for_tensor_parallel
-
-            self._sharded = shard_for_tensor_parallel(module, tp, grid.mesh["model"])
         ties = build_ties(module)
         broadcast_tied_weights(ties, device)
         if optimizer is None and model_parameters is None:
@@ -129,24 +115,22 @@ class PipelineEngine(Engine):
             optimizer=optimizer,
             model_parameters=model_parameters,
             lr_scheduler=lr_scheduler,
-            comm=comm,
             device=device,
+            parallel=parallel,
         )
-        self.pipeline = self_pipe
-        self.grid = grid
-        # the grid is the pipeline's mpu, as DeepSpeed's engine takes it: checkpointing, the model-parallel
-        # seed and deepspeed.utils.groups answer with its groups, not the world's
-        activation_checkpointing.use_engine_mpu(grid)
-        self._engine_mpu = grid
+        self.pipeline = cfg.pipeline
+        self.pipe: PipeAxis = pipe
         self.ties = ties
-        self.tp_size = tp
+        if ties:  # the norm counts each tied weight once: the copies this stage does not own come off
+            self._tied_copies = lambda: self._duplicate_squares
         self.num_stages = module.num_stages
         self.stage_id = module.stage_id
         self.micro_batches = cfg.gradient_accumulation_steps
-        self._pipe_group = grid.get_pipe_parallel_group()
-        self._last_stage_rank = grid.stage_to_global(self.num_stages - 1)
+        self._last_stage_rank = module.grid.stage_to_global(self.num_stages - 1)
         self._duplicate_squares: torch.Tensor | None = None
-        self.schedule_name = schedule_name
+        self.schedule_name = check_schedule(
+            cfg.pipeline, self.num_stages, module.chunks_per_stage, self.micro_batches
+        )
         # scale_grads=False: the ZeRO step divides by micro-batches x data-parallel ranks once
         self._schedule = self._make_schedule(self._torch_stages(), loss_fn=self._scaled_loss)
         # Evaluation runs its own torch stages over the same chunks (built on first use): a stage infers
@@ -157,22 +141,11 @@ class PipelineEngine(Engine):
         self._losses: list[torch.Tensor] = []
         self.data_iterator: Iterator[Any] | None = None  # what train_batch() reads without an iterator
 
-    def _param_group_specs(self, model: Any, optimizer: Any, model_parameters: Any) -> list[Any]:
-        """The user's groups, each split into its tensor-parallel shards and its replicated parameters
-        (the one split, `runtime.parallel.plan.split_specs`; the norm counts the latter once)."""
-        specs = super()._param_group_specs(model, optimizer, model_parameters)
-        if self._sharded is None:  # a stage AutoTP found nothing in is split too: all of it replicated
-            return specs
-        from runtime.parallel.plan import split_specs
-
-        specs, self._replicated_specs = split_specs(specs, self._sharded)
-        return specs
-
     def _torch_stages(self) -> list[PipelineStage]:
         """One torch stage per chunk, with its virtual stage index (r, r + p, ...) out of p * chunks."""
         total = self.module.num_virtual_stages
         return [
-            PipelineStage(chunk, chunk.virtual_stage, total, self.device, group=self._pipe_group)
+            PipelineStage(chunk, chunk.virtual_stage, total, self.device, group=self.pipe.group)
             for chunk in self.module.chunks
         ]
 
@@ -212,8 +185,6 @@ class PipelineEngine(Engine):
         """Train from `loader` (first and last stage): `train_batch()` and `eval_batch()` without an
         iterator draw from one iterator over it, kept between batches and restarted at the end of the
         data (DeepSpeed's method; a checkpoint saves the loader's position)."""
-        from runtime.deepspeed_api.utils import RepeatingLoader
-
         self.training_dataloader = loader
         reads = self.is_first_stage() or self.is_last_stage()
         self.data_iterator = RepeatingLoader(loader) if reads else None
@@ -299,26 +270,6 @@ class PipelineEngine(Engine):
         self.micro_steps += self.micro_batches - 1  # step() counted one
         return loss
 
-    def _grad_math(self) -> GradMath:
-        math = super()._grad_math()
-        return dataclasses.replace(math, all_reduce_sum=self._grid_sum(math.all_reduce_sum))
-
-    def _grid_sum(self, dp_sum: Any) -> Any:
-        """Sum of squared gradients over the grid, each weight once (runtime.parallel.norm): replicated
-        parameters 1/tp per model rank, tied copies this stage does not own taken off, then over the pipe
-        and model axes."""
-        from runtime.parallel.plan import replicated_squares
-
-        return grid_square_sum(
-            dp_sum,
-            model_size=self.tp_size,
-            model_group=self.grid.get_model_parallel_group(),
-            pipe_size=self.num_stages,
-            pipe_group=self._pipe_group,
-            replicated=lambda: replicated_squares(self, self._replicated_specs),
-            duplicates=(lambda: self._duplicate_squares) if self.ties else None,
-        )
-
     def _batch_loss(self) -> torch.Tensor:
         """The mean loss of the batch (over micro-batches and data ranks), sent from the last stage."""
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -330,7 +281,7 @@ class PipelineEngine(Engine):
                 dist.all_reduce(loss, group=self.comm.group)
                 loss /= self.comm.world_size
         if self.num_stages > 1:
-            dist.broadcast(loss, self._last_stage_rank, group=self._pipe_group)
+            dist.broadcast(loss, self._last_stage_rank, group=self.pipe.group)
         return loss
 
     # -- evaluation ------------------------------------------------------------------------------------
@@ -371,7 +322,7 @@ class PipelineEngine(Engine):
                     dist.all_reduce(loss, group=self.comm.group)
                     loss /= self.comm.world_size
             if self.num_stages > 1:
-                dist.broadcast(loss, self._last_stage_rank, group=self._pipe_group)
+                dist.broadcast(loss, self._last_stage_rank, group=self.pipe.group)
             if reduce_output == "avg":
                 loss = loss.mean()
         if return_logits:
@@ -379,35 +330,19 @@ class PipelineEngine(Engine):
         return loss
 
     # -- checkpoints -----------------------------------------------------------------------------------
-    def checkpoint_folder(self) -> tuple[str, str, str]:
-        """Each stage (and, in 3D, each model rank of a stage) keeps its own ZeRO checkpoint, all its
-        chunks in one; the name carries the degrees and the chunks per stage, so a resume at another
-        degree or with other chunks is caught."""
-        name = f"pipe_stage_{self.stage_id:02d}_of_{self.num_stages:02d}"
-        what = f"stage {self.stage_id} of {self.num_stages}"
-        chunks = self.module.chunks_per_stage
-        if chunks > 1:
-            name += f"_chunks_{chunks:02d}"
-            what += f" with {chunks} chunks"
-        grid = self.module.grid
-        if grid.get_model_parallel_world_size() > 1:  # 3D: the model ranks of a stage hold different shards
-            rank, size = grid.get_model_parallel_rank(), grid.get_model_parallel_world_size()
-            name += f"_tp_{rank:02d}_of_{size:02d}"
-            what += f", tensor-parallel rank {rank} of {size}"
-        return name, "pipe_stage_", what
-
     def save_checkpoint(
         self,
         save_dir: str,
         tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
         """Save this stage's training state under save_dir/pipe_stage_SS_of_NN/<tag>; every rank must call
         it. Returns this stage's tag directory."""
         state = dict(client_state or {})
         state[_PARTS_KEY] = list(self.module.parts)
-        return super().save_checkpoint(save_dir, tag, state, save_latest)
+        return super().save_checkpoint(save_dir, tag, state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(
         self,
@@ -443,4 +378,4 @@ class PipelineEngine(Engine):
         raise PipelineError("a PipelineEngine runs whole batches: call train_batch(), not backward()")
 
 
-__all__ = ["PipelineEngine", "check_pipeline_config"]
+__all__ = ["PipelineEngine"]

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from runtime.deepspeed_api.utils import set_random_seed
 from runtime.parallel.grid import ParallelGrid
+from runtime.parallel.rng import set_random_seed
 from runtime.parallel.topology import PipeDataParallelTopology, ProcessTopology
 from runtime.pipe.config import PipelineError, check_module_arguments, describe_object
 from runtime.pipe.partition import check_partition_method, partition_layers, virtual_stages

@@ -80,10 +80,11 @@ def duplicate_grad_squares(
 ) -> torch.Tensor | None:
     """Sum of squares of the data-parallel-summed gradients of the copies this stage does not own (what the
     norm must not count twice), in the units of the engine's reduced gradients; None when there are none."""
-    copies = [p for tie in ties if not tie.is_owner for p in tie.params if p.grad is not None]
+    grads = [p.grad for tie in ties if not tie.is_owner for p in tie.params]
+    copies = [grad.detach().reshape(-1).float() for grad in grads if grad is not None]
     if not copies:
         return None
-    flat = torch.cat([p.grad.detach().reshape(-1).float() for p in copies]).mul_(scale)
+    flat = torch.cat(copies).mul_(scale)
     if dp_size > 1:
         dist.all_reduce(flat, group=dp_group)
     return flat.square().sum().to(device)

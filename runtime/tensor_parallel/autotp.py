@@ -29,6 +29,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from runtime.config.parallel import check_grid_degrees
+from runtime.distributed import current_device
 from runtime.errors import UserError
 
 COLWISE_NAMES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "c_attn", "c_fc")
@@ -71,7 +73,9 @@ class Conv1DColwise(ParallelStyle):
         def outputs(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
             return out.redistribute(mesh, [Shard(-1)]).to_local()
 
-        return distribute_module(module, device_mesh, partition, inputs, outputs)
+        # torch annotates input_fn / output_fn as returning None, but they are installed as forward hooks
+        # whose return value replaces the inputs / output, which is what these two do
+        return distribute_module(module, device_mesh, partition, inputs, outputs)  # type: ignore[arg-type]
 
 
 class Conv1DRowwise(ParallelStyle):
@@ -93,7 +97,9 @@ class Conv1DRowwise(ParallelStyle):
         def outputs(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
             return out.redistribute(mesh, [Replicate()]).to_local()
 
-        return distribute_module(module, device_mesh, partition, inputs, outputs)
+        # torch annotates input_fn / output_fn as returning None, but they are installed as forward hooks
+        # whose return value replaces the inputs / output, which is what these two do
+        return distribute_module(module, device_mesh, partition, inputs, outputs)  # type: ignore[arg-type]
 
 
 def _leaf_name(name: str) -> str:
@@ -129,7 +135,8 @@ def _fused_order(total: int, tp_size: int) -> torch.Tensor:
 
 
 def _reorder_fused(module: nn.Module, tp_size: int) -> None:
-    total = module.weight.shape[1] if is_conv1d(module) else module.weight.shape[0]
+    weight = module.get_parameter("weight")
+    total = weight.shape[1] if is_conv1d(module) else weight.shape[0]
     if total % (3 * tp_size):
         raise TensorParallelError(
             f"tensor_parallel.autotp_size {tp_size}: the fused q|k|v width {total} is not divisible by "
@@ -138,9 +145,10 @@ def _reorder_fused(module: nn.Module, tp_size: int) -> None:
     order = _fused_order(total, tp_size)
     with torch.no_grad():
         dim = 1 if is_conv1d(module) else 0
-        module.weight.copy_(module.weight.index_select(dim, order))
+        weight.copy_(weight.index_select(dim, order))
         if getattr(module, "bias", None) is not None:
-            module.bias.copy_(module.bias.index_select(0, order))
+            bias = module.get_parameter("bias")
+            bias.copy_(bias.index_select(0, order))
     setattr(module, _PERMUTED, tp_size)
 
 
@@ -163,7 +171,7 @@ def _localize_heads(model: nn.Module, plan: dict[str, ParallelStyle], tp_size: i
 def _check_divisible(model: nn.Module, plan: dict[str, ParallelStyle], tp_size: int) -> None:
     for name, style in plan.items():
         module = model.get_submodule(name)
-        shape = tuple(module.weight.shape)
+        shape = tuple(module.get_parameter("weight").shape)
         colwise = isinstance(style, (ColwiseParallel, Conv1DColwise))
         dim = (1 if colwise else 0) if is_conv1d(module) else (0 if colwise else 1)
         if shape[dim] % tp_size:
@@ -267,14 +275,10 @@ def _default_model_mesh(tp_size: int) -> DeviceMesh:
     (the grid itself is runtime.parallel's; this package only shards, so it builds the mesh alone)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from runtime.config.parallel import check_grid_degrees
-    from runtime.distributed import current_device
-
     world = dist.get_world_size()
     check_grid_degrees(world, tp=tp_size)
     shape = (world // tp_size, tp_size)
     return init_device_mesh(current_device().type, shape, mesh_dim_names=("data", "model"))["model"]
-
 
 
 __all__ = [

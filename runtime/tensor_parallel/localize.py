@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import parametrize
 
-from runtime.tensor_parallel.autotp import tp_model_init
+from runtime.tensor_parallel.autotp import tp_model_init, tp_plan
 
 
 class _FromLocal(nn.Module):
@@ -59,8 +59,6 @@ def shard_for_tensor_parallel(model: nn.Module, tp_size: int, mesh: Any) -> set[
     """AutoTP `model` over `mesh`, local shards as its parameters; returns the shards split over the
     model axis (the engine splits its param groups by them). A model with nothing to shard (a pipeline
     stage of only embeddings and norms) stays whole."""
-    from runtime.tensor_parallel.autotp import tp_plan
-
     if tp_plan(model):
         tp_model_init(model, tp_size, mesh=mesh)
     return localize_parameters(model)

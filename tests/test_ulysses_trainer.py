@@ -11,12 +11,12 @@ sequence group (``deepspeed_sp_compute_loss``); our engine takes the groups as i
 The reference is one process training the same whole sequences: each step's served shards, put back
 together per sequence group, are one batch per data group; the loss is the mean of the data groups'
 token means, gradients clipped at 1.0, AdamW. The Trainer's logged loss and gradient norm of every step
-equal it within 1e-5 (relative), at sp 2 x dp 2 with ZeRO-3 (ALST's recipe; one launch of 4 processes, about
-45 s on 2 cores: sp 4 and ZeRO-1/2 through the Trainer cost as much again each and were checked by hand, see
-tests/test_sequence_engine.py for sp 2 x dp 2 at ZeRO-1/2/3 through our API). The gradient norm is the
-check that matters: the Trainer keeps each shard's loss share or multiplies it by sp by the installed
-`deepspeed` version (below 0.20.2 DeepSpeed's ZeRO-3 averaged over the sequence group), and with clipping
-at 1.0 the losses alone would not show a gradient sp times too large.
+equal it within 1e-5 (relative), at sp 2 x dp 2 with ZeRO-3 (ALST's recipe; one launch of 4
+processes, 27-74 s on the shared 2 cores: sp 4 at ZeRO-1 and sp 2 at ZeRO-2 would cost as much again each
+and were checked by hand; see tests/test_sequence_engine.py for sp 2 x dp 2 at ZeRO-1/2/3 through our
+API). The gradient norm is the check that matters: the Trainer keeps each shard's loss share or multiplies
+it by sp by the installed `deepspeed` version (below 0.20.2 DeepSpeed's ZeRO-3 averaged over the sequence
+group), and with clipping at 1.0 the losses alone would not show a gradient sp times too large.
 """
 
 from __future__ import annotations

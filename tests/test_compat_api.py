@@ -85,7 +85,7 @@ def test_comm_and_accelerator() -> None:
         assert r["reduce_scatter"] == [3.0, 6.0][rank]  # chunk `rank` of (1+2)*[1, 2]
         assert r["allgather_fn"] == [0.0, 1.0]
         assert r["accelerator"] == ("cpu", "cpu", "cpu", "gloo", True, 2)
-        assert r["version"] == "0.19.8+dslaunch.0.1.0"
+        assert r["version"] == "0.20.2+dslaunch.0.1.0"
 
 
 def _engine_names(rank: int, world_size: int) -> dict[str, Any]:

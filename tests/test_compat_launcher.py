@@ -104,10 +104,10 @@ def test_ds_report_says_which_deepspeed_is_importable() -> None:
 
     found = find_deepspeed()
     assert found.importable and found.is_dslaunch
-    assert found.version == "0.19.8+dslaunch.0.1.0"
+    assert found.version == "0.20.2+dslaunch.0.1.0"
     assert Path(found.location or "") == REPO / "compat" / "deepspeed"
     where = REPO / "compat" / "deepspeed"
-    expected = f"deepspeed 0.19.8+dslaunch.0.1.0: dslaunch's compatibility package, from {where}"
+    expected = f"deepspeed 0.20.2+dslaunch.0.1.0: dslaunch's compatibility package, from {where}"
     assert found.describe() == expected
     # the installed ds_report command (both distributions install the same entry point) says so too
     report = subprocess.run([str(Path(sys.executable).parent / "ds_report"), "--json"], capture_output=True,

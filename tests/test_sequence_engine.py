@@ -1,11 +1,12 @@
 """The engine trains over Ulysses sequence groups (`initialize(mpu=<sequence groups>)`) equal to one process.
 
-Two gloo ranks, sp2 x dp1: each rank holds half of every sequence (runtime.sequence), returns its share of
-the sample's mean loss (`reduce_sequence_loss`) and hands it to `engine.backward`. The parallel plan
-reduces gradients over data x sequence (ZeRO-2 and ZeRO-3 partition over that group) and divides by the
-data ranks only, so the losses and the weights after 8 AdamW steps equal tests/test_ulysses.py's one-process
-reference on whole sequences. The config's `sequence_parallel_size` is taken where it agrees with the
-groups and refused by name where it does not.
+Four gloo ranks, sp2 x dp2: each rank holds half of every sequence of its data group (runtime.sequence),
+returns its share of the sample's mean loss (`reduce_sequence_loss`) and hands it to `engine.backward`. The
+parallel plan reduces gradients over data x sequence (ZeRO-1, -2 and -3 partition over that group) and
+divides by the data ranks only, so at each stage the losses and the weights after 8 AdamW steps equal
+tests/test_ulysses.py's one-process reference on whole sequences (the mean of the two data groups' losses).
+The config's `sequence_parallel_size` is taken where it agrees with the groups and refused by name where it
+does not.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from tests.dist import run_distributed
 from tests.test_ulysses import BATCH, STEPS, _data, _model, _reference
 
-WORLD, SP, KV_HEADS = 2, 2, 2
+WORLD, SP, KV_HEADS = 4, 2, 2
+STAGES = (1, 2, 3)
 
 
 def _train(stage: int, rank: int) -> dict[str, Any]:
@@ -75,7 +77,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 
     from runtime.errors import UserError
 
-    out: dict[str, Any] = {stage: _train(stage, rank) for stage in (2, 3)}
+    out: dict[Any, Any] = {stage: _train(stage, rank) for stage in STAGES}
     model = _model(KV_HEADS)
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model,
@@ -98,9 +100,9 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
 def test_sequence_parallel_engine_equals_one_process() -> None:
     results = run_distributed(_worker, WORLD, timeout=300)
     ref_losses, ref_params = _reference(WORLD, SP, KV_HEADS)
-    expected = [step[0] for step in ref_losses]  # one data group
-    for result in results:
-        for stage in (2, 3):
+    for rank, result in enumerate(results):
+        expected = [step[rank // SP] for step in ref_losses]  # this rank's data group
+        for stage in STAGES:
             torch.testing.assert_close(result[stage]["losses"], expected, rtol=1e-5, atol=1e-5)
             for got, want in zip(result[stage]["params"], ref_params, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -205,3 +205,23 @@ def test_bad_input_one_line_each() -> None:
         sequence_layout(6, 4)
     assert str(exc.value) == "sequence_parallel_size=4 does not divide the world size 6"
     assert exc.value.hint == "launch a multiple of 4 ranks, or set sequence_parallel_size to a divisor of 6"
+
+
+def test_bad_input_at_the_entry_points_users_call() -> None:
+    """What Accelerate's call and a config without groups get: one line naming the key, before any group."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    from runtime.config import ConfigError, load_config
+
+    with pytest.raises(UserError) as exc:
+        UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path="unused", core_attn_implementation="sdpa", sequence_parallel_size=4,
+            micro_batch_size=1, seq_length=30, seq_length_is_variable=False,
+        )  # fmt: skip
+    assert str(exc.value) == "seq_length=30 is not divisible by sequence_parallel_size=4"
+    with pytest.raises(ConfigError) as exc:
+        load_config({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2}, world_size=2)
+    assert str(exc.value).startswith(
+        "sequence_parallel_size: a DeepSpeed option dslaunch does not support: sequence parallelism without "
+        "its groups (pass initialize(mpu=...) the Ulysses groups of register_with_transformers"
+    )

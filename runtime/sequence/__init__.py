@@ -1,4 +1,4 @@
-"""Long sequences on one GPU: the parts of ALST (Arctic Long Sequence Training) that need no second GPU.
+"""Long context: the parts of ALST (Arctic Long Sequence Training), on one GPU and across GPUs.
 
 - ``tiles``: how many tiles a sequence is cut into (pure rules);
 - ``tiled_mlp``: a per-token MLP over sequence tiles, recomputed tile by tile in backward
@@ -6,8 +6,11 @@
 - ``tiled_loss``: the LM head and cross-entropy over token tiles, never the full logits
   (``tiled_causal_lm_loss``, the generic ``tiled_loss``); ``hf_loss``: the same inside a HF causal LM's
   forward (``tile_causal_lm_loss``);
-DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` signatures over these, and the Ulysses names refused
-until the sequence axis exists, are `runtime.deepspeed_api.alst`.
+- ``sp_groups``, ``ulysses``, ``ulysses_data``: Ulysses sequence parallelism (the ("data", "sequence")
+  groups, the all-to-all around attention, the batches cut along the sequence and the loss over them);
+  imported by module, not re-exported here.
+DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` / ``UlyssesSPAttentionHF`` /
+``UlyssesSPDataLoaderAdapter`` signatures over these are `runtime.deepspeed_api.alst`.
 
 Activation checkpoints kept in host memory are ``activation_checkpointing.cpu_checkpointing``
 (runtime.activation_checkpointing); the memory these parts save is counted by ``ds_estimate --longest-seq``.

@@ -14,5 +14,5 @@ __all__ = ["TiledFusedLogitsLoss", "TiledMLP", "UlyssesSPAttentionHF", "UlyssesS
 
 __getattr__ = missing_names(
     "deepspeed.runtime.sequence_parallel.ulysses_sp",
-    "dslaunch has the tiled MLP and loss and Ulysses attention and data; see README.md, Long sequences",
+    "dslaunch has the tiled MLP and loss and Ulysses attention and data; see README.md, Long context",
 )

@@ -14,9 +14,10 @@ publisher of updated spans) and the order of a step:
 When the step's gradient factor is known before backward, `prepare_step` lets step 3 start during the
 boundary backward (step/streamed.py); when only the non-finite verdict is pending (a checked step
 without clipping) and the plan allows it, it starts too, into a second copy of the state that the
-verdict keeps or drops (step/speculative.py). A boundary backward that fails after the first span was updated
-leaves the masters partly updated, and the next one says so instead of updating twice. The delayed
-parameter update (step/delayed.py, opt-in) runs step k's host update while the device computes step k+1.
+verdict keeps or drops (step/speculative.py). A boundary backward that fails after the first span was
+updated leaves the masters partly updated, and the next one says so instead of updating twice. The
+delayed parameter update (step/delayed.py, opt-in) runs step k's host update while the device computes
+step k+1.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class HostMasters:
         self._delayed: DelayedUpdate | None = None  # set by delay_updates
         self._streamed: StreamedStep | None = None  # the streamed step of the backward in progress
         self._shadow: Shadow | None = None  # a speculative step's second copy of the state, once made
+        self._speculate = plan.speculate  # taken back where the CPU takes over the step (unless forced)
+        self._speculate_forced = settings.speculate is True
         self.grads = self._landing()
 
     def _landing(self) -> GradLanding:
@@ -140,6 +143,7 @@ class HostMasters:
         if not self._split.to_host():
             return
         self.update = UpdateChoice(False, f"the CPU runs the Adam step: {why}")
+        self._speculate = self._speculate_forced  # plan.plan_speculation: not for the CPU's step
         self.grads.close()
         self.grads = self._landing()
 
@@ -176,7 +180,7 @@ class HostMasters:
             self._streamed.adam.cancel_step()  # that backward failed before any gradient landed
             self._streamed = None
         factor = math.factor_before_backward
-        speculative = factor is None and self.plan.speculate  # the verdict keeps or drops the update
+        speculative = factor is None and self._speculate  # the verdict keeps or drops the update
         if speculative:
             factor = math.factor_before_verdict
         if factor is None or not self.grads.stream or per_tensor or self._delayed_now():
@@ -185,9 +189,9 @@ class HostMasters:
             return
         adam = self._host_adam(optimizer)
         adam.shadow = None
+        self._split.begin(adam, factor, self.memory)  # (the device step pins moments a load left pageable)
         if speculative:
             adam.shadow = self._shadow_for(adam)
-        self._split.begin(adam, factor, self.memory)
         grad_scale = host_adam.grad_scale(factor)
 
         self._written = [(None, None)] * len(self.spans)
@@ -286,8 +290,9 @@ class HostMasters:
         if self._shadow is None:  # made at the first speculative step: unchecked runs never pay for it
             groups = range(len(self.groups))
 
-            def empty_like(t: torch.Tensor) -> torch.Tensor:
-                return self.memory.empty(t.numel(), t.dtype, pinned=self.memory.is_pinned(t))
+            def empty_like(t: torch.Tensor) -> torch.Tensor:  # pinned where a copy engine reads or writes it
+                streams = self._split.on_device and self.copies.is_async
+                return self.memory.empty(t.numel(), t.dtype, pinned=streams or self.memory.is_pinned(t))
 
             self._shadow = Shadow([adam.written(group) for group in groups], empty_like)
         return self._shadow

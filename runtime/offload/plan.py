@@ -10,7 +10,8 @@ facts about this rank and its machine (machine.py reads them once); its output s
   do not block autograd);
 - the spans, in the order their gradients become final;
 - whether a checked step (a non-finite verdict pending, no clipping) may update during backward into a
-  second copy of the state, committed or dropped once the verdict is known (`plan_speculation`).
+  second copy of the state, committed or dropped once the verdict is known (`plan_speculation`: by
+  default where the GPU runs the whole step and the host has room).
 
 Each rank plans from its own facts; machine.py's `agree` then makes every rank take the same landing and
 the same update site (a separate step, since it is a collective). host_masters.py executes the plan.
@@ -176,6 +177,8 @@ def plan_offload(settings: OffloadSettings, facts: OffloadFacts) -> OffloadPlan:
     speculate, why = plan_speculation(
         setting=settings.speculate,
         stream=stream,
+        device_step=update.on_device,
+        host_share=update.host_share if update.on_device else 1.0,
         state_itemsize=torch.tensor([], dtype=facts.master_dtype).element_size(),
         shard_numel=facts.shard_numel,
         local_ranks=machine.local_ranks,
@@ -188,6 +191,8 @@ def plan_speculation(
     *,
     setting: bool | None,
     stream: bool,
+    device_step: bool,
+    host_share: float,
     state_itemsize: int,
     shard_numel: int,
     local_ranks: int,
@@ -195,15 +200,24 @@ def plan_speculation(
 ) -> tuple[bool, str]:
     """Whether a checked step without clipping updates during backward (runtime/offload/step/speculative.py:
     the new master and moments go to a second copy, swapped in on a finite verdict), and why. Only where
-    gradients stream (one rank); `setting` True or False decides, None (auto) wants host room for the
-    second copy (3 x `state_itemsize` bytes a parameter) beside the state and an fp32 landing buffer."""
+    gradients stream (one rank); `setting` True or False decides. None (auto): where the GPU runs the
+    whole step (`device_step`, no `host_share`), whose downloads then only land elsewhere, and the host
+    has room for the second copy (3 x `state_itemsize` bytes a parameter, pinned) beside the pinned state.
+    Not for the CPU's step: its copy into the second buffer costs host memory traffic (40 bytes a
+    parameter against 28; 1.4-2x the CPU's update on the 2-core dev box), which only pays where the
+    update is much shorter than the backward it overlaps, a ratio the plan does not know."""
     if not stream:
         return False, "the checked step waits for the verdict: gradients land after backward (several ranks)"
     if setting is not None:
         how = "updates during backward" if setting else "waits for the verdict"
         return setting, f"the checked step {how} (speculate={setting})"
+    if not device_step or host_share > 0.0:
+        return False, (
+            "the checked step waits for the verdict: the CPU runs (part of) the update, and updating into a "
+            "second copy of the state would cost it more memory traffic than waiting"
+        )
     extra = 3 * state_itemsize
-    need = (shard_numel * (FP32_LANDING_HOST_BYTES + extra) + HOST_HEADROOM) * local_ranks
+    need = (shard_numel * (PIN_ROOM_BYTES_PER_PARAM + extra) + HOST_HEADROOM) * local_ranks
     gib = 1 << 30
     if host_available < need:
         return False, (
@@ -211,8 +225,8 @@ def plan_speculation(
             f"would need {need / gib:.1f} GiB of host memory and {host_available / gib:.1f} GiB is available"
         )
     return True, (
-        f"the checked step updates during backward into a second copy of the state ({extra} host bytes a "
-        "parameter), kept on a finite verdict"
+        f"the checked step updates during backward into a second copy of the state ({extra} pinned host "
+        "bytes a parameter), kept on a finite verdict"
     )
 
 

@@ -28,7 +28,7 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
                  streams during backward (DeepSpeed's bf16 default: a NaN step is applied)
     ours-waited  "ours" with the checked step waiting for its verdict (the internal setting speculate
                  false): "ours" streams its update during backward into a second copy of the state where
-                 the host has room (runtime/offload/step/speculative.py; its row says "speculative"), and
+                 the GPU runs the step (runtime/offload/step/speculative.py; its row says "speculative"), and
                  the summary's checked_over_unchecked (ours over ours-unchecked; goal <= 1.05) and
                  ours-waited_over_ours show what that buys
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)

@@ -40,12 +40,15 @@ class Case:
     dtype: str  # "bf16" or "fp16"
     update: str  # offload_optimizer.update: "host" (the CPU's step) or "device" (the device step)
     ratio: float = 1.0
+    # the internal setting: None (auto) speculates with the device step alone; the CPU's step is forced
+    speculate: bool | None = None
 
     @property
     def name(self) -> str:
         return f"{self.dtype}-{self.update}" + ("" if self.ratio == 1.0 else f"-ratio{self.ratio:g}")
 
     def config(self, world_size: int, *, check: bool = True, speculate: bool | None = None) -> Any:
+        speculate = self.speculate if speculate is None else speculate
         offload = {"device": "cpu", "update": self.update, "ratio": self.ratio}
         cfg: dict = {
             "train_batch_size": ROWS * ACCUMULATION,
@@ -66,14 +69,14 @@ class Case:
 
 
 WORLD1 = [
-    Case("bf16", "host"),
+    Case("bf16", "host", speculate=True),
     Case("bf16", "device"),
-    Case("fp16", "host"),
+    Case("fp16", "host", speculate=True),
     Case("fp16", "device"),
-    Case("bf16", "host", ratio=0.5),
+    Case("bf16", "host", ratio=0.5, speculate=True),
     Case("fp16", "device", ratio=0.5),
 ]
-WORLD2 = [Case("bf16", "host"), Case("fp16", "device"), Case("bf16", "host", ratio=0.5)]
+WORLD2 = [Case("bf16", "host", speculate=True), Case("fp16", "device"), Case("bf16", "host", ratio=0.5)]
 
 
 def _train(case: Case, rank: int, world_size: int, poison: str | None, *, skip: bool = False, **kw: Any):
@@ -152,7 +155,10 @@ def _grid(rank: int, world_size: int) -> dict:
             extra,
             clean["host_numel"],
         )
-    if world_size == 1:  # unchecked: the plain streamed step, no second copy made
+    if world_size == 1:  # "auto" with the CPU's step: it waits (plan.plan_speculation says why)
+        auto = _train(Case("bf16", "host"), rank, world_size, None)
+        report["auto-host"] = (auto["plan"], sum(auto["streamed"]))
+        # unchecked: the plain streamed step, no second copy made
         unchecked = _train(Case("bf16", "host"), rank, world_size, None, check=False)
         report["unchecked"] = (sum(unchecked["streamed"]), unchecked["host_buffer_bytes"])
         report["unchecked-waited"] = _train(
@@ -179,7 +185,7 @@ def test_one_rank_checked_step_updates_during_backward_and_skips_exactly(one_ran
         assert lrs_held, poison
     assert one_rank[(case.name, "clean")] == []  # a good step: the numbers of the step that waited
     plan, streamed, streamed_waiting, extra, numel = one_rank[(case.name, "speculated")]
-    assert plan is True  # "auto": this host has room for the second copy
+    assert plan is True  # forced, or "auto" with the device step: this host has room for the copy
     assert (streamed, streamed_waiting) == (STEPS, 0)  # every boundary backward started the update
     assert extra == 12 * numel  # a second fp32 master and two moments
 
@@ -187,6 +193,10 @@ def test_one_rank_checked_step_updates_during_backward_and_skips_exactly(one_ran
 def test_the_unchecked_step_streams_without_a_second_copy(one_rank: dict) -> None:
     streamed, buffers = one_rank["unchecked"]
     assert streamed == STEPS and buffers == one_rank["unchecked-waited"]
+
+
+def test_auto_leaves_the_cpus_checked_step_waiting(one_rank: dict) -> None:
+    assert one_rank["auto-host"] == (False, 0)
 
 
 @pytest.mark.parametrize("case", WORLD2, ids=lambda case: case.name)
@@ -200,18 +210,22 @@ def test_two_ranks_wait_for_the_verdict_and_skip_exactly(two_ranks: list[dict], 
         assert (plan, streamed, extra) == (False, 0, 0), rank  # gradients land after backward
 
 
-def test_the_plan_speculates_where_the_host_has_room() -> None:
+def test_the_plan_speculates_where_the_gpu_runs_the_step_and_the_host_has_room() -> None:
     from runtime.offload.plan import HOST_HEADROOM, plan_speculation
 
     numel, gib = 1 << 30, 1 << 30
     need = numel * (16 + 12) + HOST_HEADROOM
-    kw = {"stream": True, "state_itemsize": 4, "shard_numel": numel, "local_ranks": 1}
+    kw = {"stream": True, "device_step": True, "host_share": 0.0, "state_itemsize": 4, "local_ranks": 1}
+    kw["shard_numel"] = numel
     assert plan_speculation(setting=None, host_available=need, **kw)[0] is True
     on, why = plan_speculation(setting=None, host_available=need - 1, **kw)
     assert not on and why == (
         "the checked step waits for the verdict: a second copy of the state (12 bytes a parameter) would "
         f"need {need / gib:.1f} GiB of host memory and {(need - 1) / gib:.1f} GiB is available"
     )
-    assert plan_speculation(setting=True, host_available=0, **kw)[0] is True
+    for cpu in ({"device_step": False}, {"host_share": 0.4}):  # the CPU's share would pay in traffic
+        on, why = plan_speculation(setting=None, host_available=need * 2, **{**kw, **cpu})
+        assert not on and why.startswith("the checked step waits for the verdict: the CPU runs (part of)")
+    assert plan_speculation(setting=True, host_available=0, **{**kw, "device_step": False})[0]
     assert plan_speculation(setting=False, host_available=need * 2, **kw)[0] is False
-    assert plan_speculation(setting=True, host_available=need, **{**kw, "stream": False})[0] is False
+    assert not plan_speculation(setting=True, host_available=need, **{**kw, "stream": False})[0]

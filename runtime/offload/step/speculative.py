@@ -20,12 +20,16 @@ the verdict can still take back:
   step counts, LR scheduler (the engine steps it only on an applied step) and loss scale.
 
 Why a double buffer and not the other two designs: keeping a copy of the old state of what was updated so
-far (an undo log) needs the same host memory in the worst case and adds a copy of 12 bytes a parameter
-each way at every step; checking each bucket's finiteness as it lands still has to take back the buckets
-updated before a bad one, which is the undo log again. The double buffer adds no memory traffic and no
-PCIe bytes; its price is host memory, 12 bytes a parameter (pinned with the device step). So the plan
-(plan.py `plan_speculation`) takes it only where the host has room beside the state, and otherwise the
-checked step waits for its verdict as before. With several ranks the gradients land after backward and
+far (an undo log) needs the same host memory in the worst case and copies 12 bytes a parameter at every
+step; checking each bucket's finiteness as it lands still has to take back the buckets updated before a
+bad one, which is the undo log again. With the device step the double buffer adds no PCIe bytes and no
+CPU work (the downloads land elsewhere); its price is host memory, 12 pinned bytes a parameter. With the
+CPU's step it is not free: the copy into the shadow costs memory traffic (read 12, write-allocate and
+write back 12, against the in-place kernel's 12 + 12; measured 1.4-2x the CPU's update alone on the
+2-core dev box, where Python's per-chunk cost adds to it). So the plan (plan.py `plan_speculation`) takes
+it by default only where the GPU runs the whole step and the host has room for the copy; the CPU's step
+speculates only when the internal setting `speculate` says so, and otherwise the checked step waits for
+its verdict as before. With several ranks the gradients land after backward and
 the update waits for the norm anyway (the verdict comes with the reduction that landing waits for), and
 with gradient clipping the factor itself needs the norm, so both keep the order of a waited step.
 """

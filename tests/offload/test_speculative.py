@@ -49,7 +49,8 @@ class Case:
 
     def config(self, world_size: int, *, check: bool = True, speculate: bool | None = None) -> Any:
         speculate = self.speculate if speculate is None else speculate
-        offload = {"device": "cpu", "update": self.update, "ratio": self.ratio}
+        # pinned: on a GPU, streaming and the device step need it (ignored without CUDA)
+        offload = {"device": "cpu", "pin_memory": True, "update": self.update, "ratio": self.ratio}
         cfg: dict = {
             "train_batch_size": ROWS * ACCUMULATION,
             "gradient_accumulation_steps": ACCUMULATION,
@@ -98,7 +99,7 @@ def _train(case: Case, rank: int, world_size: int, poison: str | None, *, skip: 
             handle = None
             if bad and poison == "first-layer-inf":
                 handle = model.inp.weight.register_hook(lambda grad: grad * float("inf"))
-            x, y = rank_batch(step, micro, ROWS, rank, world_size)
+            x, y = (t.to(engine.device) for t in rank_batch(step, micro, ROWS, rank, world_size))
             loss = loss_fn(engine(x), y)
             engine.backward(loss * float("nan") if bad and poison == "loss-nan" else loss)
             out["streamed"].append(host._streamed is not None)  # the update started during backward
@@ -107,9 +108,9 @@ def _train(case: Case, rank: int, world_size: int, poison: str | None, *, skip: 
                 handle.remove()
         out["lrs"].append(engine.get_lr()[0])
     state = engine.optimizer.state_dict()["state"]
-    out["optimizer"] = {f"{i}.{k}": v.clone() for i, values in state.items() for k, v in values.items()}
-    out["master"] = engine.full_state_dict(rank0_only=False)
-    out["working"] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    out["optimizer"] = {f"{i}.{k}": v.cpu() for i, values in state.items() for k, v in values.items()}
+    out["master"] = {k: v.cpu() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    out["working"] = {n: p.detach().cpu() for n, p in engine.module.named_parameters()}
     out["skipped"], out["loss_scale"] = engine.skipped_steps, engine.loss_scale
     out["host_buffer_bytes"] = engine.memory_breakdown().host_buffer_bytes
     out["host_numel"] = sum(g.master.numel() for g in host.groups)
@@ -130,9 +131,9 @@ def _differences(got: dict, want: dict) -> list[str]:
     return problems
 
 
-def _grid(rank: int, world_size: int) -> dict:
+def _grid(rank: int, world_size: int, cases: list[Case] | None = None) -> dict:
     report: dict = {}
-    for case in WORLD1 if world_size == 1 else WORLD2:
+    for case in cases or (WORLD1 if world_size == 1 else WORLD2):
         reference = _train(case, rank, world_size, None, skip=True)
         reference["skipped"] = 1  # the run that never saw the step counts none; the poisoned ones skip it
         for poison in POISONS:
@@ -155,7 +156,7 @@ def _grid(rank: int, world_size: int) -> dict:
             extra,
             clean["host_numel"],
         )
-    if world_size == 1:  # "auto" with the CPU's step: it waits (plan.plan_speculation says why)
+    if world_size == 1 and cases is None:  # "auto" with the CPU's step: it waits (plan_speculation)
         auto = _train(Case("bf16", "host"), rank, world_size, None)
         report["auto-host"] = (auto["plan"], sum(auto["streamed"]))
         # unchecked: the plain streamed step, no second copy made
@@ -188,6 +189,23 @@ def test_one_rank_checked_step_updates_during_backward_and_skips_exactly(one_ran
     assert plan is True  # forced, or "auto" with the device step: this host has room for the copy
     assert (streamed, streamed_waiting) == (STEPS, 0)  # every boundary backward started the update
     assert extra == 12 * numel  # a second fp32 master and two moments
+
+
+CUDA = [Case("bf16", "device"), Case("fp16", "device"), Case("bf16", "host", speculate=True)]
+CUDA += [Case("bf16", "device", ratio=0.5)]
+
+
+@pytest.mark.gpu
+def test_cuda_checked_step_updates_during_backward_and_skips_exactly() -> None:
+    """On a GPU: the device step's downloads into the second copy on their own streams, pinned, the
+    working weights rewritten from the masters after the update's kernels on a skip."""
+    report = run_distributed(_grid, 1, CUDA, timeout=240, device="cuda")[0]
+    for case in CUDA:
+        for poison in POISONS:
+            assert report[(case.name, poison)] == ([], True), (case.name, poison)
+        assert report[(case.name, "clean")] == [], case.name
+        plan, streamed, _, extra, numel = report[(case.name, "speculated")]
+        assert (plan, streamed, extra) == (True, STEPS, 12 * numel), case.name
 
 
 def test_the_unchecked_step_streams_without_a_second_copy(one_rank: dict) -> None:

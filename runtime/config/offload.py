@@ -89,6 +89,9 @@ class OffloadSettings:
     device_slots: int | None = _internal(None)  # None: as many as the device has room for (plan.device_slots)
     one_rank_bucket_numel: int = _internal(ONE_RANK_BUCKET_NUMEL)
     one_rank_host_share: float = _internal(ONE_RANK_HOST_SHARE)
+    # the checked step's update during backward into a second copy of the state (plan.plan_speculation);
+    # None: where the host has room for that copy
+    speculate: bool | None = _internal(None)
     overrides: tuple[str, ...] = _internal(())  # the benchmark overrides applied (below), one line each
 
     def bucket_cap(self, world_size: int) -> int | None:

@@ -12,9 +12,12 @@ publisher of updated spans) and the order of a step:
    published (io/targets.py): with more ranks, each bucket's all-gather starts when its pieces are back.
 
 When the step's gradient factor is known before backward, `prepare_step` lets step 3 start during the
-boundary backward (step/streamed.py); a boundary backward that fails after the first span was updated
-leaves the masters partly updated, and the next one says so instead of updating twice. The delayed
-parameter update (step/delayed.py, opt-in) runs step k's host update while the device computes step k+1.
+boundary backward (step/streamed.py); when only the non-finite verdict is pending (a checked step
+without clipping) and the plan allows it, it starts too, into a second copy of the state that the
+verdict keeps or drops (step/speculative.py). A boundary backward that fails after the first span was
+updated leaves the masters partly updated, and the next one says so instead of updating twice. The
+delayed parameter update (step/delayed.py, opt-in) runs step k's host update while the device computes
+step k+1.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from runtime.offload.step import host_adam
 from runtime.offload.step.delayed import DelayedUpdate, check_after_steps
 from runtime.offload.step.device_step import DeviceStep
 from runtime.offload.step.host_step import HostStep
+from runtime.offload.step.speculative import Shadow, undo_working
 from runtime.offload.step.split_update import HeadTail, SplitUpdate
 from runtime.offload.step.streamed import StreamedStep
 from runtime.precision.grad_math import GradMath, GradResult, scale_from_device_grads
@@ -99,6 +103,9 @@ class HostMasters:
         self._steps = 0  # host updates started
         self._delayed: DelayedUpdate | None = None  # set by delay_updates
         self._streamed: StreamedStep | None = None  # the streamed step of the backward in progress
+        self._shadow: Shadow | None = None  # a speculative step's second copy of the state, once made
+        self._speculate = plan.speculate  # taken back where the CPU takes over the step (unless forced)
+        self._speculate_forced = settings.speculate is True
         self.grads = self._landing()
 
     def _landing(self) -> GradLanding:
@@ -131,12 +138,15 @@ class HostMasters:
             _log.info("offload: %s", self.update.reason)
             if not self._split.on_device and self._landing_note is not None:
                 _log.info("offload: %s", self._landing_note)
+        if self.comm.rank == 0 and self.plan.stream and self.plan.speculation:
+            _log.info("offload: %s", self.plan.speculation)
 
     def _use_host_step(self, why: str) -> None:
         """From now on the host runs the step: gradients land in host buffers again. Between steps."""
         if not self._split.to_host():
             return
         self.update = UpdateChoice(False, f"the CPU runs the Adam step: {why}")
+        self._speculate = self._speculate_forced  # plan.plan_speculation: not for the CPU's step
         self.grads.close()
         self.grads = self._landing()
 
@@ -173,12 +183,18 @@ class HostMasters:
             self._streamed.adam.cancel_step()  # that backward failed before any gradient landed
             self._streamed = None
         factor = math.factor_before_backward
+        speculative = factor is None and self._speculate  # the verdict keeps or drops the update
+        if speculative:
+            factor = math.factor_before_verdict
         if factor is None or not self.grads.stream or per_tensor or self._delayed_now():
             return
         if not host_adam.supports(optimizer):
             return
         adam = self._host_adam(optimizer)
-        self._split.begin(adam, factor, self.memory)
+        adam.shadow = None
+        self._split.begin(adam, factor, self.memory)  # (the device step pins moments a load left pageable)
+        if speculative:
+            adam.shadow = self._shadow_for(adam)
         grad_scale = host_adam.grad_scale(factor)
 
         self._written = [(None, None)] * len(self.spans)
@@ -261,11 +277,38 @@ class HostMasters:
         assert streamed.updated == len(self.spans), (streamed.updated, len(self.spans))
         self._streamed = None
         self.grads.on_landed = None
+        if streamed.adam.shadow is not None and result.overflow:  # speculative.py: dropped
+            self._drop_speculative(streamed.adam)
+            self._gradients_read()
+            return result
+        if streamed.adam.shadow is not None:
+            streamed.adam.commit_shadow()
         for span, written in zip(self.spans, self._written, strict=True):
             self.publisher.publish(span, written)
         self._steps += 1
         self._gradients_read()
         return result
+
+    def _shadow_for(self, adam: host_adam.HostAdam) -> Shadow:
+        if self._shadow is None:  # made at the first speculative step: unchecked runs never pay for it
+            groups = range(len(self.groups))
+
+            def empty_like(t: torch.Tensor) -> torch.Tensor:  # pinned where a copy engine reads or writes it
+                streams = self._split.on_device and self.copies.is_async
+                return self.memory.empty(t.numel(), t.dtype, pinned=streams or self.memory.is_pinned(t))
+
+            self._shadow = Shadow([adam.written(group) for group in groups], empty_like)
+        return self._shadow
+
+    def _drop_speculative(self, adam: host_adam.HostAdam) -> None:
+        """A non-finite verdict after a speculative update: the state is as it was, the step counts go
+        back, and the working weights are written again from the masters, after the update's writes."""
+        adam.cancel_step()
+        self._split.device_wait()
+        self.copies.fence_uploads()
+        masters = [group.master.data for group in self.groups]
+        undo_working(self.spans, masters, self.publisher, self.copies, self.chunk_elems)
+        self.write_back()  # the engine writes back applied steps only
 
     def _delayed_now(self) -> bool:
         return self._delayed is not None and self._delayed.due(self._steps)
@@ -387,6 +430,8 @@ class HostMasters:
         if self._delayed is not None:
             buffers += self._delayed.host_bytes()
         buffers += self._host.host_bytes()
+        if self._shadow is not None:
+            buffers += self._shadow.host_bytes()
         return masters + state, buffers
 
     def device_buffer_bytes(self) -> int:

@@ -25,8 +25,9 @@ side's (CPU-bound) step runs while the GPU updates its share. Where the host nee
 a number (clipping or the non-finite check), its one synchronisation also waits for the device's Adam:
 about 28 bytes of device memory traffic an element, some 50 ms for 6.5B elements on an H200, against
 seconds of host step (running the device's step on a side stream would hide it; not done yet). With
-one rank and no norm to wait for, the host side's step streams during backward as without a ratio
-(streamed.py).
+one rank and no clipping, the host side's step streams during backward as without a ratio
+(streamed.py; under the non-finite check into a second copy that the shared verdict keeps or drops:
+speculative.py).
 
 Not supported: the delayed parameter update (delayed.py). It would update the host's share from
 gradients one step stale while the device's share is current, a mixed update no other run reproduces;

@@ -51,6 +51,14 @@ class GradMath:
             return None
         return 1.0 / (self.divisor * self.loss_scale)
 
+    @property
+    def factor_before_verdict(self) -> float | None:
+        """The factor, when only the non-finite verdict is left to wait for (no clipping): a checked step
+        may update before the verdict where it can take the update back (offload/step/speculative.py)."""
+        if self.max_norm > 0:
+            return None
+        return 1.0 / (self.divisor * self.loss_scale)
+
 
 @dataclass(frozen=True)
 class GradResult:

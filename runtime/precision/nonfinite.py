@@ -20,7 +20,9 @@ the step in `skipped_steps`, and the guard decides what else happens:
   rank at the same step. There is no fp32 section: the bf16 section's key governs fp32 runs too, and an
   fp32 run's messages say so (`limit_key`).
 - bf16 and fp32 with `bf16.check_grad_overflow: false`, `ApplyAlways`: no verdict, every step applied
-  (DeepSpeed's default for bf16). Only this one lets the offloaded update start during backward.
+  (DeepSpeed's default for bf16). The offloaded update starts during backward with every guard (one
+  rank, no clipping); under a checking one it goes to a second copy of the state that a non-finite
+  verdict drops (runtime/offload/step/speculative.py), so the skip above stays exact.
 
 The guard also owns the loss scaling of backward (`scale`), so the engine never asks which precision runs.
 """

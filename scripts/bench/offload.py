@@ -26,6 +26,11 @@ subprocess (an out-of-memory error or a crashed library cannot spoil the next on
     ours-clip    the same with gradient_clipping 1.0: the update waits for the norm, after backward
     ours-unchecked  "ours" with bf16.check_grad_overflow false: no non-finite verdict, so one rank's update
                  streams during backward (DeepSpeed's bf16 default: a NaN step is applied)
+    ours-waited  "ours" with the checked step waiting for its verdict (the internal setting speculate
+                 false): "ours" streams its update during backward into a second copy of the state where
+                 the GPU runs the step (runtime/offload/step/speculative.py; its row says "speculative"), and
+                 the summary's checked_over_unchecked (ours over ours-unchecked; goal <= 1.05) and
+                 ours-waited_over_ours show what that buys
     ours-dpu     the same with the delayed parameter update (runtime.offload.enable_delayed_update)
     ours-bf16grads   "ours-host" with DSLAUNCH_OFFLOAD_GRAD_TRANSFER=native: gradients land as bf16 and
                  the host step is ours (the adam row), 14 host bytes a parameter instead of 16
@@ -116,6 +121,7 @@ ENGINES = (
     "ours-host",
     "ours-clip",
     "ours-unchecked",
+    "ours-waited",
     "ours-dpu",
     "ours-bf16grads",
     "ours-z3-param",
@@ -163,6 +169,7 @@ WORKERS = {
     "ours": work_ours,
     "ours-clip": lambda spec, device: work_ours({**spec, "clip": 1.0}, device),
     "ours-unchecked": lambda spec, device: work_ours({**spec, "unchecked": True}, device),
+    "ours-waited": lambda spec, device: work_ours({**spec, "speculate": False}, device),
     "ours-host": work_ours,  # OVERRIDES below
     "ours-bf16grads": work_ours,
     "ours-dpu": lambda spec, device: work_ours(spec, device, dpu=spec["dpu_after"]),
@@ -305,6 +312,9 @@ def summarize(rows: dict[str, dict[str, Any]], accumulation: int = 1) -> dict[st
         if micro is not None and t_gpu is not None:  # the micro-batches that cannot overlap the update
             summary[f"{name}_micro_over_gpu"] = round(micro / t_gpu, 3)
     ours = rows.get("ours", {}).get("step_s")
+    unchecked = rows.get("ours-unchecked", {}).get("step_s")
+    if ours is not None and unchecked:  # the price of the non-finite check (issue 32 item 4)
+        summary["checked_over_unchecked"] = round(ours / unchecked, 3)
     for name in names[1:]:
         other = rows.get(name, {}).get("step_s")
         if ours is not None and other is not None:

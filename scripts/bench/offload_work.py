@@ -232,9 +232,10 @@ def work_ours(
     import runtime.offload
 
     def make(model: GPT) -> Any:
-        engine, _, _, _ = runtime.initialize(
-            model=model, model_parameters=model.parameters(), config=engine_config(spec, offload)
-        )
+        config: Any = engine_config(spec, offload)
+        if "speculate" in spec:  # an internal offload setting (no config key): the loaded config's field
+            config = _with_speculate(config, spec["speculate"])
+        engine, _, _, _ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
         if dpu is not None:
             runtime.offload.enable_delayed_update(engine, after_steps=dpu)
         if spec.get("serial_uploads") and _uploads(engine) is not None:  # the A/B: as before the stream
@@ -265,12 +266,25 @@ def work_ours(
         result["grad_landing"] = landed
         if on_device:
             result["host_share"] = masters.update.host_share
+        result["speculative"] = masters.plan.speculate  # a checked step may update during backward
     if _uploads(engine) is not None:
         result.update(_upload_rows(run, device, spec))
     if phases:
         result["phases"] = _phases(run, device)
     engine.destroy()
     return result
+
+
+def _with_speculate(config: dict[str, Any], speculate: bool) -> Any:
+    """`config` loaded for one rank, with offload_optimizer's internal `speculate` setting replaced."""
+    from dataclasses import replace
+
+    from runtime.config import load_config
+
+    loaded = load_config(config, world_size=1)
+    zero = loaded.zero_optimization
+    offload = replace(zero.offload_optimizer, speculate=speculate)
+    return replace(loaded, zero_optimization=replace(zero, offload_optimizer=offload))
 
 
 def _uploads(engine: Any) -> Any:

@@ -120,8 +120,10 @@ class DeviceStep:
             return state.view(-1).narrow(0, span.shard_offset, span.numel)
 
         host = (piece(master), piece(exp_avg), piece(exp_avg_sq))
+        # a speculative step (speculative.py) downloads into the shadow, the state stays as it was
+        into = tuple(piece(t) for t in adam.written(span.group)) if adam.shadow is not None else None
         hp = adam.settings[span.group][1]
-        return self.update(span.group, hp, host, grad, working, ready)
+        return self.update(span.group, hp, host, grad, working, ready, into=into)
 
     def update(
         self,
@@ -131,16 +133,21 @@ class DeviceStep:
         grad: torch.Tensor,
         working: torch.Tensor,
         ready: Ticket,
+        *,
+        into: tuple[torch.Tensor, ...] | None = None,
     ) -> Ticket:
         """Update `host` (master, exp_avg, exp_avg_sq: equal slices of host memory) with the device
         gradient `grad` once `ready` is done, and write the new weights into the device tensor
-        `working`; returns the ticket after which `working` holds them."""
+        `working`; returns the ticket after which `working` holds them. The new state goes back into
+        `into` (slices like `host`'s), or over `host` itself (None)."""
         written: Ticket = None
         for offset, numel in plan_chunks(grad.numel(), self.chunk_elems):
             pieces = tuple(t.narrow(0, offset, numel) for t in host)
+            back = pieces if into is None else tuple(t.narrow(0, offset, numel) for t in into)
             written = self._chunk(
-                group, hp, pieces, grad.narrow(0, offset, numel), working.narrow(0, offset, numel), ready
-            )
+                group, hp, pieces, grad.narrow(0, offset, numel), working.narrow(0, offset, numel), ready,
+                back,
+            )  # fmt: skip
         return written
 
     def _chunk(
@@ -151,6 +158,7 @@ class DeviceStep:
         grad: torch.Tensor,
         working: torch.Tensor,
         ready: Ticket,
+        back: tuple[torch.Tensor, ...],
     ) -> Ticket:
         index = self._next
         self._next = (index + 1) % len(self._slots)
@@ -172,9 +180,9 @@ class DeviceStep:
             written = self._record(math_)
         with self._on(down):
             _wait(down, written)
-            for dst, src in zip(host, (param, exp_avg, exp_avg_sq), strict=True):
+            for dst, src in zip(back, (param, exp_avg, exp_avg_sq), strict=True):
                 dst.copy_(src, non_blocking=True)
-            self._free[index] = self._last_down = self._downloaded[host[0].data_ptr()] = self._record(down)
+            self._free[index] = self._last_down = self._downloaded[back[0].data_ptr()] = self._record(down)
         return written
 
     def _upload(self, index: int, host: tuple[torch.Tensor, ...]) -> Ticket:

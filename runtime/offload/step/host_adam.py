@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from runtime.offload.step.speculative import Shadow
 from runtime.ops.adam import CPUAdam
 from runtime.ops.adam_step import AdamHyperparams, adam_step_, default_chunk_elems, scratch_elems
 
@@ -74,6 +75,8 @@ class HostAdam:
         self._zeros = zeros or (lambda numel, dtype: torch.zeros(numel, dtype=dtype))
         self._settings: list[tuple[int, AdamHyperparams]] = []
         self._scratch: torch.Tensor | None = None
+        # set for a speculative step (speculative.py): its updates go there, the state stays as it was
+        self.shadow: Shadow | None = None
         self.cache_chunk = default_chunk_elems()
         # each master's param group, found by identity: with partial offload (ratio < 1) the optimizer
         # also holds the device's masters, whose groups this path never touches
@@ -122,10 +125,31 @@ class HostAdam:
         state["exp_avg"], state["exp_avg_sq"] = exp_avg, exp_avg_sq
 
     def cancel_step(self) -> None:
-        """Take back `begin_step` when no update ran after it."""
+        """Take back `begin_step`: no update ran after it, or (speculative) it only wrote the shadow."""
         for master in self.masters:
             self.optimizer.state[master]["step"] -= 1
         self._settings = []
+        self.shadow = None
+
+    def written(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where this step's new master, exp_avg and exp_avg_sq of `group` go (flat): the shadow's during
+        a speculative step, else the state itself."""
+        if self.shadow is not None:
+            return self.shadow.state(group)
+        exp_avg, exp_avg_sq = self.moments(group)
+        return self.masters[group].data, exp_avg.view(-1), exp_avg_sq.view(-1)
+
+    def commit_shadow(self) -> None:
+        """The speculative step's verdict was finite: its shadow becomes the state (a swap of storage, no
+        copy; the master Parameter, which the optimizer and the checkpoints know by identity, stays) and
+        the old state becomes the next speculative step's shadow."""
+        shadow, self.shadow = self.shadow, None
+        assert shadow is not None
+        for group, master in enumerate(self.masters):
+            exp_avg, exp_avg_sq = self.moments(group)
+            new = shadow.swap(group, (master.data, exp_avg, exp_avg_sq))
+            master.data = new[0].view(master.shape)
+            self.replace_moments(group, new[1].view(exp_avg.shape), new[2].view(exp_avg_sq.shape))
 
     def update(
         self,
@@ -141,21 +165,29 @@ class HostAdam:
         state = self.optimizer.state[master]
         numel = grad.numel()
         step, hp = self._settings[group]
-        param = master.data.narrow(0, offset, numel)
+        now = (master.data, state["exp_avg"], state["exp_avg_sq"])
+        param, exp_avg, exp_avg_sq = (t.view(-1).narrow(0, offset, numel) for t in now)
         staged_grad = grad.dtype != master.dtype
         need = scratch_elems(numel, min(self.cache_chunk, numel), False, staged_grad)
-        adam_step_(
-            param,
-            grad,
-            state["exp_avg"].narrow(0, offset, numel),
-            state["exp_avg_sq"].narrow(0, offset, numel),
-            step,
-            hp,
-            out=out,
-            grad_scale=grad_scale,
-            chunk_elems=self.cache_chunk,
-            scratch=self._scratch_for(need, master.dtype) if need else None,
-        )
+        scratch = self._scratch_for(need, master.dtype) if need else None
+        if self.shadow is None:
+            adam_step_(
+                param, grad, exp_avg, exp_avg_sq, step, hp,
+                out=out, grad_scale=grad_scale, chunk_elems=self.cache_chunk, scratch=scratch,
+            )  # fmt: skip
+            return
+        # speculative: each cache-sized chunk of the state is copied into the shadow and updated there
+        # while it is in cache, so the state is read once and the shadow written once, as in place
+        into = [t.narrow(0, offset, numel) for t in self.shadow.state(group)]
+        for start in range(0, numel, self.cache_chunk):
+            k = min(self.cache_chunk, numel - start)
+            p, m, v = (dst.narrow(0, start, k).copy_(src.narrow(0, start, k)) for dst, src in zip(
+                into, (param, exp_avg, exp_avg_sq), strict=True))  # fmt: skip
+            adam_step_(
+                p, grad.narrow(0, start, k), m, v, step, hp,
+                out=None if out is None else out.narrow(0, start, k),
+                grad_scale=grad_scale, chunk_elems=self.cache_chunk, scratch=scratch,
+            )  # fmt: skip
 
     def _scratch_for(self, need: int, dtype: torch.dtype) -> torch.Tensor:
         if self._scratch is None or self._scratch.numel() < need or self._scratch.dtype != dtype:

@@ -65,7 +65,7 @@ class HostStep:
         were queued before it); returns the last upload's ticket."""
         self.copies.host_wait(ticket)
         self.copies.uploads_after(ticket)
-        master = self.groups[span.group].master.data
+        master = adam.written(span.group)[0]  # the shadow's during a speculative step (speculative.py)
         # offloaded parameters: the piece is host memory, so the kernel writes the new weights there
         direct = self.writes_out and dst.device.type == "cpu" and self.weights_on_host
         last: Ticket = None

@@ -2,7 +2,9 @@
 
 When the step's gradient factor is known before backward (no clipping, no fp16 overflow check:
 `GradMath.factor_before_backward`) and gradients stream to the host bucket by bucket (one rank, stages 1
-and 2), nothing stops the host from updating a span as soon as it has landed. A `StreamedStep` owns that
+and 2), nothing stops the host from updating a span as soon as it has landed. With a check and no
+clipping (`factor_before_verdict`) the same step runs speculatively, into a second copy of the state
+(speculative.py). A `StreamedStep` owns that
 one boundary backward: the spans that landed and wait for their update, and how many were updated.
 
 Threads: autograd runs on a helper thread and the thread that called `engine.backward` does the updates.

@@ -67,7 +67,7 @@ def parameter_offload(engine: Any) -> ZeroParamOffload | None:
     """ZeRO-3's `parameter_offload` object for `engine` (None at stages 0-2)."""
     if engine.config.zero_optimization.stage != 3:
         return None
-    offload = ZeroParamOffload(engine.module, getattr(engine.zero, "schedule", None))
+    offload = ZeroParamOffload(engine.module, engine.zero.schedule)
     if engine.optimizer is not None:
         engine.optimizer.parameter_offload = offload
     return offload

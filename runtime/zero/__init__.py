@@ -16,7 +16,8 @@ shard is the whole buffer. `Init` and `GatheredParameters` are ZeRO-3's user-fac
 What the optimizer's placement (runtime.offload) reads of a stage is declared here too, on
 `StageGroups`: where the working weights live (`params_sharded`, `units`, `host_param_bytes`) and, on
 `ZeroStage`, the partial offload's `offload_split`, which the builder computes where it groups the
-parameters and hands each stage's constructor.
+parameters and hands each stage's constructor, and stage 3's module-hook `schedule` (None elsewhere), which
+the engine's `parameter_offload` wraps.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from runtime.zero.stage3 import build_stage3, resident_unit_groups, stage3_optio
 from runtime.zero.stage3_param import ParamNotGathered
 
 if TYPE_CHECKING:
+    from runtime.zero.stage3_hooks import GatherScheduler
     from runtime.zero.stage3_unit import ShardedUnit
 
 __all__ = [
@@ -109,6 +111,13 @@ class ZeroStage(StageGroups, Protocol):
     # `offload_optimizer.ratio` between 0 and 1: which groups keep their optimizer state on the host and
     # which on the device (runtime.zero.offload_split); None when nothing is split
     offload_split: OffloadSplit | None
+
+    @property
+    def schedule(self) -> GatherScheduler | None:
+        """Stage 3's module-hook scheduler, which gathers and releases units around each module (what
+        DeepSpeed's `parameter_offload` removes and re-adds around `generate()`); None where every weight
+        stays whole (stages 0-2, and stage 3 with one rank)."""
+        ...
 
     def begin_backward(self, *, boundary: bool) -> None: ...
 

@@ -23,6 +23,7 @@ from runtime.zero.gathered import ResidentGroups
 from runtime.zero.offload_split import OffloadSplit
 
 if TYPE_CHECKING:
+    from runtime.zero.stage3_hooks import GatherScheduler
     from runtime.zero.stage3_unit import ShardedUnit
 
 
@@ -81,6 +82,10 @@ class HookedStage:
     @property
     def units(self) -> Sequence[ShardedUnit]:
         return ()
+
+    @property
+    def schedule(self) -> GatherScheduler | None:
+        return None  # every weight stays whole: no module hooks gather anything
 
     def host_param_bytes(self) -> int:
         return 0

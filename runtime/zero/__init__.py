@@ -23,7 +23,7 @@ the engine's `parameter_offload` wraps.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -151,13 +151,16 @@ class StageSetup:
     pre_reduce_scale: float = 1.0
     bucket_cap: int | None = None  # at most this many elements a bucket, whatever reduce_bucket_size says
     # (the optimizer offload's, with one rank: OffloadSettings.bucket_cap); None: no cap
+    # False for an engine without an optimizer (DeepSpeed's inference engine): nothing is ever updated, so
+    # the masters are the working weights themselves, unsharded at stages 1-2, and no gradient buffer exists
+    trains: bool = True
 
     @property
     def split_ratio(self) -> float:
         """The host's share of the optimizer state that the stage splits its groups by:
         `offload_optimizer.ratio` when the optimizer is offloaded, 1.0 (nothing to split) otherwise."""
         offload = self.zero.offload_optimizer
-        if offload.device == "none":
+        if offload.device == "none" or not self.trains:
             return 1.0
         if offload.ratio is None:  # the engine resolves "auto" first (runtime.offload.with_auto_ratio)
             raise ValueError(f'{RATIO_KEY} "auto" must be resolved before the ZeRO stage is built')
@@ -171,6 +174,8 @@ def build_zero_stage(
     stage's strategy over them; `stage.groups` are the flat groups the optimizer then steps (one
     optimizer param group each; `group.spec_index` says which of `specs` it came from)."""
     stage = setup.zero.stage
+    if not setup.trains:  # the masters alias the working weights (flatten_group, build_segment)
+        setup = replace(setup, master_dtype=setup.param_dtype)
     if stage not in (0, 1, 2, 3):
         raise NotImplementedError(f"zero_optimization.stage {stage} does not exist; use 0, 1, 2 or 3")
     registration = {p: i for i, p in enumerate(model.parameters())}
@@ -191,8 +196,9 @@ def build_zero_stage(
         pre_reduce_scale=setup.pre_reduce_scale,
         reduce_dtype=setup.reduce_dtype,
         offload_split=split,
+        trains=setup.trains,
     )
-    if stage == 2 and comm.world_size > 1:
+    if stage == 2 and comm.world_size > 1 and setup.trains:
         return ShardedGradStage(groups, comm, hooked)
     return ReplicatedGradStage(stage, groups, comm, hooked)
 
@@ -209,7 +215,8 @@ def _flatten_specs(
     ready first (their optimizer state on the host) and the rest (on the device). Returns the groups and
     the `OffloadSplit` (None without a ratio that splits)."""
     names = {p: n for n, p in model.named_parameters()}
-    sharded = shards_optimizer_state(setup.zero.stage) and comm.world_size > 1
+    # an engine that trains nothing keeps whole masters: they are then the working buffer itself
+    sharded = shards_optimizer_state(setup.zero.stage) and comm.world_size > 1 and setup.trains
     shard_world, shard_rank = (comm.world_size, comm.rank) if sharded else (1, 0)
     bucket_numel = setup.zero.reduce_bucket_size
     if setup.bucket_cap is not None:

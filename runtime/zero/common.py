@@ -51,6 +51,7 @@ class StageOptions:
     pre_reduce_scale: float = 1.0
     reduce_dtype: torch.dtype | None = None
     offload_split: OffloadSplit | None = None  # partial optimizer offload: which groups go to the host
+    trains: bool = True  # False: an engine without an optimizer, which keeps no gradient buffers
 
 
 class HookedStage:

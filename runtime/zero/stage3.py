@@ -70,6 +70,7 @@ class Stage3Options:
     offload_param: bool = False  # working shards in host memory (zero_optimization.offload_param cpu)
     pin_memory: bool = False  # pin those shards (only ever with CUDA)
     split_ratio: float = 1.0  # partial optimizer offload: the host's share (StageSetup.split_ratio)
+    trains: bool = True  # False: an engine without an optimizer (no gradient shards, no gradient hooks)
 
 
 class ParamShardedStage:
@@ -109,11 +110,12 @@ class ParamShardedStage:
         self._in_flight: list[InFlight] = []
         self._has_grads = False
         # frozen parameters are sharded too in an engine without an optimizer (DeepSpeed's inference
-        # engine, e.g. TRL's reference model); they never produce a gradient, so they get no hook
+        # engine, e.g. TRL's reference model); they never produce a gradient, so they get no hook, and
+        # such an engine reduces no gradient at all (its backward is refused)
         self._hooks: list[RemovableHandle] = [
             param.register_post_accumulate_grad_hook(self._on_grad)
             for param in self._where
-            if param.requires_grad
+            if param.requires_grad and options.trains
         ]
 
     @property
@@ -272,6 +274,7 @@ def stage3_options(setup: StageSetup) -> Stage3Options:
         offload_param=offload.enabled,
         pin_memory=offload.pin_memory,
         split_ratio=setup.split_ratio,
+        trains=setup.trains,
     )
 
 
@@ -311,6 +314,7 @@ def build_stage3(
                     master_dtype=options.master_dtype,
                     device=options.device,
                     host=host,
+                    grads=options.trains,
                 )
             )
             del values

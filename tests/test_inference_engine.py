@@ -1,0 +1,95 @@
+"""Engines built without an optimizer (DeepSpeed's inference engine: TRL's reference model, Accelerate or
+Lightning preparing a model for evaluation) hold the model's working weights and nothing else, on a real
+2-rank gloo engine with bf16 (whose training masters would be fp32 copies):
+
+- at ZeRO stages 0, 1 and 2 every rank holds the bf16 weights once (2 bytes a parameter, within the flat
+  buffers' alignment), at stage 3 its shard (1 byte a parameter at 2 ranks): no master copies, no
+  gradient buffers, no optimizer state (`engine.memory_breakdown()`), also at stage 3 with the trainer's
+  `offload_optimizer` + `offload_param` sections (TRL copies them into the reference model's config), and
+  with `offload_param` alone (ZeRO-Inference: the shards in host memory);
+- every engine's forward gives the plain bf16 model's output, bit for bit;
+- backward on an engine whose trainable parameters it would not reduce says so in one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.dist import run_distributed
+
+ROWS, WIDTH = 4, 64
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+CASES = {
+    "stage0": {"stage": 0},
+    "stage1": {"stage": 1},
+    "stage2": {"stage": 2},
+    "stage3": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    "stage3_offload": {"stage": 3, "stage3_param_persistence_threshold": 0, **OFFLOAD},
+    "stage3_offload_param": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "offload_param": {"device": "cpu"},  # alone: ZeRO-Inference
+    },
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 8))
+    model[0].requires_grad_(False)  # a frozen part beside trainable ones (a PEFT base, a partly frozen model)
+    return model
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    import runtime
+    from runtime.errors import UserError
+
+    x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(7)).bfloat16()
+    with torch.no_grad():
+        want = _model().bfloat16()(x)
+    out: dict = {}
+    for name, zero in CASES.items():
+        config = {"train_batch_size": ROWS, "bf16": {"enabled": True}, "zero_optimization": zero}
+        engine, optimizer, _, _ = runtime.initialize(model=_model(), config=config)
+        with torch.no_grad():
+            got = engine(x)
+        out[name] = {
+            "optimizer": optimizer,
+            "breakdown": engine.memory_breakdown(),
+            "host_param_bytes": engine.zero.host_param_bytes(),
+            "equal": torch.equal(got, want),
+        }
+        if name == "stage2":
+            with pytest.raises(UserError) as error:
+                engine.backward(engine(x).float().pow(2).mean())
+            out["backward_error"] = (str(error.value), error.value.hint)
+        engine.destroy()
+    return out
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_engines_without_an_optimizer_hold_only_the_working_weights() -> None:
+    numel = sum(p.numel() for p in _model().parameters())
+    for out in run_distributed(_worker, 2, timeout=120):
+        for name in CASES:
+            case = out[name]
+            memory = case["breakdown"]
+            assert case["optimizer"] is None, name
+            assert case["equal"], f"{name}: the forward differs from the plain bf16 model's"
+            held = (memory.master_bytes, memory.grad_bytes, memory.optimizer_bytes, memory.host_buffer_bytes)
+            assert held == (0, 0, 0, 0), (name, memory)
+            per_param = 2 if name in ("stage0", "stage1", "stage2") else 1  # bf16; stage 3: half at 2 ranks
+            assert per_param * numel <= memory.param_bytes <= per_param * numel * 1.02, (name, memory)
+            assert memory.model_state_bytes == memory.param_bytes, (name, memory)
+            offloaded = name.startswith("stage3_offload")
+            assert case["host_param_bytes"] == (memory.param_bytes if offloaded else 0), (name, case)
+            assert memory.host_bytes == case["host_param_bytes"], (name, memory)
+        assert out["backward_error"] == (
+            "engine.backward(): this ZeRO-2 engine was built without an optimizer (no optimizer= and no "
+            '"optimizer" section), as an inference engine: it keeps no gradient buffers, so it reduces no '
+            "gradients and updates nothing",
+            'to train the model pass optimizer=... or add an "optimizer" section; run an inference engine\'s '
+            "forward under torch.no_grad()",
+        )

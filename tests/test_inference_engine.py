@@ -8,7 +8,9 @@ Lightning preparing a model for evaluation) hold the model's working weights and
   `offload_optimizer` + `offload_param` sections (TRL copies them into the reference model's config), and
   with `offload_param` alone (ZeRO-Inference: the shards in host memory);
 - every engine's forward gives the plain bf16 model's output, bit for bit;
-- backward on an engine whose trainable parameters it would not reduce says so in one line.
+- backward on an engine whose trainable parameters it would not reduce says so in one line;
+- a training engine built over a model an inference engine shards at ZeRO-3 (TRL's precomputed reference
+  pass over the policy) takes it over and trains as plain PyTorch does.
 """
 
 from __future__ import annotations
@@ -66,13 +68,48 @@ def _worker(rank: int, world_size: int) -> dict:
                 engine.backward(engine(x).float().pow(2).mean())
             out["backward_error"] = (str(error.value), error.value.hint)
         engine.destroy()
+    out["handover"] = _handover(x.float())
     return out
 
 
+def _handover(x: torch.Tensor) -> dict:
+    """TRL's precomputed reference pass (DPO's precompute_ref_log_probs without a reference model): an
+    inference engine over the policy at ZeRO-3, then the Trainer's training engine over the same model."""
+    import runtime
+
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    config = {"train_batch_size": ROWS, "zero_optimization": zero}
+    model = _model()
+    reference, _, _, _ = runtime.initialize(model=model, config=config)
+    with torch.no_grad():
+        before = reference(x)
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    engine, _, _, _ = runtime.initialize(model=model, config={**config, "optimizer": sgd})
+    engine.backward(engine(x).pow(2).mean())  # every rank the same rows: the mean gradient is theirs
+    engine.step()
+    plain = _model()
+    with torch.no_grad():
+        plain_before = plain(x)
+    plain(x).pow(2).mean().backward()
+    torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.1).step()
+    with torch.no_grad():
+        after, through_reference, want = engine(x), reference(x), plain(x)
+    return {
+        "before": (before - plain_before).abs().max().item(),
+        "after": (after - want).abs().max().item(),
+        "shared": torch.equal(through_reference, after),  # one model: the reference sees the new weights
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_worker, 2, timeout=120)
+
+
 @pytest.mark.filterwarnings("ignore")
-def test_engines_without_an_optimizer_hold_only_the_working_weights() -> None:
+def test_engines_without_an_optimizer_hold_only_the_working_weights(ranks: list[dict]) -> None:
     numel = sum(p.numel() for p in _model().parameters())
-    for out in run_distributed(_worker, 2, timeout=120):
+    for out in ranks:
         for name in CASES:
             case = out[name]
             memory = case["breakdown"]
@@ -93,3 +130,14 @@ def test_engines_without_an_optimizer_hold_only_the_working_weights() -> None:
             'to train the model pass optimizer=... or add an "optimizer" section; run an inference engine\'s '
             "forward under torch.no_grad()",
         )
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_training_engine_takes_the_model_over_from_an_inference_engine(ranks: list[dict]) -> None:
+    """The second engine gathers the weights the first one sharded (its frozen layer whole, the rest in
+    its own units) and trains as plain PyTorch does; the first engine's forward then reads the same
+    (updated) model, as DeepSpeed's engines share their partitioned parameters."""
+    for out in ranks:
+        got = out["handover"]
+        assert got["before"] <= 1e-6 and got["after"] <= 1e-6, got
+        assert got["shared"], got

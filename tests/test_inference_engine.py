@@ -85,6 +85,7 @@ def _handover(x: torch.Tensor) -> dict:
         before = reference(x)
     sgd = {"type": "SGD", "params": {"lr": 0.1}}
     engine, _, _, _ = runtime.initialize(model=model, config={**config, "optimizer": sgd})
+    handed = reference.memory_breakdown()  # its shards are stale copies now: freed
     engine.backward(engine(x).pow(2).mean())  # every rank the same rows: the mean gradient is theirs
     engine.step()
     plain = _model()
@@ -98,6 +99,7 @@ def _handover(x: torch.Tensor) -> dict:
         "before": (before - plain_before).abs().max().item(),
         "after": (after - want).abs().max().item(),
         "shared": torch.equal(through_reference, after),  # one model: the reference sees the new weights
+        "handed_bytes": handed.model_state_bytes,
     }
 
 
@@ -136,8 +138,9 @@ def test_engines_without_an_optimizer_hold_only_the_working_weights(ranks: list[
 def test_a_training_engine_takes_the_model_over_from_an_inference_engine(ranks: list[dict]) -> None:
     """The second engine gathers the weights the first one sharded (its frozen layer whole, the rest in
     its own units) and trains as plain PyTorch does; the first engine's forward then reads the same
-    (updated) model, as DeepSpeed's engines share their partitioned parameters."""
+    (updated) model, as DeepSpeed's engines share their partitioned parameters, and its stale shards are
+    freed."""
     for out in ranks:
         got = out["handover"]
         assert got["before"] <= 1e-6 and got["after"] <= 1e-6, got
-        assert got["shared"], got
+        assert got["shared"] and got["handed_bytes"] == 0, got

@@ -23,8 +23,9 @@ gather of a 1-rank unit is the buffer itself), so stage 3 costs what stage 0 cos
 
 A model another engine's stage 3 already shards (TRL's precomputed reference pass wraps the policy in an
 inference engine before the Trainer's engine takes it) is taken over: each of its parameters is gathered
-from the other engine's unit while this engine builds its own, and the other engine's module hooks come
-off, so both engines then run the one model, as DeepSpeed's share their partitioned parameters.
+from the other engine's unit while this engine builds its own, then the other engine's module hooks come
+off and its stale shards are freed, so both engines run the one model, as DeepSpeed's share their
+partitioned parameters.
 """
 
 from __future__ import annotations
@@ -333,8 +334,8 @@ def build_stage3(
         if unit.persistent:
             unit.finish_gather()
         units.append(unit)
-    for scheduler in previous:  # the model is this engine's now: the other engine's hooks come off
-        scheduler.remove_module_hooks()
+    for scheduler in previous:  # the model is this engine's now: the other engine's hooks and shards go
+        scheduler.hand_over()
     groups = [s.group for u in units for s in u.segments]
     split = whole_group_split(groups, options.split_ratio, registration)
     return ParamShardedStage(model, units, comm, options, names, host, offload_split=split, uploads=uploads)

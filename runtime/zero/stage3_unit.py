@@ -282,6 +282,21 @@ class ShardedUnit:
                     if not group.master_is_alias:
                         master.narrow(0, piece.shard_offset, piece.numel).copy_(source)
 
+    def drop_shards(self) -> None:
+        """Free this rank's shards, masters and gradient shard for good: another engine took the model over
+        (stage3.build_stage3), so they are stale copies of weights that engine now holds. The parameters
+        are that engine's, so they are left alone (no `release`); the unit is never gathered again."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+        if self.state is not UnitState.SHARDED:  # persistent units too: nothing of them is kept
+            self.stats.add(-self.nbytes, -self.numel)
+        for segment in self.segments:
+            segment.group.working.untyped_storage().resize_(0)
+            segment.shard = segment.grad_shard = segment.shard.new_empty(0)
+            segment.group.master = nn.Parameter(segment.group.master.detach().new_empty(0))
+        self.state = UnitState.SHARDED
+
     def working_bytes(self) -> int:
         """Bytes the working buffers really occupy now (storage sizes; 0 when released)."""
         return sum(s.group.working.untyped_storage().nbytes() for s in self.segments)

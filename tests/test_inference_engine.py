@@ -7,7 +7,8 @@ Lightning preparing a model for evaluation) hold the model's working weights and
   gradient buffers, no optimizer state (`engine.memory_breakdown()`), also at stage 3 with the trainer's
   `offload_optimizer` + `offload_param` sections (TRL copies them into the reference model's config), and
   with `offload_param` alone (ZeRO-Inference: the shards in host memory);
-- every engine's forward gives the plain bf16 model's output, bit for bit;
+- every engine's forward gives the plain bf16 model's output, bit for bit, and a training checkpoint
+  loaded into one at ZeRO-2 gives the trained model's;
 - backward on an engine whose trainable parameters it would not reduce says so in one line;
 - a training engine built over a model an inference engine shards at ZeRO-3 (TRL's precomputed reference
   pass over the policy) takes it over and trains as plain PyTorch does.
@@ -44,7 +45,7 @@ def _model() -> nn.Module:
     return model
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, save_dir: str) -> dict:
     import runtime
     from runtime.errors import UserError
 
@@ -69,7 +70,25 @@ def _worker(rank: int, world_size: int) -> dict:
             out["backward_error"] = (str(error.value), error.value.hint)
         engine.destroy()
     out["handover"] = _handover(x.float())
+    out["loaded"] = _load(x.float(), save_dir)
     return out
+
+
+def _load(x: torch.Tensor, save_dir: str) -> float:
+    """A training checkpoint loaded into an inference engine at ZeRO-2 (Lightning's validate from a
+    checkpoint): its unsharded weights are the trained ones on every rank."""
+    import runtime
+
+    config = {"train_batch_size": ROWS, "zero_optimization": {"stage": 2, "reduce_bucket_size": 4000}}
+    sgd = {"type": "SGD", "params": {"lr": 0.1}}
+    trained, _, _, _ = runtime.initialize(model=_model(), config={**config, "optimizer": sgd})
+    trained.backward(trained(x).pow(2).mean())
+    trained.step()
+    trained.save_checkpoint(save_dir)
+    engine, _, _, _ = runtime.initialize(model=_model(), config=config)
+    engine.load_checkpoint(save_dir)
+    with torch.no_grad():
+        return (engine(x) - trained(x)).abs().max().item()
 
 
 def _handover(x: torch.Tensor) -> dict:
@@ -104,8 +123,8 @@ def _handover(x: torch.Tensor) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    return run_distributed(_worker, 2, timeout=120)
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("inference")), timeout=120)
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -125,6 +144,7 @@ def test_engines_without_an_optimizer_hold_only_the_working_weights(ranks: list[
             offloaded = name.startswith("stage3_offload")
             assert case["host_param_bytes"] == (memory.param_bytes if offloaded else 0), (name, case)
             assert memory.host_bytes == case["host_param_bytes"], (name, memory)
+        assert out["loaded"] == 0.0  # a checkpoint loads into the unsharded weights of every rank
         assert out["backward_error"] == (
             "engine.backward(): this ZeRO-2 engine was built without an optimizer (no optimizer= and no "
             '"optimizer" section), as an inference engine: it keeps no gradient buffers, so it reduces no '

@@ -142,7 +142,7 @@ def gather_working(groups: Sequence[FlatGroup], comm: Comm) -> None:
     launched: list[Pending] = []
     for group in groups:
         group.copy_master_to_working()
-        if comm.world_size == 1:
+        if comm.world_size == 1 or group.layout.world_size == 1:  # one rank, or unsharded (no optimizer)
             continue
         for bucket in group.layout.buckets:
             full = group.bucket_view(group.working, bucket)

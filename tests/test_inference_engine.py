@@ -114,7 +114,21 @@ def _handover(x: torch.Tensor) -> dict:
     torch.optim.SGD([p for p in plain.parameters() if p.requires_grad], lr=0.1).step()
     with torch.no_grad():
         after, through_reference, want = engine(x), reference(x), plain(x)
+    # the same at ZeRO-0/2 (TRL's reference engine below ZeRO-3 is a ZeRO-0 one): the copies it made go
+    model = _model()
+    zero = {"train_batch_size": ROWS, "zero_optimization": {"stage": 0}}
+    frozen = sum(p.numel() for p in model[0].parameters())
+    first, _, _, _ = runtime.initialize(model=model, config=zero)
+    second, _, _, _ = runtime.initialize(
+        model=model, config={"train_batch_size": ROWS, "zero_optimization": {"stage": 2}, "optimizer": sgd}
+    )
+    second.backward(second(x).pow(2).mean())
+    second.step()
+    with torch.no_grad():
+        low = (second(x) - want).abs().max().item(), torch.equal(first(x), second(x))
     return {
+        # what it still counts is the frozen layer the model holds (unmanaged by any engine), nothing else
+        "low_stage": (*low, first.memory_breakdown().model_state_bytes - 4 * frozen),
         "before": (before - plain_before).abs().max().item(),
         "after": (after - want).abs().max().item(),
         "shared": torch.equal(through_reference, after),  # one model: the reference sees the new weights
@@ -164,3 +178,4 @@ def test_a_training_engine_takes_the_model_over_from_an_inference_engine(ranks: 
         got = out["handover"]
         assert got["before"] <= 1e-6 and got["after"] <= 1e-6, got
         assert got["shared"] and got["handed_bytes"] == 0, got
+        assert got["low_stage"][0] <= 1e-6 and got["low_stage"][1:] == (True, 0), got

@@ -33,7 +33,7 @@ from runtime.comm import Comm
 from runtime.config import ZeroConfig
 from runtime.zero.common import StageOptions
 from runtime.zero.flat import FlatGroup, flatten_group
-from runtime.zero.gathered import GatheredParameters
+from runtime.zero.gathered import GatheredParameters, resident_owners
 from runtime.zero.init import Init, materialize_params
 from runtime.zero.offload_split import RATIO_KEY, OffloadSplit, split_count, whole_group_split
 from runtime.zero.optimizer import GroupSpec
@@ -179,6 +179,21 @@ def build_zero_stage(
     if stage not in (0, 1, 2, 3):
         raise NotImplementedError(f"zero_optimization.stage {stage} does not exist; use 0, 1, 2 or 3")
     registration = {p: i for i, p in enumerate(model.parameters())}
+    previous = resident_owners(model)  # an engine built over this model before: its copies are stale then
+    built = _build(model, specs, comm, setup, registration)
+    for owner in previous:
+        owner.hand_over()
+    return built
+
+
+def _build(
+    model: nn.Module,
+    specs: Sequence[GroupSpec],
+    comm: Comm,
+    setup: StageSetup,
+    registration: dict[nn.Parameter, int],
+) -> ZeroStage:
+    stage = setup.zero.stage
     if stage == 3:
         options = stage3_options(setup)
         # One rank gains nothing from sharding, except when the shards are to live in host memory.

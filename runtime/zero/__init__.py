@@ -193,6 +193,7 @@ def _build(
     setup: StageSetup,
     registration: dict[nn.Parameter, int],
 ) -> ZeroStage:
+    """The stage's groups and strategy (build_zero_stage, once the setup is final)."""
     stage = setup.zero.stage
     if stage == 3:
         options = stage3_options(setup)

@@ -4,12 +4,13 @@
 
 on CPU (DS_ACCELERATOR=cpu, gloo, 2 workers; tests/scripts/trl_trainers.py runs the three trainers one
 after the other in one process, a tiny GPT-2 built from a config, a tokenizer made there). The config is
-TRL's ZeRO-3 setup (no optimizer section: the Trainer's AdamW; "auto" values). Every logged value of
-every step (losses; DPO's rewards, margins and accuracies; GRPO's rewards) must equal the same script
-on plain DDP. GRPO samples its completions (temperature 1) from the trainer's seeded generator inside
-TRL's `unwrap_model_for_generation` (everything gathered, hooks removed): with 2 ranks in fp32 the
-ZeRO-3 logits equal DDP's bit for bit, so the sampled tokens and rewards are the same and the
-comparison is exact (1e-6 relative is allowed for the losses). DPO's reference model goes through
+TRL's ZeRO-3 setup (no optimizer section: the Trainer's AdamW; "auto" values); DPO runs twice, the
+second time with `precompute_ref_log_probs` (a reference pass over the policy in an engine of its own
+first). Every logged value of every step (losses; DPO's rewards, margins and accuracies; GRPO's rewards)
+must equal the same script on plain DDP. GRPO samples its completions (temperature 1) from the trainer's
+seeded generator inside TRL's `unwrap_model_for_generation` (everything gathered, hooks removed): with 2
+ranks in fp32 the ZeRO-3 logits equal DDP's bit for bit, so the sampled tokens and rewards are the same
+and the comparison is exact (1e-6 relative is allowed for the losses). DPO's reference model goes through
 TRL's `prepare_deepspeed`: an engine without an optimizer whose weights stay sharded at rest.
 """
 
@@ -69,7 +70,7 @@ def test_sft_dpo_grpo_under_zero3_match_ddp(tmp_path: Path) -> None:
     ddp = start(["--out", "ddp.json", "--output_dir", "ddp"], tmp_path)
     got, want = finish(z3, tmp_path / "z3.json"), finish(ddp, tmp_path / "ddp.json")
 
-    for trainer in ("sft", "dpo", "grpo"):
+    for trainer in ("sft", "dpo", "dpo_precompute", "grpo"):
         assert got[trainer]["engine"] == "runtime.engine.engine.Engine", got[trainer]
         assert got[trainer]["stage"] == 3, got[trainer]
         assert "DistributedDataParallel" in want[trainer]["engine"], want[trainer]
@@ -82,5 +83,6 @@ def test_sft_dpo_grpo_under_zero3_match_ddp(tmp_path: Path) -> None:
     assert want["sft"]["logs"]["3"]["loss"] < want["sft"]["logs"]["1"]["loss"] - 0.1  # it trained
     assert want["dpo"]["logs"]["3"]["rewards/margins"] > 0.1
     assert got["dpo"]["ref_optimizer"] == "None" and got["dpo"]["ref_released_fraction"] > 0.9
+    assert got["dpo_precompute"]["precompute_masters_grads"] == [0, 0]  # an inference engine's weights only
     assert got["grpo"]["hook_removals"] >= 3  # one gathered generation per step at least
     assert len({round(v["reward"], 6) for v in want["grpo"]["logs"].values()}) > 1  # sampling differs

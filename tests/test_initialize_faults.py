@@ -165,10 +165,18 @@ def test_ds_consolidate_names_a_misplaced_input_and_an_unwritable_output(
     one_rank: tuple[dict, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     _, root = one_rank
-    code, err = _consolidate(capsys, str(root / "t1"), str(tmp_path / "out.safetensors"))
+    # one tag's folder is read in place (as DeepSpeed users pass it); another tag beside it is named
+    from runtime.checkpoint import load_state_dict_file
+
+    out, ref = tmp_path / "out.safetensors", tmp_path / "ref.safetensors"
+    assert _consolidate(capsys, str(root / "t1"), str(out))[0] == 0
+    assert _consolidate(capsys, str(root), str(ref), "--tag", "t1")[0] == 0
+    got, want = load_state_dict_file(out), load_state_dict_file(ref)
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    code, err = _consolidate(capsys, str(root / "t1"), str(tmp_path / "out.safetensors"), "--tag", "t9")
     assert code == 1
-    assert f"error: {root}/t1 is the folder of one checkpoint (tag 't1')" in err
-    assert f"hint: ds_consolidate {root} --tag t1" in err
+    assert f"error: {root}/t1 is the folder of checkpoint tag 't1', not of tag 't9'" in err
+    assert f"hint: pass the directory holding the tags, {root}, with tag 't9' (tags there: t1" in err
     code, err = _consolidate(capsys, str(root / "afile"), str(tmp_path / "out.safetensors"))
     assert code == 1 and f"error: {root}/afile is a file, not a checkpoint directory" in err
     output = root / "afile" / "out.safetensors"  # a file where its folder should be

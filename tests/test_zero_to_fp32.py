@@ -260,3 +260,77 @@ def test_the_script_reads_a_save_that_a_crash_left_half_swapped_in(saved: dict, 
     command = runpy.run_path(str(root / "zero_to_fp32.py"))["main"]
     assert command([str(root), str(tmp_path / "out.bin")]) == 0
     assert _same(torch.load(tmp_path / "out.bin"), want)
+
+
+def test_every_form_users_pass_is_read_or_named(
+    saved: dict, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The save directory, one tag's folder (alone or with its own tag) and a pipeline's root give the same
+    state dict through the runtime's function, DeepSpeed's, `ds_consolidate`, the `zero_to_fp32` module and
+    the standalone script; a form that cannot work says in one line what to pass, naming the tags there."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import main as module_main
+
+    from runtime.checkpoint import (
+        CheckpointNotFound,
+        get_fp32_state_dict_from_checkpoint,
+        load_state_dict_file,
+    )
+    from runtime.checkpoint.consolidate import main as consolidate_main
+
+    plain, pipe = saved["plain"], saved["pipe"]
+    folder = plain / "global_step1"
+    want = get_fp32_state_dict_from_checkpoint(plain)
+    script_main = runpy.run_path(str(plain / "zero_to_fp32.py"))["main"]
+    for read in (get_fp32_state_dict_from_checkpoint, get_fp32_state_dict_from_zero_checkpoint):
+        for tag in (None, "global_step1"):
+            assert _same(read(str(folder), tag), want), (read, tag)
+    for i, argv in enumerate(([str(folder)], [str(folder), "-t", "global_step1"])):
+        assert consolidate_main([*argv, str(tmp_path / f"c{i}.safetensors")]) == 0
+        assert _same(load_state_dict_file(tmp_path / f"c{i}.safetensors"), want)
+        for name, main in (("m", module_main), ("s", script_main)):
+            assert main([argv[0], str(tmp_path / f"{name}{i}.bin"), *argv[1:]]) == 0, (name, argv)
+            assert _same(torch.load(tmp_path / f"{name}{i}.bin"), want)
+    whole = saved["pipeline"]
+    got = get_fp32_state_dict_from_checkpoint(pipe)
+    assert sorted(got) == sorted(whole) and all(torch.equal(got[k], whole[k]) for k in whole)
+    assert consolidate_main([str(pipe), str(tmp_path / "pipe.safetensors")]) == 0
+    written = load_state_dict_file(tmp_path / "pipe.safetensors")
+    assert sorted(written) == sorted(whole) and all(torch.equal(written[k], whole[k]) for k in whole)
+    capsys.readouterr()
+
+    # a tag folder with another tag, and a directory whose `latest` is gone: the folder and its tags named
+    with pytest.raises(CheckpointNotFound) as error:
+        get_fp32_state_dict_from_checkpoint(folder, "global_step9")
+    assert (str(error.value), error.value.hint) == (
+        f"{folder} is the folder of checkpoint tag 'global_step1', not of tag 'global_step9'",
+        f"pass the directory holding the tags, {plain}, with tag 'global_step9' (tags there: global_step1)",
+    )
+    assert script_main([str(folder), str(tmp_path / "x.bin"), "-t", "global_step9"]) == 1
+    assert capsys.readouterr().err == (
+        f"zero_to_fp32.py: error: {folder} is the folder of checkpoint tag 'global_step1', not of "
+        f"'global_step9'; pass {plain} with -t global_step9; tags there: global_step1\n"
+    )
+    unpointed = tmp_path / "unpointed"
+    shutil.copytree(plain, unpointed)
+    (unpointed / "latest").unlink()
+    assert consolidate_main([str(unpointed), str(tmp_path / "y.safetensors")]) == 1
+    assert capsys.readouterr().err == (
+        f"ds_consolidate: error: {unpointed} has no 'latest' file; its complete tags: global_step1\n"
+        "ds_consolidate: hint: pass the tag to read (tag='global_step1', or --tag global_step1 on a command "
+        "line)\n"
+    )
+    assert script_main([str(unpointed), str(tmp_path / "y.bin")]) == 1
+    assert capsys.readouterr().err == (
+        f"zero_to_fp32.py: error: {unpointed} has no 'latest' file and is not a checkpoint tag folder; "
+        "pass the folder that holds 'latest', or -t TAG; tags there: global_step1\n"
+    )
+    # one stage's tag folder is not the model: ds_consolidate names the pipeline's root and the tag
+    stage = pipe / "pipe_stage_00_of_02"
+    tag = (stage / "latest").read_text()
+    assert consolidate_main([str(stage / tag), str(tmp_path / "z.safetensors")]) == 1
+    assert capsys.readouterr().err == (
+        f"ds_consolidate: error: {stage} is one rank's part of a checkpoint saved with 2 pipeline stages, "
+        "not a checkpoint directory: ds_consolidate takes the directory save_checkpoint was given\n"
+        f"ds_consolidate: hint: ds_consolidate {pipe} --tag {tag} ...\n"
+    )

@@ -16,7 +16,9 @@ plus the engine state file's small entries, whatever the model size. The output 
 checked against the manifest's CRC-32 first unless --no_verify.
 
 A folder written by DeepSpeed (ZeRO 1-3) is read too (`portable.DeepSpeedTag`: whole tensors, no
-checksums to verify); `fp32_state.fp32_state_dict` adds pipeline and tensor-parallel roots.
+checksums to verify). The folder may be given in every form users pass (located.py): the save directory,
+one tag's folder, or a pipeline checkpoint's root, whose stages' state dicts are merged (held whole, to
+check that tied copies agree); a tensor-parallel root is refused with its degree.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import torch
 
 from runtime.checkpoint.deepspeed_format import as_checkpoint_error
 from runtime.checkpoint.load import open_checkpoint, read_engine_state, verify_files
+from runtime.checkpoint.located import Located, locate
 from runtime.checkpoint.manifest import (
     MASTER_KEY,
+    CheckpointCorrupted,
     CheckpointError,
     CheckpointWriteError,
     Manifest,
@@ -93,8 +97,14 @@ def iter_state_dict(
     verify: bool = True,
     stats: dict | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, tensor) in the module's state-dict order, one tensor in memory at a time (a DeepSpeed folder:
-    read whole first)."""
+    """(key, tensor) in the module's state-dict order, one tensor in memory at a time (a DeepSpeed folder
+    or a pipeline root: read whole first)."""
+    where = locate(checkpoint_dir, tag)
+    if where.stages:
+        for key, value in _merged_stages(where, verify=verify).items():
+            yield key, _cast(value, dtype)
+        return
+    checkpoint_dir, tag = where.root, where.tag
     deepspeed = deepspeed_state_dict(checkpoint_dir, tag)
     if deepspeed is not None:
         for key, value in deepspeed.items():
@@ -130,8 +140,12 @@ def iter_state_dict(
 def deepspeed_state_dict(
     checkpoint_dir: str | os.PathLike[str], tag: str | None, *, exclude_frozen_parameters: bool = False
 ) -> dict[str, torch.Tensor] | None:
-    """The fp32 state dict when `checkpoint_dir`'s tag was written by DeepSpeed, else None."""
-    tag_dir = resolve_tag_dir(checkpoint_dir, tag)
+    """The fp32 state dict when `checkpoint_dir`'s tag was written by DeepSpeed, else None (also for a
+    pipeline root)."""
+    where = locate(checkpoint_dir, tag)
+    if where.stages:
+        return None
+    tag_dir = resolve_tag_dir(where.root, where.tag)
     if not is_deepspeed_tag(tag_dir):
         return None
     try:
@@ -144,7 +158,8 @@ def get_fp32_state_dict_from_checkpoint(
     checkpoint_dir: str | os.PathLike[str], tag: str | None = None, *, verify: bool = True
 ) -> dict[str, torch.Tensor]:
     """The full model state dict (trained parameters as fp32 master weights, buffers as saved) of tag
-    `tag`, or of the tag `latest` names. Needs no process group and reshards any saved world size."""
+    `tag`, or of the tag `latest` names. Needs no process group and reshards any saved world size.
+    `checkpoint_dir` may also be one tag's folder, or a pipeline root (its stages merged)."""
     return dict(iter_state_dict(checkpoint_dir, tag, verify=verify))
 
 
@@ -161,6 +176,11 @@ def consolidate_checkpoint(
     output = Path(output)
     if output.is_dir():
         output = output / "model.safetensors"
+    where = locate(checkpoint_dir, tag)
+    if where.stages:  # the first stage's tag names the whole pipeline's
+        first = resolve_tag_dir(where.stages[0], where.tag)
+        return _write_whole(_merged_stages(where, verify=verify), output, first, dtype, start)
+    checkpoint_dir, tag = where.root, where.tag
     deepspeed = deepspeed_state_dict(checkpoint_dir, tag)
     if deepspeed is not None:
         return _write_whole(deepspeed, output, resolve_tag_dir(checkpoint_dir, tag), dtype, start)
@@ -203,6 +223,22 @@ def _write_whole(
     )
 
 
+def _merged_stages(where: Located, *, verify: bool) -> dict[str, torch.Tensor]:
+    """A pipeline root's stages as one state dict (parameter names carry global layer indices, so they add
+    up); a tied weight that several stages hold must agree."""
+    merged: dict[str, torch.Tensor] = {}
+    for stage in where.stages:
+        for key, value in iter_state_dict(stage, where.tag, verify=verify):
+            if key in merged and not torch.equal(merged[key], value):
+                raise CheckpointCorrupted(
+                    f"{where.root}: {key} differs between the pipeline stages holding it (a tied weight out "
+                    "of step?)",
+                    hint="save from one run: every stage's folder of the same step",
+                )
+            merged[key] = value
+    return merged
+
+
 @contextlib.contextmanager
 def _writing(output: Path) -> Iterator[None]:
     """Create the output's folder; a write the filesystem refuses (read-only, full, a file in the way)
@@ -236,7 +272,10 @@ def _parser() -> argparse.ArgumentParser:
         "2 bad arguments. Load the output with runtime.checkpoint.load_state_dict_file(path) or "
         "safetensors.torch.load_file(path).",
     )
-    parser.add_argument("checkpoint_dir", help="the save_dir given to engine.save_checkpoint")
+    parser.add_argument(
+        "checkpoint_dir",
+        help="the save_dir given to engine.save_checkpoint (or one tag's folder in it, or a pipeline's root)",
+    )
     parser.add_argument(
         "output", help="output file, OUTPUT.safetensors (or a directory: OUTPUT/model.safetensors)"
     )
@@ -257,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     if output.suffix != ".safetensors" and not output.is_dir():
         parser.error(f"OUTPUT {args.output!r} must end in .safetensors (or be a directory)")
     try:
-        misplaced = misplaced_root(args.checkpoint_dir, "ds_consolidate")
+        where = locate(args.checkpoint_dir, args.tag)  # a tag folder is read in place
+        misplaced = misplaced_root(where.root, "ds_consolidate", tag=where.tag)  # one stage: name the root
         if misplaced is not None:
             raise misplaced
         result = consolidate_checkpoint(
-            args.checkpoint_dir, output, args.tag, dtype=_DTYPES[args.dtype], verify=not args.no_verify
+            where.root, output, where.tag, dtype=_DTYPES[args.dtype], verify=not args.no_verify
         )
     except (CheckpointError, TensorFileError, OSError) as error:
         hint = getattr(error, "hint", "")

@@ -316,6 +316,16 @@ def read_latest(save_dir: str | Path) -> str | None:
         return None
 
 
+def complete_tags(root: str | os.PathLike[str]) -> list[str]:
+    """The tags of `root`'s complete saves (folders holding a manifest), in natural order (step 10 after
+    step 9), for messages that say what to pass."""
+    folder = Path(root)
+    if not folder.is_dir():
+        return []
+    names = [p.name for p in folder.iterdir() if (p / MANIFEST).is_file() and staged_tag(p.name) is None]
+    return sorted(names, key=lambda n: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", n)])
+
+
 def resolve_tag_dir(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
     """The directory of `tag` (or of the tag `latest` names), with a clear error for each missing piece.
     A committed save that a crash left half swapped in counts as done (`pending_commit`)."""
@@ -332,9 +342,16 @@ def resolve_tag_dir(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
     if tag is None:
         tag = read_latest(root)
         if tag is None:
+            found = complete_tags(root)
+            if found:  # saved with save_latest=False, or `latest` lost: say which tags there are
+                raise CheckpointNotFound(
+                    f"{root} has no '{LATEST}' file; its complete tags: {', '.join(found)}",
+                    hint=f"pass the tag to read (tag={found[-1]!r}, or --tag {found[-1]} on a command line)",
+                )
             raise CheckpointNotFound(
-                f"{root} has no '{LATEST}' file, so there is no complete checkpoint to resume from; "
-                "pass tag=... to load a specific one"
+                f"{root} has no '{LATEST}' file and no checkpoint tag folder (one holding {MANIFEST})",
+                hint="pass the directory save_checkpoint was given (the one holding `latest` and the tag "
+                "folders)",
             )
         if not tag:
             raise CheckpointCorrupted(f"{root / LATEST} is empty")
@@ -350,9 +367,7 @@ def resolve_tag_dir(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
                 f"writing it; its partial files are in {staging_name(tag_dir.name)}, which the next save "
                 "removes), so it cannot be loaded"
             )
-        available = sorted(
-            p.name for p in root.iterdir() if (p / MANIFEST).is_file() and staged_tag(p.name) is None
-        )
+        available = complete_tags(root)
         hint = f"; complete tags there: {', '.join(available)}" if available else ""
         raise CheckpointNotFound(f"checkpoint tag {tag!r} not found: {tag_dir} does not exist{hint}")
     return tag_dir

@@ -1,9 +1,10 @@
 """A path one level inside a checkpoint directory, given where the directory was meant.
 
-`engine.load_checkpoint`, `ds_consolidate` and the fp32 functions take the directory save_checkpoint was
-given. Given one tag's folder (it holds a manifest) or one model-parallel rank's folder
-(`pipe_stage_00_of_02`, `tp_rank_01_of_02`, `mp_rank_00_of_02`) they would only say that it has no
-`latest` file, and suggest a tag; `misplaced_root` names the directory (and the tag) to give instead.
+`engine.load_checkpoint` takes the directory save_checkpoint was given. Given one tag's folder (it holds a
+manifest) or one model-parallel rank's folder (`pipe_stage_00_of_02`, `tp_rank_01_of_02`,
+`mp_rank_00_of_02`) it would only say that it has no `latest` file, and suggest a tag; `misplaced_root`
+names the directory (and the tag) to give instead. `ds_consolidate` asks it too, for a rank's folder (one
+stage of a pipeline is not the model); a tag folder it reads in place (located.py).
 `FAMILIES` is the table of model-parallel folder names, shared with runtime.parallel.folders.
 """
 
@@ -30,11 +31,14 @@ FAMILIES = (
 FOLDER = re.compile(r"(\d+)_of_(\d+)")  # after the prefix: this rank's index and the degree
 
 
-def misplaced_root(root: str | os.PathLike, call: str = "load_checkpoint") -> Exception | None:
+def misplaced_root(
+    root: str | os.PathLike, call: str = "load_checkpoint", *, tag: str | None = None
+) -> Exception | None:
     """The error for a path one level inside a checkpoint directory, where the directory was meant: one
     tag's folder (it holds a manifest), or one model-parallel rank's folder (`pipe_stage_00_of_02`); None
     for anything else. Every engine's load can ask this before looking for its own folders; `call` names the
-    function or command the messages suggest ("load_checkpoint", "ds_consolidate")."""
+    function or command the messages suggest ("load_checkpoint", "ds_consolidate"), and `tag` the tag asked
+    for, which the suggestion for a model-parallel rank's folder repeats."""
     path = os.fspath(root)
     if not os.path.isdir(path):
         return None
@@ -52,7 +56,7 @@ def misplaced_root(root: str | os.PathLike, call: str = "load_checkpoint") -> Ex
                 f"{path} is one rank's part of a checkpoint saved with "
                 f"{saved_with.format(int(match.group(2)))}, not a checkpoint directory: {call} "
                 "takes the directory save_checkpoint was given",
-                hint=_suggest(call, parent, None),
+                hint=_suggest(call, parent, tag),
             )
     return None
 

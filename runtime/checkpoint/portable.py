@@ -419,15 +419,18 @@ def resolve_tag(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path
     root = Path(checkpoint_dir)
     if not root.is_dir():
         raise RecoveryError(f"checkpoint directory {root} does not exist", "not_found")
+    latest = root / LATEST
+    if not latest.is_file() and ((root / MANIFEST).is_file() or is_deepspeed_tag(root)):  # a tag folder
+        if tag in (None, root.name):
+            return root
+        what = f"{root} is the folder of checkpoint tag {root.name!r}, not of {tag!r}"
+        where = f"pass {root.parent} with -t {tag}{_tags_there(root.parent)}"
+        raise RecoveryError(f"{what}; {where}", "not_found")
     if tag is None:
-        latest = root / LATEST
         if not latest.is_file():
-            if (root / MANIFEST).is_file() or is_deepspeed_tag(root):
-                return root  # a tag folder given directly
-            raise RecoveryError(
-                f"{root} has no '{LATEST}' file and is not a checkpoint tag folder; pass the folder that "
-                "holds 'latest', or -t TAG", "not_found",
-            )  # fmt: skip
+            what = f"{root} has no '{LATEST}' file and is not a checkpoint tag folder"
+            where = f"pass the folder that holds 'latest', or -t TAG{_tags_there(root)}"
+            raise RecoveryError(f"{what}; {where}", "not_found")
         tag = latest.read_text(encoding="utf-8").strip()
         if not tag:
             raise RecoveryError(f"{latest} is empty")
@@ -436,8 +439,15 @@ def resolve_tag(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path
     if _pending_tag(root) == tag and staged.is_dir():
         return staged  # a committed save a crash left half swapped in: its complete files are still here
     if not tag_dir.is_dir():
-        raise RecoveryError(f"checkpoint tag {tag!r} not found: {tag_dir} does not exist", "not_found")
+        where = _tags_there(root)
+        raise RecoveryError(f"checkpoint tag {tag!r} not found: {tag_dir} does not exist{where}", "not_found")
     return tag_dir
+
+
+def _tags_there(root: Path) -> str:
+    """"; tags there: a, b" (the folders of `root` holding a checkpoint), or "" when there are none."""
+    tags = sorted(p.name for p in root.iterdir() if (p / MANIFEST).is_file() or is_deepspeed_tag(p))
+    return f"; tags there: {', '.join(tags)}" if tags else ""
 
 
 def _pending_tag(folder: Path) -> str | None:

@@ -30,7 +30,7 @@ def check_offload_param(zero: ZeroConfig) -> None:
             "zero_optimization.offload_param.device",
             f"{zero.offload_param.device!r} needs zero_optimization.offload_optimizer = "
             '{"device": "cpu"} too (the host optimizer step writes the updated weights into the '
-            "offloaded shards); parameter offload alone is not implemented",
+            "offloaded shards); parameter offload alone serves engines without an optimizer (inference)",
             hint='add "offload_optimizer": {"device": "cpu"} to zero_optimization, or remove offload_param',
         )
 

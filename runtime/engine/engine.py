@@ -88,7 +88,9 @@ class Engine(EngineAccessors, nn.Module):
         data communicator, param-group split, gradient norm and checkpoint folder the engine takes."""
         super().__init__()
         zero_cfg = config.zero_optimization
-        check_offload_param(zero_cfg)  # the combinations every engine checks (config/combinations)
+        inference = engine_inference.is_inference_only(optimizer, config)  # DeepSpeed's kind
+        if not inference:  # (parameter offload alone is ZeRO-Inference: fine without an optimizer)
+            check_offload_param(zero_cfg)  # the combinations every engine checks (config/combinations)
         self.parallel = plan = parallel or ParallelPlan()
         split_model = plan.model_parallel  # weights split over a model axis
         if not split_model:
@@ -117,15 +119,18 @@ class Engine(EngineAccessors, nn.Module):
         self.mpu, self.mpu_groups, self.mp_size = plan.mpu, plan.groups, plan.model_size
         self.grid, self.tp_size = plan.grid, plan.tp_size
 
-        self.inference_only = engine_inference.is_inference_only(optimizer, config)  # DeepSpeed's kind
+        self.inference_only = inference
         specs = self._param_group_specs(model, optimizer, model_parameters)
         if optimizer is None and config.optimizer is not None and config.optimizer.type == "Muon":
             specs = split_muon_specs(specs, muon_split(model))  # Muon's matrices apart from AdamW's rest
         low = autocast_reduced_params(model, self.policy)  # torch_autocast.lower_precision_safe_modules
         if low and self.policy.autocast_dtype is not None:
             specs = with_low_dtype(specs, low, self.policy.autocast_dtype)
-        # "ratio": "auto" becomes a number before the stage splits its groups by it
-        config = self.config = with_auto_ratio(config, model, self.comm, self.device, self.policy.param_dtype)
+        # "ratio": "auto" becomes a number before the stage splits its groups by it (an inference engine
+        # splits nothing: nothing of it is offloaded)
+        if not inference:
+            dtype = self.policy.param_dtype
+            config = self.config = with_auto_ratio(config, model, self.comm, self.device, dtype)
         zero_cfg = config.zero_optimization
         registration = {p: i for i, p in enumerate(model.parameters())}
         sharded = shards_optimizer_state(zero_cfg.stage) and self.comm.world_size > 1
@@ -141,6 +146,7 @@ class Engine(EngineAccessors, nn.Module):
             device=self.device,
             pre_reduce_scale=self._pre_reduce_scale,
             bucket_cap=zero_cfg.offload_optimizer.bucket_cap(self.comm.world_size),
+            trains=not inference,  # an inference engine keeps no masters and no gradient buffers
         )
         self.zero: ZeroStage = build_zero_stage(model, specs, self.comm, setup)
         self.groups = self.zero.groups
@@ -149,7 +155,8 @@ class Engine(EngineAccessors, nn.Module):
         cast_unmanaged(model, managed, self.policy.param_dtype)
         # where the masters live (device, or host under offload_optimizer); before the optimizer is built
         self.masters: MasterPlacement = build_master_placement(
-            config, self.groups, self.zero, self.comm, self.device, registration=registration
+            config, self.groups, self.zero, self.comm, self.device, registration=registration,
+            trains=setup.trains,
         )
         self.optimizer, self._per_tensor = self._build_optimizer(optimizer, sharded)
         self.masters.bind(self.optimizer)

@@ -7,8 +7,14 @@ gathers them for forward (its `DeepSpeedZeRoOffload`). Our engine does the same:
 
 - `group_specs`: every parameter is sharded at stage 3 (one group; no optimizer is built over it), the
   trainable ones form the group at stages 0-2, and a model with none is accepted;
-- `check_backward` / `refuse_step`: a stage-3 inference engine reduces no gradients, and no engine
-  without an optimizer steps: both say so in one line, where DeepSpeed fails with an AttributeError;
+- the engine holds the working weights and nothing else (`StageSetup.trains` false): the masters are the
+  working buffers themselves (unsharded at stages 1-2, the shards at stage 3), no gradient buffer or
+  gradient hook exists, and an `offload_optimizer` section moves nothing (TRL copies the trainer's config
+  into the reference model's); `offload_param` alone keeps the stage-3 shards in host memory
+  (DeepSpeed's ZeRO-Inference), which a training engine refuses;
+- `check_backward` / `refuse_step`: an inference engine with parameters to manage reduces no gradients,
+  and no engine without an optimizer steps: both say so in one line, where DeepSpeed fails with an
+  AttributeError;
 - `parameter_offload`: at stage 3 (any engine) the `runtime.zero.hook_control.ZeroParamOffload` over the
   stage's gather hooks, also set as `optimizer.parameter_offload`, where TRL's remove_hooks/add_hooks
   look for it.
@@ -43,13 +49,15 @@ def group_specs(engine: Any, model: nn.Module, optimizer: Any, model_parameters:
 
 
 def check_backward(engine: Any) -> None:
-    """Refuse backward on a stage-3 inference engine (its frozen shards have no gradient hooks)."""
-    if not (engine.inference_only and engine.zero_stage == 3):
+    """Refuse backward on an inference engine that manages parameters (every one at stage 3, the trainable
+    ones below): it keeps no gradient buffers to reduce their gradients into. With only frozen parameters
+    at stages 0-2 backward is plain autograd (gradients with respect to the inputs)."""
+    if not (engine.inference_only and engine.groups):
         return
     raise UserError(
-        "engine.backward(): this ZeRO-3 engine was built without an optimizer (no optimizer= and no "
-        '"optimizer" section), as an inference engine: its forward gathers the sharded weights, but it '
-        "reduces no gradients and updates nothing",
+        f"engine.backward(): this ZeRO-{engine.zero_stage} engine was built without an optimizer (no "
+        'optimizer= and no "optimizer" section), as an inference engine: it keeps no gradient buffers, so '
+        "it reduces no gradients and updates nothing",
         hint='to train the model pass optimizer=... or add an "optimizer" section; run an inference '
         "engine's forward under torch.no_grad()",
     )
@@ -67,7 +75,7 @@ def parameter_offload(engine: Any) -> ZeroParamOffload | None:
     """ZeRO-3's `parameter_offload` object for `engine` (None at stages 0-2)."""
     if engine.config.zero_optimization.stage != 3:
         return None
-    offload = ZeroParamOffload(engine.module, getattr(engine.zero, "schedule", None))
+    offload = ZeroParamOffload(engine.module, engine.zero.schedule)
     if engine.optimizer is not None:
         engine.optimizer.parameter_offload = offload
     return offload

@@ -90,14 +90,17 @@ def build_master_placement(
     device: torch.device,
     *,
     registration: dict[nn.Parameter, int],
+    trains: bool = True,
 ) -> MasterPlacement:
     """The placement `config.zero_optimization.offload_optimizer` asks for. Call it after the ZeRO stage
     is built and before the optimizer is (offload moves the master shards the optimizer will hold).
+    `trains=False` (an engine without an optimizer, whose masters are its working weights): nothing to
+    move, whatever the section says (TRL copies the trainer's into its reference model's config).
 
     One branch per placement: every master on the device, every master on the host, or (a ratio below 1,
     `zero.offload_split`) the host's groups on the host and the rest on the device."""
     offload: OffloadSettings = config.zero_optimization.offload_optimizer
-    if offload.device == "none":
+    if offload.device == "none" or not trains:
         return DeviceMasters(groups, zero)
     split = zero.offload_split
     if split is None:  # the ratio is 1: everything goes to the host

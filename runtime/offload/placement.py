@@ -133,7 +133,7 @@ class DeviceMasters:
         self.zero.write_back()
 
     def host_bytes(self, optimizer: torch.optim.Optimizer | None) -> tuple[int, int]:
-        return 0, 0
+        return self.zero.host_param_bytes(), 0  # working shards under offload_param (no optimizer's offload)
 
     def device_buffer_bytes(self) -> int:
         return 0

@@ -16,13 +16,14 @@ shard is the whole buffer. `Init` and `GatheredParameters` are ZeRO-3's user-fac
 What the optimizer's placement (runtime.offload) reads of a stage is declared here too, on
 `StageGroups`: where the working weights live (`params_sharded`, `units`, `host_param_bytes`) and, on
 `ZeroStage`, the partial offload's `offload_split`, which the builder computes where it groups the
-parameters and hands each stage's constructor.
+parameters and hands each stage's constructor, and stage 3's module-hook `schedule` (None elsewhere), which
+the engine's `parameter_offload` wraps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -32,7 +33,7 @@ from runtime.comm import Comm
 from runtime.config import ZeroConfig
 from runtime.zero.common import StageOptions
 from runtime.zero.flat import FlatGroup, flatten_group
-from runtime.zero.gathered import GatheredParameters
+from runtime.zero.gathered import GatheredParameters, resident_owners
 from runtime.zero.init import Init, materialize_params
 from runtime.zero.offload_split import RATIO_KEY, OffloadSplit, split_count, whole_group_split
 from runtime.zero.optimizer import GroupSpec
@@ -43,6 +44,7 @@ from runtime.zero.stage3 import build_stage3, resident_unit_groups, stage3_optio
 from runtime.zero.stage3_param import ParamNotGathered
 
 if TYPE_CHECKING:
+    from runtime.zero.stage3_hooks import GatherScheduler
     from runtime.zero.stage3_unit import ShardedUnit
 
 __all__ = [
@@ -110,6 +112,13 @@ class ZeroStage(StageGroups, Protocol):
     # which on the device (runtime.zero.offload_split); None when nothing is split
     offload_split: OffloadSplit | None
 
+    @property
+    def schedule(self) -> GatherScheduler | None:
+        """Stage 3's module-hook scheduler, which gathers and releases units around each module (what
+        DeepSpeed's `parameter_offload` removes and re-adds around `generate()`); None where every weight
+        stays whole (stages 0-2, and stage 3 with one rank)."""
+        ...
+
     def begin_backward(self, *, boundary: bool) -> None: ...
 
     def end_backward(self, *, boundary: bool) -> None: ...
@@ -142,13 +151,16 @@ class StageSetup:
     pre_reduce_scale: float = 1.0
     bucket_cap: int | None = None  # at most this many elements a bucket, whatever reduce_bucket_size says
     # (the optimizer offload's, with one rank: OffloadSettings.bucket_cap); None: no cap
+    # False for an engine without an optimizer (DeepSpeed's inference engine): nothing is ever updated, so
+    # the masters are the working weights themselves, unsharded at stages 1-2, and no gradient buffer exists
+    trains: bool = True
 
     @property
     def split_ratio(self) -> float:
         """The host's share of the optimizer state that the stage splits its groups by:
         `offload_optimizer.ratio` when the optimizer is offloaded, 1.0 (nothing to split) otherwise."""
         offload = self.zero.offload_optimizer
-        if offload.device == "none":
+        if offload.device == "none" or not self.trains:
             return 1.0
         if offload.ratio is None:  # the engine resolves "auto" first (runtime.offload.with_auto_ratio)
             raise ValueError(f'{RATIO_KEY} "auto" must be resolved before the ZeRO stage is built')
@@ -162,9 +174,27 @@ def build_zero_stage(
     stage's strategy over them; `stage.groups` are the flat groups the optimizer then steps (one
     optimizer param group each; `group.spec_index` says which of `specs` it came from)."""
     stage = setup.zero.stage
+    if not setup.trains:  # the masters alias the working weights (flatten_group, build_segment)
+        setup = replace(setup, master_dtype=setup.param_dtype)
     if stage not in (0, 1, 2, 3):
         raise NotImplementedError(f"zero_optimization.stage {stage} does not exist; use 0, 1, 2 or 3")
     registration = {p: i for i, p in enumerate(model.parameters())}
+    previous = resident_owners(model)  # an engine built over this model before: its copies are stale then
+    built = _build(model, specs, comm, setup, registration)
+    for owner in previous:
+        owner.hand_over()
+    return built
+
+
+def _build(
+    model: nn.Module,
+    specs: Sequence[GroupSpec],
+    comm: Comm,
+    setup: StageSetup,
+    registration: dict[nn.Parameter, int],
+) -> ZeroStage:
+    """The stage's groups and strategy (build_zero_stage, once the setup is final)."""
+    stage = setup.zero.stage
     if stage == 3:
         options = stage3_options(setup)
         # One rank gains nothing from sharding, except when the shards are to live in host memory.
@@ -182,8 +212,9 @@ def build_zero_stage(
         pre_reduce_scale=setup.pre_reduce_scale,
         reduce_dtype=setup.reduce_dtype,
         offload_split=split,
+        trains=setup.trains,
     )
-    if stage == 2 and comm.world_size > 1:
+    if stage == 2 and comm.world_size > 1 and setup.trains:
         return ShardedGradStage(groups, comm, hooked)
     return ReplicatedGradStage(stage, groups, comm, hooked)
 
@@ -200,7 +231,8 @@ def _flatten_specs(
     ready first (their optimizer state on the host) and the rest (on the device). Returns the groups and
     the `OffloadSplit` (None without a ratio that splits)."""
     names = {p: n for n, p in model.named_parameters()}
-    sharded = shards_optimizer_state(setup.zero.stage) and comm.world_size > 1
+    # an engine that trains nothing keeps whole masters: they are then the working buffer itself
+    sharded = shards_optimizer_state(setup.zero.stage) and comm.world_size > 1 and setup.trains
     shard_world, shard_rank = (comm.world_size, comm.rank) if sharded else (1, 0)
     bucket_numel = setup.zero.reduce_bucket_size
     if setup.bucket_cap is not None:

@@ -23,6 +23,7 @@ from runtime.zero.gathered import ResidentGroups
 from runtime.zero.offload_split import OffloadSplit
 
 if TYPE_CHECKING:
+    from runtime.zero.stage3_hooks import GatherScheduler
     from runtime.zero.stage3_unit import ShardedUnit
 
 
@@ -50,6 +51,7 @@ class StageOptions:
     pre_reduce_scale: float = 1.0
     reduce_dtype: torch.dtype | None = None
     offload_split: OffloadSplit | None = None  # partial optimizer offload: which groups go to the host
+    trains: bool = True  # False: an engine without an optimizer, which keeps no gradient buffers
 
 
 class HookedStage:
@@ -81,6 +83,10 @@ class HookedStage:
     @property
     def units(self) -> Sequence[ShardedUnit]:
         return ()
+
+    @property
+    def schedule(self) -> GatherScheduler | None:
+        return None  # every weight stays whole: no module hooks gather anything
 
     def host_param_bytes(self) -> int:
         return 0
@@ -138,7 +144,7 @@ def gather_working(groups: Sequence[FlatGroup], comm: Comm) -> None:
     launched: list[Pending] = []
     for group in groups:
         group.copy_master_to_working()
-        if comm.world_size == 1:
+        if comm.world_size == 1 or group.layout.world_size == 1:  # one rank, or unsharded (no optimizer)
             continue
         for bucket in group.layout.buckets:
             full = group.bucket_view(group.working, bucket)

@@ -74,6 +74,27 @@ class ResidentGroups:
         for param in self._where:
             stage3_param.unregister(param)
 
+    def hand_over(self) -> None:
+        """Another engine built over this model flattened its parameters into buffers of its own
+        (runtime.zero.build_zero_stage): these groups' buffers are stale copies, freed here, so an
+        engine without an optimizer that a training engine followed (TRL's precomputed reference pass at
+        ZeRO 0-2) holds nothing, and a step of this engine fails instead of updating a copy the model no
+        longer reads."""
+        groups = {id(group): group for group, _ in self._where.values()}
+        for group in groups.values():
+            group.working = group.working.new_empty(0)
+            group.master = nn.Parameter(group.master.detach().new_empty(0))
+
+
+def resident_owners(model: nn.Module) -> list[ResidentGroups]:
+    """The `ResidentGroups` of engines built over `model` before (its parameters' owners now)."""
+    found: dict[int, ResidentGroups] = {}
+    for param in model.parameters():
+        owner = stage3_param.owner_of(param)
+        if isinstance(owner, ResidentGroups):
+            found[id(owner)] = owner
+    return list(found.values())
+
 
 class GatheredParameters:
     """Gather `params` for the body of a `with` block (see the module docstring).

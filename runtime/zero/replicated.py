@@ -35,15 +35,17 @@ class ReplicatedGradStage(HookedStage):
     def __init__(self, stage: int, groups: Sequence[FlatGroup], comm: Comm, options: StageOptions) -> None:
         super().__init__(groups, comm, options)
         self.stage = stage
-        self.grads = [torch.zeros_like(group.working) for group in self.groups]
+        # an engine without an optimizer keeps no gradient buffer (its backward is refused)
+        trained = self.groups if options.trains else []
+        self.grads = [torch.zeros_like(group.working) for group in trained]
         self._views: list[tuple[nn.Parameter, torch.Tensor]] = []
-        for group, grad in zip(self.groups, self.grads, strict=True):
+        for group, grad in zip(trained, self.grads, strict=True):
             for param, slot in zip(group.params, group.layout.slots, strict=True):
                 view = grad.narrow(0, slot.offset, slot.numel).view(param.shape)
                 param.grad = view
                 self._views.append((param, view))
         self._reducing = False
-        self._communicates = comm.world_size > 1
+        self._communicates = comm.world_size > 1 and options.trains
         if self._communicates and self.overlap_comm:
             self._register_hooks()
 

@@ -20,6 +20,12 @@ gathered units and the gradient shards.
 
 With one rank nothing is sharded: units become plain flat groups under the replicated strategy (the
 gather of a 1-rank unit is the buffer itself), so stage 3 costs what stage 0 costs there.
+
+A model another engine's stage 3 already shards (TRL's precomputed reference pass wraps the policy in an
+inference engine before the Trainer's engine takes it) is taken over: each of its parameters is gathered
+from the other engine's unit while this engine builds its own, then the other engine's module hooks come
+off and its stale shards are freed, so both engines run the one model, as DeepSpeed's share their
+partitioned parameters.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from runtime.zero import init as zero_init
 from runtime.zero import stage3_param
 from runtime.zero.common import InFlight
 from runtime.zero.flat import FlatGroup, flatten_group
+from runtime.zero.gathered import GatheredParameters
 from runtime.zero.offload_split import OffloadSplit, whole_group_split
 from runtime.zero.optimizer import GroupSpec
 from runtime.zero.stage3_hooks import OUTSIDE_ENGINE_BACKWARD, GatherPolicy, GatherScheduler
@@ -70,6 +77,7 @@ class Stage3Options:
     offload_param: bool = False  # working shards in host memory (zero_optimization.offload_param cpu)
     pin_memory: bool = False  # pin those shards (only ever with CUDA)
     split_ratio: float = 1.0  # partial optimizer offload: the host's share (StageSetup.split_ratio)
+    trains: bool = True  # False: an engine without an optimizer (no gradient shards, no gradient hooks)
 
 
 class ParamShardedStage:
@@ -109,11 +117,12 @@ class ParamShardedStage:
         self._in_flight: list[InFlight] = []
         self._has_grads = False
         # frozen parameters are sharded too in an engine without an optimizer (DeepSpeed's inference
-        # engine, e.g. TRL's reference model); they never produce a gradient, so they get no hook
+        # engine, e.g. TRL's reference model); they never produce a gradient, so they get no hook, and
+        # such an engine reduces no gradient at all (its backward is refused)
         self._hooks: list[RemovableHandle] = [
             param.register_post_accumulate_grad_hook(self._on_grad)
             for param in self._where
-            if param.requires_grad
+            if param.requires_grad and options.trains
         ]
 
     @property
@@ -272,6 +281,7 @@ def stage3_options(setup: StageSetup) -> Stage3Options:
         offload_param=offload.enabled,
         pin_memory=offload.pin_memory,
         split_ratio=setup.split_ratio,
+        trains=setup.trains,
     )
 
 
@@ -286,6 +296,7 @@ def build_stage3(
     """Plan units over `model`, shard its trainable parameters unit by unit (at most one unit is whole at
     a time, also for a model built under zero.Init), and build the strategy (`registration`: each
     parameter's index in `model.parameters()`, which orders the groups for a partial optimizer offload)."""
+    previous = _previous_schedulers(model)  # gathered back from below, unit by unit
     names, plans, segments = _plan(model, specs, comm, options)
     host = uploads = None
     if options.offload_param:
@@ -297,7 +308,7 @@ def build_stage3(
     for plan in plans:
         built = []
         for spec_index, params in segments[plan.index]:
-            values = [zero_init.full_value(p, options.device) for p in params]
+            values = _full_values(params, options.device)
             built.append(
                 build_segment(
                     index,
@@ -311,6 +322,7 @@ def build_stage3(
                     master_dtype=options.master_dtype,
                     device=options.device,
                     host=host,
+                    grads=options.trains,
                 )
             )
             built[-1].group.reduce_dtype = specs[spec_index].wire_dtype(params)
@@ -323,9 +335,46 @@ def build_stage3(
         if unit.persistent:
             unit.finish_gather()
         units.append(unit)
+    for scheduler in previous:  # the model is this engine's now: the other engine's hooks and shards go
+        scheduler.hand_over()
     groups = [s.group for u in units for s in u.segments]
     split = whole_group_split(groups, options.split_ratio, registration)
     return ParamShardedStage(model, units, comm, options, names, host, offload_split=split, uploads=uploads)
+
+
+def _previous_schedulers(model: nn.Module) -> list[GatherScheduler]:
+    """The stage-3 schedulers of engines built over `model` before this one. TRL's precomputed reference
+    pass wraps the policy in an inference engine, then the Trainer builds its training engine over the same
+    model; DeepSpeed's engines share the partitioned parameters, so the second one simply takes them."""
+    found: dict[int, GatherScheduler] = {}
+    for param in model.parameters():
+        owner = stage3_param.owner_of(param)
+        if isinstance(owner, GatherScheduler):
+            found[id(owner)] = owner
+    return list(found.values())
+
+
+def _full_values(params: Sequence[nn.Parameter], device: torch.device) -> list[torch.Tensor]:
+    """The full values of one segment's parameters: from zero.Init's shards or the parameters themselves
+    (zero_init.full_value), or, for those another engine's stage 3 shards, gathered from its units (held
+    together, so a unit it shares with this segment is gathered once)."""
+    held = {id(p) for p in params if isinstance(stage3_param.owner_of(p), GatherScheduler)}
+    if not held:
+        return [zero_init.full_value(p, device) for p in params]
+    with GatheredParameters([p for p in params if id(p) in held]):
+        return [
+            p.detach().to(device, copy=True) if id(p) in held else zero_init.full_value(p, device)
+            for p in params
+        ]
+
+
+def _take_whole(params: Sequence[nn.Parameter], device: torch.device) -> None:
+    """Give the parameters among `params` that another engine's stage 3 shards their full values for good
+    (this engine keeps them whole: frozen ones beside its trained groups)."""
+    held = [p for p in params if isinstance(stage3_param.owner_of(p), GatherScheduler)]
+    for param, value in zip(held, _full_values(held, device), strict=True):
+        stage3_param.unregister(param)
+        stage3_param.materialize(param, value)
 
 
 def resident_unit_groups(
@@ -363,6 +412,7 @@ def _plan(
     plans = plan_units(model, list(spec_of), threshold=options.persistence_threshold)
     frozen = [p for p in model.parameters() if p not in spec_of]
     zero_init.materialize_params(frozen)  # frozen parameters are not sharded: whole on every rank
+    _take_whole(frozen, options.device)  # ... also those another engine's stage 3 sharded
     if comm.world_size == 1:
         zero_init.materialize_params(model.parameters())
     with torch.no_grad():

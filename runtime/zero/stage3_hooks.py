@@ -90,6 +90,7 @@ class GatherScheduler:
         self._tracing = False  # the current forward started at the model, so the trace applies
         self._prefetched: set[int] = set()
         self.module_hooks: list[RemovableHandle] = []
+        self.handed_over = False  # another engine took the model over (hand_over)
         self.add_module_hooks()
         for param in self._unit_of:
             stage3_param.register(param, self)
@@ -97,8 +98,11 @@ class GatherScheduler:
     # -- the module hooks (TRL removes them around generate(); runtime.zero.hook_control) -----------
     def add_module_hooks(self) -> None:
         """(Re-)register the pre- and post-forward hooks on every module that uses a unit. Hooks still
-        registered are removed first, so calling this twice never gathers twice."""
+        registered are removed first, so calling this twice never gathers twice. Not after `hand_over`:
+        the model's hooks are the other engine's then."""
         self.remove_module_hooks()
+        if self.handed_over:
+            return
         for module in self._users:
             self.module_hooks.append(module.register_forward_pre_hook(self._pre_forward))
             self.module_hooks.append(module.register_forward_hook(self._post_forward, always_call=True))
@@ -276,6 +280,15 @@ class GatherScheduler:
 
     def unit_of(self, param: nn.Parameter) -> ShardedUnit | None:
         return self._unit_of.get(param)
+
+    def hand_over(self) -> None:
+        """Another engine built over this model took its parameters (runtime.zero.stage3.build_stage3):
+        stop gathering around module calls for good and free the units' stale shards. A forward of this
+        engine then runs the model as the other engine holds it (DeepSpeed's engines share parameters)."""
+        self.handed_over = True
+        self.remove_module_hooks()
+        for unit in self.units:
+            unit.drop_shards()
 
     def close(self) -> None:
         """Stop gathering around module calls (the owner registration dies with this object)."""

@@ -7,8 +7,9 @@ an engine-visible `FlatGroup` laid out as a single bucket, so rank r's shard is 
 - `shard`: its piece of the working weights (param_dtype), always resident: on the device, or in host
   memory under `offload_param` (`offloaded`; pinned with CUDA), uploaded into the working buffer's own
   chunk before each all-gather;
-- `group.master`: its fp32 master piece (the optimizer's tensor; the shard itself when dtypes agree);
-- `grad_shard`: its piece of the reduced gradients;
+- `group.master`: its fp32 master piece (the optimizer's tensor; the shard itself when dtypes agree, and
+  always in an engine without an optimizer);
+- `grad_shard`: its piece of the reduced gradients (0 elements in an engine without an optimizer);
 - `group.working`: the full working buffer, whose *storage* is resized to 0 bytes while the unit is
   released and re-allocated to full size for a gather. Parameters are views into it while gathered.
 
@@ -113,11 +114,14 @@ def build_segment(
     device: torch.device,
     host: HostMemory | None = None,
     align: int = ALIGN_ELEMENTS,
+    grads: bool = True,
 ) -> Segment:
     """Shard one segment: keep this rank's piece of `values` (full parameter values, any dtype) as the
     working shard and the master, and make an empty full-size working buffer with parameter views.
     With `host` (a runtime.host_memory.HostMemory: parameter offload) the master and the working
-    shard are built in host memory, the shard pinned where that helps; they never alias then."""
+    shard are built in host memory, the shard pinned where that helps; they alias there only without
+    `grads` (an engine without an optimizer: nothing is updated, so the shard is the only copy, and no
+    gradient shard is kept either)."""
     world_size, rank = comm.world_size, comm.rank
     layout = plan_flat_layout(
         [p.numel() for p in params], world_size=world_size, bucket_numel=sys.maxsize, align=align
@@ -129,9 +133,11 @@ def build_segment(
         for piece in layout.param_pieces(rank):
             source = values[piece.param].reshape(-1).narrow(0, piece.param_offset, piece.numel)
             master.narrow(0, piece.shard_offset, piece.numel).copy_(source)
-        alias = master_dtype == param_dtype and host is None
+        alias = master_dtype == param_dtype and (host is None or not grads)
         if host is not None:
             shard = host.empty(layout.shard_numel, param_dtype, pinned=True).copy_(master)
+            if alias:
+                master = shard
         else:
             shard = master if alias else master.to(param_dtype)
         working = torch.empty(layout.numel, dtype=param_dtype, device=device)
@@ -152,7 +158,7 @@ def build_segment(
         param_names=list(names),
         spec_index=spec_index,
     )
-    grad_shard = torch.zeros(layout.shard_numel, dtype=param_dtype, device=device)
+    grad_shard = torch.zeros(layout.shard_numel if grads else 0, dtype=param_dtype, device=device)
     return Segment(group, shard, views, grad_shard, offloaded=host is not None)
 
 
@@ -275,6 +281,21 @@ class ShardedUnit:
                     segment.shard.narrow(0, piece.shard_offset, piece.numel).copy_(source)
                     if not group.master_is_alias:
                         master.narrow(0, piece.shard_offset, piece.numel).copy_(source)
+
+    def drop_shards(self) -> None:
+        """Free this rank's shards, masters and gradient shard for good: another engine took the model over
+        (stage3.build_stage3), so they are stale copies of weights that engine now holds. The parameters
+        are that engine's, so they are left alone (no `release`); the unit is never gathered again."""
+        pending, self._pending = self._pending, []
+        for handle in pending:
+            handle.wait()
+        if self.state is not UnitState.SHARDED:  # persistent units too: nothing of them is kept
+            self.stats.add(-self.nbytes, -self.numel)
+        for segment in self.segments:
+            segment.group.working.untyped_storage().resize_(0)
+            segment.shard = segment.grad_shard = segment.shard.new_empty(0)
+            segment.group.master = nn.Parameter(segment.group.master.detach().new_empty(0))
+        self.state = UnitState.SHARDED
 
     def working_bytes(self) -> int:
         """Bytes the working buffers really occupy now (storage sizes; 0 when released)."""

@@ -7,8 +7,10 @@ GRPO's reward) per trainer to ``--out`` as JSON.
     deepspeed --num_gpus 2 trl_trainers.py --deepspeed zero3.json --out z3.json
 
 DPO gets an explicit reference model (TRL wraps it with `prepare_deepspeed`: an engine without an
-optimizer, sharded at ZeRO-3). GRPO samples its completions (temperature 1, seeded by the trainer) inside
-`unwrap_model_for_generation` (all parameters gathered, hooks removed) and scores them with `reward_len`.
+optimizer, sharded at ZeRO-3); DPO with `precompute_ref_log_probs` has none: TRL wraps the policy itself in
+such an engine for one reference pass over the data set, then the Trainer trains the same model. GRPO
+samples its completions (temperature 1, seeded by the trainer) inside `unwrap_model_for_generation` (all
+parameters gathered, hooks removed) and scores them with `reward_len`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import argparse
 import json
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, load_from_disk
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, TrainerCallback
 
@@ -64,6 +66,10 @@ def engine_facts(trainer) -> dict:
         params = list(ref.module.parameters())
         released = sum(p.numel() for p in params if p.ds_status.name == "NOT_AVAILABLE")
         facts["ref_released_fraction"] = released / sum(p.numel() for p in params)
+    precompute = getattr(trainer, "_precompute_engine", None)  # DPO's reference pass over the policy
+    if precompute is not None:
+        memory = precompute.memory_breakdown()
+        facts["precompute_masters_grads"] = [memory.master_bytes, memory.grad_bytes]
     return facts
 
 
@@ -110,7 +116,7 @@ def run_sft(args: argparse.Namespace) -> dict:
     return {"logs": record.logs, **engine_facts(trainer)}
 
 
-def run_dpo(args: argparse.Namespace) -> dict:
+def run_dpo(args: argparse.Namespace, precompute: bool = False) -> dict:
     from trl import DPOConfig, DPOTrainer
 
     rows = range(24)
@@ -120,8 +126,18 @@ def run_dpo(args: argparse.Namespace) -> dict:
         "rejected": [" " + sentence(i + 2, 3) + " bad" for i in rows],
     })  # fmt: skip
     record = Record()
-    config = DPOConfig(**common(args, "dpo"), max_length=16)
-    trainer = DPOTrainer(model=model(), ref_model=model(), args=config, train_dataset=data,
+    name = "dpo_precompute" if precompute else "dpo"
+    config = DPOConfig(**common(args, name), max_length=16, precompute_ref_log_probs=precompute)
+    # precomputed: no reference model; TRL wraps the policy itself in an inference engine for the reference
+    # pass over the data set, before the Trainer builds its training engine over the same model
+    ref = None if precompute else model()
+    if precompute:  # TRL caches the log-probs beside the data set's files, which all ranks must then share
+        path = f"{args.output_dir}/dpo_data"
+        if torch.distributed.get_rank() == 0:
+            data.save_to_disk(path)
+        torch.distributed.barrier()
+        data = load_from_disk(path)
+    trainer = DPOTrainer(model=model(), ref_model=ref, args=config, train_dataset=data,
                          processing_class=tokenizer(), callbacks=[record])  # fmt: skip
     trainer.train()
     return {"logs": record.logs, **engine_facts(trainer)}
@@ -154,10 +170,11 @@ def main() -> None:
     parser.add_argument("--deepspeed", default=None)
     parser.add_argument("--output_dir", default="out")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--trainers", default="sft,dpo,grpo")
+    parser.add_argument("--trainers", default="sft,dpo,dpo_precompute,grpo")
     parser.add_argument("--local_rank", type=int, default=-1)  # the launcher's; the trainers read the env
     args = parser.parse_args()
-    runs = {"sft": run_sft, "dpo": run_dpo, "grpo": run_grpo}
+    runs = {"sft": run_sft, "dpo": run_dpo, "grpo": run_grpo,
+            "dpo_precompute": lambda a: run_dpo(a, precompute=True)}  # fmt: skip
     result = {name: runs[name](args) for name in args.trainers.split(",")}
     if torch.distributed.get_rank() == 0:
         with open(args.out, "w") as f:

@@ -2,8 +2,8 @@
 
 `PipelineEngine.save_checkpoint` writes one ZeRO checkpoint per stage (`pipe_stage_SS_of_NN/`, with
 `_chunks_VV` when a stage holds several chunks: all of them are in the one checkpoint). Since parameter
-names carry global layer indices, the stages' consolidated state dicts (`consolidate`, no process group
-needed) simply add up; a tied weight appears on several stages and must be equal there.
+names carry global layer indices, the stages' consolidated state dicts (`consolidate`, which merges them,
+no process group needed) simply add up; a tied weight appears on several stages and must be equal there.
 
 It lives with the checkpoint's readers, not in `runtime.pipe`, because it reads folders only: the
 `zero_to_fp32` entry (`fp32_state`) reaches it without importing the pipeline engine, which itself saves
@@ -68,14 +68,7 @@ def pipeline_stage_dirs(checkpoint_dir: str | os.PathLike[str]) -> list[Path]:
 def get_fp32_state_dict_from_pipeline_checkpoint(
     checkpoint_dir: str | os.PathLike[str], tag: str | None = None, *, verify: bool = True
 ) -> dict[str, torch.Tensor]:
-    """The whole model's state dict (fp32 master weights) from every stage of a pipeline checkpoint."""
-    merged: dict[str, torch.Tensor] = {}
-    for stage_dir in pipeline_stage_dirs(checkpoint_dir):
-        for key, value in get_fp32_state_dict_from_checkpoint(stage_dir, tag, verify=verify).items():
-            if key in merged and not torch.equal(merged[key], value):
-                raise PipelineCheckpointError(
-                    f"{key} differs between the stages holding it (a tied weight out of step?)",
-                    hint="save from one run: every stage's folder of the same step",
-                )
-            merged[key] = value
-    return merged
+    """The whole model's state dict (fp32 master weights) from every stage of a pipeline checkpoint: its
+    stage folders checked here, merged by the consolidation reader (which takes a pipeline root too)."""
+    pipeline_stage_dirs(checkpoint_dir)
+    return get_fp32_state_dict_from_checkpoint(checkpoint_dir, tag, verify=verify)

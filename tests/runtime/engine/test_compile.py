@@ -17,6 +17,7 @@ import torch
 
 from runtime.config import ConfigError, load_config
 from tests.support.dist import run_distributed
+from tests.support.paths import TESTS
 
 STEPS = 4
 MICRO = 2
@@ -139,11 +140,10 @@ def test_a_typo_in_the_compile_section_gets_did_you_mean():
 
 def _trainer_losses(rank: int, world: int, out: str) -> dict:
     import sys
-    from pathlib import Path
 
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-    sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+    sys.path.insert(0, str(TESTS / "scripts"))
     from hf_trainer import SEQ, VOCAB, RecordLosses, Tokens
 
     ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",

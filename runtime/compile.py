@@ -28,8 +28,9 @@ The design, per stage:
   forward runs, in the forward (without grad) and in the recomputation (with grad): two graphs per block
   class from the first step on, none added later. The glue around the blocks then runs eager.
 
-Measured on CPU with backend "eager" (tests/test_compile.py): the compiled engine's losses equal the eager
-engine's at every stage, and after the first step dynamo compiles no graph and counts no graph break.
+Measured on CPU with backend "eager" (tests/runtime/engine/test_compile.py): the compiled engine's losses
+equal the eager engine's at every stage, and after the first step dynamo compiles no graph and counts no
+graph break.
 Compiling the whole model at ZeRO 3 over two ranks instead (what `engine.compile()` did before) reported
 no graph break either, but compiled one graph only, a block's: dynamo abandoned the model's own frame at
 the hooks, so the embeddings, head and loss ran eager without a word.

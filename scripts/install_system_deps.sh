@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Debian packages the launcher tests run against: sshd (the fake hosts), pdsh and OpenMPI
-# (the alternative launchers), Slurm and munge (tests/slurm_testbed.py starts its own private
+# (the alternative launchers), Slurm and munge (tests/support/slurm_testbed.py starts its own private
 # daemons). Installs only what is missing; never starts a system sshd, slurmd, slurmctld or munged.
 set -euo pipefail
 need=()

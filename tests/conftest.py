@@ -1,5 +1,5 @@
 """Shared pytest set-up: the device every test trains on, and the real-sshd testbed (fake hosts on
-127.0.0.x, see tests/sshd_testbed.py).
+127.0.0.x, see tests/support/sshd_testbed.py).
 
 Device (the same on the 2-core CPU machine and on a GPU host):
 
@@ -7,7 +7,7 @@ Device (the same on the 2-core CPU machine and on a GPU host):
   before any test module is imported, so the runtime here, every subprocess a test starts (train_gpt.py,
   the benchmarks, ds_estimate) and every worker dslaunch launches inherit it: the engine picks the CPU
   whatever LOCAL_RANK says, and the launcher starts CPU workers even where GPUs are visible.
-  `tests.dist.run_distributed` sets it in each rank as well.
+  `tests.support.dist.run_distributed` sets it in each rank as well.
 - A test marked `gpu` trains on CUDA (NCCL between ranks): `DS_ACCELERATOR=cuda` is set for that test
   alone, and the test is skipped, with the reason, where torch sees no CUDA device.
 
@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests import sshd_testbed
-from tests.sshd_testbed import Testbed
+from tests.support import sshd_testbed
+from tests.support.sshd_testbed import Testbed
 
 TestbedFactory = Callable[..., Testbed]
 

@@ -3,7 +3,7 @@
 Model states are the ZeRO paper's term: working weights, gradients, master weights and optimizer state.
 Activations, the CUDA context and allocator fragmentation come on top and are not estimated. The numbers
 follow what this runtime allocates; ``Engine.memory_breakdown()`` reports the same four quantities and
-tests/test_estimator.py checks that both agree within 5% for stages 0-2 at 1, 2 and 3 ranks.
+tests/runtime/estimator/test_estimator.py checks that both agree within 5% for stages 0-2 at 1, 2 and 3 ranks.
 
 Bytes per parameter with 16-bit working weights (w = 2), fp32 master weights and Adam (8 bytes of state),
 N data-parallel ranks (``N = num_gpus_per_node * num_nodes``):

@@ -16,7 +16,7 @@ the device (its `offload_split`, runtime/zero/offload_split.py); the same steps 
 over the host's groups, and `PartialMasters` (partial.py) adds the device's groups and one norm for both.
 
 Parts, and which way imports point (each only to parts listed after it, and to runtime.zero, which
-never imports back; tests/offload/test_imports.py checks it):
+never imports back; tests/runtime/offload/test_imports.py checks it):
 
 - `__init__.py` (this): the factory and `enable_delayed_update`.
 - `auto_ratio.py`: `"ratio": "auto"` chosen from the model's sizes and the machine's memory, and the fit

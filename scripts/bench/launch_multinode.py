@@ -1,7 +1,7 @@
 """Multi-node launch latency: dslaunch over SSH against plain pdsh, on the same fake hosts.
 
-Starts a testbed of real sshd servers (tests/sshd_testbed.py: one per host on 127.0.0.x, root only) with
-the largest host count asked for, then for each count N (default 2, 4, 8) and each launcher, several
+Starts a testbed of real sshd servers (tests/support/sshd_testbed.py: one per host on 127.0.0.x, root only)
+with the largest host count asked for, then for each count N (default 2, 4, 8) and each launcher, several
 repetitions, interleaved. The clock starts just before the launcher process is created; each worker's
 first action writes ``time.time()`` to a file. Measured per run:
 
@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.bench.common import add_out_argument, emit, free_port, out_file  # noqa: E402
-from tests import sshd_testbed  # noqa: E402 - after the path set-up
+from tests.support import sshd_testbed  # noqa: E402 - after the path set-up
 
 WORKER = """\
 import os, sys, time

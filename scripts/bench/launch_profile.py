@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from scripts.bench.common import add_out_argument, emit, free_port, out_file  # noqa: E402 - after the path set-up
 from scripts.bench.launch_multinode import WORKER  # noqa: E402
-from tests import sshd_testbed  # noqa: E402
+from tests.support import sshd_testbed  # noqa: E402
 
 # The tracer runs inside the launcher process: it patches the phase functions, then runs the CLI.
 TRACER = r"""

@@ -63,6 +63,7 @@ GROUPS = {
         "zero3_init",
         "zero3_memory",
         "zero3_plan",
+        "zero3_uploads",
         "zero3_generation",
         "partition",
         "memory",
@@ -80,7 +81,7 @@ GROUPS = {
         "checkpoint_swap",
         "zero_to_fp32",
     ],
-    "runtime/precision": ["loss_scaler", "nonfinite", "input_dtype"],
+    "runtime/precision": ["loss_scaler", "nonfinite", "input_dtype", "bf16_states", "fp8"],
     "runtime/engine": [
         "engine_api",
         "initialize_faults",
@@ -90,8 +91,10 @@ GROUPS = {
         "device",
         "activation_ckpt",
         "cpu_checkpointing",
+        "muon",
+        "compile",
     ],
-    "runtime/sequence": ["tiled", "ulysses"],
+    "runtime/sequence": ["tiled", "ulysses", "sequence_engine"],
     "runtime/estimator": ["estimator", "estimator_fit", "estimator_longest"],
     "compat": [
         "compat_accelerate",
@@ -102,10 +105,11 @@ GROUPS = {
         "compat_peft",
         "compat_trainer",
         "compat_trl",
+        "ulysses_trainer",
     ],
-    "bench": ["bench_clients", "bench_common", "bench_hf", "bench_long_context"],
+    "bench": ["bench_clients", "bench_common", "bench_hf", "bench_long_context", "bench_compiled"],
 }
-OFFLOAD_TO = "runtime/offload"  # tests/offload/* as a whole
+OFFLOAD_TO = "runtime/offload"  # tests/runtime/offload/* as a whole
 OFFLOAD_EXTRA = ["cpu_adam"]  # flat tests that belong with the offload
 
 
@@ -137,7 +141,7 @@ for name in OFFLOAD_EXTRA:
     moves[f"tests/test_{name}.py"] = f"tests/{OFFLOAD_TO}/test_{name}.py"
 for path in sorted((T / "offload").glob("*.py")):
     if path.name != "__init__.py":
-        moves[f"tests/offload/{path.name}"] = f"tests/{OFFLOAD_TO}/{path.name}"
+        moves[f"tests/runtime/offload/{path.name}"] = f"tests/{OFFLOAD_TO}/{path.name}"
 
 left = sorted(p.name for p in T.glob("test_*.py") if f"tests/{p.name}" not in moves)
 print("staying at tests/:", left)
@@ -146,7 +150,7 @@ for old, new in moves.items():
     ensure_pkg((ROOT / new).parent)
     git("mv", old, new)
 if (T / "offload" / "__init__.py").exists():
-    git("rm", "-q", "tests/offload/__init__.py")
+    git("rm", "-q", "tests/runtime/offload/__init__.py")
 
 # module names: tests.x -> tests.support.x / tests.<folder>.test_x
 modmap = {old[:-3].replace("/", "."): new[:-3].replace("/", ".") for old, new in moves.items()}
@@ -225,7 +229,7 @@ for path in files:
     orig = text
     for old, new in sorted(pathmap.items(), key=lambda kv: -len(kv[0])):
         text = re.sub(rf"(?<![\w/]){re.escape(old)}\b", new, text)
-    text = re.sub(r"(?<![\w/])tests/offload/", "tests/runtime/offload/", text)
+    text = re.sub(r"(?<![\w/])tests/runtime/offload/", "tests/runtime/offload/", text)
     if text != orig:
         path.write_text(text)
 print(len(moves), "moved")

@@ -93,7 +93,7 @@ def main() -> None:
         # The plain DDP baseline's group is torch's own, and it still aborted in shutdown once in a full
         # suite after all of the above (torchrun, 2 ranks, 2 cores). Its result is written: leave without
         # interpreter shutdown. The engine's runs exit normally (runtime.init_distributed's fix, and
-        # tests/test_launch_local.py checks that clean exit every time).
+        # tests/integration/test_launch_local.py checks that clean exit every time).
         sys.stdout.flush()
         os._exit(0)
 

@@ -1,0 +1,34 @@
+"""The compiled-throughput benchmark (scripts/bench/compiled.py) on the CPU: its --tiny smoke check runs the
+Llama-shaped model (a transformers LlamaForCausalLM built from a config) in its own process, the compiled
+plain loop first, and reports each configuration's spread over the repeats and its ratio to that loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.support.paths import REPO
+
+ROOT = REPO
+
+
+def test_tiny_llama_rows_carry_spread_and_ratio_to_the_compiled_plain_loop() -> None:
+    script = str(ROOT / "scripts" / "bench" / "compiled.py")
+    command = [sys.executable, script, "--tiny", "--models", "llama3b", "--stages", "3", "--steps", "1",
+               "--warmup", "1", "--repeats", "2"]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"bench"')]
+    start, torch_row, ours = rows
+    assert start["event"] == "start" and start["device"] == "cpu"
+    assert (torch_row["config"], ours["config"]) == ("torch-compiled", "ours-compiled-zero3")
+    assert torch_row["ratio_to_torch_compiled"] == 1.0
+    assert ours["ratio_to_torch_compiled"] == round(ours["tokens_per_s"] / torch_row["tokens_per_s"], 4)
+    for row in (torch_row, ours):
+        assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
+        assert row["repeats"] == 2 and row["model"] == "llama3b"
+    # the same seeded model and batch: bf16 weights (ours) against fp32 weights under bf16 autocast
+    assert abs(ours["loss_first"] - torch_row["loss_first"]) < 0.01 * torch_row["loss_first"]

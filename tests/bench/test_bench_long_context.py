@@ -1,0 +1,33 @@
+"""scripts/bench/long_context.py on the CPU: a tiny Llama-shaped model trains one length in its own process
+with the tiled MLP, tiled loss and checkpointed layers, and the walk reports it as the longest."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from tests.support.paths import REPO
+
+ROOT = REPO
+
+
+def test_one_length_trains_and_the_summary_names_it() -> None:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench" / "long_context.py"),
+        *("--model", "64:128:2:4:2:100", "--device", "cpu", "--start", "96", "--max", "96", "--steps", "2"),
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    tried, summary = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert tried["ok"] and tried["seq_len"] == 96, tried
+    assert (
+        tried["setup"]["tiled_mlp"] and tried["setup"]["tiled_loss"] and tried["setup"]["cpu_checkpointing"]
+    )
+    assert len(tried["losses"]) == 2 and all(math.isfinite(loss) for loss in tried["losses"])
+    assert tried["tokens_per_s"] > 0 and tried["mfu"] is None  # no known peak for a CPU
+    assert summary["summary"] and summary["longest"] == 96 and "estimate" not in summary

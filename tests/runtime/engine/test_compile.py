@@ -1,0 +1,178 @@
+"""engine.compile() at ZeRO 0-3 (runtime/compile.py) and the config's `compile` section.
+
+Each case trains a tiny GPT twice in one process per rank, from the same seed on the same batches: the
+eager engine, then the same engine built again and compiled (backend "eager": dynamo traces and
+AOT-free graphs run, so CPU checks take seconds). The compiled losses must equal the eager ones step for
+step, and dynamo's counters must not move after the first step (no recompile, no new graph break per
+step). ZeRO-3 at world 1 with `offload_param` (sharded parameters, so gather hooks) and at world 2 take
+the per-region path; the others compile the whole model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from runtime.config import ConfigError, load_config
+from tests.support.dist import run_distributed
+from tests.support.paths import TESTS
+
+STEPS = 4
+MICRO = 2
+SEQ = 16
+
+
+def _train(rank: int, world: int, stage: int, accumulation: int, ckpt: bool, offload: bool, compiled: bool):
+    import runtime
+    from runtime.activation_checkpointing import checkpoint
+    from runtime.compile import compile_counts
+    from runtime.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, max_seq_len=SEQ))
+    if ckpt:
+        model.checkpoint_fn = checkpoint
+    zero: dict[str, Any] = {"stage": stage}
+    if offload:
+        zero["offload_param"] = {"device": "cpu"}
+        zero["offload_optimizer"] = {"device": "cpu"}
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accumulation,
+        "steps_per_print": 0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+    }
+    engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if compiled:
+        engine.compile(backend="eager")
+    gen = torch.Generator().manual_seed(1 + rank)
+    losses, counts = [], []
+    for _ in range(STEPS):
+        for _ in range(accumulation):
+            ids = torch.randint(0, 64, (MICRO, SEQ + 1), generator=gen)
+            loss = engine(ids[:, :-1], ids[:, 1:]).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        counts.append(compile_counts())
+    plan = engine.compile_plan if compiled else None
+    return losses, counts, plan
+
+
+def _case(rank: int, world: int, stage: int, accumulation: int, ckpt: bool, offload: bool) -> dict:
+    eager, _, _ = _train(rank, world, stage, accumulation, ckpt, offload, compiled=False)
+    compiled, counts, plan = _train(rank, world, stage, accumulation, ckpt, offload, compiled=True)
+    return {"eager": eager, "compiled": compiled, "counts": counts, "plan": plan}
+
+
+def _check(result: dict, whole_model: bool) -> None:
+    torch.testing.assert_close(result["compiled"], result["eager"], rtol=1e-5, atol=1e-6)
+    counts = result["counts"]
+    assert counts[0]["graphs_compiled"] > 0
+    assert counts[-1] == counts[0], counts  # nothing compiled after the first step: no recompile
+    assert counts[-1]["graph_breaks"] == 0
+    assert result["plan"].whole_model is whole_model
+
+
+@pytest.mark.parametrize(
+    ("stage", "accumulation", "ckpt", "offload", "whole"),
+    [
+        (0, 1, False, False, True),
+        (1, 2, False, False, True),
+        (2, 2, True, False, True),
+        (3, 1, True, True, False),
+    ],
+)
+def test_compiled_engine_equals_eager_world1(
+    stage: int, accumulation: int, ckpt: bool, offload: bool, whole: bool
+) -> None:
+    (result,) = run_distributed(_case, 1, stage, accumulation, ckpt, offload)
+    _check(result, whole)
+    regions = ("tok_emb", "pos_emb", "blocks.0", "blocks.1", "ln_f", "lm_head")
+    assert result["plan"].regions == (regions if not whole else ("", *regions))
+
+
+def test_compiled_zero3_world2_with_accumulation_and_checkpointing():
+    results = run_distributed(_case, 2, 3, 2, True, False)
+    for result in results:
+        _check(result, whole_model=False)
+
+
+# -- the config's compile section ---------------------------------------------------------------------------
+
+
+def _load(section: dict) -> Any:
+    return load_config({"train_batch_size": 2, "compile": section}, world_size=1)
+
+
+def test_deepcompile_is_read_with_a_note_saying_what_it_means_here():
+    config = _load({"deepcompile": True, "double_buffer": True, "free_activation": False})
+    assert config.compile.deepcompile
+    assert any(n.startswith("compile.deepcompile: true: engine.compile() compiles") for n in config.notes)
+
+
+@pytest.mark.parametrize(
+    ("key", "hint"),
+    [
+        ("offload_activation", "activation_checkpointing.cpu_checkpointing"),
+        ("offload_opt_states", "zero_optimization.offload_optimizer"),
+        ("symmetric_memory", "symmetric-memory"),
+    ],
+)
+def test_deepcompile_features_we_lack_are_refused_by_key(key: str, hint: str):
+    with pytest.raises(ConfigError) as error:
+        _load({"deepcompile": True, key: True})
+    assert str(error.value).startswith(f"compile.{key}: a DeepSpeed option dslaunch does not support")
+    assert hint in str(error.value)
+
+
+def test_a_typo_in_the_compile_section_gets_did_you_mean():
+    with pytest.raises(ConfigError, match=r'compile\.deepcompil: unknown key; did you mean "deepcompile"'):
+        _load({"deepcompil": True})
+
+
+# -- the Hugging Face route: TrainingArguments(torch_compile=True) with a DeepSpeed config ---------------
+
+
+def _trainer_losses(rank: int, world: int, out: str) -> dict:
+    import sys
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    sys.path.insert(0, str(TESTS / "scripts"))
+    from hf_trainer import SEQ, VOCAB, RecordLosses, Tokens
+
+    ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "train_batch_size": "auto", "zero_optimization": {"stage": 3},
+          "compile": {"deepcompile": True}}  # fmt: skip
+    result: dict = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+        args = TrainingArguments(
+            output_dir=out, per_device_train_batch_size=2, max_steps=3, logging_steps=1, report_to="none",
+            seed=0, deepspeed=ds, disable_tqdm=True, learning_rate=3e-3, save_strategy="no",
+            torch_compile=compiled, torch_compile_backend="eager" if compiled else None,
+        )  # fmt: skip
+        recorder = RecordLosses()
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens(32), callbacks=[recorder])
+        trainer.train()
+        engine = trainer.model_wrapped
+        result[compiled] = (recorder.losses, engine.is_compiled, getattr(engine, "compile_plan", None))
+    return result
+
+
+def test_trainer_torch_compile_with_a_deepspeed_config_compiles_our_engine(tmp_path) -> None:
+    """Accelerate calls engine.compile(backend, compile_kwargs) for torch_compile=True: ZeRO-3 over two
+    ranks trains to the same losses compiled, through the per-unit path."""
+    results = run_distributed(_trainer_losses, 2, str(tmp_path))
+    for result in results:
+        (eager, eager_compiled, _), (losses, is_compiled, plan) = result[False], result[True]
+        assert (eager_compiled, is_compiled) == (False, True)
+        assert not plan.whole_model and "transformer.h.0" in plan.regions
+        assert len(losses) == 3
+        torch.testing.assert_close(losses, eager, rtol=1e-5, atol=1e-6)

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dist import run_distributed
+from tests.support.dist import run_distributed
 
 ROWS, WIDTH = 4, 64
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}

@@ -23,7 +23,9 @@ class PartFailed(AssertionError):
 
 
 def _all_parts(rank: int, world_size: int, save_root: str) -> dict[str, Any]:
-    from tests import test_pipe_engine, test_pipe_module, test_topology, test_tp_autotp
+    from tests.runtime.parallel import test_topology
+    from tests.runtime.pipe import test_pipe_engine, test_pipe_module
+    from tests.runtime.tp import test_tp_autotp
 
     parts = {
         "topology": lambda: test_topology._grid_worker(rank, world_size),

@@ -444,5 +444,5 @@ def hf_checkpointing(model: nn.Module) -> nn.Module:
     enable()  # type: ignore[operator]  # a HF model's method, which nn.Module's attribute type does not know
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = checkpoint  # type: ignore[assignment]  # HF's attribute
+            module._gradient_checkpointing_func = checkpoint  # HF's attribute
     return model

@@ -110,7 +110,7 @@ def compile_model(
     for name in regions:
         module = modules[name]
         # The forward only: `_call_impl`, which runs the gather/release hooks, stays eager around it.
-        module.forward = torch.compile(module.forward, **kwargs)  # type: ignore[method-assign]
+        module.forward = torch.compile(module.forward, **kwargs)
     if hooked:
         return CompilePlan(regions=regions, whole_model=False)
     model.compile(**kwargs)  # in place: the engine's parameter hooks stay on the same objects

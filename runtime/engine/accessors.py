@@ -139,7 +139,7 @@ class EngineAccessors:
         """The whole model in the Hugging Face layout (AutoTP's shards gathered over the model group, the
         fused q|k|v order undone); every rank must call it."""
         self.masters.flush()  # type: ignore[attr-defined]
-        return full_state_dict(self.module)  # type: ignore[attr-defined]
+        return full_state_dict(self.module)
 
     @contextlib.contextmanager
     def excluding_frozen(self, exclude: bool) -> Iterator[None]:

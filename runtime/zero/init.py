@@ -218,7 +218,7 @@ class Init:
 class _InitMode(TorchFunctionMode):
     """Inside zero.Init: torch functions that reach sharded parameters run on gathered full tensors."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name, is_setter = _func_name(func)
         if not is_setter and name in stage3_param._METADATA:

@@ -129,7 +129,7 @@ class ShardedParameter(nn.Parameter):
     """The class of a parameter whose values are sharded across ranks and not gathered here."""
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name, is_setter = _func_name(func)
         if (name in _METADATA and not is_setter) or (is_setter and name in _METADATA_SETTERS):

@@ -119,6 +119,8 @@ class ParamShardedStage:
         self._reduced: set[int] = set()  # units reduce-scattered in this backward
         self._in_flight: list[InFlight] = []
         self._has_grads = False
+        for param in self._where:  # a gradient left on the model (another engine's view, a plain backward)
+            param.grad = None  # would be added to this engine's first one: autograd accumulates into .grad
         # frozen parameters are sharded too in an engine without an optimizer (DeepSpeed's inference
         # engine, e.g. TRL's reference model); they never produce a gradient, so they get no hook, and
         # such an engine reduces no gradient at all (its backward is refused)

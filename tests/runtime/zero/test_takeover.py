@@ -4,7 +4,8 @@ policy, then the Trainer builds its own over the same model), on a real 2-rank g
 - the engine built second trains exactly as a fresh engine over a fresh copy of the model holding the
   same weights: its losses are equal, step by step, whatever the first engine's stage (the first
   engine's gradient hooks are gone: a stage-2 one took each `.grad` into its own buffers, a stage-3 one
-  refused the new engine's backward);
+  refused the new engine's backward, and a stage-1 engine's gradient views, still holding a backward's
+  gradients, were added to a new stage-3 engine's first ones);
 - a ZeRO 0-2 engine built over a model a ZeRO-3 engine shards gathers the full weights from that
   engine's units first (it raised ParamNotGathered before);
 - a backward or step of the first engine says in one line that the model was taken over, naming both
@@ -22,7 +23,7 @@ from torch import nn
 from tests.support.dist import run_distributed
 
 ROWS, WIDTH, STEPS = 4, 16, 3
-CASES = [(2, 1), (3, 3), (3, 1)]  # (the first engine's stage, the second's)
+CASES = [(2, 1), (3, 3), (3, 1), (1, 3)]  # (the first engine's stage, the second's)
 SGD = {"type": "SGD", "params": {"lr": 0.1}}
 
 
@@ -58,6 +59,7 @@ def _case(old_stage: int, new_stage: int) -> dict:
     old, _, _, _ = runtime.initialize(model=model, config=_config(old_stage))
     old.backward(old(_batch(0)).pow(2).mean())
     old.step()
+    old.backward(old(_batch(0)).pow(2).mean())  # gradients left in its buffers: the new engine ignores them
     new, _, _, _ = runtime.initialize(model=model, config=_config(new_stage))
     taken = _train(new)
     # the reference: a fresh copy of the model after the same first step, in a fresh engine

@@ -132,7 +132,11 @@ class HookedStage:
         off, so the new engine's backward sees only its own (an old stage-2 hook would take each `.grad`
         into this stage's buffers); its backward and step are refused from now on (`check_owned`)."""
         self.close()
+        self._free_grads()
         self.taken_over = TakeOver(self.stage, new_stage)
+
+    def _free_grads(self) -> None:
+        """Free the gradient buffers (taken over: nothing reads them again)."""
 
     def check_owned(self, what: str) -> None:
         """Raise ModelTakenOver when another engine took this stage's model over."""

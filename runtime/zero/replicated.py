@@ -122,6 +122,10 @@ class ReplicatedGradStage(HookedStage):
         else:
             gather_working(self.groups, self.comm)
 
+    def _free_grads(self) -> None:
+        self.grads = [grad.new_empty(0) for grad in self.grads]
+        self._views = []  # the parameters' .grad are the new engine's now
+
     def zero_grad(self) -> None:
         for grad in self.grads:
             grad.zero_()

@@ -108,6 +108,10 @@ class ShardedGradStage(HookedStage):
     def write_back(self) -> None:
         gather_working(self.groups, self.comm)
 
+    def _free_grads(self) -> None:
+        self.shards = [shard.new_empty(0) for shard in self.shards]
+        self._staging.clear()
+
     def zero_grad(self) -> None:
         # The next micro-step overwrites the shards instead of adding to them: no kernel needed.
         self._has_grads = False

@@ -62,6 +62,7 @@ def _case(old_stage: int, new_stage: int) -> dict:
     old.backward(old(_batch(0)).pow(2).mean())  # gradients left in its buffers: the new engine ignores them
     new, _, _, _ = runtime.initialize(model=model, config=_config(new_stage))
     taken = _train(new)
+    held = old.memory_breakdown().model_state_bytes  # its stale copies, freed at the take-over
     # the reference: a fresh copy of the model after the same first step, in a fresh engine
     plain = _model()
     plain(_batch(0)).pow(2).mean().backward()
@@ -76,7 +77,7 @@ def _case(old_stage: int, new_stage: int) -> dict:
         errors.append((str(error.value), error.value.hint))
     for engine in (old, new, fresh):
         engine.destroy()
-    return {"taken": taken, "want": want, "errors": errors}
+    return {"taken": taken, "want": want, "errors": errors, "held": held}
 
 
 def _worker(rank: int, world_size: int) -> dict:
@@ -97,6 +98,7 @@ def test_the_second_engine_trains_as_a_fresh_one_and_the_first_refuses(
     for out in ranks:
         got = out[case]
         assert got["taken"] == got["want"], got
+        assert got["held"] == 0, got
         message = (
             f"of a ZeRO-{old_stage} engine whose model a ZeRO-{new_stage} engine built later over the same "
             "model took over (its gradient hooks and weight copies are gone)"

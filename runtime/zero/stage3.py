@@ -140,7 +140,7 @@ class ParamShardedStage:
 
     # -- backward ---------------------------------------------------------------------------------
     def begin_backward(self, *, boundary: bool) -> None:
-        self._check_owned("backward")
+        self.check_owned("backward")
         self._left = {u.index: len(u.params) for u in self.units}
         self._reduced = set()
         self.schedule.begin_backward()
@@ -221,7 +221,7 @@ class ParamShardedStage:
 
     # -- step -------------------------------------------------------------------------------------
     def grad_pieces(self) -> list[list[torch.Tensor]]:
-        self._check_owned("step")
+        self.check_owned("step")
         if not self._has_grads:
             for unit in self.units:
                 for segment in unit.segments:
@@ -266,7 +266,7 @@ class ParamShardedStage:
         self._hooks.clear()
         self.taken_over = TakeOver(self.stage, new_stage)
 
-    def _check_owned(self, what: str) -> None:
+    def check_owned(self, what: str) -> None:
         if self.taken_over is not None:
             raise self.taken_over.error(what)
 

@@ -249,6 +249,7 @@ class Engine(EngineAccessors, nn.Module):
     ) -> torch.Tensor:
         """Backpropagate `loss` (this rank's micro-batch mean); gradients are reduced as they appear."""
         engine_inference.check_backward(self)
+        self.zero.check_owned("backward")  # before anything runs: another engine may own the model now
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {_describe(loss)}")
         boundary = self.is_gradient_accumulation_boundary()
@@ -276,6 +277,7 @@ class Engine(EngineAccessors, nn.Module):
             return
         if self.optimizer is None:
             engine_inference.refuse_step()
+        self.zero.check_owned("step")
         with self._timers("step"):
             self._step_applied = self._apply_step(lr_kwargs)
             self.zero.zero_grad()

@@ -40,7 +40,13 @@ from runtime.zero.optimizer import GroupSpec
 from runtime.zero.partition import FlatLayout, plan_flat_layout
 from runtime.zero.replicated import GradientViewsReplaced, ReplicatedGradStage
 from runtime.zero.sharded import ShardedGradStage
-from runtime.zero.stage3 import build_stage3, resident_unit_groups, stage3_options
+from runtime.zero.stage3 import (
+    build_stage3,
+    previous_schedulers,
+    resident_unit_groups,
+    stage3_options,
+    take_whole,
+)
 from runtime.zero.stage3_param import ParamNotGathered
 
 if TYPE_CHECKING:
@@ -119,6 +125,11 @@ class ZeroStage(StageGroups, Protocol):
         stays whole (stages 0-2, and stage 3 with one rank)."""
         ...
 
+    def check_owned(self, what: str) -> None:
+        """Raise `takeover.ModelTakenOver` once another engine built over this model took it over
+        (`what`: "backward" or "step"); the stage's own backward and step check it too."""
+        ...
+
     def begin_backward(self, *, boundary: bool) -> None: ...
 
     def end_backward(self, *, boundary: bool) -> None: ...
@@ -179,10 +190,13 @@ def build_zero_stage(
     if stage not in (0, 1, 2, 3):
         raise NotImplementedError(f"zero_optimization.stage {stage} does not exist; use 0, 1, 2 or 3")
     registration = {p: i for i, p in enumerate(model.parameters())}
-    previous = resident_owners(model)  # an engine built over this model before: its copies are stale then
+    # engines built over this model before: their copies are stale then, their hooks come off
+    residents, schedulers = resident_owners(model), previous_schedulers(model)
     built = _build(model, specs, comm, setup, registration)
-    for owner in previous:
-        owner.hand_over()
+    for owner in residents:
+        owner.hand_over(stage)
+    for scheduler in schedulers:  # stage 3 hands its own over as it builds (build_stage3): once only
+        scheduler.hand_over(stage)
     return built
 
 
@@ -203,7 +217,9 @@ def _build(
         groups = resident_unit_groups(model, specs, comm, options)
         split = whole_group_split(groups, setup.split_ratio, registration)
     else:
-        materialize_params(model.parameters())  # built under zero.Init: make them whole again
+        # whole again: those another engine's stage 3 shards (gathered from its units), those zero.Init made
+        take_whole(list(model.parameters()), setup.device)
+        materialize_params(model.parameters())
         model.to(setup.device)
         groups, split = _flatten_specs(model, specs, comm, setup, registration)
     hooked = StageOptions(

@@ -21,6 +21,7 @@ from runtime.zero.buckets import BucketTracker, bucket_order
 from runtime.zero.flat import FlatGroup
 from runtime.zero.gathered import ResidentGroups
 from runtime.zero.offload_split import OffloadSplit
+from runtime.zero.takeover import TakeOver
 
 if TYPE_CHECKING:
     from runtime.zero.stage3_hooks import GatherScheduler
@@ -75,6 +76,8 @@ class HookedStage:
         # GatheredParameters(modifier_rank=...) on these always-whole parameters must still reach the
         # masters; the parameters' registry holds it weakly, so the stage keeps it
         self.resident = ResidentGroups(self.groups, comm)
+        self.resident.on_hand_over = self._taken_over
+        self.taken_over: TakeOver | None = None  # another engine built over this model later took it
 
     @property
     def params_sharded(self) -> bool:
@@ -123,6 +126,22 @@ class HookedStage:
         if dtype is not None and dtype != data.dtype:
             return data.to(dtype)
         return data
+
+    def _taken_over(self, new_stage: int) -> None:
+        """Another engine took the model over (ResidentGroups.hand_over): this stage's gradient hooks come
+        off, so the new engine's backward sees only its own (an old stage-2 hook would take each `.grad`
+        into this stage's buffers); its backward and step are refused from now on (`check_owned`)."""
+        self.close()
+        self._free_grads()
+        self.taken_over = TakeOver(self.stage, new_stage)
+
+    def _free_grads(self) -> None:
+        """Free the gradient buffers (taken over: nothing reads them again)."""
+
+    def check_owned(self, what: str) -> None:
+        """Raise ModelTakenOver when another engine took this stage's model over."""
+        if self.taken_over is not None:
+            raise self.taken_over.error(what)
 
     def close(self) -> None:
         """Remove the hooks (the model then trains without this engine's gradient handling)."""

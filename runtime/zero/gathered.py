@@ -22,7 +22,7 @@ refers to them, so compute losses through the modules, not on parameters held in
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ class ResidentGroups:
 
     def __init__(self, groups: Iterable[FlatGroup], comm: Comm) -> None:
         self.comm = comm
+        # the stage that owns these groups, told when another engine takes the model over (its hooks go)
+        self.on_hand_over: Callable[[int], None] | None = None
         self._where: dict[nn.Parameter, tuple[FlatGroup, int]] = {}
         for group in groups:
             for i, param in enumerate(group.params):
@@ -74,12 +76,14 @@ class ResidentGroups:
         for param in self._where:
             stage3_param.unregister(param)
 
-    def hand_over(self) -> None:
-        """Another engine built over this model flattened its parameters into buffers of its own
-        (runtime.zero.build_zero_stage): these groups' buffers are stale copies, freed here, so an
-        engine without an optimizer that a training engine followed (TRL's precomputed reference pass at
-        ZeRO 0-2) holds nothing, and a step of this engine fails instead of updating a copy the model no
-        longer reads."""
+    def hand_over(self, new_stage: int) -> None:
+        """Another engine built over this model (at ZeRO stage `new_stage`) flattened its parameters into
+        buffers of its own (runtime.zero.build_zero_stage): these groups' buffers are stale copies, freed
+        here, so an engine without an optimizer that a training engine followed (TRL's precomputed
+        reference pass at ZeRO 0-2) holds nothing; the owning stage removes its gradient hooks and refuses
+        a backward or step of this engine (runtime.zero.takeover)."""
+        if self.on_hand_over is not None:
+            self.on_hand_over(new_stage)
         groups = {id(group): group for group, _ in self._where.values()}
         for group in groups.values():
             group.working = group.working.new_empty(0)

@@ -54,6 +54,7 @@ class ReplicatedGradStage(HookedStage):
         return self.stage >= 1 and self.comm.world_size > 1
 
     def begin_backward(self, *, boundary: bool) -> None:
+        self.check_owned("backward")
         self._restore_cleared_views()
         self._reducing = boundary and self._communicates
         if self._reducing:
@@ -85,6 +86,7 @@ class ReplicatedGradStage(HookedStage):
 
     def grad_pieces(self) -> list[list[torch.Tensor]]:
         """This rank's reduced gradients per group, in shard order."""
+        self.check_owned("step")
         self.check_grad_views()
         if self.stage == 0 or self.comm.world_size == 1:
             return [[grad] for grad in self.grads]
@@ -119,6 +121,10 @@ class ReplicatedGradStage(HookedStage):
                 group.copy_master_to_working()
         else:
             gather_working(self.groups, self.comm)
+
+    def _free_grads(self) -> None:
+        self.grads = [grad.new_empty(0) for grad in self.grads]
+        self._views = []  # the parameters' .grad are the new engine's now
 
     def zero_grad(self) -> None:
         for grad in self.grads:

@@ -55,6 +55,7 @@ class ShardedGradStage(HookedStage):
         return True
 
     def begin_backward(self, *, boundary: bool) -> None:
+        self.check_owned("backward")
         self.tracker.reset()
 
     def _staging_buffer(self, position: int) -> torch.Tensor:
@@ -101,10 +102,15 @@ class ShardedGradStage(HookedStage):
         self._has_grads = True
 
     def grad_pieces(self) -> list[list[torch.Tensor]]:
+        self.check_owned("step")
         return [[shard] for shard in self.shards]
 
     def write_back(self) -> None:
         gather_working(self.groups, self.comm)
+
+    def _free_grads(self) -> None:
+        self.shards = [shard.new_empty(0) for shard in self.shards]
+        self._staging.clear()
 
     def zero_grad(self) -> None:
         # The next micro-step overwrites the shards instead of adding to them: no kernel needed.

@@ -54,6 +54,7 @@ from runtime.zero.stage3_hooks import OUTSIDE_ENGINE_BACKWARD, GatherPolicy, Gat
 from runtime.zero.stage3_plan import UnitPlan, plan_units
 from runtime.zero.stage3_unit import GatherStats, Segment, ShardedUnit, UnitState, build_segment
 from runtime.zero.stage3_upload import ShardUploads
+from runtime.zero.takeover import TakeOver
 
 if TYPE_CHECKING:
     from runtime.zero import StageSetup
@@ -106,6 +107,8 @@ class ParamShardedStage:
         self.uploads = uploads  # offload_param: the host shards' upload stream (stage3_upload)
         self.stats = self.units[0].stats if self.units else GatherStats()
         self.schedule = GatherScheduler(model, self.units, options.policy, names, self.stats)
+        self.schedule.on_hand_over = self._taken_over
+        self.taken_over: TakeOver | None = None  # another engine built over this model later took it
         self._where: dict[nn.Parameter, tuple[ShardedUnit, Segment, int]] = {}
         for unit in self.units:
             for segment in unit.segments:
@@ -116,6 +119,8 @@ class ParamShardedStage:
         self._reduced: set[int] = set()  # units reduce-scattered in this backward
         self._in_flight: list[InFlight] = []
         self._has_grads = False
+        for param in self._where:  # a gradient left on the model (another engine's view, a plain backward)
+            param.grad = None  # would be added to this engine's first one: autograd accumulates into .grad
         # frozen parameters are sharded too in an engine without an optimizer (DeepSpeed's inference
         # engine, e.g. TRL's reference model); they never produce a gradient, so they get no hook, and
         # such an engine reduces no gradient at all (its backward is refused)
@@ -135,6 +140,7 @@ class ParamShardedStage:
 
     # -- backward ---------------------------------------------------------------------------------
     def begin_backward(self, *, boundary: bool) -> None:
+        self.check_owned("backward")
         self._left = {u.index: len(u.params) for u in self.units}
         self._reduced = set()
         self.schedule.begin_backward()
@@ -215,6 +221,7 @@ class ParamShardedStage:
 
     # -- step -------------------------------------------------------------------------------------
     def grad_pieces(self) -> list[list[torch.Tensor]]:
+        self.check_owned("step")
         if not self._has_grads:
             for unit in self.units:
                 for segment in unit.segments:
@@ -248,6 +255,20 @@ class ParamShardedStage:
 
     def unit_of(self, param: nn.Parameter) -> ShardedUnit | None:
         return self.schedule.unit_of(param)
+
+    def _taken_over(self, new_stage: int) -> None:
+        """Another engine took the model over (GatherScheduler.hand_over): the gradient hooks come off (one
+        of them would refuse the new engine's backward as running outside this engine's), and this stage's
+        backward and step are refused from now on."""
+        self._finish_all()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self.taken_over = TakeOver(self.stage, new_stage)
+
+    def check_owned(self, what: str) -> None:
+        if self.taken_over is not None:
+            raise self.taken_over.error(what)
 
     def close(self) -> None:
         """Remove the gradient and module hooks. No collective runs here (a rank may close alone), so the
@@ -296,7 +317,7 @@ def build_stage3(
     """Plan units over `model`, shard its trainable parameters unit by unit (at most one unit is whole at
     a time, also for a model built under zero.Init), and build the strategy (`registration`: each
     parameter's index in `model.parameters()`, which orders the groups for a partial optimizer offload)."""
-    previous = _previous_schedulers(model)  # gathered back from below, unit by unit
+    previous = previous_schedulers(model)  # gathered back from below, unit by unit
     names, plans, segments = _plan(model, specs, comm, options)
     host = uploads = None
     if options.offload_param:
@@ -336,13 +357,13 @@ def build_stage3(
             unit.finish_gather()
         units.append(unit)
     for scheduler in previous:  # the model is this engine's now: the other engine's hooks and shards go
-        scheduler.hand_over()
+        scheduler.hand_over(3)
     groups = [s.group for u in units for s in u.segments]
     split = whole_group_split(groups, options.split_ratio, registration)
     return ParamShardedStage(model, units, comm, options, names, host, offload_split=split, uploads=uploads)
 
 
-def _previous_schedulers(model: nn.Module) -> list[GatherScheduler]:
+def previous_schedulers(model: nn.Module) -> list[GatherScheduler]:
     """The stage-3 schedulers of engines built over `model` before this one. TRL's precomputed reference
     pass wraps the policy in an inference engine, then the Trainer builds its training engine over the same
     model; DeepSpeed's engines share the partitioned parameters, so the second one simply takes them."""
@@ -368,7 +389,7 @@ def _full_values(params: Sequence[nn.Parameter], device: torch.device) -> list[t
         ]
 
 
-def _take_whole(params: Sequence[nn.Parameter], device: torch.device) -> None:
+def take_whole(params: Sequence[nn.Parameter], device: torch.device) -> None:
     """Give the parameters among `params` that another engine's stage 3 shards their full values for good
     (this engine keeps them whole: frozen ones beside its trained groups)."""
     held = [p for p in params if isinstance(stage3_param.owner_of(p), GatherScheduler)]
@@ -412,7 +433,7 @@ def _plan(
     plans = plan_units(model, list(spec_of), threshold=options.persistence_threshold)
     frozen = [p for p in model.parameters() if p not in spec_of]
     zero_init.materialize_params(frozen)  # frozen parameters are not sharded: whole on every rank
-    _take_whole(frozen, options.device)  # ... also those another engine's stage 3 sharded
+    take_whole(frozen, options.device)  # ... also those another engine's stage 3 sharded
     if comm.world_size == 1:
         zero_init.materialize_params(model.parameters())
     with torch.no_grad():

@@ -23,7 +23,7 @@ import contextlib
 import enum
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,8 @@ class GatherScheduler:
         self._prefetched: set[int] = set()
         self.module_hooks: list[RemovableHandle] = []
         self.handed_over = False  # another engine took the model over (hand_over)
+        # the stage whose units these are, told at hand_over (it removes its gradient hooks)
+        self.on_hand_over: Callable[[int], None] | None = None
         self.add_module_hooks()
         for param in self._unit_of:
             stage3_param.register(param, self)
@@ -281,10 +283,15 @@ class GatherScheduler:
     def unit_of(self, param: nn.Parameter) -> ShardedUnit | None:
         return self._unit_of.get(param)
 
-    def hand_over(self) -> None:
-        """Another engine built over this model took its parameters (runtime.zero.stage3.build_stage3):
-        stop gathering around module calls for good and free the units' stale shards. A forward of this
-        engine then runs the model as the other engine holds it (DeepSpeed's engines share parameters)."""
+    def hand_over(self, new_stage: int) -> None:
+        """Another engine built over this model (at ZeRO stage `new_stage`) took its parameters
+        (runtime.zero.build_zero_stage): stop gathering around module calls for good and free the units'
+        stale shards; the owning stage removes its gradient hooks. A forward of this engine then runs the
+        model as the other engine holds it (DeepSpeed's engines share parameters). Once only."""
+        if self.handed_over:
+            return
+        if self.on_hand_over is not None:
+            self.on_hand_over(new_stage)
         self.handed_over = True
         self.remove_module_hooks()
         for unit in self.units:

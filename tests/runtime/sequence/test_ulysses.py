@@ -233,7 +233,10 @@ def _bad_shards_worker(rank: int, world: int) -> list[tuple[str, str]]:
 
     model = _model(2)
     UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=2, micro_batch_size=1
+        model_name_or_path=model,
+        core_attn_implementation="sdpa",
+        sequence_parallel_size=2,
+        micro_batch_size=1,
     )
     ids = torch.arange(SEQ).reshape(1, -1) % VOCAB
     errors = []
@@ -259,7 +262,8 @@ def test_bad_shards_refused_on_every_rank() -> None:
                 "its position_ids",
             ),
             (
-                "Ulysses: the sequence group's shards differ in length ([10, 22] tokens, in group rank order)",
+                "Ulysses: the sequence group's shards differ in length "
+                "([10, 22] tokens, in group rank order)",
                 "shard each batch with UlyssesSPDataLoaderAdapter (or shard_batch), which cuts equal shards",
             ),
         ]

@@ -35,6 +35,7 @@ from torch import nn
 
 from runtime.comm import Comm
 from runtime.config import Config, ConfigError, load_config, read_config_file
+from runtime.config.batch import BatchSizeError
 from runtime.config.combinations import (
     check_batch_over_data,
     check_config_world,
@@ -280,12 +281,44 @@ def _sequence_plan(
                 f"{given} disagrees with the sequence groups passed as mpu ({mpu!r})",
                 hint=f"set it to {sp}, or leave it out (the groups decide)",
             )
-        cfg = load_config(raw, world_size=dp, model=model)
+        batch = {k: raw.get(k) for k in _BATCH_KEYS}
+        try:
+            cfg = load_config(raw, world_size=dp, model=model)
+        except BatchSizeError:
+            raise sequence_batch_error(batch, sp, dp) from None
     comm = Comm(
         mpu.get_sequence_data_parallel_group(),
         emulate_reduce_scatter=not cfg.zero_optimization.reduce_scatter,
     )
     return ParallelPlan(comm, mpu, sequence_size=sp), cfg
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def sequence_batch_error(batch: Mapping[str, Any], sp: int, dp: int) -> ConfigError:
+    """The batch arithmetic's refusal under Ulysses groups, saying what to set. Accelerate's
+    ``ParallelismConfig(sp_backend="deepspeed")`` writes train_batch_size = micro x accumulation x its
+    dp_shard_size x dp_replicate_size, and a user who leaves dp_shard_size at 1 gets a batch counting one
+    data rank where the groups leave ``dp``: that case is named, with the value to set."""
+    tbs, micro = batch.get("train_batch_size"), batch.get("train_micro_batch_size_per_gpu")
+    gas = batch.get("gradient_accumulation_steps") or 1
+    want = f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x {dp}"
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tbs, micro, gas)):
+        return ConfigError(
+            "train_batch_size",
+            f"must be {want}: the {sp * dp} ranks in sequence groups of {sp} leave {dp} data-parallel ranks",
+            hint="give train_micro_batch_size_per_gpu alone, and train_batch_size is derived",
+        )
+    counted = f"{tbs / (micro * gas):g}"
+    return ConfigError(
+        "train_batch_size",
+        f"{tbs} counts {counted} data-parallel ranks (train_micro_batch_size_per_gpu {micro} x "
+        f"gradient_accumulation_steps {gas}), but the {sp * dp} ranks in sequence groups of {sp} leave "
+        f'{dp}; with Accelerate\'s ParallelismConfig(sp_backend="deepspeed") set dp_shard_size={dp}',
+        hint=f"--parallelism_config_dp_shard_size {dp} (Accelerate's and the Trainer's flag); in a DeepSpeed "
+        f"config, train_batch_size={micro * gas * dp} or leave it out",
+    )
 
 
 def _raw(config: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -302,23 +302,28 @@ def sequence_batch_error(batch: Mapping[str, Any], sp: int, dp: int) -> ConfigEr
     dp_shard_size x dp_replicate_size, and a user who leaves dp_shard_size at 1 gets a batch counting one
     data rank where the groups leave ``dp``: that case is named, with the value to set."""
     tbs, micro = batch.get("train_batch_size"), batch.get("train_micro_batch_size_per_gpu")
-    gas = batch.get("gradient_accumulation_steps") or 1
-    want = f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x {dp}"
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (tbs, micro, gas)):
+    gas = batch.get("gradient_accumulation_steps")
+    gas = 1 if gas is None else gas
+    if _is_count(tbs) and _is_count(micro) and _is_count(gas):
         return ConfigError(
             "train_batch_size",
-            f"must be {want}: the {sp * dp} ranks in sequence groups of {sp} leave {dp} data-parallel ranks",
-            hint="give train_micro_batch_size_per_gpu alone, and train_batch_size is derived",
+            f"{tbs} counts {tbs / (micro * gas):g} data-parallel ranks (train_micro_batch_size_per_gpu "
+            f"{micro} x gradient_accumulation_steps {gas}), but the {sp * dp} ranks in sequence groups of "
+            f'{sp} leave {dp}; with Accelerate\'s ParallelismConfig(sp_backend="deepspeed") set '
+            f"dp_shard_size={dp}",
+            hint=f"--parallelism_config_dp_shard_size {dp} (Accelerate's and the Trainer's flag); in a "
+            f"DeepSpeed config, train_batch_size={micro * gas * dp} or leave it out",
         )
-    counted = f"{tbs / (micro * gas):g}"
     return ConfigError(
         "train_batch_size",
-        f"{tbs} counts {counted} data-parallel ranks (train_micro_batch_size_per_gpu {micro} x "
-        f"gradient_accumulation_steps {gas}), but the {sp * dp} ranks in sequence groups of {sp} leave "
-        f'{dp}; with Accelerate\'s ParallelismConfig(sp_backend="deepspeed") set dp_shard_size={dp}',
-        hint=f"--parallelism_config_dp_shard_size {dp} (Accelerate's and the Trainer's flag); in a DeepSpeed "
-        f"config, train_batch_size={micro * gas * dp} or leave it out",
+        f"must be train_micro_batch_size_per_gpu x gradient_accumulation_steps x {dp}: the {sp * dp} "
+        f"ranks in sequence groups of {sp} leave {dp} data-parallel ranks",
+        hint="give train_micro_batch_size_per_gpu alone, and train_batch_size is derived",
     )
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _raw(config: Any) -> dict[str, Any]:

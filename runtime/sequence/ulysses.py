@@ -17,6 +17,10 @@ Grouped-query attention: with kv heads a multiple of sp each rank takes kv_heads
 heads than sp (sp a multiple of kv_heads) each kv head is repeated sp/kv_heads times before the exchange,
 so each rank gets the one its query heads use. Any other count is refused in one line.
 
+Before the first layer's exchange, ``check_shards`` refuses (on every rank of the group alike) shards of
+different lengths, which the equal-split all-to-all cannot pair, and whole sequences fed without the data
+loader adapter, which would attend over sp copies of each sequence.
+
 ``install_ulysses(model.config, group)`` makes an unmodified HF model run this: it replaces the entry of
 ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` under the model's own implementation name with a wrapper, so
 every code path HF keys on that name (mask building, kernels) stays as it is and only the call to

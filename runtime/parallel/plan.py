@@ -27,7 +27,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from torch import nn
 
 from runtime.comm import Comm
 from runtime.config import Config, ConfigError, load_config, read_config_file
+from runtime.config.batch import BatchSizeError
 from runtime.config.combinations import (
     check_batch_over_data,
     check_config_world,
@@ -280,12 +281,49 @@ def _sequence_plan(
                 f"{given} disagrees with the sequence groups passed as mpu ({mpu!r})",
                 hint=f"set it to {sp}, or leave it out (the groups decide)",
             )
-        cfg = load_config(raw, world_size=dp, model=model)
+        batch = {k: raw.get(k) for k in _BATCH_KEYS}
+        try:
+            cfg = load_config(raw, world_size=dp, model=model)
+        except BatchSizeError:
+            raise sequence_batch_error(batch, sp, dp) from None
     comm = Comm(
         mpu.get_sequence_data_parallel_group(),
         emulate_reduce_scatter=not cfg.zero_optimization.reduce_scatter,
     )
     return ParallelPlan(comm, mpu, sequence_size=sp), cfg
+
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def sequence_batch_error(batch: Mapping[str, Any], sp: int, dp: int) -> ConfigError:
+    """The batch arithmetic's refusal under Ulysses groups, saying what to set. Accelerate's
+    ``ParallelismConfig(sp_backend="deepspeed")`` writes train_batch_size = micro x accumulation x its
+    dp_shard_size x dp_replicate_size, and a user who leaves dp_shard_size at 1 gets a batch counting one
+    data rank where the groups leave ``dp``: that case is named, with the value to set."""
+    tbs, micro = batch.get("train_batch_size"), batch.get("train_micro_batch_size_per_gpu")
+    gas = batch.get("gradient_accumulation_steps")
+    gas = 1 if gas is None else gas
+    if _is_count(tbs) and _is_count(micro) and _is_count(gas):
+        return ConfigError(
+            "train_batch_size",
+            f"{tbs} counts {tbs / (micro * gas):g} data-parallel ranks (train_micro_batch_size_per_gpu "
+            f"{micro} x gradient_accumulation_steps {gas}), but the {sp * dp} ranks in sequence groups of "
+            f'{sp} leave {dp}; with Accelerate\'s ParallelismConfig(sp_backend="deepspeed") set '
+            f"dp_shard_size={dp}",
+            hint=f"--parallelism_config_dp_shard_size {dp} (Accelerate's and the Trainer's flag); in a "
+            f"DeepSpeed config, train_batch_size={micro * gas * dp} or leave it out",
+        )
+    return ConfigError(
+        "train_batch_size",
+        f"must be train_micro_batch_size_per_gpu x gradient_accumulation_steps x {dp}: the {sp * dp} "
+        f"ranks in sequence groups of {sp} leave {dp} data-parallel ranks",
+        hint="give train_micro_batch_size_per_gpu alone, and train_batch_size is derived",
+    )
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _raw(config: Any) -> dict[str, Any]:

@@ -17,6 +17,10 @@ Grouped-query attention: with kv heads a multiple of sp each rank takes kv_heads
 heads than sp (sp a multiple of kv_heads) each kv head is repeated sp/kv_heads times before the exchange,
 so each rank gets the one its query heads use. Any other count is refused in one line.
 
+Before the first layer's exchange, ``check_shards`` refuses (on every rank of the group alike) shards of
+different lengths, which the equal-split all-to-all cannot pair, and whole sequences fed without the data
+loader adapter, which would attend over sp copies of each sequence.
+
 ``install_ulysses(model.config, group)`` makes an unmodified HF model run this: it replaces the entry of
 ``transformers``' ``ALL_ATTENTION_FUNCTIONS`` under the model's own implementation name with a wrapper, so
 every code path HF keys on that name (mask building, kernels) stays as it is and only the call to
@@ -39,6 +43,7 @@ from runtime.errors import UserError
 __all__ = [
     "UlyssesAttention",
     "check_heads",
+    "check_shards",
     "heads_to_sequence",
     "install_ulysses",
     "sequence_to_heads",
@@ -101,6 +106,36 @@ def check_heads(heads: int, kv_heads: int, sp: int) -> None:
         )
 
 
+def check_shards(local_len: int, position_ids: Any, sp: int, group: Any, device: torch.device) -> None:
+    """Refuse, on every rank of ``group`` alike, shards the exchange would silently mix up or hang on.
+
+    Costs one all-gather of two integers per forward (callers run it at the first layer only): each rank's
+    shard length, and whether its ``position_ids`` are HF's default ``0..len-1``. Different lengths would
+    make the equal-split all-to-all fail or hang; every rank at positions ``0..len-1`` means whole sequences
+    (or shards without their positions) reached the model without the data loader adapter, so each rank
+    would attend over sp copies of its sequence. (Packed documents of exactly ``len`` tokens each, cut at
+    the shard borders, look the same; that layout is refused too.)"""
+    default = isinstance(position_ids, torch.Tensor) and bool(
+        torch.equal(position_ids, torch.arange(local_len, device=position_ids.device).expand_as(position_ids))
+    )
+    mine = torch.tensor([local_len, int(default)], dtype=torch.long, device=device)
+    parts = [torch.empty_like(mine) for _ in range(sp)]
+    dist.all_gather(parts, mine, group=group)
+    lengths = [int(p[0]) for p in parts]
+    if len(set(lengths)) > 1:
+        raise UserError(
+            f"Ulysses: the sequence group's shards differ in length ({lengths} tokens, in group rank order)",
+            hint="shard each batch with UlyssesSPDataLoaderAdapter (or shard_batch), which cuts equal shards",
+        )
+    if all(int(p[1]) for p in parts):
+        raise UserError(
+            f"Ulysses: every rank of the sequence group got positions 0..{local_len - 1}: whole sequences "
+            "(or shards without their position_ids) reached a model registered for sequence parallelism",
+            hint="feed the model through UlyssesSPDataLoaderAdapter, which cuts each sequence and passes "
+            "its position_ids",
+        )
+
+
 class UlyssesAttention:
     """The attention function HF calls (``fn(module, q, k, v, mask, **kwargs) -> (out, weights)``), run
     across the sequence group around ``core`` (the function HF had registered for the implementation)."""
@@ -140,6 +175,8 @@ class UlyssesAttention:
                 f"Ulysses attention was registered for {self.heads} heads, this layer has {query.shape[1]}",
                 hint="register each model with its own config (register_with_transformers)",
             )
+        if getattr(module, "layer_idx", 0) in (0, None):
+            check_shards(query.shape[2], kwargs.get("position_ids"), self.sp, self.group, query.device)
         if self.kv_repeat > 1:
             key = key.repeat_interleave(self.kv_repeat, dim=1)
             value = value.repeat_interleave(self.kv_repeat, dim=1)

@@ -7,7 +7,7 @@ divides by the data ranks only, so at each stage the losses and the weights afte
 tests/runtime/sequence/test_ulysses.py's one-process reference on whole sequences (the mean of the two data
 groups' losses).
 The config's `sequence_parallel_size` is taken where it agrees with the groups and refused by name where it
-does not.
+does not; a train_batch_size counting Accelerate's dp_shard_size left at 1 is refused naming that setting.
 """
 
 from __future__ import annotations
@@ -95,6 +95,19 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         )
     except UserError as error:
         out["disagrees"] = str(error)
+    # Accelerate's ParallelismConfig(sp_backend="deepspeed", sp_size=2) without dp_shard_size=2 writes
+    # train_batch_size = micro x accumulation x 1
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": BATCH,
+    }
+    try:
+        deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config, mpu=mpu
+        )
+    except UserError as error:
+        out["dp_shard_size"] = (str(error), error.hint)
     return out
 
 
@@ -110,3 +123,10 @@ def test_sequence_parallel_engine_equals_one_process() -> None:
         assert result["disagrees"].startswith(
             "sequence_parallel_size: 1 disagrees with the sequence groups passed as mpu"
         ), result["disagrees"]
+        assert result["dp_shard_size"] == (
+            f"train_batch_size: {BATCH} counts 1 data-parallel ranks (train_micro_batch_size_per_gpu "
+            f"{BATCH} x gradient_accumulation_steps 1), but the 4 ranks in sequence groups of 2 leave 2; "
+            'with Accelerate\'s ParallelismConfig(sp_backend="deepspeed") set dp_shard_size=2',
+            "--parallelism_config_dp_shard_size 2 (Accelerate's and the Trainer's flag); in a DeepSpeed "
+            f"config, train_batch_size={2 * BATCH} or leave it out",
+        )

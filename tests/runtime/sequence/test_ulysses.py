@@ -226,3 +226,44 @@ def test_bad_input_at_the_entry_points_users_call() -> None:
         "sequence_parallel_size: a DeepSpeed option dslaunch does not support: sequence parallelism without "
         "its groups (pass initialize(mpu=...) the Ulysses groups of register_with_transformers"
     )
+
+
+def _bad_shards_worker(rank: int, world: int) -> list[tuple[str, str]]:
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    model = _model(2)
+    UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model,
+        core_attn_implementation="sdpa",
+        sequence_parallel_size=2,
+        micro_batch_size=1,
+    )
+    ids = torch.arange(SEQ).reshape(1, -1) % VOCAB
+    errors = []
+    # whole sequences without the adapter: each rank would attend over 2 copies of its sequence
+    # shards of different lengths in one group: the equal-split all-to-all cannot pair them
+    cut = slice(0, 10) if rank == 0 else slice(10, SEQ)
+    positions = torch.arange(SEQ).reshape(1, -1)[:, cut]
+    for kwargs in ({"input_ids": ids}, {"input_ids": ids[:, cut], "position_ids": positions}):
+        try:
+            model(**kwargs, use_cache=False)
+        except UserError as exc:
+            errors.append((str(exc), exc.hint))
+    return errors
+
+
+def test_bad_shards_refused_on_every_rank() -> None:
+    for errors in run_distributed(_bad_shards_worker, 2):
+        assert errors == [
+            (
+                f"Ulysses: every rank of the sequence group got positions 0..{SEQ - 1}: whole sequences (or "
+                "shards without their position_ids) reached a model registered for sequence parallelism",
+                "feed the model through UlyssesSPDataLoaderAdapter, which cuts each sequence and passes "
+                "its position_ids",
+            ),
+            (
+                "Ulysses: the sequence group's shards differ in length "
+                "([10, 22] tokens, in group rank order)",
+                "shard each batch with UlyssesSPDataLoaderAdapter (or shard_batch), which cuts equal shards",
+            ),
+        ]

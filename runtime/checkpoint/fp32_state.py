@@ -23,8 +23,8 @@ import torch
 from runtime.checkpoint.consolidate import deepspeed_state_dict, get_fp32_state_dict_from_checkpoint
 from runtime.checkpoint.manifest import CheckpointError
 from runtime.checkpoint.pipeline_root import get_fp32_state_dict_from_pipeline_checkpoint
-from runtime.checkpoint.portable import model_parallel_root
 from runtime.checkpoint.portable_cli import write_state_dict
+from runtime.checkpoint.portable_folders import model_parallel_root
 
 
 def fp32_state_dict(

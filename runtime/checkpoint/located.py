@@ -31,7 +31,12 @@ from runtime.checkpoint.manifest import (
     CheckpointNotFound,
     complete_tags,
 )
-from runtime.checkpoint.portable import RecoveryError, is_deepspeed_tag, model_parallel_root, pipeline_stages
+from runtime.checkpoint.portable_folders import (
+    RecoveryError,
+    is_deepspeed_tag,
+    model_parallel_root,
+    pipeline_stages,
+)
 
 __all__ = ["Located", "locate"]
 

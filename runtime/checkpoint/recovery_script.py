@@ -2,11 +2,12 @@
 Face docs' recipe) runs `cd ckpt; python zero_to_fp32.py . pytorch_model.bin` on a machine that has torch
 and nothing else.
 
-The script is three of our modules one after another, `deepspeed_layout` (pure index math), `portable`
-(reading dslaunch's and DeepSpeed's folders) and `portable_cli` (DeepSpeed's command line and output
-files), which import only the standard library and torch; the lines between their "recovery-script: begin
-imports" and "end imports" markers (how they import each other as modules) are left out, and one
-`from __future__` line leads. So the script is the code the suite tests, not a copy of it.
+The script is four of our modules one after another, `deepspeed_layout` (pure index math),
+`portable_folders` (which checkpoint a folder path names), `portable` (reading dslaunch's and DeepSpeed's
+folders) and `portable_cli` (DeepSpeed's command line and output files), which import only the standard
+library and torch; the lines between their "recovery-script: begin imports" and "end imports" markers (how
+they import each other as modules) are left out, and one `from __future__` line leads. So the script is
+the code the suite tests, not a copy of it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from runtime.checkpoint.durable import write_text_durably
 
 SCRIPT_NAME = "zero_to_fp32.py"
-_PARTS = ("deepspeed_layout.py", "portable.py", "portable_cli.py")
+_PARTS = ("deepspeed_layout.py", "portable_folders.py", "portable.py", "portable_cli.py")
 _BEGIN, _END = "# recovery-script: begin imports", "# recovery-script: end imports"
 _PIPELINE_STAGE = re.compile(r"^pipe_stage_\d+_of_\d+(_chunks_\d+)?$")  # without tensor parallelism
 

@@ -23,14 +23,24 @@ wherever its gradients are.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
-from runtime.precision.grad_math import GradMath, GradResult, finish_grads, master_grads_from
+from runtime.precision.fused_master import FusedMasterAdam, Segment, fused_setting, unsupported_reason
+from runtime.precision.grad_math import (
+    GradMath,
+    GradResult,
+    device_grad_factor,
+    finish_grads,
+    master_grads_from,
+)
 from runtime.zero import StageGroups
 from runtime.zero.flat import FlatGroup
+
+_log = logging.getLogger(__name__)
 
 
 class MasterPlacement(Protocol):
@@ -97,15 +107,60 @@ def attach_master_grads(
             view.grad = None if grad is None else grad.narrow(0, slot.offset, slot.numel).view(view.shape)
 
 
+def group_segments(group: FlatGroup, pieces: Sequence[torch.Tensor]) -> list[Segment]:
+    """Matching slices of `group`'s master, its reduced gradient `pieces` (master order) and its working
+    buffer, one per contiguous run; empty when the pieces do not line up with the master."""
+    master, working, layout = group.master.data, group.working, group.layout
+    if layout.shard_is_contiguous:
+        start, end = layout.shard_range(group.rank)
+        if sum(p.numel() for p in pieces) != master.numel() or end - start != master.numel():
+            return []
+        out, offset = [], 0
+        for piece in pieces:
+            n = piece.numel()
+            if n:
+                out.append(
+                    Segment(
+                        master.narrow(0, offset, n),
+                        piece.view(-1),
+                        working.narrow(0, start + offset, n),
+                        offset,
+                    )
+                )
+            offset += n
+        return out
+    buckets = layout.buckets
+    if len(pieces) == 1:
+        flat = pieces[0].view(-1)
+        grads = [flat.narrow(0, b.shard_offset, b.piece_numel) for b in buckets]
+    elif len(pieces) == len(buckets):
+        grads = [p.view(-1) for p in pieces]
+    else:
+        return []
+    return [
+        Segment(group.master_piece(b), g, group.piece(working, b), b.shard_offset)
+        for b, g in zip(buckets, grads, strict=True)
+        if b.piece_numel
+    ]
+
+
 class DeviceMasters:
-    """Masters on the training device: the optimizer steps them where the gradients are."""
+    """Masters on the training device: the optimizer steps them where the gradients are.
+
+    The step: fp32 master gradients, `finish_grads`, the optimizer's own `step()`. With
+    `DSLAUNCH_FUSED_MASTER_STEP=1`, where it can (fp32 masters behind 16-bit weights, torch's Adam/AdamW,
+    gradients and weights laid out like the masters), `FusedMasterAdam`'s one pass instead, which reads
+    the 16-bit gradients and writes the working weights itself (precision/fused_master.py)."""
 
     def __init__(self, groups: Sequence[FlatGroup], zero: StageGroups) -> None:
         self.groups = list(groups)
         self.zero = zero
+        self._fused_setting = fused_setting()
+        self._fused: FusedMasterAdam | None = None
+        self._fused_decided = False
 
     def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
-        pass
+        self._fused, self._fused_decided = None, False  # decided at the first step, on its gradients
 
     def prepare_step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> None:
         pass
@@ -120,7 +175,18 @@ class DeviceMasters:
         pass
 
     def step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> GradResult:
-        grads = master_grads_from(self.zero.grad_pieces(), [group.master for group in self.groups])
+        pieces = self.zero.grad_pieces()
+        segments = self._fused_segments(optimizer, pieces)
+        if segments is not None:
+            assert self._fused is not None
+            result, factor = device_grad_factor([p for group in pieces for p in group], math)
+            if result.overflow:
+                return result
+            self._fused.step(optimizer, segments, factor)
+            for group in self.groups:
+                group.working_written = True
+            return result
+        grads = master_grads_from(pieces, [group.master for group in self.groups])
         result = finish_grads(grads, math)
         if result.overflow:
             return result
@@ -128,6 +194,53 @@ class DeviceMasters:
         optimizer.step()
         attach_master_grads(optimizer, self.groups, None, per_tensor=per_tensor)
         return result
+
+    def _fused_segments(
+        self, optimizer: torch.optim.Optimizer, pieces: list[list[torch.Tensor]]
+    ) -> list[list[Segment]] | None:
+        """This step's segments for the fused step, or None when the optimizer's own step runs."""
+        if not self._fused_decided:
+            self._fused_decided = True
+            why = self._fused_refusal(optimizer, pieces)
+            if why is None:
+                self._fused = FusedMasterAdam([group.master for group in self.groups])
+                _log.info("optimizer step: one fused pass (16-bit gradients in, 16-bit weights out)")
+            elif self._fused_setting:
+                _log.warning("DSLAUNCH_FUSED_MASTER_STEP=1 ignored: %s", why)
+            else:
+                _log.debug("optimizer step: torch's own (%s)", why)
+        if self._fused is None:
+            return None
+        return [
+            group_segments(group, group_pieces)
+            for group, group_pieces in zip(self.groups, pieces, strict=True)
+        ]
+
+    def _fused_refusal(
+        self, optimizer: torch.optim.Optimizer, pieces: list[list[torch.Tensor]]
+    ) -> str | None:
+        if not self._fused_setting:
+            return "DSLAUNCH_FUSED_MASTER_STEP is not 1"
+        if not self.groups:
+            return "no groups"
+        device = self.groups[0].master.device
+        if self.zero.params_sharded:
+            return "the working weights are gather units' shards"
+        if len(optimizer.param_groups) != len(self.groups):
+            return "the optimizer's param groups are not the flat groups"
+        why = unsupported_reason(optimizer)
+        if why is not None:
+            return why
+        for group, group_pieces in zip(self.groups, pieces, strict=True):
+            if group.master_is_alias or group.master.dtype != torch.float32:
+                return "the masters are not an fp32 copy"
+            if group.working.dtype not in (torch.bfloat16, torch.float16) or group.master.device != device:
+                return "the working weights are not 16-bit on the masters' device"
+            if any(p.dtype != group.working.dtype or p.device != device for p in group_pieces):
+                return "the gradients are not in the working dtype"
+            if not group_segments(group, group_pieces) and group.master.numel():
+                return "the gradients are not laid out like the masters"
+        return None
 
     def write_back(self) -> None:
         self.zero.write_back()

@@ -8,9 +8,10 @@ that folds together the averaging over ranks and micro-steps, the loss-scale uns
 coefficient. Nothing else in the step waits for the device.
 
 - `finish_grads` applies it to fp32 master gradients in place (masters on the device).
-- `scale_from_device_grads` computes the same norm and verdict from the gradients where the ZeRO stage
-  reduced them and returns the factor as a number, for a placement that multiplies elsewhere (the
-  optimizer offload's host step).
+- `device_grad_factor` computes the same norm and verdict from the gradients where the ZeRO stage
+  reduced them and returns the factor (a device tensor when it needs the norm), for a step that
+  multiplies as it updates (the fused master step); `scale_from_device_grads` returns it as a number, for
+  a placement that multiplies elsewhere (the optimizer offload's host step).
 
 The engines build a `GradMath` for each step (runtime/engine.py `_grad_math`; the pipeline and
 model-parallel engines widen its `all_reduce_sum` over their grid); the placements in runtime/offload/
@@ -123,28 +124,36 @@ def finish_grads(grads: Sequence[torch.Tensor], math: GradMath) -> GradResult:
     return GradResult(norm, False)
 
 
-def scale_from_device_grads(
-    pieces: Sequence[Sequence[torch.Tensor]], math: GradMath
-) -> tuple[GradResult, float]:
-    """The norm and overflow decision from the reduced gradients on the device, and the one factor the
-    caller multiplies the gradients by elsewhere (average over ranks and micro-steps, unscale, clip).
-
-    Same arithmetic as `finish_grads`, without touching the gradients."""
+def device_grad_factor(
+    pieces: Sequence[torch.Tensor], math: GradMath
+) -> tuple[GradResult, float | torch.Tensor]:
+    """`finish_grads`' arithmetic on the reduced gradients where they are (any dtype), without touching
+    them: the norm, the verdict, and the one factor to multiply them by (averaging over ranks and
+    micro-steps, unscale, clip). The factor is a 0-d device tensor when clipping makes it depend on the
+    norm, so nothing waits for the device but the overflow verdict."""
     inv = 1.0 / (math.divisor * math.loss_scale)
     if not math.needs_norm:
         return GradResult(None, False), inv
-    flat = [piece for group in pieces for piece in group]
-    norms = [torch.linalg.vector_norm(piece, dtype=torch.float32) for piece in flat]
+    norms = [torch.linalg.vector_norm(piece, dtype=torch.float32) for piece in pieces]
     squared = torch.stack(norms).square().sum()
     if math.all_reduce_sum is not None:
         math.all_reduce_sum(squared)
     norm = squared.sqrt_().mul_(inv)
-    if math.check_overflow and not bool(torch.isfinite(norm)):
+    if math.check_overflow and not bool(torch.isfinite(norm)):  # the one host sync of the step
         return GradResult(norm, True), inv
     if math.max_norm <= 0:
         return GradResult(norm, False), inv
-    clip = float((math.max_norm / (norm + 1e-6)).clamp_(max=1.0))  # the caller needs this number: one sync
-    return GradResult(norm, False), clip * inv
+    return GradResult(norm, False), (math.max_norm / (norm + 1e-6)).clamp_(max=1.0).mul_(inv)
+
+
+def scale_from_device_grads(
+    pieces: Sequence[Sequence[torch.Tensor]], math: GradMath
+) -> tuple[GradResult, float]:
+    """The norm and overflow decision from the reduced gradients on the device, and the one factor the
+    caller multiplies the gradients by elsewhere (average over ranks and micro-steps, unscale, clip), as a
+    number: with clipping, reading it is one more sync."""
+    result, factor = device_grad_factor([piece for group in pieces for piece in group], math)
+    return result, float(factor)
 
 
 def pre_reduce_scale(config: Any, world_size: int) -> float:

@@ -34,6 +34,9 @@ class FlatGroup:
     working: torch.Tensor  # 1-D, param_dtype, layout.numel elements
     master: nn.Parameter  # 1-D, master dtype, layout.shard_numel elements; what the optimizer steps
     master_is_alias: bool = False  # master shares memory with `working` (stage 3: with its shard)
+    # this rank's pieces of `working` already hold the updated master (the fused step casts as it updates);
+    # the next copy_master_to_working skips its copy and clears it
+    working_written: bool = False
     param_names: list[str] = field(default_factory=list)
     spec_index: int = -1  # the param group (GroupSpec) it came from; -1: the same as `index`
     # the dtype its gradients are reduced in when it is not the stage's (GroupSpec.reduce_dtype)
@@ -58,6 +61,9 @@ class FlatGroup:
     def copy_master_to_working(self) -> None:
         """Write the updated master shard into this rank's pieces of the working buffer (cast)."""
         if self.master_is_alias:
+            return
+        if self.working_written:  # the step wrote them already (precision/fused_master.py)
+            self.working_written = False
             return
         if self.layout.shard_is_contiguous:
             start, end = self.layout.shard_range(self.rank)

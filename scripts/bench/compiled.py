@@ -16,6 +16,7 @@ heads, MLP 8192, vocab 128256, tied head; 3.2B; micro batch 4 x 2048; sdpa atten
 --tiny swaps both for tiny sizes on the CPU with backend "eager" (the smoke check).
 
     python scripts/bench/compiled.py --repeats 3 --out                      # H200: both models
+    python scripts/bench/compiled.py --models llama3b --stages 0,2 --fused_ab   # the fused master step's A/B
     python scripts/bench/compiled.py --tiny --steps 2 --warmup 1 --repeats 2 # CPU smoke check
 """
 
@@ -178,8 +179,12 @@ def run_model(name: str, args: argparse.Namespace) -> int:
     init_single_process_group(args.device)
     base: float | None = None
     failed = False
-    for peer, stage in [("torch-compiled", -1)] + [("ours-compiled", s) for s in args.stages]:
-        label = peer if stage < 0 else f"{peer}-zero{stage}"
+    runs = [("torch-compiled", -1, "")] + [("ours-compiled", s, "") for s in args.stages]
+    if args.fused_ab:  # each stage again with the fused master step (precision/fused_master.py)
+        runs += [("ours-compiled", s, "-fused") for s in args.stages]
+    for peer, stage, variant in runs:
+        label = peer if stage < 0 else f"{peer}-zero{stage}{variant}"
+        os.environ["DSLAUNCH_FUSED_MASTER_STEP"] = "1" if variant else "0"
         record: dict[str, Any] = {"bench": "compiled", "model": name, "config": label, "stage": stage}
         record.update(repeats=args.repeats, steps=args.steps, warmup=args.warmup)
         release(args.device)
@@ -212,6 +217,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     # the 3B model's default of 4 x 2048 needs about 90 GiB: an 80 GB card takes 2
     parser.add_argument("--micro_batch", type=int, help="sequences a step (default: the model's)")
     parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU, backend eager")
+    parser.add_argument(
+        "--fused_ab",
+        action="store_true",
+        help="also each stage with DSLAUNCH_FUSED_MASTER_STEP=1 (rows *-fused)",
+    )
     add_out_argument(parser, "compiled")
     args = parser.parse_args(argv)
     args.out = out_file(args.out, "compiled")

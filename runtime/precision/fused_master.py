@@ -1,0 +1,237 @@
+"""The Adam/AdamW step of fp32 masters behind 16-bit working weights, in one pass over each group's bytes.
+
+Owns `FusedMasterAdam` (the step and the flat moments it needs), `unsupported_reason` (which optimizers it
+can stand in for) and `fused_setting` (the `DSLAUNCH_FUSED_MASTER_STEP` switch). The device placement
+(runtime/offload/placement.py `DeviceMasters`) decides where it applies and hands it segments: matching
+slices of a master, of its reduced 16-bit gradient and of the working weights.
+
+Off unless `DSLAUNCH_FUSED_MASTER_STEP=1`: it is checked equal to torch's step on the CPU (dynamo with the
+eager backend traces the same function), but its compiled kernel has not yet been timed on a GPU against
+the unfused step; the A/B that decides whether it becomes the CUDA default is in scripts/bench/README.md.
+
+Why: the unfused step moves each parameter's bytes three times. The 16-bit gradient is cast into a fresh
+fp32 buffer (2 bytes read, 4 written), torch's fused AdamW updates master and moments from it (16 read,
+12 written), and the master is cast back into the working weight (4 read, 2 written): 40 bytes a
+parameter, plus a transient fp32 gradient of 4 bytes a parameter at the step's memory peak. One
+elementwise kernel that reads the 16-bit gradient and writes the 16-bit weight itself moves 28 bytes and
+needs no buffer. A compiled plain PyTorch loop under autocast also pays about 40 (its casts of weights and
+gradients), so these 12 bytes decide whether the compiled engine keeps up with it (BENCHMARKS.md, issue 33).
+The kernel is `torch.compile` of `adam_update_` (one Triton kernel per segment shape family, compiled once
+with dynamic sizes), with lr, the step count and the gradient factor as device scalars, so a scheduler's
+new lr or the next step never recompiles and nothing waits for the device.
+
+The state stays torch's: `optimizer.state[p]` holds `step` (a float32 device tensor, as torch's fused
+Adam keeps it), `exp_avg` and `exp_avg_sq` for every parameter the optimizer holds (the flat master, or
+one view of it per parameter at one rank), so `state_dict`, checkpoints and a later unfused step read it
+unchanged. Here the moments are views into one flat buffer per group, which the one-pass kernel needs; a
+`load_state_dict` (or anything else) that replaces them is noticed at the next step and copied back in.
+The arithmetic is torch's fused AdamW's, in the same order, in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+_log = logging.getLogger(__name__)
+_ENV = "DSLAUNCH_FUSED_MASTER_STEP"
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def fused_setting() -> bool:
+    """The `DSLAUNCH_FUSED_MASTER_STEP` switch: "1" on, "0" or unset off (until a GPU A/B decides the
+    default, BENCHMARKS.md issue 33)."""
+    text = os.environ.get(_ENV, "").strip()
+    if text not in ("", "0", "1"):
+        raise ValueError(f"{_ENV}={text!r}: expected 0 or 1")
+    return text == "1"
+
+
+def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why `FusedMasterAdam` cannot take `optimizer`'s step, or None when it can (torch's own Adam or
+    AdamW, none of the options its kernel leaves out)."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return f"the optimizer is {type(optimizer).__name__}, not torch's Adam or AdamW"
+    for group in optimizer.param_groups:
+        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
+            if group.get(key):
+                return f"{key}=True"
+    return None
+
+
+def adam_update_(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    working: torch.Tensor,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    factor: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> None:
+    """One Adam(W) update of `master` (fp32) from the 16-bit `grad` times `factor`, moments in place, and
+    the new weight cast into `working`; lr, step (already counted) and factor are 0-d fp32 tensors."""
+    g = grad.to(torch.float32) * factor
+    if weight_decay != 0.0:
+        if decoupled:
+            master.mul_(1.0 - lr * weight_decay)
+        else:
+            g = g + weight_decay * master
+    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    bias1 = 1.0 - torch.pow(beta1, step)
+    bias2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step))
+    denom = exp_avg_sq.sqrt() / bias2_sqrt + eps
+    master.sub_(exp_avg / denom * (lr / bias1))
+    working.copy_(master)
+
+
+_compiled: dict[str, Callable[..., None]] = {}
+
+
+def _update_for(device: torch.device) -> Callable[..., None]:
+    """`adam_update_` compiled for `device`'s type: inductor on a GPU (the point of it), dynamo with the
+    eager backend elsewhere (the same traced graph: what the CPU tests check)."""
+    kind = device.type
+    if kind not in _compiled:
+        backend = "inductor" if kind == "cuda" else "eager"
+        _compiled[kind] = torch.compile(adam_update_, backend=backend, dynamic=True, fullgraph=True)
+    return _compiled[kind]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Matching 1-D slices: `master` (fp32) starts `offset` elements into its group's flat master;
+    `grad` is its reduced 16-bit gradient and `working` the weights the update is cast into."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    working: torch.Tensor
+    offset: int
+
+
+@dataclass
+class _GroupState:
+    """The flat moments of one optimizer param group and the views of them torch's state holds."""
+
+    params: list[torch.Tensor]
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    views: list[tuple[torch.Tensor, torch.Tensor]]
+    steps: list[torch.Tensor]
+    lr: torch.Tensor
+
+
+class FusedMasterAdam:
+    """Takes the step of a torch Adam/AdamW built over flat fp32 masters (one per param group, or one
+    view of it per parameter), writing the working weights as it goes."""
+
+    def __init__(self, masters: Sequence[torch.Tensor]) -> None:
+        self.masters = list(masters)  # by optimizer param group index
+        self._groups: list[_GroupState | None] = [None] * len(self.masters)
+        self._factor = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
+
+    def step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        segments: Sequence[Sequence[Segment]],
+        factor: float | torch.Tensor,
+    ) -> None:
+        """Update every group's segments: gradients times `factor` (averaging, unscaling and clipping
+        folded into one number, or a 0-d device tensor when it depends on the norm)."""
+        if isinstance(factor, torch.Tensor):
+            factor_t = factor.to(torch.float32).reshape(())
+        else:
+            factor_t = self._factor.fill_(factor)
+        update = _update_for(self.masters[0].device)
+        for index, group_segments in enumerate(segments):
+            options = optimizer.param_groups[index]
+            state = self._bound(optimizer, index)
+            torch._foreach_add_(state.steps, 1.0)
+            state.lr.fill_(float(options["lr"]))
+            beta1, beta2 = options["betas"]
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
+                options.get("decoupled_weight_decay")
+            )
+            for seg in group_segments:
+                n = seg.master.numel()
+                update(
+                    seg.master,
+                    seg.grad,
+                    state.exp_avg.narrow(0, seg.offset, n),
+                    state.exp_avg_sq.narrow(0, seg.offset, n),
+                    seg.working,
+                    state.lr,
+                    state.steps[0],
+                    factor_t,
+                    float(beta1),
+                    float(beta2),
+                    float(options["eps"]),
+                    float(options["weight_decay"]),
+                    decoupled,
+                )
+
+    def _bound(self, optimizer: torch.optim.Optimizer, index: int) -> _GroupState:
+        """The group's flat moments, with torch's state pointing into them (re-made when something
+        replaced the group's parameters or their state since the last step)."""
+        params = list(optimizer.param_groups[index]["params"])
+        state = self._groups[index]
+        if state is not None and self._intact(optimizer, state, params):
+            return state
+        state = self._bind(optimizer, index, params)
+        self._groups[index] = state
+        return state
+
+    @staticmethod
+    def _intact(optimizer: torch.optim.Optimizer, state: _GroupState, params: list[torch.Tensor]) -> bool:
+        if len(params) != len(state.params) or any(
+            a is not b for a, b in zip(params, state.params, strict=True)
+        ):
+            return False
+        for param, (avg, avg_sq), step in zip(params, state.views, state.steps, strict=True):
+            entry = optimizer.state.get(param, {})
+            if entry.get("exp_avg") is not avg or entry.get("exp_avg_sq") is not avg_sq:
+                return False
+            if entry.get("step") is not step:
+                return False
+        return True
+
+    def _bind(self, optimizer: torch.optim.Optimizer, index: int, params: list[torch.Tensor]) -> _GroupState:
+        master = self.masters[index]
+        flat = {key: torch.zeros_like(master, dtype=torch.float32) for key in _MOMENTS}
+        views, steps = [], []
+        for param in params:
+            offset = param.storage_offset() - master.storage_offset()
+            if param.untyped_storage().data_ptr() != master.untyped_storage().data_ptr() or not (
+                0 <= offset <= master.numel() - param.numel()
+            ):
+                raise AssertionError(
+                    f"optimizer group {index} holds a tensor that is not a view of its master"
+                )
+            entry = optimizer.state[param]
+            pair = []
+            for key in _MOMENTS:
+                view = flat[key].narrow(0, offset, param.numel()).view(param.shape)
+                if key in entry:  # resumed, or stepped unfused before: keep the values
+                    view.copy_(entry[key].reshape(param.shape))
+                entry[key] = view
+                pair.append(view)
+            views.append((pair[0], pair[1]))
+            old = entry.get("step")
+            count = float(old) if old is not None else 0.0  # a read of one number, only when (re)binding
+            entry["step"] = torch.tensor(count, dtype=torch.float32, device=master.device)
+            steps.append(entry["step"])
+        lr = torch.zeros((), dtype=torch.float32, device=master.device)
+        _log.debug(
+            "fused master step: group %d bound (%d tensors, %d elements)", index, len(params), master.numel()
+        )
+        return _GroupState(params, flat["exp_avg"], flat["exp_avg_sq"], views, steps, lr)

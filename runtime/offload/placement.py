@@ -203,7 +203,9 @@ class DeviceMasters:
             self._fused_decided = True
             why = self._fused_refusal(optimizer, pieces)
             if why is None:
-                self._fused = FusedMasterAdam([group.master for group in self.groups])
+                self._fused = FusedMasterAdam(
+                    [group.master for group in self.groups], [group.index for group in self.groups]
+                )
                 _log.info("optimizer step: one fused pass (16-bit gradients in, 16-bit weights out)")
             elif self._fused_setting:
                 _log.warning("DSLAUNCH_FUSED_MASTER_STEP=1 ignored: %s", why)
@@ -226,7 +228,7 @@ class DeviceMasters:
         device = self.groups[0].master.device
         if self.zero.params_sharded:
             return "the working weights are gather units' shards"
-        if len(optimizer.param_groups) != len(self.groups):
+        if any(group.index >= len(optimizer.param_groups) for group in self.groups):
             return "the optimizer's param groups are not the flat groups"
         why = unsupported_reason(optimizer)
         if why is not None:

@@ -135,8 +135,9 @@ class FusedMasterAdam:
     """Takes the step of a torch Adam/AdamW built over flat fp32 masters (one per param group, or one
     view of it per parameter), writing the working weights as it goes."""
 
-    def __init__(self, masters: Sequence[torch.Tensor]) -> None:
-        self.masters = list(masters)  # by optimizer param group index
+    def __init__(self, masters: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
+        self.masters = list(masters)
+        self.indices = list(indices)  # the optimizer param group of each master
         self._groups: list[_GroupState | None] = [None] * len(self.masters)
         self._factor = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
 
@@ -146,15 +147,16 @@ class FusedMasterAdam:
         segments: Sequence[Sequence[Segment]],
         factor: float | torch.Tensor,
     ) -> None:
-        """Update every group's segments: gradients times `factor` (averaging, unscaling and clipping
-        folded into one number, or a 0-d device tensor when it depends on the norm)."""
+        """Update every group's segments (`segments[i]` belongs to `masters[i]`): gradients times `factor`
+        (averaging, unscaling and clipping folded into one number, or a 0-d device tensor when it depends
+        on the norm)."""
         if isinstance(factor, torch.Tensor):
             factor_t = factor.to(torch.float32).reshape(())
         else:
             factor_t = self._factor.fill_(factor)
         update = _update_for(self.masters[0].device)
         for index, group_segments in enumerate(segments):
-            options = optimizer.param_groups[index]
+            options = optimizer.param_groups[self.indices[index]]
             state = self._bound(optimizer, index)
             torch._foreach_add_(state.steps, 1.0)
             state.lr.fill_(float(options["lr"]))
@@ -183,7 +185,7 @@ class FusedMasterAdam:
     def _bound(self, optimizer: torch.optim.Optimizer, index: int) -> _GroupState:
         """The group's flat moments, with torch's state pointing into them (re-made when something
         replaced the group's parameters or their state since the last step)."""
-        params = list(optimizer.param_groups[index]["params"])
+        params = list(optimizer.param_groups[self.indices[index]]["params"])
         state = self._groups[index]
         if state is not None and self._intact(optimizer, state, params):
             return state

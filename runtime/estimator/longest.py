@@ -63,18 +63,20 @@ class LlamaShape:
     def kv_size(self) -> int:
         return self.hidden_size // self.num_attention_heads * self.num_key_value_heads
 
-    def num_params(self) -> int:
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer's parameters: q, o, k, v, gate/up/down, two norms."""
         h, i, kv = self.hidden_size, self.intermediate_size, self.kv_size
-        layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q, o, k, v, gate/up/down, two norms
+        return 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+
+    def num_params(self) -> int:
         heads = 1 if self.tie_word_embeddings else 2
-        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h
+        h = self.hidden_size
+        return self.num_hidden_layers * self.layer_params + heads * self.vocab_size * h + h
 
     def sizes(self) -> ModelSizes:
-        h = self.hidden_size
-        layer = 2 * h * h + 2 * h * self.kv_size + 3 * h * self.intermediate_size + 2 * h
-        return ModelSizes(
-            total_params=self.num_params(), largest_layer_params=max(layer, self.vocab_size * h)
-        )
+        largest = max(self.layer_params, self.vocab_size * self.hidden_size)
+        return ModelSizes(total_params=self.num_params(), largest_layer_params=largest)
 
 
 # Presets: the published configs' numbers (random weights are built from them; no download)
@@ -103,6 +105,7 @@ class SequenceFit:
     gpu_need: int
     host_need: int
     reason: str  # for the longest: what stops the next length (GPU or host)
+    binds: str = ""  # which side the next length overflows: "gpu", "host", "gpu+host" ("": the walk's bound)
 
 
 def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Machine) -> tuple[int, int]:
@@ -169,13 +172,15 @@ def longest_sequence(
     seq = low * multiple
     gpu, host = memory_at(shape, seq, setup, machine)
     next_gpu, next_host = memory_at(shape, seq + multiple, setup, machine)
-    stops = []
+    stops, binds = [], []
     if next_gpu > machine.gpu_bytes:
         stops.append(f"the GPU ({next_gpu / GIB:.1f} of {machine.gpu_bytes / GIB:.1f} GiB)")
+        binds.append("gpu")
     if next_host > machine.host_bytes:
         stops.append(f"the host ({next_host / GIB:.1f} of {machine.host_bytes / GIB:.1f} GiB)")
+        binds.append("host")
     reason = (
         f"{seq} tokens fit: GPU {gpu / GIB:.1f} GiB, host {host / GIB:.1f} GiB; {seq + multiple} tokens "
         f"overflow " + " and ".join(stops or ["nothing (the walk's bound)"])
     )
-    return SequenceFit(seq_len=seq, gpu_need=gpu, host_need=host, reason=reason)
+    return SequenceFit(seq_len=seq, gpu_need=gpu, host_need=host, reason=reason, binds="+".join(binds))

@@ -1,6 +1,6 @@
 """The longest sequence a Llama-shaped model trains on one machine, with the long-sequence parts counted.
 
-``ds_estimate --longest_seq --llama 8b --gpu_memory 139 --host_memory 125`` answers with a token count
+``ds_estimate --longest_seq 8b --stage 3 --gpu_memory 139 --host_memory 125`` answers with a token count
 and what stops the next length. The model is given by its config numbers (``LlamaShape``); the parts of
 runtime.sequence and runtime.activation_checkpointing change which terms grow with the sequence:
 

@@ -1,6 +1,8 @@
 """The longest sequence a Llama-shaped model trains on this machine with the long-sequence parts on.
 
     python scripts/bench/long_context.py --model 8b --out            # on the H200; JSON lines
+    python scripts/bench/long_context.py --model 1b --gpu_gib 32 --start 198656 --growth 1.1 \
+        --max 218112 --steps 2 --time_limit 120 --out                # a capped walk (BENCHMARKS.md, issue 34)
     python scripts/bench/long_context.py --model 256:512:2:4:2:1000 --device cpu --start 256 --max 2048
 
 The model is built from its config numbers (``--model``: ``1b``, ``8b`` or
@@ -12,17 +14,34 @@ runtime.activation_checkpointing (``hf_checkpointing``), keeping their inputs on
 ``runtime.initialize`` at ZeRO ``--stage`` (3) with the Adam state offloaded to the host (unless
 ``--no_offload``), micro-batch 1.
 
-The walk: each length runs ``--steps`` steps (one warm-up, then timed) in its own process (an
-out-of-memory error ends only that process), doubling from ``--start`` until one fails or ``--max`` is
-reached, then bisecting between the longest that trained and the shortest that failed down to
-``--resolution`` (5% of the length). One JSON line per try (seq_len, ok, step_s, tokens_per_s, TFLOP/s,
-mfu, peak GPU GiB, host RSS GiB, the error's last line) and a summary with the longest length and what
-``ds_estimate --longest_seq`` predicts for this machine (GPU memory and the host's available memory read
-once), and the estimate's error (issue 34 asks for 5%).
+The walk (its decisions in long_context_walk.py): each length runs ``--steps`` steps (one warm-up, then
+timed; ``--steps 1`` times its only step) in its own process (an out-of-memory error ends only that
+process), growing from ``--start`` by ``--growth`` (2: doubling) until one fails or ``--max`` is passed,
+then bisecting between the longest that trained and the shortest that failed down to ``--resolution``
+(5% of the length). One JSON line per try (seq_len, ok, step_s, tokens_per_s, TFLOP/s, mfu, peak GPU GiB
+allocated and reserved, host RSS GiB, the error's last line) and a summary: the longest length, what
+ended the walk (``stopped_by``: failed, max, time), what ``ds_estimate --longest_seq`` predicts for this
+machine (GPU memory and the host's available memory read once), which side binds there
+(``estimate_binds``), the estimate's error (issue 34 asks for 5%) and ``step_s_at_estimate`` (the step's
+executed FLOPs at the estimate over the executed rate measured at the longest).
 
-FLOPs a token: 6 x parameters (forward and backward) + 6 x layers x hidden x seq (causal attention's
-score and value products, half the square); the recomputations (checkpointing, tiles) are not counted,
-as MFU conventionally does not.
+A real limit may lie where one step takes minutes (the 8B shape at 500K tokens: ~3e17 FLOPs), beyond a
+10-minute device command. Two flags keep a walk inside one:
+
+- ``--gpu_gib G``: each child caps its CUDA caching allocator at G GiB
+  (``torch.cuda.set_per_process_memory_fraction``, before anything is allocated), and the estimate is for
+  that GPU (``runtime.estimator.fit.allocator_capped``: the CUDA context lies outside the cap, the
+  allocator's slack is a share of the cap). With a small G the limit falls where a step takes seconds,
+  and the walk checks the estimator's memory model there; the summary says when the host term binds
+  first (``estimate_note``), for then the walk checks the host side instead.
+- ``--time_limit S``: a length whose predicted step time (runtime.estimator.step_flops's executed FLOPs
+  over the last measured executed rate) passes S seconds is not tried; the summary says
+  ``stopped_by: time`` and the length it would have tried (``would_try``).
+
+FLOPs: ``tflops`` and ``mfu`` count the model's, 6 x parameters x T + 6 x layers x hidden x T^2 (causal
+attention's score and value products, half the square), as MFU conventionally does; ``hw_tflops`` counts
+what runs, the recomputation of the checkpointed layers and of the tiled MLP included
+(runtime/estimator/step_flops.py).
 """
 
 from __future__ import annotations
@@ -131,16 +150,19 @@ def train_one(
         engine.step()
         return loss.item()
 
-    losses = [step()]  # warm-up
-    if device.type == "cuda":
+    # one warm-up step, then the timed ones; --steps 1 times its only step, warm-up and all (a length whose
+    # step takes minutes affords no second one in a device command)
+    losses = [step()] if steps > 1 else []
+    if device.type == "cuda" and steps > 1:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    timed = max(1, steps - 1)
     start = time.perf_counter()
-    for _ in range(steps - 1):
+    for _ in range(timed):
         losses.append(step())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    step_s = (time.perf_counter() - start) / max(1, steps - 1)
+    step_s = (time.perf_counter() - start) / timed
     flops = model_flops(shape, seq)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
@@ -276,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="seconds: a length whose predicted step time (the last measured rate) exceeds it is not tried",
     )
-    parser.add_argument("--steps", type=int, default=3, help="steps a length (the first is a warm-up)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="steps a length (the first is a warm-up; 1: the one step is timed, warm-up and all)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a length may take")
     parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
     parser.add_argument("--no_offload", action="store_true", help="the Adam state stays on the GPU")
@@ -290,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = llama_shape(args.model)
     except argparse.ArgumentTypeError as error:
         parser.error(f"--model: {error}")
+    if args.steps < 1:
+        parser.error(f"--steps: expected at least 1, got {args.steps}")
     setup = setup_from(args)
     if args.one is not None:
         record = train_one(shape, setup, args.one, args.steps, args.device, args.gpu_gib)

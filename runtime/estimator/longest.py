@@ -24,7 +24,10 @@ GPU, per token of the sequence (w = bytes of the working dtype, h = hidden size,
 Host, per token: ``L x h x w`` with ``cpu_checkpointing`` (pinned, as the side-stream copies need).
 
 Fixed terms: the model states (``model_states.estimate``: stage, offload), the CUDA context, the
-allocator's slack, the host process: the same named constants as ``fit``. These are estimates, calibrated
+allocator's slack, the host process: the same named constants as ``fit``; with optimizer offload, the
+device step's staging slots (``device_step_staging``): allocated when the engine is built, they hold GPU
+memory through forward and backward, as many as 1/16 of the GPU's free memory then holds (4 to 16 slots
+of 256 MiB), so on a large GPU up to 4 GiB. These are estimates, calibrated
 once measured: BENCHMARKS.md will record the estimate against ``scripts/bench/long_context.py``.
 """
 
@@ -45,6 +48,17 @@ from runtime.sequence.tiles import LOGITS_TILE_BYTES, mlp_tiles
 
 LOSS_TILE_COPIES = 3.5  # fp32 logits, their log-softmax, their gradient, and the 16-bit logits (half)
 FP32 = 4
+# runtime/offload/plan.py's slot rule (device_slots, staging_bytes), restated: runtime.offload imports the
+# estimator, not the other way round; tests/runtime/estimator/test_estimator_longest.py checks they agree
+SLOT_BYTES = 4 * (1 << 24) * FP32  # fp32 master, two moments and the gradient of a 16M-element chunk
+MIN_SLOTS, MAX_SLOTS, SLOTS_SHARE_OF_FREE = 4, 16, 16
+
+
+def device_step_staging(device_free: int) -> int:
+    """GPU bytes of the offloaded device step's staging slots on a GPU with `device_free` bytes free when
+    the engine is built."""
+    slots = max(MIN_SLOTS, min(MAX_SLOTS, device_free // SLOTS_SHARE_OF_FREE // SLOT_BYTES))
+    return slots * SLOT_BYTES
 
 
 @dataclass(frozen=True)
@@ -136,6 +150,9 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
         fixed += shape.vocab_size * h * FP32  # the head's weight gradient, summed over tiles in fp32
     else:
         per_token += shape.vocab_size * (w + FP32 + FP32)
+    if setup.offload_optimizer:
+        # free when the engine is built: the model states are on the GPU, the activations not yet
+        fixed += device_step_staging(max(0, machine.gpu_bytes - CUDA_CONTEXT_BYTES - states.gpu.total))
     gpu = (
         states.gpu.total
         + states.gpu_transient

@@ -31,9 +31,11 @@ A real limit may lie where one step takes minutes (the 8B shape at 500K tokens: 
 - ``--gpu_gib G``: each child caps its CUDA caching allocator at G GiB
   (``torch.cuda.set_per_process_memory_fraction``, before anything is allocated), and the estimate is for
   that GPU (``runtime.estimator.fit.allocator_capped``: the CUDA context lies outside the cap, the
-  allocator's slack is a share of the cap). With a small G the limit falls where a step takes seconds,
-  and the walk checks the estimator's memory model there; the summary says when the host term binds
-  first (``estimate_note``), for then the walk checks the host side instead.
+  allocator's slack is a share of the cap); ``torch.cuda.mem_get_info`` answers for the cap too, so what
+  the engine sizes by free memory (the offloaded step's staging slots) is sized for the capped GPU. With
+  a small G the limit falls where a step takes seconds, and the walk checks the estimator's memory model
+  there; the summary says when the host term binds first (``estimate_note``), for then the walk checks
+  the host side instead.
 - ``--time_limit S``: a length whose predicted step time (runtime.estimator.step_flops's executed FLOPs
   over the last measured executed rate) passes S seconds is not tried; the summary says
   ``stopped_by: time`` and the length it would have tried (``would_try``).
@@ -78,14 +80,24 @@ def setup_from(args: argparse.Namespace) -> LongSequenceSetup:
 
 
 def cap_allocator(device: Any, gpu_gib: float) -> None:
-    """Cap this process's CUDA caching allocator at `gpu_gib` GiB, before anything is allocated (the
-    fraction is of the device's total memory; the CUDA context lies outside it)."""
+    """Make this process's GPU one of `gpu_gib` GiB, before anything is allocated: its CUDA caching
+    allocator capped there (the fraction is of the device's total memory; the CUDA context lies outside
+    it), and ``torch.cuda.mem_get_info`` answering for the cap (free: the cap less what the allocator has
+    reserved), because the engine sizes things by the free memory it reads: the offloaded device step's
+    staging slots take 1/16 of it (runtime/offload/plan.py), which on the whole card would be up to 4 GiB
+    the capped GPU has no room for, and which the estimate for the capped GPU would not count."""
     import torch
 
     total = torch.cuda.get_device_properties(device).total_memory
-    if gpu_gib * GIB > total:
+    cap = int(gpu_gib * GIB)
+    if cap > total:
         raise SystemExit(f"--gpu_gib {gpu_gib}: the GPU has only {total / GIB:.1f} GiB")
-    torch.cuda.set_per_process_memory_fraction(gpu_gib * GIB / total, device)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+
+    def capped_mem_get_info(device: Any = None) -> tuple[int, int]:
+        return max(0, cap - torch.cuda.memory_reserved(device)), cap
+
+    torch.cuda.mem_get_info = capped_mem_get_info
 
 
 def train_one(

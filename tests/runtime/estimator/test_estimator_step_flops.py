@@ -59,7 +59,7 @@ def test_a_cap_moves_the_8b_limit_to_where_a_step_takes_seconds_and_the_gpu_bind
     capped = allocator_capped(48 * GIB, 120 * GIB)
     found = longest_sequence(LLAMA_8B, capped)
     assert found.binds == "gpu"  # the host (120 GiB) still has room at that length
-    assert 30_000 < found.seq_len < 40_000
+    assert 25_000 < found.seq_len < 35_000
     gpu, host = memory_at(LLAMA_8B, found.seq_len, LongSequenceSetup(), capped)
     assert gpu - CUDA_CONTEXT_BYTES <= 48 * GIB and host < 120 * GIB
     assert step_seconds(step_flops(LLAMA_8B, found.seq_len), 300) < 20  # a walk of a few tries fits

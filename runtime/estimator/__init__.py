@@ -8,6 +8,8 @@ The numbers live apart from their presentation, because the two change for diffe
 - ``fit``: whether a GPT trains on a machine (GPU and host memory) with everything a step needs beyond
   the model states (activations, staging, fixed costs), the offload ratios that fit, and the largest size
   of a family (``fit_gpt``, ``largest_gpt``); ``fit_cli`` is its ``ds_estimate --largest`` / ``--gpt``.
+- ``longest``: the longest sequence a Llama-shaped model trains with the long-sequence parts
+  (``ds_estimate --longest_seq``); ``step_flops``: that step's FLOPs and its time at a rate.
 - ``cli``: the text table, DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs*`` names and the
   command line (``ds_estimate``, or ``python -m runtime.estimator``, through ``__main__``).
 

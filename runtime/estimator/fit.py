@@ -69,6 +69,22 @@ class Machine:
     gpus_per_node: int = 1
 
 
+def allocator_capped(cap_bytes: int, host_bytes: int) -> Machine:
+    """The machine a process sees whose CUDA caching allocator is capped at `cap_bytes`
+    (``torch.cuda.set_per_process_memory_fraction``; scripts/bench/long_context.py --gpu_gib).
+
+    The cap bounds what the allocator reserves; the CUDA context (``CUDA_CONTEXT_BYTES``) lives outside
+    it, and the allocator's slack is a share of what the allocator holds, not of the physical GPU. The
+    estimates check ``need <= gpu_bytes`` with ``need = allocations + CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK
+    x gpu_bytes``; the GPU size returned here makes that the same test as ``allocations + ALLOCATOR_SLACK x
+    cap <= cap``: ``gpu_bytes = cap + CUDA_CONTEXT_BYTES / (1 - ALLOCATOR_SLACK)``."""
+    if cap_bytes <= 0:
+        raise ValueError(f"an allocator cap must be positive, got {cap_bytes} bytes")
+    return Machine(
+        gpu_bytes=cap_bytes + math.ceil(CUDA_CONTEXT_BYTES / (1 - ALLOCATOR_SLACK)), host_bytes=host_bytes
+    )
+
+
 @dataclass(frozen=True)
 class Workload:
     """What a step processes."""

@@ -4,6 +4,8 @@
     ds_estimate --largest --gpu_memory 139 --host_memory 125 --ratio 1      # full optimizer offload
     ds_estimate --gpt 5120:40:48 --gpu_memory 139 --host_memory 125 --stage 3 --offload_param
     ds_estimate --longest_seq 8b --gpu_memory 139 --host_memory 125         # tiled MLP and loss
+    ds_estimate --longest_seq 8b --gpu_memory 79 --host_memory 125 --tflops 450   # + the step's FLOPs, time
+    ds_estimate --longest_seq 1b --gpu_cap 32 --host_memory 120             # a process capped at 32 GiB
 
 The arithmetic is runtime.estimator.fit's (``--longest_seq``: runtime.estimator.longest's); this module
 reads the flags, builds the GPT family the search walks (head size 128, widths 2048-12288, depths in steps
@@ -17,8 +19,15 @@ import json
 from dataclasses import asdict, replace
 from typing import TypedDict
 
-from runtime.estimator.fit import GIB, Fit, Machine, Workload, fit_gpt, largest_gpt
-from runtime.estimator.longest import LLAMA_SHAPES, LlamaShape, LongSequenceSetup, longest_sequence
+from runtime.estimator.fit import GIB, Fit, Machine, Workload, allocator_capped, fit_gpt, largest_gpt
+from runtime.estimator.longest import (
+    LLAMA_SHAPES,
+    LlamaShape,
+    LongSequenceSetup,
+    SequenceFit,
+    longest_sequence,
+)
+from runtime.estimator.step_flops import model_flops, step_flops, step_seconds
 from runtime.models.gpt import GPTConfig
 
 WIDTHS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192, 10240, 12288)
@@ -67,6 +76,18 @@ def fit_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("machine fit (--largest, --gpt)")
     group.add_argument("--gpu_memory", type=_gib, help="each GPU's memory in GiB (e.g. 139 for an H200)")
     group.add_argument("--host_memory", type=_gib, help="host memory the job may use, in GiB")
+    group.add_argument(
+        "--gpu_cap",
+        type=_gib,
+        help="instead of --gpu_memory: one process whose CUDA allocator is capped at this many GiB "
+        "(scripts/bench/long_context.py --gpu_gib; the CUDA context lies outside the cap)",
+    )
+    group.add_argument(
+        "--tflops",
+        type=float,
+        help="--longest_seq: also the step's FLOPs at the longest length and its time at this executed "
+        "rate (TFLOP/s, recomputation included)",
+    )
     group.add_argument("--stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage (default 2)")
     group.add_argument("--ratio", type=parse_ratio, default="auto", help="offload ratio: 0-1 or auto")
     group.add_argument("--no_offload", action="store_true", help="no optimizer offload at all")
@@ -101,17 +122,51 @@ def llama_shape(text: str) -> LlamaShape:
     return LlamaShape(hidden, intermediate, layers, heads, kv_heads, vocab)
 
 
+def _step_keys(
+    shape: LlamaShape, found: SequenceFit, setup: LongSequenceSetup, tflops: float | None
+) -> dict[str, float]:
+    """The step's FLOPs at the longest length (model and executed) and its seconds at `tflops`."""
+    if tflops is None:
+        return {}
+    flops = step_flops(shape, found.seq_len, setup)
+    return {
+        "model_flops": model_flops(shape, found.seq_len),
+        "step_flops": flops,
+        "tflops": tflops,
+        "step_s": round(step_seconds(flops, tflops), 1),
+    }
+
+
+def _step_text(shape: LlamaShape, found: SequenceFit, setup: LongSequenceSetup, tflops: float | None) -> str:
+    keys = _step_keys(shape, found, setup, tflops)
+    if not keys:
+        return ""
+    return (
+        f"; a step there: {keys['step_flops']:.3g} FLOPs with the recomputation ({keys['model_flops']:.3g} "
+        f"as MFU counts), {keys['step_s']:.1f} s at {tflops:g} TFLOP/s"
+    )
+
+
 def _line(fit: Fit | None, label: str) -> str:
     return f"{label}: none" if fit is None else f"{label}: {fit.reason}"
 
 
 def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """Answer --largest or --gpt; exit code 0 when it fits (or something does), 1 when not."""
-    if args.gpu_memory is None or args.host_memory is None:
-        parser.error("--largest, --gpt and --longest_seq need --gpu_memory and --host_memory (GiB)")
+    if (args.gpu_memory is None) == (args.gpu_cap is None) or args.host_memory is None:
+        parser.error(
+            "--largest, --gpt and --longest_seq need --host_memory and one of --gpu_memory, --gpu_cap (GiB)"
+        )
     if args.offload_param and args.stage != 3:
         parser.error("--offload_param needs --stage 3")
-    machine = Machine(gpu_bytes=args.gpu_memory, host_bytes=args.host_memory, gpus_per_node=args.num_gpus)
+    if args.tflops is not None and not args.tflops > 0:
+        parser.error(f"--tflops: expected a positive rate, got {args.tflops}")
+    if args.gpu_cap is not None:
+        if args.num_gpus != 1:
+            parser.error("--gpu_cap describes one process on one GPU (--num_gpus 1)")
+        machine = allocator_capped(args.gpu_cap, args.host_memory)
+    else:
+        machine = Machine(gpu_bytes=args.gpu_memory, host_bytes=args.host_memory, gpus_per_node=args.num_gpus)
     work = Workload(
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
@@ -145,15 +200,13 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         alternative = longest_sequence(args.longest_seq, machine, other)
         label = "without" if setup.cpu_checkpointing else "with"
         if args.json:
-            print(
-                json.dumps(
-                    asdict(found)
-                    | {"setup": asdict(setup), f"{label}_cpu_checkpointing": asdict(alternative)}
-                )
-            )
+            found_keys = asdict(found) | _step_keys(args.longest_seq, found, setup, args.tflops)
+            other_keys = asdict(alternative) | _step_keys(args.longest_seq, alternative, other, args.tflops)
+            print(json.dumps(found_keys | {"setup": asdict(setup), f"{label}_cpu_checkpointing": other_keys}))
         else:
-            print(found.reason)
-            print(f"{label} cpu_checkpointing: {alternative.reason}")
+            print(found.reason + _step_text(args.longest_seq, found, setup, args.tflops))
+            text = _step_text(args.longest_seq, alternative, other, args.tflops)
+            print(f"{label} cpu_checkpointing: {alternative.reason}{text}")
         return 0 if found.seq_len else 1
     if args.gpt is not None:
         n_embd, n_head, n_layer = args.gpt

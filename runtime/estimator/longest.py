@@ -1,6 +1,6 @@
 """The longest sequence a Llama-shaped model trains on one machine, with the long-sequence parts counted.
 
-``ds_estimate --longest_seq --llama 8b --gpu_memory 139 --host_memory 125`` answers with a token count
+``ds_estimate --longest_seq 8b --stage 3 --gpu_memory 139 --host_memory 125`` answers with a token count
 and what stops the next length. The model is given by its config numbers (``LlamaShape``); the parts of
 runtime.sequence and runtime.activation_checkpointing change which terms grow with the sequence:
 
@@ -24,7 +24,10 @@ GPU, per token of the sequence (w = bytes of the working dtype, h = hidden size,
 Host, per token: ``L x h x w`` with ``cpu_checkpointing`` (pinned, as the side-stream copies need).
 
 Fixed terms: the model states (``model_states.estimate``: stage, offload), the CUDA context, the
-allocator's slack, the host process: the same named constants as ``fit``. These are estimates, calibrated
+allocator's slack, the host process: the same named constants as ``fit``; with optimizer offload, the
+device step's staging slots (``device_step_staging``): allocated when the engine is built, they hold GPU
+memory through forward and backward, as many as 1/16 of the GPU's free memory then holds (4 to 16 slots
+of 256 MiB), so on a large GPU up to 4 GiB. These are estimates, calibrated
 once measured: BENCHMARKS.md will record the estimate against ``scripts/bench/long_context.py``.
 """
 
@@ -45,6 +48,17 @@ from runtime.sequence.tiles import LOGITS_TILE_BYTES, mlp_tiles
 
 LOSS_TILE_COPIES = 3.5  # fp32 logits, their log-softmax, their gradient, and the 16-bit logits (half)
 FP32 = 4
+# runtime/offload/plan.py's slot rule (device_slots, staging_bytes), restated: runtime.offload imports the
+# estimator, not the other way round; tests/runtime/estimator/test_estimator_longest.py checks they agree
+SLOT_BYTES = 4 * (1 << 24) * FP32  # fp32 master, two moments and the gradient of a 16M-element chunk
+MIN_SLOTS, MAX_SLOTS, SLOTS_SHARE_OF_FREE = 4, 16, 16
+
+
+def device_step_staging(device_free: int) -> int:
+    """GPU bytes of the offloaded device step's staging slots on a GPU with `device_free` bytes free when
+    the engine is built."""
+    slots = max(MIN_SLOTS, min(MAX_SLOTS, device_free // SLOTS_SHARE_OF_FREE // SLOT_BYTES))
+    return slots * SLOT_BYTES
 
 
 @dataclass(frozen=True)
@@ -63,18 +77,20 @@ class LlamaShape:
     def kv_size(self) -> int:
         return self.hidden_size // self.num_attention_heads * self.num_key_value_heads
 
-    def num_params(self) -> int:
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer's parameters: q, o, k, v, gate/up/down, two norms."""
         h, i, kv = self.hidden_size, self.intermediate_size, self.kv_size
-        layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q, o, k, v, gate/up/down, two norms
+        return 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+
+    def num_params(self) -> int:
         heads = 1 if self.tie_word_embeddings else 2
-        return self.num_hidden_layers * layer + heads * self.vocab_size * h + h
+        h = self.hidden_size
+        return self.num_hidden_layers * self.layer_params + heads * self.vocab_size * h + h
 
     def sizes(self) -> ModelSizes:
-        h = self.hidden_size
-        layer = 2 * h * h + 2 * h * self.kv_size + 3 * h * self.intermediate_size + 2 * h
-        return ModelSizes(
-            total_params=self.num_params(), largest_layer_params=max(layer, self.vocab_size * h)
-        )
+        largest = max(self.layer_params, self.vocab_size * self.hidden_size)
+        return ModelSizes(total_params=self.num_params(), largest_layer_params=largest)
 
 
 # Presets: the published configs' numbers (random weights are built from them; no download)
@@ -103,6 +119,7 @@ class SequenceFit:
     gpu_need: int
     host_need: int
     reason: str  # for the longest: what stops the next length (GPU or host)
+    binds: str = ""  # which side the next length overflows: "gpu", "host", "gpu+host" ("": the walk's bound)
 
 
 def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Machine) -> tuple[int, int]:
@@ -133,6 +150,9 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
         fixed += shape.vocab_size * h * FP32  # the head's weight gradient, summed over tiles in fp32
     else:
         per_token += shape.vocab_size * (w + FP32 + FP32)
+    if setup.offload_optimizer:
+        # free when the engine is built: the model states are on the GPU, the activations not yet
+        fixed += device_step_staging(max(0, machine.gpu_bytes - CUDA_CONTEXT_BYTES - states.gpu.total))
     gpu = (
         states.gpu.total
         + states.gpu_transient
@@ -169,13 +189,15 @@ def longest_sequence(
     seq = low * multiple
     gpu, host = memory_at(shape, seq, setup, machine)
     next_gpu, next_host = memory_at(shape, seq + multiple, setup, machine)
-    stops = []
+    stops, binds = [], []
     if next_gpu > machine.gpu_bytes:
         stops.append(f"the GPU ({next_gpu / GIB:.1f} of {machine.gpu_bytes / GIB:.1f} GiB)")
+        binds.append("gpu")
     if next_host > machine.host_bytes:
         stops.append(f"the host ({next_host / GIB:.1f} of {machine.host_bytes / GIB:.1f} GiB)")
+        binds.append("host")
     reason = (
         f"{seq} tokens fit: GPU {gpu / GIB:.1f} GiB, host {host / GIB:.1f} GiB; {seq + multiple} tokens "
         f"overflow " + " and ".join(stops or ["nothing (the walk's bound)"])
     )
-    return SequenceFit(seq_len=seq, gpu_need=gpu, host_need=host, reason=reason)
+    return SequenceFit(seq_len=seq, gpu_need=gpu, host_need=host, reason=reason, binds="+".join(binds))

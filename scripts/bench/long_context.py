@@ -1,6 +1,8 @@
 """The longest sequence a Llama-shaped model trains on this machine with the long-sequence parts on.
 
     python scripts/bench/long_context.py --model 8b --out            # on the H200; JSON lines
+    python scripts/bench/long_context.py --model 1b --gpu_gib 32 --start 198656 --growth 1.1 \
+        --max 218112 --steps 2 --time_limit 120 --out                # a capped walk (BENCHMARKS.md, issue 34)
     python scripts/bench/long_context.py --model 256:512:2:4:2:1000 --device cpu --start 256 --max 2048
 
 The model is built from its config numbers (``--model``: ``1b``, ``8b`` or
@@ -12,17 +14,36 @@ runtime.activation_checkpointing (``hf_checkpointing``), keeping their inputs on
 ``runtime.initialize`` at ZeRO ``--stage`` (3) with the Adam state offloaded to the host (unless
 ``--no_offload``), micro-batch 1.
 
-The walk: each length runs ``--steps`` steps (one warm-up, then timed) in its own process (an
-out-of-memory error ends only that process), doubling from ``--start`` until one fails or ``--max`` is
-reached, then bisecting between the longest that trained and the shortest that failed down to
-``--resolution`` (5% of the length). One JSON line per try (seq_len, ok, step_s, tokens_per_s, TFLOP/s,
-mfu, peak GPU GiB, host RSS GiB, the error's last line) and a summary with the longest length and what
-``ds_estimate --longest_seq`` predicts for this machine (GPU memory and the host's available memory read
-once), and the estimate's error (issue 34 asks for 5%).
+The walk (its decisions in long_context_walk.py): each length runs ``--steps`` steps (one warm-up, then
+timed; ``--steps 1`` times its only step) in its own process (an out-of-memory error ends only that
+process), growing from ``--start`` by ``--growth`` (2: doubling) until one fails or ``--max`` is passed,
+then bisecting between the longest that trained and the shortest that failed down to ``--resolution``
+(5% of the length). One JSON line per try (seq_len, ok, step_s, tokens_per_s, TFLOP/s, mfu, peak GPU GiB
+allocated and reserved, host RSS GiB, the error's last line) and a summary: the longest length, what
+ended the walk (``stopped_by``: failed, max, time), what ``ds_estimate --longest_seq`` predicts for this
+machine (GPU memory and the host's available memory read once), which side binds there
+(``estimate_binds``), the estimate's error (issue 34 asks for 5%) and ``step_s_at_estimate`` (the step's
+executed FLOPs at the estimate over the executed rate measured at the longest).
 
-FLOPs a token: 6 x parameters (forward and backward) + 6 x layers x hidden x seq (causal attention's
-score and value products, half the square); the recomputations (checkpointing, tiles) are not counted,
-as MFU conventionally does not.
+A real limit may lie where one step takes minutes (the 8B shape at 500K tokens: ~3e17 FLOPs), beyond a
+10-minute device command. Two flags keep a walk inside one:
+
+- ``--gpu_gib G``: each child caps its CUDA caching allocator at G GiB
+  (``torch.cuda.set_per_process_memory_fraction``, before anything is allocated), and the estimate is for
+  that GPU (``runtime.estimator.fit.allocator_capped``: the CUDA context lies outside the cap, the
+  allocator's slack is a share of the cap); ``torch.cuda.mem_get_info`` answers for the cap too, so what
+  the engine sizes by free memory (the offloaded step's staging slots) is sized for the capped GPU. With
+  a small G the limit falls where a step takes seconds, and the walk checks the estimator's memory model
+  there; the summary says when the host term binds first (``estimate_note``), for then the walk checks
+  the host side instead.
+- ``--time_limit S``: a length whose predicted step time (runtime.estimator.step_flops's executed FLOPs
+  over the last measured executed rate) passes S seconds is not tried; the summary says
+  ``stopped_by: time`` and the length it would have tried (``would_try``).
+
+FLOPs: ``tflops`` and ``mfu`` count the model's, 6 x parameters x T + 6 x layers x hidden x T^2 (causal
+attention's score and value products, half the square), as MFU conventionally does; ``hw_tflops`` counts
+what runs, the recomputation of the checkpointed layers and of the tiled MLP included
+(runtime/estimator/step_flops.py).
 """
 
 from __future__ import annotations
@@ -40,10 +61,12 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from runtime.estimator.fit import Machine  # noqa: E402
+from runtime.estimator.fit import GIB, Machine, allocator_capped  # noqa: E402
 from runtime.estimator.fit_cli import llama_shape  # noqa: E402
 from runtime.estimator.longest import LlamaShape, LongSequenceSetup, longest_sequence  # noqa: E402
+from runtime.estimator.step_flops import model_flops, step_flops, step_seconds  # noqa: E402
 from scripts.bench.common import add_out_argument, emit, mfu, out_file, run_isolated  # noqa: E402
+from scripts.bench.long_context_walk import WalkPlan, walk_lengths  # noqa: E402
 
 
 def setup_from(args: argparse.Namespace) -> LongSequenceSetup:
@@ -56,8 +79,37 @@ def setup_from(args: argparse.Namespace) -> LongSequenceSetup:
     )
 
 
-def train_one(shape: LlamaShape, setup: LongSequenceSetup, seq: int, steps: int, device_name: str) -> dict:
-    """Train `steps` steps at length `seq` in this process; the measurements as a dict."""
+def cap_allocator(device: Any, gpu_gib: float) -> None:
+    """Make this process's GPU one of `gpu_gib` GiB, before anything is allocated: its CUDA caching
+    allocator capped there (the fraction is of the device's total memory; the CUDA context lies outside
+    it), and ``torch.cuda.mem_get_info`` answering for the cap (free: the cap less what the allocator has
+    reserved), because the engine sizes things by the free memory it reads: the offloaded device step's
+    staging slots take 1/16 of it (runtime/offload/plan.py), which on the whole card would be up to 4 GiB
+    the capped GPU has no room for, and which the estimate for the capped GPU would not count."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = int(gpu_gib * GIB)
+    if cap > total:
+        raise SystemExit(f"--gpu_gib {gpu_gib}: the GPU has only {total / GIB:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+
+    def capped_mem_get_info(device: Any = None) -> tuple[int, int]:
+        return max(0, cap - torch.cuda.memory_reserved(device)), cap
+
+    torch.cuda.mem_get_info = capped_mem_get_info
+
+
+def train_one(
+    shape: LlamaShape,
+    setup: LongSequenceSetup,
+    seq: int,
+    steps: int,
+    device_name: str,
+    gpu_gib: float | None = None,
+) -> dict:
+    """Train `steps` steps at length `seq` in this process (its allocator capped at `gpu_gib` GiB where
+    given); the measurements as a dict."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -67,6 +119,8 @@ def train_one(shape: LlamaShape, setup: LongSequenceSetup, seq: int, steps: int,
     from scripts.bench.common import init_single_process_group
 
     device = torch.device(device_name)
+    if gpu_gib is not None and device.type == "cuda":
+        cap_allocator(device, gpu_gib)
     init_single_process_group(device)
     config = LlamaConfig(
         hidden_size=shape.hidden_size,
@@ -108,25 +162,31 @@ def train_one(shape: LlamaShape, setup: LongSequenceSetup, seq: int, steps: int,
         engine.step()
         return loss.item()
 
-    losses = [step()]  # warm-up
-    if device.type == "cuda":
+    # one warm-up step, then the timed ones; --steps 1 times its only step, warm-up and all (a length whose
+    # step takes minutes affords no second one in a device command)
+    losses = [step()] if steps > 1 else []
+    if device.type == "cuda" and steps > 1:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    timed = max(1, steps - 1)
     start = time.perf_counter()
-    for _ in range(steps - 1):
+    for _ in range(timed):
         losses.append(step())
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    step_s = (time.perf_counter() - start) / max(1, steps - 1)
-    flops = seq * (6 * shape.num_params() + 6 * shape.num_hidden_layers * shape.hidden_size * seq)
+    step_s = (time.perf_counter() - start) / timed
+    flops = model_flops(shape, seq)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
         "losses": losses,
         "step_s": round(step_s, 4),
         "tokens_per_s": round(seq / step_s, 1),
         "tflops": round(flops / step_s / 1e12, 2),
+        # 4 significant digits, not 2 decimals: the time limit predicts from it, tiny CPU rates included
+        "hw_tflops": float(f"{step_flops(shape, seq, setup) / step_s / 1e12:.4g}"),
         "mfu": mfu(flops / step_s, name),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if name else None,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2) if name else None,
         "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
     }
 
@@ -155,36 +215,76 @@ def machine_facts(device_name: str) -> Machine:
     return Machine(gpu_bytes=gpu, host_bytes=host_available_bytes())
 
 
+def estimate_machine(gpu_gib: float | None, device_name: str) -> Machine:
+    """The machine the estimate is for: a GPU of `gpu_gib` GiB where the children cap their allocator
+    (``allocator_capped``: the context outside the cap), else this GPU's full size; the host's available
+    memory either way."""
+    if gpu_gib is None:
+        return machine_facts(device_name)
+    from runtime.memory import host_available_bytes
+
+    return allocator_capped(int(gpu_gib * GIB), host_available_bytes())
+
+
+def estimate_summary(
+    shape: LlamaShape, setup: LongSequenceSetup, machine: Machine, longest: int, hw_tflops: float | None
+) -> dict[str, Any]:
+    """The summary's estimate keys: ``longest_sequence`` on `machine`, which side binds there, its error
+    against the measured `longest`, and the step time at the estimate at the measured executed rate."""
+    estimate = longest_sequence(shape, machine, setup)
+    keys: dict[str, Any] = {
+        "estimate": estimate.seq_len,
+        "estimate_binds": estimate.binds,
+        "estimate_reason": estimate.reason,
+        "estimate_error": round(estimate.seq_len / longest - 1, 4) if longest else None,
+        "estimate_machine": {
+            "gpu_gib": round(machine.gpu_bytes / GIB, 2),
+            "host_gib": round(machine.host_bytes / GIB, 2),
+        },
+        "step_s_at_estimate": None,
+    }
+    if "host" in estimate.binds:
+        # the walk then checks the host side of the estimate (or both), not the GPU term a cap aims at
+        keys["estimate_note"] = "the host term binds at the estimate, not (only) the GPU's"
+    if hw_tflops and estimate.seq_len:
+        keys["step_s_at_estimate"] = round(
+            step_seconds(step_flops(shape, estimate.seq_len, setup), hw_tflops), 2
+        )
+    return keys
+
+
 def walk(args: argparse.Namespace, shape: LlamaShape, setup: LongSequenceSetup, out: Path | None) -> dict:
     tried: dict[int, dict] = {}
+    rate: list[float] = []  # executed TFLOP/s of the lengths that trained, in order
 
     def attempt(seq: int) -> bool:
         record = try_length(args, seq)
         tried[seq] = record
         emit({"bench": "long_context", "model": args.model, "setup": asdict(setup), **record}, out)
-        return record["ok"]
+        if record["ok"] and record.get("hw_tflops"):
+            rate.append(record["hw_tflops"])
+        return bool(record["ok"])
 
-    good, bad = 0, None
-    seq = args.start
-    while seq <= args.max:
-        if not attempt(seq):
-            bad = seq
-            break
-        good, seq = seq, seq * 2
-    while bad is not None and good and bad - good > max(args.multiple, int(args.resolution * good)):
-        mid = (good + bad) // 2 // args.multiple * args.multiple
-        if mid in (good, bad):
-            break
-        good, bad = (mid, bad) if attempt(mid) else (good, mid)
-    summary: dict[str, Any] = {"bench": "long_context", "summary": True, "model": args.model, "longest": good}
-    summary |= (
-        {k: tried[good].get(k) for k in ("tokens_per_s", "tflops", "mfu", "peak_gpu_gib")} if good else {}
+    def predict_s(seq: int) -> float | None:
+        return step_seconds(step_flops(shape, seq, setup), rate[-1]) if rate else None
+
+    plan = WalkPlan(
+        start=args.start,
+        max=args.max,
+        multiple=args.multiple,
+        resolution=args.resolution,
+        growth=args.growth,
+        time_limit=args.time_limit,
     )
+    result = walk_lengths(plan, attempt, predict_s)
+    good = result.longest
+    summary: dict[str, Any] = {"bench": "long_context", "summary": True, "model": args.model, "longest": good}
+    summary |= {"stopped_by": result.stopped_by, "would_try": result.would_try, "gpu_gib": args.gpu_gib}
+    keys = ("tokens_per_s", "tflops", "hw_tflops", "mfu", "peak_gpu_gib", "peak_reserved_gib")
+    summary |= {k: tried[good].get(k) for k in keys} if good else {}
     if args.device.startswith("cuda"):
-        estimate = longest_sequence(shape, machine_facts(args.device), setup)
-        summary["estimate"] = estimate.seq_len
-        summary["estimate_reason"] = estimate.reason
-        summary["estimate_error"] = round(estimate.seq_len / good - 1, 4) if good else None
+        machine = estimate_machine(args.gpu_gib, args.device)
+        summary |= estimate_summary(shape, setup, machine, good, summary.get("hw_tflops"))
     emit(summary, out)
     return summary
 
@@ -197,7 +297,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max", type=int, default=4 << 20)
     parser.add_argument("--multiple", type=int, default=1024, help="lengths are multiples of this")
     parser.add_argument("--resolution", type=float, default=0.05, help="stop bisecting within this share")
-    parser.add_argument("--steps", type=int, default=3, help="steps a length (the first is a warm-up)")
+    parser.add_argument(
+        "--growth", type=float, default=2.0, help="on the way up, each length is this times the last"
+    )
+    parser.add_argument(
+        "--gpu_gib",
+        type=float,
+        help="cap each child's CUDA allocator at this many GiB (the estimate is for that GPU size)",
+    )
+    parser.add_argument(
+        "--time_limit",
+        type=float,
+        help="seconds: a length whose predicted step time (the last measured rate) exceeds it is not tried",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="steps a length (the first is a warm-up; 1: the one step is timed, warm-up and all)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a length may take")
     parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3))
     parser.add_argument("--no_offload", action="store_true", help="the Adam state stays on the GPU")
@@ -211,11 +329,17 @@ def main(argv: list[str] | None = None) -> int:
         shape = llama_shape(args.model)
     except argparse.ArgumentTypeError as error:
         parser.error(f"--model: {error}")
+    if args.steps < 1:
+        parser.error(f"--steps: expected at least 1, got {args.steps}")
     setup = setup_from(args)
     if args.one is not None:
-        print(json.dumps(train_one(shape, setup, args.one, args.steps, args.device)), flush=True)
+        record = train_one(shape, setup, args.one, args.steps, args.device, args.gpu_gib)
+        print(json.dumps(record), flush=True)
         return 0
-    summary = walk(args, shape, replace(setup), out_file(args.out, "long_context"))
+    try:
+        summary = walk(args, shape, replace(setup), out_file(args.out, "long_context"))
+    except ValueError as error:  # the walk's bounds (WalkPlan)
+        parser.error(str(error))
     return 0 if summary["longest"] else 1
 
 

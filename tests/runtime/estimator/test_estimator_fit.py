@@ -94,7 +94,7 @@ def test_ds_estimate_says_why_a_size_does_not_fit() -> None:
     [
         (
             ["--largest", "--gpu_memory", "139"],
-            "--largest, --gpt and --longest_seq need --gpu_memory and --host_memory",
+            "--largest, --gpt and --longest_seq need --host_memory and one of --gpu_memory, --gpu_cap",
         ),
         (
             ["--largest", "--gpu_memory", "139", "--host_memory", "9", "--ratio", "1.5"],

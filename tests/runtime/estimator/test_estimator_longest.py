@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 
 from runtime.estimator import main
-from runtime.estimator.fit import GIB, Machine
-from runtime.estimator.longest import LLAMA_SHAPES, LongSequenceSetup, longest_sequence, memory_at
+from runtime.estimator.fit import ALLOCATOR_SLACK, GIB, Machine
+from runtime.estimator.longest import (
+    LLAMA_SHAPES,
+    LongSequenceSetup,
+    device_step_staging,
+    longest_sequence,
+    memory_at,
+)
 
 H200 = Machine(gpu_bytes=139 * GIB, host_bytes=125 * GIB)
 LLAMA_8B = LLAMA_SHAPES["8b"]
@@ -70,3 +76,19 @@ def test_command_line(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--longest_seq", "4096:1:2", "--gpu_memory", "139", "--host_memory", "125"])
     assert exited.value.code == 2
     assert "argument --longest_seq: expected 1b or 8b, or HIDDEN:INTERMEDIATE" in capsys.readouterr().err
+
+
+def test_the_device_steps_staging_slots_are_counted_as_the_engine_sizes_them() -> None:
+    from runtime.offload.plan import device_slots, staging_bytes
+
+    for free_gib in (0, 8, 30, 50, 64, 70, 140):
+        free = free_gib * GIB
+        assert device_step_staging(free) == staging_bytes(None, device_slots(free)), free_gib
+    # the estimate counts them: on the H200, 107 GiB free after the 8B shape's states, 16 slots, 4 GiB
+    free = H200.gpu_bytes - GIB - 2 * 2 * LLAMA_8B.num_params()  # less the context, weights, gradients
+    assert device_step_staging(free) == 4 * GIB
+    # a 48 GiB GPU has 17 GiB free then: the fewest slots, 1 GiB; the needs differ by 3 GiB and the slack
+    small = Machine(48 * GIB, 125 * GIB)
+    big_need, small_need = (memory_at(LLAMA_8B, 65536, LongSequenceSetup(), m)[0] for m in (H200, small))
+    slack = int(ALLOCATOR_SLACK * H200.gpu_bytes) - int(ALLOCATOR_SLACK * small.gpu_bytes)
+    assert big_need - small_need == 3 * GIB + slack

@@ -278,6 +278,7 @@ def test_bf16_states_go_into_every_engine_row_and_shrink_the_host_state() -> Non
     assert (ours["bf16_masters"], ours["bf16_states"], ours["stochastic_rounding"]) == (True, True, True)
     assert ours["grad_landing"] == "bfloat16" and ours["host_bytes_per_param"] == pytest.approx(8.0, abs=0.1)
     assert ours["loss_last"] < ours["loss_first"], ours
+    assert ours["build_dtype"] == "bfloat16"  # no fp32 copy of a 20B model on the GPU before the engine
     assert records["summary"]["bf16_masters"] and records["summary"]["bf16_states"]
     assert records["start"]["args"]["bf16_masters"]  # implied by --bf16_states
 

@@ -40,3 +40,13 @@ def test_states_loss_runs_three_settings_from_the_same_start() -> None:
     assert summary["baseline"] == "fp32_states" and summary["goal"] == 0.01
     assert summary["bf16_states_rel_to_fp32_states"] == rows["bf16_states"]["rel_to_fp32_states"]
     assert "fp32_states step 0: loss" in done.stderr  # the printed curve
+
+
+def test_the_stdlib_corpus_is_python_source_in_path_order() -> None:
+    """common.stdlib_corpus, shared by fp8.py and states_loss.py: exactly the bytes asked for, the same
+    each time (the settings must see the same batches), and Python source."""
+    from scripts.bench.common import stdlib_corpus
+
+    corpus = stdlib_corpus(20_000)
+    assert len(corpus) == 20_000 and corpus == stdlib_corpus(20_000)
+    assert b"def " in corpus or b"import " in corpus

@@ -1,6 +1,7 @@
 """What every benchmark in scripts/bench shares: the provenance stamped on each result line, the run's
 environment record, result file names, the closing table, the isolation and timing of measurements, and
-the devices' bf16 peaks that model FLOPs utilisation (MFU) is measured against.
+the devices' bf16 peaks that model FLOPs utilisation (MFU) is measured against, and a small real
+corpus for loss curves (`stdlib_corpus`: the Python standard library's sources).
 
 Provenance. `emit` adds `"provenance": {...}` to every JSON line: the commit and whether the tree
 differed from it (`dirty`), the UTC date, the machine (host name, CPU, cores, memory, GPU name and
@@ -36,6 +37,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -461,3 +463,21 @@ def init_single_process_group(device: Any) -> None:
 
 if __name__ == "__main__":
     print(json.dumps(provenance(), indent=1))
+
+
+def stdlib_corpus(limit: int) -> bytes:
+    """Up to `limit` bytes of the standard library's Python sources (every ``*.py`` under sysconfig's stdlib
+    path, tests, site-packages and idlelib left out), in path order: a real corpus on any machine with
+    Python, for loss curves with bytewise tokens (fp8.py, states_loss.py)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        parts = set(path.relative_to(root).parts)
+        if parts & {"test", "tests", "site-packages", "idlelib"}:
+            continue
+        data = path.read_bytes()
+        chunks.append(data)
+        size += len(data)
+        if size >= limit:
+            break
+    return b"".join(chunks)[:limit]

@@ -41,7 +41,14 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.bench.common import add_out_argument, emit, mfu, out_file, synchronize  # noqa: E402
+from scripts.bench.common import (  # noqa: E402
+    add_out_argument,
+    emit,
+    mfu,
+    out_file,
+    stdlib_corpus,
+    synchronize,
+)
 
 SHAPES = {
     "3b": {
@@ -61,22 +68,6 @@ SHAPES = {
         "vocab_size": 256,
     },
 }
-
-
-def stdlib_corpus(limit: int) -> bytes:
-    """Up to `limit` bytes of the standard library's Python sources, in path order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, size = [], 0
-    for path in sorted(root.rglob("*.py")):
-        parts = set(path.relative_to(root).parts)
-        if parts & {"test", "tests", "site-packages", "idlelib"}:
-            continue
-        data = path.read_bytes()
-        chunks.append(data)
-        size += len(data)
-        if size >= limit:
-            break
-    return b"".join(chunks)[:limit]
 
 
 def build_model(shape: dict[str, int], seq_len: int) -> Any:

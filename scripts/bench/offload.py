@@ -72,6 +72,13 @@ deepspeed); every try
 carries what runtime.estimator.fit predicts for it, a size it puts beyond the host's memory is skipped,
 not tried, and the summary compares the estimator's largest size with the largest that trained.
 
+Issue 32's 16-bit state: --bf16_masters puts bf16.bf16_master_weights_and_grads (2-byte masters, no fp32
+gradient copy) and --bf16_states also bf16.bf16_optimizer_states (bf16 moments; implies the masters) into
+the config of every engine row (ours*, deepspeed) and every --find_max trial, and into the walk's estimate.
+Each engine row records bf16_masters, bf16_states and stochastic_rounding as the engine resolved them (a
+DeepSpeed row: what it was asked and what its optimizer reports, ds_*); the summary records the flags. The
+parts of the bound (gpu, adam, pcie, devstep) do not change with them: adam still times fp32 state.
+
 Output: JSON lines on stdout, each starting with {"bench": "offload" and stamped with the commit, date,
 machine and command (common.py); a table on stderr. --out FILE appends them to FILE too, a bare --out to
 results/<yyyymmdd>_<hw>_offload.jsonl (offload-find-max with --find_max). A run split over several
@@ -225,6 +232,7 @@ def step_mode(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         emit(record, args.out)
         rows[name] = record
     summary = summarize(rows, args.accumulation)
+    summary.update(bf16_masters=spec["bf16_masters"], bf16_states=spec["bf16_states"])
     emit(summary, args.out)
     print_table(list(rows.values()), TABLE)
     print(json.dumps(summary, indent=1), file=sys.stderr)
@@ -284,6 +292,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--offload_param", action="store_true", help="stage 3: the weights in host memory too (ours)"
     )
+    parser.add_argument(
+        "--bf16_masters",
+        action="store_true",
+        help="bf16.bf16_master_weights_and_grads in every engine's config (ours*, deepspeed, --find_max "
+        "trials) and the walk's estimate: 2-byte masters",
+    )
+    parser.add_argument(
+        "--bf16_states",
+        action="store_true",
+        help="bf16.bf16_optimizer_states too (implies --bf16_masters): bf16 Adam moments",
+    )
     parser.add_argument("--sizes", type=parse_sizes, default=parse_sizes(DEFAULT_SIZES))
     parser.add_argument("--start_params", type=float, default=8e9, help="--find_max: first size to try")
     parser.add_argument(
@@ -326,6 +345,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--engine is for --find_max; the step mode runs DeepSpeed as --configs deepspeed")
     if args.offload_param and args.stage != 3:
         parser.error("--offload_param needs --stage 3 (ZeRO-3 partitions the weights it offloads)")
+    args.bf16_masters = args.bf16_masters or args.bf16_states  # the states need the masters (config)
     args.out = out_file(args.out, "offload-find-max" if args.find_max else "offload")
     for name in ("seq_len", "steps", "adam_steps", "accumulation", "trial_steps"):
         if getattr(args, name) <= 0:
@@ -367,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         "accumulation": args.accumulation,
         "offload_param": args.offload_param,
         "engine": args.engine,
+        "bf16_masters": args.bf16_masters,
+        "bf16_states": args.bf16_states,
     }
     mode = "find_max" if args.find_max else "step"
     start = {"bench": "offload", "config": "start", "mode": mode, **environment(args.device)}

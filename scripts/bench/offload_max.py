@@ -18,6 +18,12 @@ memory is reported as skipped instead of tried, so the kernel's OOM killer never
 (--no_host_guard tries anyway). The summary adds estimated_largest_params, the largest of the same sizes the
 estimate says fits, and estimate_error, estimated / trained - 1 (issue 23 asks for 5%).
 Without DeepSpeed, --engine deepspeed stops at its first try, skipped, and the run does not fail.
+
+--bf16_masters / --bf16_states (issue 32) go into every trial's config (bf16.bf16_master_weights_and_grads,
+bf16.bf16_optimizer_states) and into the estimate as ds_estimate's --bf16_master_weights /
+--bf16_optimizer_states do (Workload.master_dtype / state_dtype): 2-byte masters and bf16 moments, 6 bytes a
+parameter of host state instead of 12. The summary gives the largest trained size's tokens/s, TFLOP/s, MFU,
+setup and wall time, and its first and last loss (its trial's lines), with the flags it ran.
 """
 
 from __future__ import annotations
@@ -37,12 +43,17 @@ from scripts.bench.offload_work import deepspeed_ratio, model_config
 RunWorker = Callable[[str, dict[str, Any], float], dict[str, Any]]
 BEST_KEYS = (
     "ratio_achieved",
+    "bf16_masters",
+    "bf16_states",
     "host_bytes_per_param",
     "host_rss_gib",
     "peak_gpu_gib",
     "step_s",
     "tokens_per_s",
     "mfu",
+    "tflops",
+    "setup_s",
+    "wall_s",
     "loss_first",
     "loss_last",
 )
@@ -91,6 +102,9 @@ class Estimator:
                 seq_len=args.seq_len,
                 micro_batch=args.micro_batch or 1,
                 activation_checkpointing=args.activation_checkpointing,
+                # as ds_estimate's --bf16_master_weights / --bf16_optimizer_states (fit_cli.run_fit)
+                master_dtype="bf16" if args.bf16_masters else "fp32",
+                state_dtype="bf16" if args.bf16_states else "fp32",
             ),
             stage=args.stage,
             offload_param=args.offload_param,
@@ -124,6 +138,7 @@ class Estimator:
             "ratio": None if fit.ratio is None else round(fit.ratio, 4),
             "gpu_need_gib": round(fit.gpu_need / 2**30, 1),
             "host_need_gib": round(host_need / 2**30, 1),
+            "host_need_bytes": host_need,  # unrounded: small models' differences show
             "reason": reason,
         }
 
@@ -199,6 +214,11 @@ def find_max(args: argparse.Namespace, spec: dict[str, Any], run_worker: RunWork
         "stage": args.stage,
         "offload_param": args.offload_param,
         "accumulation": args.accumulation,
+        "bf16_masters": args.bf16_masters,
+        "bf16_states": args.bf16_states,
+        "micro_batch": args.micro_batch or 1,
+        "seq_len": args.seq_len,
+        "activation_checkpointing": args.activation_checkpointing,
         "largest_trained_params": measured,
         "largest_trained": None if best is None else {k: best[k] for k in ("n_embd", "n_head", "n_layer")},
         # the largest's memory on both sides, speed and loss, as its trial line gives them

@@ -46,10 +46,25 @@ def model_config(spec: Spec) -> GPTConfig:
     )
 
 
-def _fresh_model(config: GPTConfig, device: torch.device) -> GPT:
+def _fresh_model(config: GPTConfig, device: torch.device, dtype: torch.dtype | None = None) -> GPT:
+    """Seed 0, built on the device (seconds instead of minutes at 1.5B+), in `dtype` where given (torch's
+    default, fp32, otherwise)."""
     torch.manual_seed(0)
-    with torch.device(device):  # initialise on the device: seconds instead of minutes at 1.5B+
-        return GPT(config)
+    default = torch.get_default_dtype()
+    try:
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        with torch.device(device):
+            return GPT(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def build_dtype(spec: Spec) -> torch.dtype | None:
+    """bf16 for the 16-bit masters (issue 32): no fp32 value of a weight is ever used, and an fp32 build
+    would take 4 bytes a parameter of the GPU before the engine offloads anything (20B: 75 GiB, all of an
+    H100's); None (fp32) otherwise, the fp32 masters' source."""
+    return torch.bfloat16 if spec.get("bf16_masters") or spec.get("bf16_states") else None
 
 
 def _batch(config: GPTConfig, spec: Spec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +88,7 @@ def engine_config(spec: Spec, offload: bool) -> dict[str, Any]:
         "gradient_accumulation_steps": spec.get("accumulation", 1),
         "gradient_clipping": spec["clip"],  # DeepSpeed 0.19.8 would default to 1.0
         "steps_per_print": 1_000_000,
-        "bf16": {"enabled": True, **({"check_grad_overflow": False} if spec.get("unchecked") else {})},
+        "bf16": bf16_section(spec),
         "zero_optimization": zero,
         "optimizer": {
             "type": "AdamW",
@@ -85,6 +100,20 @@ def engine_config(spec: Spec, offload: bool) -> dict[str, Any]:
             },
         },
     }
+
+
+def bf16_section(spec: Spec) -> dict[str, Any]:
+    """The bf16 section of engine_config: `spec["bf16_masters"]` turns on bf16.bf16_master_weights_and_grads
+    (2-byte masters, no fp32 copy), `spec["bf16_states"]` bf16.bf16_optimizer_states too (bf16 moments;
+    implies the masters, as the config requires). Both keys are DeepSpeed 0.19.8's names."""
+    section: dict[str, Any] = {"enabled": True}
+    if spec.get("unchecked"):
+        section["check_grad_overflow"] = False
+    if spec.get("bf16_masters") or spec.get("bf16_states"):
+        section["bf16_master_weights_and_grads"] = True
+    if spec.get("bf16_states"):
+        section["bf16_optimizer_states"] = True
+    return section
 
 
 # -- the parts of the bound -------------------------------------------------------------------------------
@@ -140,7 +169,7 @@ def _engine_steps(spec: Spec, device: torch.device, make: Callable[[GPT], Any]) 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     setup_start = time.perf_counter()
-    model = _fresh_model(config, device)
+    model = _fresh_model(config, device, build_dtype(spec))
     if spec.get("checkpointing"):
         from runtime.activation_checkpointing import checkpoint
 
@@ -178,6 +207,7 @@ def _engine_steps(spec: Spec, device: torch.device, make: Callable[[GPT], Any]) 
         "step_synced_s": round(median, 4),
         "step_synced_min_s": round(min(times), 4),
         "tokens_per_s": round(tokens / steady, 1),
+        "build_dtype": "bfloat16" if build_dtype(spec) is not None else "float32",
         "loss_first": round(float(losses[0]), 4),
         "loss_last": round(float(losses[-1]), 4),
         "host_rss_gib": _host_rss_gib(),
@@ -248,6 +278,10 @@ def work_ours(
     host_bytes = breakdown.host_bytes + breakdown.host_buffer_bytes
     zero = engine.config.zero_optimization  # what the engine ran, read back from its resolved config
     result["stage"], result["offload_param"] = engine.zero_stage, zero.offload_param.device != "none"
+    bf16 = engine.config.bf16  # issue 32's 16-bit masters and states, as the engine resolved them
+    result["bf16_masters"] = bf16.bf16_master_weights_and_grads
+    result["bf16_states"] = bf16.bf16_optimizer_states
+    result["stochastic_rounding"] = bf16.bf16_master_weights_and_grads and bf16.stochastic_rounding
     result["device_state_gib"] = round(breakdown.device_model_state_bytes / 2**30, 2)
     result["host_state_gib"] = round(host_bytes / 2**30, 2)
     result["host_bytes_per_param"] = round(host_bytes / result["params"], 2)
@@ -375,9 +409,40 @@ def work_deepspeed(spec: Spec, device: torch.device) -> dict[str, Any]:
     result = run["result"]
     result["deepspeed"] = deepspeed.__version__
     result["ratio"] = ratio
+    result.update(_deepspeed_states(spec, run["engine"]))
     if note is not None:
         result["ratio_note"] = note
     # its ZeRO-1/2 offload converts each gradient to fp32 on the GPU and copies it into an fp32 host
     # buffer, so it is held to the same bound as our fp32 landing
     result["grad_landing"] = "float32"
     return result
+
+
+# DeepSpeed 0.19.8's engine asserts both bf16 keys need ZeRO stage 1, 2 or 3 (and the states the masters);
+# whether its offload path keeps the moments in bf16 depends on the CPU Adam it builds. The row says what
+# was asked and what its optimizer reports, where it has the attributes, rather than assume either.
+DEEPSPEED_STATES_NOTE = (
+    "DeepSpeed 0.19.8: bf16_master_weights_and_grads and bf16_optimizer_states at ZeRO stages 1-3 only "
+    "(asserted by its engine); ds_* fields are what its optimizer reports (null: no such attribute)"
+)
+
+
+def _deepspeed_states(spec: Spec, engine: Any) -> dict[str, Any]:
+    """The 16-bit state keys a DeepSpeed row asked for and what its ZeRO optimizer says it holds."""
+    if not (spec.get("bf16_masters") or spec.get("bf16_states")):
+        return {"bf16_masters": False, "bf16_states": False}
+    optimizer = getattr(engine, "optimizer", None)
+    reported = {
+        name: getattr(optimizer, attr, None)
+        for name, attr in (
+            ("ds_bf16_masters", "bf16_master_weights_and_gradients"),
+            ("ds_bf16_states", "bf16_optimizer_states"),
+            ("ds_fp32_optimizer_states", "fp32_optimizer_states"),
+        )
+    }
+    cpu_adam = getattr(optimizer, "optimizer", None)  # ZeRO wraps the (CPU) Adam it steps
+    if reported["ds_fp32_optimizer_states"] is None and cpu_adam is not None:
+        reported["ds_fp32_optimizer_states"] = getattr(cpu_adam, "fp32_optimizer_states", None)
+    flags = {k: v if v is None or isinstance(v, bool) else str(v) for k, v in reported.items()}
+    states = bool(spec.get("bf16_states"))
+    return {"bf16_masters": True, "bf16_states": states, **flags, "bf16_note": DEEPSPEED_STATES_NOTE}

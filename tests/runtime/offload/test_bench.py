@@ -263,3 +263,51 @@ def test_ratio_and_engine_flags_are_checked(capsys: pytest.CaptureFixture[str]) 
     assert deepspeed_ratio({"ratio": 0.5, "stage": 3}) == (0.5, None)
     ratio, note = deepspeed_ratio({"ratio": 0.5, "stage": 2})
     assert ratio == 1.0 and note.startswith("DeepSpeed takes offload_optimizer.ratio only with ZeRO-3")
+
+
+def test_bf16_states_go_into_every_engine_row_and_shrink_the_host_state() -> None:
+    """--bf16_states (issue 32): the engine runs bf16.bf16_master_weights_and_grads and
+    bf16.bf16_optimizer_states (stochastic rounding on, the default), each row says so, and the host holds
+    6 bytes of state a parameter (bf16 master, bf16 moments) plus the 2-byte bf16 landing: 8, not 14."""
+    small = ["--micro_batch", "2", "--seq_len", "32", "--warmup", "1", "--steps", "2"]
+    records = {
+        r["config"]: r for r in _bench("--model", "tiny", *small, "--configs", "ours", "--bf16_states")
+    }
+    ours = records["ours"]
+    assert "error" not in ours, ours
+    assert (ours["bf16_masters"], ours["bf16_states"], ours["stochastic_rounding"]) == (True, True, True)
+    assert ours["grad_landing"] == "bfloat16" and ours["host_bytes_per_param"] == pytest.approx(8.0, abs=0.1)
+    assert ours["loss_last"] < ours["loss_first"], ours
+    assert ours["build_dtype"] == "bfloat16"  # no fp32 copy of a 20B model on the GPU before the engine
+    assert records["summary"]["bf16_masters"] and records["summary"]["bf16_states"]
+    assert records["start"]["args"]["bf16_masters"]  # implied by --bf16_states
+
+
+def test_find_max_with_bf16_states_estimates_the_smaller_state() -> None:
+    """A --find_max walk with --bf16_states: the trial trains with the 16-bit state (8 host bytes a
+    parameter where the fp32 walk above has 14), its estimate is runtime.estimator.fit's with
+    Workload(master_dtype="bf16", state_dtype="bf16"), which needs less host memory than the fp32 one, and
+    the summary gives the largest size's flags, speed and losses."""
+    from runtime.estimator.fit import Machine, Workload
+    from scripts.bench.offload_max import Estimator
+    from scripts.bench.offload_work import model_config
+
+    small = ["--micro_batch", "2", "--seq_len", "32", "--trial_steps", "1"]
+    records = _bench("--find_max", "--sizes", "64:4:1", "--start_params", "0", "--bf16_states", *small)
+    trial, summary = records[-2], records[-1]
+    assert trial["trained"] and trial["bf16_masters"] and trial["bf16_states"], trial
+    assert trial["host_bytes_per_param"] == pytest.approx(8.0, abs=0.1), trial
+    config = model_config({"n_embd": 64, "n_head": 4, "n_layer": 1, "seq_len": 32})
+    need = {}
+    for dtype in ("fp32", "bf16"):
+        work = Workload(seq_len=32, micro_batch=2, activation_checkpointing=False)
+        work = Workload(**{**work.__dict__, "master_dtype": dtype, "state_dtype": dtype})
+        estimator = Estimator(Machine(80 * 2**30, 124 * 2**30), work, stage=2, offload_param=False, ratio=1.0)
+        need[dtype] = estimator.fit(config)["host_need_bytes"]
+    # ratio 1: the host's need does not depend on the machine, so the walk's estimate is the bf16 one
+    assert trial["estimate"]["host_need_bytes"] == need["bf16"] < need["fp32"], (trial["estimate"], need)
+    assert need["fp32"] - need["bf16"] == pytest.approx(6 * config.num_params(), rel=0.05)
+    assert summary["bf16_masters"] and summary["bf16_states"] and summary["largest_trained_params"]
+    for key in ("tokens_per_s", "loss_first", "loss_last", "setup_s", "wall_s"):
+        assert summary[key] is not None and summary[key] == trial[key], key
+    assert summary["mfu"] is None  # no bf16 peak for a CPU

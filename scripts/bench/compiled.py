@@ -184,7 +184,8 @@ def run_model(name: str, args: argparse.Namespace) -> int:
         runs += [("ours-compiled", s, "-fused") for s in args.stages]
     for peer, stage, variant in runs:
         label = peer if stage < 0 else f"{peer}-zero{stage}{variant}"
-        os.environ["DSLAUNCH_FUSED_MASTER_STEP"] = "1" if variant else "0"
+        if args.fused_ab:  # otherwise the caller's own setting stands
+            os.environ["DSLAUNCH_FUSED_MASTER_STEP"] = "1" if variant else "0"
         record: dict[str, Any] = {"bench": "compiled", "model": name, "config": label, "stage": stage}
         record.update(repeats=args.repeats, steps=args.steps, warmup=args.warmup)
         release(args.device)

@@ -45,6 +45,19 @@ def _config(precision: str, zero: dict[str, Any], *, clip: float = 0.0, opt: str
     }
 
 
+def _steps(engine: Any, steps: range, rank: int, world_size: int) -> list[float]:
+    """Train `engine` on this rank's part of the global batches of `steps` (2 micro-steps each)."""
+    losses = []
+    for step in steps:
+        for micro in range(2):
+            x, y = rank_batch(step, micro, 8, rank, world_size)
+            loss = loss_fn(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
 def _train(fused: bool, config: dict[str, Any], rank: int, world_size: int, steps: int = 4) -> dict[str, Any]:
     import runtime
 
@@ -58,14 +71,7 @@ def _train(fused: bool, config: dict[str, Any], rank: int, world_size: int, step
     try:
         model = make_model(0)
         engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
-        losses = []
-        for step in range(steps):
-            for micro in range(2):
-                x, y = rank_batch(step, micro, 8, rank, world_size)
-                loss = loss_fn(engine(x), y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
+        losses = _steps(engine, range(steps), rank, world_size)
         state = engine.optimizer.state_dict()["state"]
         moments = [v["exp_avg_sq"].clone() for _, v in sorted(state.items())]
         return {
@@ -140,15 +146,7 @@ def _resume(rank: int, world_size: int, folder: str, first: bool, second: bool) 
         engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
         if load:
             engine.load_checkpoint(folder)
-        losses = []
-        for step in range(2):
-            step += 2 if load else 0
-            for micro in range(2):
-                x, y = rank_batch(step, micro, 8, rank, world_size)
-                loss = loss_fn(engine(x), y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
+        losses = _steps(engine, range(2, 4) if load else range(2), rank, world_size)
         if not load:
             engine.save_checkpoint(folder)
         out["losses"] = out.get("losses", []) + losses
@@ -177,13 +175,10 @@ def _reload_midway(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
     model = make_model(0)
     config = _config("bf16", {"stage": 0})
     engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
-    for step in range(4):
-        if step == 2:  # a round trip through torch's own format: new state tensors replace the old ones
-            engine.optimizer.load_state_dict(engine.optimizer.state_dict())
-        for micro in range(2):
-            x, y = rank_batch(step, micro, 8, rank, world_size)
-            engine.backward(loss_fn(engine(x), y))
-            engine.step()
+    _steps(engine, range(2), rank, world_size)
+    # a round trip through torch's own format: new state tensors replace the ones the fused step bound
+    engine.optimizer.load_state_dict(engine.optimizer.state_dict())
+    _steps(engine, range(2, 4), rank, world_size)
     os.environ.pop(ENV, None)
     return {"masters": [g.master.detach().clone() for g in engine.groups]}
 

@@ -47,6 +47,7 @@ from runtime.estimator.model_states import (
     moment_bytes,
 )
 from runtime.models.gpt import GPTConfig
+from runtime.offload.plan import HOST_HEADROOM, PIN_ROOM_BYTES_PER_PARAM
 
 GIB = 1 << 30
 CUDA_CONTEXT_BYTES = 1 * GIB  # the CUDA context, cuBLAS workspaces and NCCL buffers of one process
@@ -160,12 +161,13 @@ def fit_gpt(
     offload_optimizer: bool = True,
     offload_param: bool = False,
     ratio: float | str = 1.0,
-    host_step: bool = False,
+    host_step: bool | None = None,
 ) -> Fit:
     """Whether `config` trains on `machine` (one rank per GPU). `ratio`: the optimizer state's host share
     with offload (DeepSpeed's `offload_optimizer.ratio`), or "auto" for the smallest host share that fits
     the GPU. `host_step`: the CPU updates the host share (gradients land there: 2 more host bytes an element
-    in 16-bit) instead of the GPU's streamed device step."""
+    in 16-bit) instead of the GPU's streamed device step; None: where the engine would put it
+    (`step_on_host`)."""
     w = DTYPE_BYTES[work.dtype]
     ranks = machine.gpus_per_node
     states = estimate(
@@ -191,6 +193,11 @@ def fit_gpt(
     # on the device the step also makes an fp32 copy of 16-bit gradients (runtime.precision.mixed)
     copies = w < MASTER_BYTES and not bf16_masters
     device_movable = movable + (shard * MASTER_BYTES if copies else 0)
+    site = ""
+    if host_step is None and offload_optimizer:
+        host = machine.host_bytes
+        why = step_on_host(work, offload_param=offload_param, shard=shard, ranks=ranks, host=host)
+        host_step, site = why is not None, f" (the CPU runs the step: {why})" if why else ""
     landing = shard * host_landing_bytes(work.optimizer, work.dtype, work.master_dtype) if host_step else 0
     # the GPU without any of the movable state: weights, gradients, buckets, activations, fixed costs
     gpu_fixed = (
@@ -235,7 +242,26 @@ def fit_gpt(
     chosen = min(low, 1.0) if ratio == "auto" else float(ratio)
     gpu_need = gpu_need_at(chosen)
     host_need = max(host_fixed + math.ceil(chosen * per_host_share), host_init + ranks * HOST_PROCESS_BYTES)
-    return _verdict(params, chosen, window, gpu_need, host_need, machine)
+    return _verdict(params, chosen, window, gpu_need, host_need, machine, site)
+
+
+def step_on_host(work: Workload, *, offload_param: bool, shard: int, ranks: int, host: int) -> str | None:
+    """Why the engine runs the offloaded Adam step on the CPU rather than streaming the state through the
+    GPU, or None where it streams it: the automatic choice of runtime/offload/plan.plan_update, on the facts
+    known before a run (a GPU is assumed, and pinned memory)."""
+    if offload_param:
+        return "offload_param keeps the working weights in host memory"
+    if work.master_dtype == "bf16":
+        return "bf16 master weights have their own Adam step"
+    if work.optimizer not in ("adam", "adamw"):
+        return f"the device step is Adam's, not {work.optimizer}'s"
+    need = (shard * PIN_ROOM_BYTES_PER_PARAM + HOST_HEADROOM) * ranks
+    if host < need:
+        return (
+            f"the device step pins {need / GIB:.1f} GiB of host memory, more than the {host / GIB:.1f} GiB "
+            "here"
+        )
+    return None
 
 
 def _verdict(
@@ -245,6 +271,7 @@ def _verdict(
     gpu_need: int,
     host_need: int,
     machine: Machine,
+    site: str = "",
 ) -> Fit:
     short = []
     if gpu_need > machine.gpu_bytes:
@@ -274,7 +301,7 @@ def _verdict(
         host_need=host_need,
         gpu_bytes=machine.gpu_bytes,
         host_bytes=machine.host_bytes,
-        reason=reason,
+        reason=reason + site,
     )
 
 

@@ -68,7 +68,7 @@ class _FitOptions(TypedDict):
     offload_optimizer: bool
     offload_param: bool
     ratio: float | str
-    host_step: bool
+    host_step: bool | None
 
 
 def fit_options(parser: argparse.ArgumentParser) -> None:
@@ -92,7 +92,12 @@ def fit_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ratio", type=parse_ratio, default="auto", help="offload ratio: 0-1 or auto")
     group.add_argument("--no_offload", action="store_true", help="no optimizer offload at all")
     group.add_argument("--offload_param", action="store_true", help="stage 3: weights on the host too")
-    group.add_argument("--host_step", action="store_true", help="the CPU updates the host share")
+    group.add_argument(
+        "--host_step",
+        action="store_true",
+        help="the CPU updates the host share (default: where the engine would: the CPU with offload_param, "
+        "bf16 master weights, another optimizer than Adam, or a host too small to pin the state)",
+    )
     group.add_argument("--seq_len", type=int, default=1024)
     group.add_argument("--micro_batch", type=int, default=1)
     group.add_argument(
@@ -181,7 +186,7 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         "offload_optimizer": not args.no_offload,
         "offload_param": args.offload_param,
         "ratio": args.ratio,
-        "host_step": args.host_step,
+        "host_step": True if args.host_step else None,  # None: where the engine would run it
     }
     if args.longest_seq is not None:
         setup = LongSequenceSetup(

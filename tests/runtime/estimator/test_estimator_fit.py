@@ -81,12 +81,32 @@ def test_ds_estimate_says_why_a_size_does_not_fit() -> None:
     proc = _cli("--gpt", "5120:40:40", "--gpu_memory", "139", "--host_memory", "123", "--ratio", "0.5")
     assert proc.returncode == 1
     assert proc.stdout.strip() == (
-        "12.85B parameters do not fit at offload ratio 0.50: the GPU needs 176.5 GiB of 139.0 GiB; "
-        "ratios from 0.657 to 0.829 fit"
+        "12.85B parameters do not fit at offload ratio 0.50: the GPU needs 175.5 GiB of 139.0 GiB; "
+        "ratios from 0.652 to 0.710 fit (the CPU runs the step: the device step pins 195.5 GiB of host "
+        "memory, more than the 123.0 GiB here)"
     )
     proc = _cli("--gpt", "5120:40:48", "--gpu_memory", "139", "--host_memory", "123", "--ratio", "0.5")
     assert proc.returncode == 1
-    assert proc.stdout.strip().endswith("no offload ratio fits both sides")
+    assert "; no offload ratio fits both sides (the CPU runs the step" in proc.stdout
+
+
+def test_the_estimate_puts_the_step_where_the_engine_would() -> None:
+    # the engine's automatic choice (runtime/offload/plan.plan_update): the CPU steps with offload_param,
+    # bf16 masters, another optimizer, or a host too small to pin the state; the GPU otherwise
+    big = GPTConfig(n_embd=5120, n_head=40, n_layer=40)
+    small = GPTConfig(n_embd=1600, n_head=25, n_layer=48)
+    h200 = Machine(gpu_bytes=139 * GIB, host_bytes=123 * GIB, gpus_per_node=1)
+    assert "CPU runs the step" not in fit_gpt(small, h200, ratio=1.0).reason
+    for work, options, why in [
+        (Workload(), {"stage": 3, "offload_param": True}, "offload_param keeps the working weights"),
+        (Workload(master_dtype="bf16"), {}, "bf16 master weights"),
+        (Workload(optimizer="muon"), {}, "not muon's"),
+    ]:
+        assert why in fit_gpt(small, h200, work, ratio=1.0, **options).reason  # type: ignore[arg-type]
+    assert "pins 195.5 GiB" in fit_gpt(big, h200, ratio=1.0).reason
+    # the CPU step lands the gradients on the host: 2 bytes an element more than the device step asks
+    auto, device = fit_gpt(big, h200, ratio=1.0), fit_gpt(big, h200, ratio=1.0, host_step=False)
+    assert auto.host_need - device.host_need == 2 * big.num_params()
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,9 @@ built and compiled once, trained --warmup steps (the compilation happens there),
 windows of --steps steps each (every step between two synchronizations; a window's median step time gives
 its tokens/s). A row reports the median, min and max over the windows, MFU of the median (989 dense bf16
 TFLOP/s; 6N + 12·L·d·T FLOPs per token) and `ratio_to_torch_compiled`, both medians from the same process.
+On a GPU a row also gives `compute_ms` and `update_ms` (the median forward+backward and optimizer step
+between CUDA events: where a gap lies) and `tokens_per_s_steady` / `ratio_steady` (--steps steps back to
+back, one synchronization at each end, as a training loop runs: the host's launch time hides behind the GPU).
 
 Models: `xl` is our GPT at GPT-2 XL sizes (1.56B, micro batch 8 x 1024); `llama3b` a transformers
 LlamaForCausalLM built from a LlamaConfig here (Llama-3.2-3B's shape: 28 layers, d 3072, 24 heads / 8 KV
@@ -44,6 +47,7 @@ from scripts.bench.common import (
     init_single_process_group,
     median_time,
     out_file,
+    steady_time,
 )
 
 PEAK_BF16_TFLOPS = 989.0
@@ -89,7 +93,8 @@ def loss_of(model: Any, name: str, batch: torch.Tensor) -> torch.Tensor:
 
 def setup(
     peer: str, stage: int, name: str, args: argparse.Namespace, batch: torch.Tensor
-) -> Callable[[], Any]:
+) -> tuple[Callable[[], torch.Tensor], Callable[[], None]]:
+    """(forward and backward of one step, returning the loss; the optimizer step) of one configuration."""
     model = build(name, args.tiny, args.device)[0]
     backend = "eager" if args.tiny else args.backend
     if peer == "torch-compiled":
@@ -98,15 +103,17 @@ def setup(
         )
         compiled = torch.compile(model, backend=backend)
 
-        def torch_step() -> torch.Tensor:
+        def torch_compute() -> torch.Tensor:
             with torch.autocast(args.device.type, dtype=torch.bfloat16):
                 loss = loss_of(compiled, name, batch)
             loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             return loss.detach()
 
-        return torch_step
+        def torch_update() -> None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return torch_compute, torch_update
     import runtime
 
     config = {
@@ -121,20 +128,25 @@ def setup(
     engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine.compile(backend=backend)
 
-    def engine_step() -> torch.Tensor:
+    def engine_compute() -> torch.Tensor:
         loss = loss_of(engine, name, batch)
         engine.backward(loss)
-        engine.step()
         return loss.detach()
 
-    return engine_step
+    return engine_compute, engine.step
 
 
 def measure(peer: str, stage: int, name: str, args: argparse.Namespace) -> dict[str, Any]:
     flops, micro, seq, vocab = _sizes(name, args)
     gen = torch.Generator().manual_seed(1234)
     batch = torch.randint(0, vocab, (micro, seq + 1), generator=gen).to(args.device)
-    step = setup(peer, stage, name, args, batch)
+    compute, update = setup(peer, stage, name, args, batch)
+
+    def step() -> torch.Tensor:
+        loss = compute()
+        update()
+        return loss
+
     losses = [step() for _ in range(args.warmup)]
     windows = []
     for _ in range(args.repeats):
@@ -154,8 +166,30 @@ def measure(peer: str, stage: int, name: str, args: argparse.Namespace) -> dict[
         "seq_len": seq,
     }
     if args.device.type == "cuda":
+        result.update(phases(compute, update, args.steps, losses))
+        steady = steady_time(lambda: losses.append(step()), args.device, args.steps)
+        result["tokens_per_s_steady"] = round(micro * seq / steady, 1)
         result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(args.device) / 2**30, 2)
     return result
+
+
+def phases(
+    compute: Callable[[], torch.Tensor], update: Callable[[], None], steps: int, losses: list[torch.Tensor]
+) -> dict[str, float]:
+    """Median GPU milliseconds of a step's two phases, between CUDA events recorded back to back (a phase
+    includes any wait for the host to launch its kernels): where a gap to the plain loop lies."""
+    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(steps)]
+    for start, computed, updated in marks:
+        start.record()
+        losses.append(compute())
+        computed.record()
+        update()
+        updated.record()
+    torch.cuda.synchronize()
+    return {
+        "compute_ms": round(statistics.median(a.elapsed_time(b) for a, b, _ in marks), 2),
+        "update_ms": round(statistics.median(b.elapsed_time(c) for _, b, c in marks), 2),
+    }
 
 
 def _sizes(name: str, args: argparse.Namespace) -> tuple[float, int, int, int]:
@@ -178,6 +212,7 @@ def run_model(name: str, args: argparse.Namespace) -> int:
     os.environ["DS_ACCELERATOR"] = args.device.type
     init_single_process_group(args.device)
     base: float | None = None
+    base_steady: float | None = None
     failed = False
     runs = [("torch-compiled", -1, "")] + [("ours-compiled", s, "") for s in args.stages]
     if args.fused_ab:  # each stage again with the fused master step (precision/fused_master.py)
@@ -197,9 +232,11 @@ def run_model(name: str, args: argparse.Namespace) -> int:
         finally:
             release(args.device)
         if peer == "torch-compiled":
-            base = record.get("tokens_per_s")
+            base, base_steady = record.get("tokens_per_s"), record.get("tokens_per_s_steady")
         if base and "tokens_per_s" in record:
             record["ratio_to_torch_compiled"] = round(record["tokens_per_s"] / base, 4)
+        if base_steady and "tokens_per_s_steady" in record:
+            record["ratio_steady"] = round(record["tokens_per_s_steady"] / base_steady, 4)
         emit(record, args.out)
     with contextlib.suppress(Exception):
         torch.distributed.destroy_process_group()

@@ -197,6 +197,8 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             stage=args.stage,
             offload_optimizer=not args.no_offload,
             offload_param=args.offload_param,
+            master_dtype=work.master_dtype,
+            state_dtype=work.state_dtype,
         )
         found = longest_sequence(args.longest_seq, machine, setup)
         # host checkpoints trade host memory for GPU memory: where the host is what fills (a large model

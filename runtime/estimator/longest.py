@@ -42,6 +42,8 @@ from runtime.estimator.fit import (
     GIB,
     HOST_PROCESS_BYTES,
     Machine,
+    Workload,
+    step_on_host,
 )
 from runtime.estimator.model_states import DTYPE_BYTES, ModelSizes, estimate
 from runtime.sequence.tiles import LOGITS_TILE_BYTES, mlp_tiles
@@ -111,6 +113,8 @@ class LongSequenceSetup:
     stage: int = 3
     offload_optimizer: bool = True
     offload_param: bool = False
+    master_dtype: str = "fp32"  # "bf16": bf16.bf16_master_weights_and_grads
+    state_dtype: str = "fp32"  # "bf16": bf16.bf16_optimizer_states
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,8 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
         offload_optimizer=setup.offload_optimizer,
         offload_param=setup.offload_param,
         dtype=setup.dtype,
+        master_dtype=setup.master_dtype,
+        state_dtype=setup.state_dtype,
     )
     kept_layers = 2 if setup.cpu_checkpointing else layers
     per_token = kept_layers * h * w  # checkpointed layer inputs on the GPU
@@ -150,7 +156,11 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
         fixed += shape.vocab_size * h * FP32  # the head's weight gradient, summed over tiles in fp32
     else:
         per_token += shape.vocab_size * (w + FP32 + FP32)
-    if setup.offload_optimizer:
+    work = Workload(dtype=setup.dtype, master_dtype=setup.master_dtype, state_dtype=setup.state_dtype)
+    numel = shape.sizes().total_params  # one GPU: the whole model is this rank's shard
+    host_bytes = machine.host_bytes
+    on_host = step_on_host(work, offload_param=setup.offload_param, shard=numel, ranks=1, host=host_bytes)
+    if setup.offload_optimizer and on_host is None:  # the device step's staging slots
         # free when the engine is built: the model states are on the GPU, the activations not yet
         fixed += device_step_staging(max(0, machine.gpu_bytes - CUDA_CONTEXT_BYTES - states.gpu.total))
     gpu = (

@@ -92,3 +92,18 @@ def test_the_device_steps_staging_slots_are_counted_as_the_engine_sizes_them() -
     big_need, small_need = (memory_at(LLAMA_8B, 65536, LongSequenceSetup(), m)[0] for m in (H200, small))
     slack = int(ALLOCATOR_SLACK * H200.gpu_bytes) - int(ALLOCATOR_SLACK * small.gpu_bytes)
     assert big_need - small_need == 3 * GIB + slack
+
+
+def test_16_bit_masters_and_states_free_host_memory_and_the_staging_slots() -> None:
+    # bf16 masters + states: 2 + 4 host bytes a parameter instead of 4 + 8, and the CPU runs their own
+    # Adam step, so the device step's staging slots are not allocated (runtime/offload/host_masters.py)
+    plain = LongSequenceSetup()
+    half = LongSequenceSetup(master_dtype="bf16", state_dtype="bf16")
+    gpu_plain, host_plain = memory_at(LLAMA_8B, 65536, plain, H200)
+    gpu_half, host_half = memory_at(LLAMA_8B, 65536, half, H200)
+    assert host_plain - host_half == 6 * LLAMA_8B.num_params()
+    assert gpu_plain - gpu_half == 4 * GIB
+    assert longest_sequence(LLAMA_8B, H200, half).seq_len > longest_sequence(LLAMA_8B, H200, plain).seq_len
+    # a host too small to pin the fp32 state (16 bytes a parameter) makes the engine step on the CPU too
+    pinless = Machine(gpu_bytes=H200.gpu_bytes, host_bytes=100 * GIB)
+    assert memory_at(LLAMA_8B, 65536, plain, pinless)[0] == gpu_plain - 4 * GIB

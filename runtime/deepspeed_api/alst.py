@@ -51,7 +51,8 @@ class UlyssesSPAttentionHF(UlyssesAttention):
         global_seq_length: int | None = None,
         disable_in_eval: bool = False,
     ) -> None:
-        super().__init__(attn, process_group, attn_head_count, kv_head_count, disable_in_eval)
+        fixed = None if seq_length_is_variable else global_seq_length
+        super().__init__(attn, process_group, attn_head_count, kv_head_count, disable_in_eval, fixed)
 
     @classmethod
     def register_with_transformers(
@@ -93,7 +94,9 @@ class UlyssesSPAttentionHF(UlyssesAttention):
 
             config = AutoConfig.from_pretrained(model_name_or_path)
         mpu = init_sequence_parallel(sequence_parallel_size)
-        install_ulysses(config, mpu.get_sequence_parallel_group(), core_attn_implementation, disable_in_eval)
+        fixed = None if seq_length_is_variable else seq_length  # then every batch must have this length
+        group = mpu.get_sequence_parallel_group()
+        install_ulysses(config, group, core_attn_implementation, disable_in_eval, fixed)
         return mpu
 
 

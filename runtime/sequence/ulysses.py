@@ -147,8 +147,10 @@ class UlyssesAttention:
         heads: int,
         kv_heads: int,
         disable_in_eval: bool = False,
+        seq_length: int | None = None,
     ) -> None:
         self.core = core
+        self.seq_length = seq_length  # the one global length allowed (seq_length_is_variable=False)
         self.group = group
         self.sp = dist.get_world_size(group)
         check_heads(heads, kv_heads, self.sp)
@@ -176,6 +178,15 @@ class UlyssesAttention:
                 hint="register each model with its own config (register_with_transformers)",
             )
         if getattr(module, "layer_idx", 0) in (0, None):
+            local = query.shape[2]
+            if self.seq_length is not None and local * self.sp != self.seq_length:
+                raise UserError(
+                    f"this batch's sequence shard has {local} tokens, {local * self.sp} over {self.sp} "
+                    f"ranks, but Ulysses was registered with seq_length={self.seq_length} and "
+                    "seq_length_is_variable=False",
+                    hint=f"pad or cut every sequence to {self.seq_length} tokens, or register with "
+                    "seq_length_is_variable=True",
+                )
             check_shards(query.shape[2], kwargs.get("position_ids"), self.sp, self.group, query.device)
         if self.kv_repeat > 1:
             key = key.repeat_interleave(self.kv_repeat, dim=1)
@@ -207,11 +218,12 @@ def install_ulysses(
     group: Any,
     implementation: str | None = None,
     disable_in_eval: bool = False,
+    seq_length: int | None = None,
 ) -> UlyssesAttention:
     """Make models with this HF ``config`` run Ulysses over ``group``: the entry of
     ``ALL_ATTENTION_FUNCTIONS`` under the config's attention implementation (``implementation``, which must
     then match it; ``sdpa`` when the config names none) becomes a ``UlyssesAttention`` around the function
-    it held. Returns it."""
+    it held. ``seq_length``: the only global length it then accepts (None: any). Returns it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     model_impl = getattr(config, "_attn_implementation", None)
@@ -238,7 +250,7 @@ def install_ulysses(
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    attention = UlyssesAttention(core, group, heads, kv_heads, disable_in_eval)
+    attention = UlyssesAttention(core, group, heads, kv_heads, disable_in_eval, seq_length)
     ALL_ATTENTION_FUNCTIONS[name] = attention
     if model_impl is None:
         config._attn_implementation = name

@@ -252,6 +252,38 @@ def _bad_shards_worker(rank: int, world: int) -> list[tuple[str, str]]:
     return errors
 
 
+def _fixed_length_worker(rank: int, world: int) -> tuple[str, str]:
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    model = _model(2)
+    UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model,
+        core_attn_implementation="sdpa",
+        sequence_parallel_size=2,
+        micro_batch_size=1,
+        seq_length=SEQ + 8,
+        seq_length_is_variable=False,
+    )
+    ids = torch.arange(SEQ).reshape(1, -1) % VOCAB
+    half = SEQ // 2
+    cut = slice(rank * half, (rank + 1) * half)
+    with pytest.raises(UserError) as exc:
+        model(input_ids=ids[:, cut], position_ids=torch.arange(SEQ).reshape(1, -1)[:, cut], use_cache=False)
+    return str(exc.value), exc.value.hint
+
+
+def test_a_fixed_sequence_length_is_held_to() -> None:
+    # DeepSpeed's seq_length_is_variable=False: a batch of another length is refused by name, on every rank
+    for message, hint in run_distributed(_fixed_length_worker, 2):
+        assert message == (
+            f"this batch's sequence shard has {SEQ // 2} tokens, {SEQ} over 2 ranks, but Ulysses was "
+            f"registered with seq_length={SEQ + 8} and seq_length_is_variable=False"
+        )
+        assert hint == (
+            f"pad or cut every sequence to {SEQ + 8} tokens, or register with seq_length_is_variable=True"
+        )
+
+
 def test_bad_shards_refused_on_every_rank() -> None:
     for errors in run_distributed(_bad_shards_worker, 2):
         assert errors == [

@@ -29,7 +29,13 @@ from typing import Protocol
 
 import torch
 
-from runtime.precision.fused_master import FusedMasterAdam, Segment, fused_setting, unsupported_reason
+from runtime.precision.fused_master import (
+    FusedMasterAdam,
+    Segment,
+    default_refusal,
+    fused_setting,
+    unsupported_reason,
+)
 from runtime.precision.grad_math import (
     GradMath,
     GradResult,
@@ -147,10 +153,10 @@ def group_segments(group: FlatGroup, pieces: Sequence[torch.Tensor]) -> list[Seg
 class DeviceMasters:
     """Masters on the training device: the optimizer steps them where the gradients are.
 
-    The step: fp32 master gradients, `finish_grads`, the optimizer's own `step()`. With
-    `DSLAUNCH_FUSED_MASTER_STEP=1`, where it can (fp32 masters behind 16-bit weights, torch's Adam/AdamW,
-    gradients and weights laid out like the masters), `FusedMasterAdam`'s one pass instead, which reads
-    the 16-bit gradients and writes the working weights itself (precision/fused_master.py)."""
+    The step: fp32 master gradients, `finish_grads`, the optimizer's own `step()`; or, where it can (fp32
+    masters behind 16-bit weights, torch's Adam/AdamW, gradients and weights laid out like the masters; by
+    default on CUDA, `DSLAUNCH_FUSED_MASTER_STEP` says otherwise), `FusedMasterAdam`'s one pass, which
+    reads the 16-bit gradients and writes the working weights itself (precision/fused_master.py)."""
 
     def __init__(self, groups: Sequence[FlatGroup], zero: StageGroups) -> None:
         self.groups = list(groups)
@@ -221,11 +227,13 @@ class DeviceMasters:
     def _fused_refusal(
         self, optimizer: torch.optim.Optimizer, pieces: list[list[torch.Tensor]]
     ) -> str | None:
-        if not self._fused_setting:
-            return "DSLAUNCH_FUSED_MASTER_STEP is not 1"
+        if self._fused_setting is False:
+            return "DSLAUNCH_FUSED_MASTER_STEP=0"
         if not self.groups:
             return "no groups"
         device = self.groups[0].master.device
+        if self._fused_setting is None and (why := default_refusal(device)) is not None:
+            return why
         if self.zero.params_sharded:
             return "the working weights are gather units' shards"
         if any(group.index >= len(optimizer.param_groups) for group in self.groups):

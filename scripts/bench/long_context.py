@@ -88,6 +88,9 @@ def cap_allocator(device: Any, gpu_gib: float) -> None:
     the capped GPU has no room for, and which the estimate for the capped GPU would not count."""
     import torch
 
+    # set_per_process_memory_fraction wants an index: a bare "cuda" device is the current one
+    index = torch.device(device).index
+    device = torch.device("cuda", torch.cuda.current_device() if index is None else index)
     total = torch.cuda.get_device_properties(device).total_memory
     cap = int(gpu_gib * GIB)
     if cap > total:

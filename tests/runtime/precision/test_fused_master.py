@@ -1,8 +1,8 @@
 """The fused master step (runtime/precision/fused_master.py): fp32 masters behind 16-bit working weights,
-updated from the 16-bit gradients and cast back into the weights in one pass. Off unless
-`DSLAUNCH_FUSED_MASTER_STEP=1` (until a GPU A/B decides); these tests turn it on for the CPU (dynamo traces
+updated from the 16-bit gradients and cast back into the weights in one pass. The default on CUDA
+devices with Triton; these tests turn it on for the CPU with `DSLAUNCH_FUSED_MASTER_STEP=1` (dynamo traces
 the same function there, with the eager backend) and compare with the same run through torch's own AdamW
-step (`=0`).
+step (`=0`); the `gpu` test compares the default on CUDA (inductor's kernel) with `=0`.
 
 What a user relies on: it trains to the same masters, moments and losses as torch's step, at ZeRO 0-3 on
 one rank and 1-2 on two (several buckets, so shards are not contiguous), in bf16 and fp16 (loss scaling),
@@ -50,7 +50,7 @@ def _steps(engine: Any, steps: range, rank: int, world_size: int) -> list[float]
     losses = []
     for step in steps:
         for micro in range(2):
-            x, y = rank_batch(step, micro, 8, rank, world_size)
+            x, y = (t.to(engine.device) for t in rank_batch(step, micro, 8, rank, world_size))
             loss = loss_fn(engine(x), y)
             engine.backward(loss)
             engine.step()
@@ -58,10 +58,16 @@ def _steps(engine: Any, steps: range, rank: int, world_size: int) -> list[float]
     return losses
 
 
-def _train(fused: bool, config: dict[str, Any], rank: int, world_size: int, steps: int = 4) -> dict[str, Any]:
+def _train(
+    fused: bool | None, config: dict[str, Any], rank: int, world_size: int, steps: int = 4
+) -> dict[str, Any]:
+    """One run: `fused` True sets the switch to 1, False to 0, None leaves it unset (the default)."""
     import runtime
 
-    os.environ[ENV] = "1" if fused else "0"
+    if fused is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = "1" if fused else "0"
     log: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: log.append(record.getMessage())  # type: ignore[method-assign]
@@ -76,9 +82,9 @@ def _train(fused: bool, config: dict[str, Any], rank: int, world_size: int, step
         moments = [v["exp_avg_sq"].clone() for _, v in sorted(state.items())]
         return {
             "losses": losses,
-            "masters": [g.master.detach().clone() for g in engine.groups],
-            "working": [p.detach().clone() for p in engine.module.parameters()],
-            "moments": moments,
+            "masters": [g.master.detach().cpu().clone() for g in engine.groups],
+            "working": [p.detach().cpu().clone() for p in engine.module.parameters()],
+            "moments": [m.cpu() for m in moments],
             "steps": [float(v["step"]) for v in state.values()],
             "log": log,
         }
@@ -202,3 +208,45 @@ def test_uncovered_optimizer_keeps_its_step_and_says_why() -> None:
     assert "DSLAUNCH_FUSED_MASTER_STEP=1 ignored: amsgrad=True" in forced["log"]
     for a, b in zip(forced["masters"], plain["masters"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_switch_and_the_default() -> None:
+    """Device: CPU. Unset, the switch leaves the choice to the device: the fused step on CUDA with Triton
+    (inductor compiles its kernel), torch's own elsewhere, which a CPU run shows; a bad value is refused by
+    name."""
+    from runtime.precision.fused_master import default_refusal, fused_setting
+
+    try:
+        for text, expected in (("", None), ("0", False), ("1", True)):
+            os.environ[ENV] = text
+            assert fused_setting() is expected
+        os.environ[ENV] = "yes"
+        with pytest.raises(ValueError, match="DSLAUNCH_FUSED_MASTER_STEP='yes': expected 0 or 1"):
+            fused_setting()
+    finally:
+        os.environ.pop(ENV, None)
+    assert default_refusal(torch.device("cpu")) == (
+        "the masters are on cpu, and the default is CUDA's (DSLAUNCH_FUSED_MASTER_STEP=1 turns it on)"
+    )
+    [default] = run_distributed(_default_and_off, 1, _config("bf16", {"stage": 2}), 1)
+    assert not any("one fused pass" in line for line in default["fused"]["log"])
+    assert default["fused"]["masters"][0].equal(default["plain"]["masters"][0])  # torch's step both times
+
+
+def _default_and_off(rank: int, world_size: int, config: dict[str, Any], steps: int = 4) -> dict[str, Any]:
+    """The same run with the switch unset (the default) and off."""
+    return {
+        "fused": _train(None, config, rank, world_size, steps),
+        "plain": _train(False, config, rank, world_size, steps),
+    }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_cuda_default_equals_torch_step(stage: int) -> None:
+    """Device: CUDA. Unset, the switch gives the fused step on a GPU (inductor's Triton kernel): the same
+    masters, moments and losses as torch's fused AdamW with it off."""
+    [result] = run_distributed(
+        _default_and_off, 1, _config("bf16", {"stage": stage}, clip=1.0), timeout=300, device="cuda"
+    )
+    _assert_same(result["fused"], result["plain"])

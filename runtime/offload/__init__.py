@@ -145,7 +145,9 @@ def enable_delayed_update(engine: Any, *, after_steps: int = 40) -> None:
     exact), each step starts its host update in the background and the next step installs it: every
     gradient is then computed on weights one update older than without DPU. A step then costs about
     max(device forward + backward, host update) instead of their sum. Needs
-    `offload_optimizer: {device: cpu}` and an Adam/AdamW optimizer (others keep stepping in place).
+    `offload_optimizer: {device: cpu}` and an Adam/AdamW optimizer, over fp32 masters or bf16 ones
+    (`bf16.bf16_master_weights_and_grads`, whose own step then runs on the worker); others keep stepping
+    in place, and the first step says so.
     Checkpoints and `engine.full_state_dict()` flush the update in flight first.
     """
     placement = getattr(engine, "masters", None)

@@ -106,6 +106,7 @@ class HostMasters:
         self._shadow: Shadow | None = None  # a speculative step's second copy of the state, once made
         self._speculate = plan.speculate  # taken back where the CPU takes over the step (unless forced)
         self._speculate_forced = settings.speculate is True
+        self._said_in_place = False  # the delayed update's note on an optimizer it cannot delay
         self.grads = self._landing()
 
     def _landing(self) -> GradLanding:
@@ -243,6 +244,8 @@ class HostMasters:
             fast = not per_tensor and host_adam.supports(optimizer)
             if fast and self._delayed_now():
                 self._start_delayed(optimizer, coef)
+            elif not fast and self._delayed_now() and self._runs_delayed(optimizer, per_tensor):
+                self._start_delayed_own(optimizer, coef)
             elif fast:
                 adam = self._host_adam(optimizer)
                 self._split.begin(adam, coef, self.memory)
@@ -380,6 +383,48 @@ class HostMasters:
             return self._run_adam(adam, coef, landing, ready, dst_of, publish=False)
 
         # the next backward lands in the other buffers while this update reads (and writes) these
+        self.grads.buffers = self._delayed.start(update, self.grads.buffers, self.grads.tickets)
+
+    def _runs_delayed(self, optimizer: torch.optim.Optimizer, per_tensor: bool) -> bool:
+        """Whether an optimizer with its own step (bf16 masters' `MasterAdam`) can run it delayed: one
+        that can hand its settings over to the worker thread; others step in place (said once)."""
+        if not per_tensor and callable(getattr(optimizer, "hyperparameters", None)):
+            return True
+        if not self._said_in_place:
+            self._said_in_place = True
+            _log.warning(
+                "the delayed parameter update covers Adam/AdamW (fp32 or bf16 masters); %s steps in place",
+                type(optimizer).__name__,
+            )
+        return False
+
+    def _start_delayed_own(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
+        """The delayed update of an optimizer with its own step: `step(hyperparameters=...)` on the worker,
+        with the settings read here (the scheduler changes them as soon as we return)."""
+        settings = optimizer.hyperparameters()  # type: ignore[operator]
+        assert self._delayed is not None
+
+        def update(
+            landing: list[torch.Tensor], tickets: list[Ticket], dst_of: Callable[[Span], torch.Tensor]
+        ) -> Ticket:
+            last: list[Ticket] = [None]
+
+            def uploaded(span: Span, ticket: Ticket) -> None:
+                last[0] = ticket
+
+            self._host.generic(
+                optimizer,
+                coef,
+                per_tensor=False,
+                landing=landing,
+                tickets=tickets,
+                spans=self.spans,
+                dst_of=dst_of,
+                uploaded=uploaded,
+                step=lambda: optimizer.step(hyperparameters=settings),  # type: ignore[call-arg]
+            )
+            return last[0]
+
         self.grads.buffers = self._delayed.start(update, self.grads.buffers, self.grads.tickets)
 
     def _install_in_flight(self) -> None:

@@ -131,22 +131,33 @@ class MasterAdam(torch.optim.Adam):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
         return state
 
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Each param group's settings as they are now, for a `step` that runs later on another thread
+        (the offloaded delayed update), while the caller's scheduler may already change the groups."""
+        return [
+            {key: group[key] for key in ("lr", "betas", "eps", "weight_decay", "decoupled_weight_decay")}
+            for group in self.param_groups
+        ]
+
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
+    def step(self, closure: Any = None, *, hyperparameters: list[dict[str, Any]] | None = None) -> Any:
+        """One update of every parameter with a gradient; `hyperparameters` (from `hyperparameters()`)
+        stand in for the groups' current settings."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         index = -1  # the parameter's position in the optimizer (the rounding noise's key)
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            kernel = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+        for number, group in enumerate(self.param_groups):
+            options = group if hyperparameters is None else hyperparameters[number]
+            beta1, beta2 = options["betas"]
+            kernel = torch._fused_adamw_ if options["decoupled_weight_decay"] else torch._fused_adam_
             settings = dict(
-                lr=float(group["lr"]),
+                lr=float(options["lr"]),
                 beta1=float(beta1),
                 beta2=float(beta2),
-                weight_decay=float(group["weight_decay"]),
-                eps=float(group["eps"]),
+                weight_decay=float(options["weight_decay"]),
+                eps=float(options["eps"]),
                 amsgrad=False,
                 maximize=False,
             )

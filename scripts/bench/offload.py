@@ -68,7 +68,8 @@ update.
 --find_max (offload_max.py): the largest of --sizes (n_embd:n_head:n_layer) that trains --trial_steps
 steps (3) with optimizer offload at --ratio (a number, or "auto": the engine picks the host's share),
 with --stage, --offload_param, --accumulation, --activation_checkpointing and --engine (ours, or
-deepspeed); every try
+deepspeed; --trial_dpu AFTER: ours with the delayed parameter update, so the host step overlaps the next
+step's micro-batches); every try
 carries what runtime.estimator.fit predicts for it, a size it puts beyond the host's memory is skipped,
 not tried, and the summary compares the estimator's largest size with the largest that trained.
 
@@ -137,7 +138,7 @@ def work_trial(spec: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """--find_max: does this size train, with the engine --engine names?"""
     if spec.get("engine") == "deepspeed":
         return work_deepspeed(spec, device)
-    return work_ours(spec, device, phases=False)
+    return work_ours(spec, device, phases=False, dpu=spec.get("trial_dpu"))
 
 
 WORKERS = {
@@ -264,6 +265,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--adam_steps", type=int, default=5)
     parser.add_argument("--dpu_after", type=int, default=2, help="ours-dpu: synchronous steps before DPU")
+    parser.add_argument(
+        "--trial_dpu",
+        type=int,
+        metavar="AFTER",
+        help="--find_max (ours): every trial with the delayed parameter update after AFTER steps, so the "
+        "host step overlaps the next step's micro-batches (0: from the first); it costs a second landing "
+        "buffer (2 host bytes a parameter) and a device staging copy of the shard, which the walk's estimate "
+        "and host guard do not count",
+    )
     parser.add_argument("--threads", type=int, help="torch threads in every worker (default: torch's)")
     parser.add_argument(
         "--configs",
@@ -380,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "adam_steps": args.adam_steps,
         "dpu_after": args.dpu_after,
+        "trial_dpu": args.trial_dpu,
         "threads": args.threads,
         "ratio": args.ratio,
         "lr": args.lr,

@@ -216,6 +216,7 @@ def find_max(args: argparse.Namespace, spec: dict[str, Any], run_worker: RunWork
         "accumulation": args.accumulation,
         "bf16_masters": args.bf16_masters,
         "bf16_states": args.bf16_states,
+        "trial_dpu": getattr(args, "trial_dpu", None),
         "micro_batch": args.micro_batch or 1,
         "seq_len": args.seq_len,
         "activation_checkpointing": args.activation_checkpointing,

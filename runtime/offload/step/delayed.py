@@ -10,9 +10,10 @@ about max(device compute, host update) instead of their sum.
 
 Costs: a second landing buffer (the next backward lands there while the update reads the first; 2
 bytes/param, host, pinned) and the staging buffer (2 bytes/param of the shard, device), and the calling
-thread keeps 2 intra-op threads while it is on (worker.py says why). Only the Adam path runs delayed.
-Reading the masters or the optimizer state (checkpoints, `full_state_dict`) must first install the
-update in flight (`HostMasters.flush`).
+thread keeps 2 intra-op threads while it is on (worker.py says why). Adam/AdamW runs delayed over fp32
+masters (host_adam.py's one pass) and over bf16 ones (the optimizer's own `step`, with the settings read
+when the step started: precision.MasterAdam). Reading the masters or the optimizer state (checkpoints,
+`full_state_dict`) must first install the update in flight (`HostMasters.flush`).
 
 `DelayedUpdate` owns those buffers, the thread and the update in flight; `HostMasters` decides when to
 start and install.

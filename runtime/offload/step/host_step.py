@@ -12,7 +12,8 @@ for optimizers other than Adam/AdamW, with offload_param, under the delayed upda
   kernel writes the new weights straight into it.
 - Any other torch optimizer (`generic`): the landed gradient is converted into an fp32 host buffer and
   scaled, `optimizer.step()` runs on the host masters, and the updated masters are cast into the landing
-  buffer and copied back. Correct for any optimizer, but several passes over host memory.
+  buffer and copied back. Correct for any optimizer, but several passes over host memory. Bf16 masters
+  (`precision.MasterAdam`) take this path too, without the conversion, and may run it delayed.
 
 Owns the per-chunk order of a span's update and copy-back, and the generic path's fp32 gradient buffers.
 """
@@ -92,9 +93,11 @@ class HostStep:
         spans: Sequence[Span],
         dst_of: Callable[[Span], torch.Tensor],
         uploaded: Callable[[Span, Ticket], None],
+        step: Callable[[], object] | None = None,
     ) -> None:
-        """`optimizer.step()` on the host masters with the landed gradients times `coef`, then every span
-        copied back into `dst_of(span)`; `uploaded(span, ticket)` as each span's copies are queued."""
+        """`optimizer.step()` (or `step()`, when given) on the host masters with the landed gradients
+        times `coef`, then every span copied back into `dst_of(span)`; `uploaded(span, ticket)` as each
+        span's copies are queued."""
         for ticket in tickets:
             self.copies.host_wait(ticket)
         grads = []
@@ -108,7 +111,10 @@ class HostStep:
                 grad.mul_(coef)
             grads.append(grad)
         attach_master_grads(optimizer, self.groups, grads, per_tensor=per_tensor)
-        optimizer.step()
+        if step is None:
+            optimizer.step()
+        else:
+            step()
         attach_master_grads(optimizer, self.groups, None, per_tensor=per_tensor)
         for span in spans:
             master = self.groups[span.group].master.data

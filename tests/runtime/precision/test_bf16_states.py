@@ -214,6 +214,31 @@ def _gpt_losses(bf16: dict[str, Any], steps: int = 50) -> list[float]:
     return losses
 
 
+def test_a_step_taken_later_uses_the_settings_read_before() -> None:
+    """Device: CPU. The delayed offloaded update runs `MasterAdam.step` on a worker thread while the
+    caller's scheduler already moves the lr: `step(hyperparameters=...)` with the settings read at the
+    engine's step equals the step taken then, whatever the groups say by the time it runs."""
+    from runtime.precision.master_adam import MasterAdam
+
+    torch.manual_seed(0)
+    weights = torch.randn(4096, dtype=torch.bfloat16)
+    grad = torch.randn(4096, dtype=torch.bfloat16)
+    runs = []
+    for late in (False, True):
+        p = torch.nn.Parameter(weights.clone())
+        p.grad = grad.clone()
+        opt = MasterAdam([p], lr=1e-2, weight_decay=0.1, state_dtype=torch.bfloat16)
+        settings = opt.hyperparameters()
+        if late:
+            opt.param_groups[0]["lr"] = 1.0  # the scheduler, before the worker reads the group
+            opt.step(hyperparameters=settings)
+        else:
+            opt.step()
+        runs.append(p.detach().clone())
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], weights)
+
+
 def test_bf16_states_track_fp32_states_on_a_tiny_gpt() -> None:
     fp32 = _gpt_losses(BF16)
     bf16 = _gpt_losses(STATES16)

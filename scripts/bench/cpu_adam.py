@@ -9,8 +9,12 @@ Prints JSON lines on stdout (a readable table goes to stderr):
 
 Effective GB/s counts the least traffic a step can do: read p, g, m, v and write p, m, v = 28 B/param with
 fp32 grads; +2 B/param when bf16 weights are written out; with bf16 grads in and bf16 weights out it is
-2 + 12 + 12 + 2 = 28 B. ``memcpy`` (one fp32 tensor copied into another, 8 B/element read + written) is
-measured in the same rounds as the physical reference.
+2 + 12 + 12 + 2 = 28 B. The `master_adam_bf16_states*` rows step bf16 masters and bf16 moments (issue 32:
+`precision.MasterAdam`, the offloaded step with `bf16.bf16_master_weights_and_grads`), 14 B/param, with
+and without stochastic rounding; on the 2-core dev box they run at 0.52 and 0.69 G params/s against 0.91
+for the fp32 offload path (`ours_bf16grad_out_bf16`): chunked passes, not bytes, bound them there.
+``memcpy`` (one fp32 tensor copied into another, 8 B/element read + written) is measured in the same
+rounds as the physical reference.
 
 Variants run interleaved: each round times every variant once, so load from other processes hits all of
 them alike; the first ``--warmup`` rounds (which also allocate optimizer state) are dropped. All
@@ -47,6 +51,7 @@ from scripts.bench import common
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 FP32_STEP_BYTES = 28  # read p, g, m, v + write p, m, v, all fp32
 BF16_OUT_BYTES = 2
+BF16_STATE_STEP_BYTES = 14  # bf16 masters and moments: read g, p, m, v (8) + write p, m, v (6)
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,9 @@ def deepspeed_optimizer(param: torch.Tensor, size: int, out: Path | None) -> tor
 def _bytes_needed(n: int, with_ds: bool) -> int:
     # p, g fp32; g bf16; out bf16; memcpy target; m+v for fused, foreach, ours (+ DeepSpeed);
     # foreach temporaries (~3 fp32 copies); the unchunked bf16-grad variant's fp32 temporary.
+    # two MasterAdams: their own bf16 masters and bf16 moments (6 B/param each)
     optimizers = 4 if with_ds else 3
-    return n * (4 + 4 + 2 + 2 + 4 + 8 * optimizers + 12 + 4)
+    return n * (4 + 4 + 2 + 2 + 4 + 8 * optimizers + 12 + 4 + 2 * 6)
 
 
 def build_variants(n: int, chunks: list[int], with_ds: bool, out: Path | None) -> list[Variant]:
@@ -199,6 +205,19 @@ def build_variants(n: int, chunks: list[int], with_ds: bool, out: Path | None) -
             name = f"ours_bf16grad_out_bf16_chunk{chunk}"
             variants.append(Variant(name, FP32_STEP_BYTES, ours_with(chunk, grad16, out16)))
     variants.append(Variant("ours_bf16grad_out_bf16_unchunked", FP32_STEP_BYTES, ours_with(0, grad16, out16)))
+    # issue 32's 16-bit state: bf16 masters and moments (precision.MasterAdam, what the offloaded step
+    # runs with bf16.bf16_master_weights_and_grads), with and without stochastic rounding
+    from runtime.precision.master_adam import MasterAdam
+
+    for rounding in (True, False):
+        master = torch.nn.Parameter(param.detach().to(torch.bfloat16))
+        master.grad = grad16
+        bf16_adam = MasterAdam(
+            [master], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, state_dtype=torch.bfloat16,
+            stochastic_rounding=rounding,
+        )  # fmt: skip
+        name = "master_adam_bf16_states" + ("_sr" if rounding else "")
+        variants.append(Variant(name, BF16_STATE_STEP_BYTES, bf16_adam.step))
     return variants
 
 

@@ -138,7 +138,9 @@ def gpt_sizes(config: GPTConfig) -> ModelSizes:
     """The sizes the estimate needs, from a runtime.models.gpt config (nothing is allocated)."""
     d = config.n_embd
     b = 1 if config.bias else 0
-    layers = [config.vocab_size * d, d * 4 * d + b * 4 * d, 4 * d * d + b * d, d * 3 * d + b * 3 * d]
+    # stage 3's gather units (runtime.zero.stage3_plan): a block whole (attention, MLP, two norms), and
+    # the token embedding (the tied head's weight)
+    block = 12 * d * d + b * 9 * d + 4 * d
     # AutoTP's share (GPT-2 layout): the q|k|v, attention-out and both MLP weights, and the colwise biases
     sharded = config.n_layer * (12 * d * d + b * 7 * d)
     # Muon's (runtime.optim.muon_split): the same four matrices of every block; embeddings and the tied
@@ -146,7 +148,7 @@ def gpt_sizes(config: GPTConfig) -> ModelSizes:
     muon = config.n_layer * 12 * d * d
     return ModelSizes(
         total_params=config.num_params(),
-        largest_layer_params=max(layers),
+        largest_layer_params=max(block, config.vocab_size * d),
         tensor_parallel_params=sharded,
         muon_params=muon,
     )

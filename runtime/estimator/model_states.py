@@ -56,8 +56,10 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from runtime.config.zero import ZeroConfig
 from runtime.optim.muon import uses_muon
 from runtime.zero.partition import plan_flat_layout
+from runtime.zero.stage3_plan import plan_units
 
 __all__ = [
     "DEFAULT_BUCKET",
@@ -98,7 +100,9 @@ class ModelSizes:
     """What the estimate needs to know about a model."""
 
     total_params: int
-    largest_layer_params: int | None = None  # stage 3 gathers one layer (module) at a time
+    # what stage 3 gathers at once: DeepSpeed's estimator takes the largest layer; ours gathers units (a
+    # block with its whole subtree), so model_sizes and gpt_sizes give the largest unit here
+    largest_layer_params: int | None = None
     numels: tuple[int, ...] | None = None  # every parameter's size: the flat layout's padding becomes exact
     tensor_parallel_params: int | None = None  # the part AutoTP shards (projection weights, colwise biases)
     muon_params: int | None = None  # the part optimizer "muon" updates with Muon (runtime.optim.muon's rule)
@@ -148,8 +152,8 @@ class Estimate:
 
 
 def model_sizes(model: nn.Module) -> ModelSizes:
-    """Parameter counts of `model`: shared parameters once; the largest layer is the module whose own
-    (non-recursive) parameters are the most elements, as stage 3 gathers them together."""
+    """Parameter counts of `model`: shared parameters once; the largest "layer" is the largest of stage 3's
+    gather units (a transformer block is one), which it gathers whole."""
     from runtime.tensor_parallel.autotp import tp_plan
 
     params = list(model.parameters())  # deduplicated (tied weights count once)
@@ -163,12 +167,10 @@ def model_sizes(model: nn.Module) -> ModelSizes:
     embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     names = {id(p): n for n, p in model.named_parameters()}
     muon = sum(p.numel() for p in params if uses_muon(names[id(p)], p, embedding))
-    largest = 0
-    seen: set[int] = set()
-    for module in model.modules():
-        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        largest = max(largest, sum(p.numel() for p in own))
+    # what stage 3 gathers at once: its units (runtime.zero.stage3_plan: a container's child with its whole
+    # subtree, e.g. a transformer block, or a module with large parameters of its own)
+    units = plan_units(model, params, threshold=ZeroConfig().stage3_param_persistence_threshold)
+    largest = max((unit.numel for unit in units), default=0)
     return ModelSizes(
         total_params=sum(p.numel() for p in params),
         largest_layer_params=largest,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -401,7 +402,8 @@ class HostMasters:
     def _start_delayed_own(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
         """The delayed update of an optimizer with its own step: `step(hyperparameters=...)` on the worker,
         with the settings read here (the scheduler changes them as soon as we return)."""
-        settings = optimizer.hyperparameters()  # type: ignore[operator]
+        own: Any = optimizer  # precision.MasterAdam (`_runs_delayed` checked for `hyperparameters`)
+        settings = own.hyperparameters()
         assert self._delayed is not None
 
         def update(
@@ -421,7 +423,7 @@ class HostMasters:
                 spans=self.spans,
                 dst_of=dst_of,
                 uploaded=uploaded,
-                step=lambda: optimizer.step(hyperparameters=settings),  # type: ignore[call-arg]
+                step=lambda: own.step(hyperparameters=settings),
             )
             return last[0]
 

@@ -27,6 +27,7 @@ from runtime.estimator import (
     main,
     model_sizes,
 )
+from runtime.estimator.fit import gpt_sizes
 from runtime.models import GPT, GPTConfig
 from tests.support.dist import run_distributed
 
@@ -194,6 +195,13 @@ def test_model_sizes_of_a_gpt() -> None:
     config = GPTConfig.named("xl")
     assert sizes.total_params == config.num_params()  # the tied head counted once
     assert sizes.largest_layer_params == config.vocab_size * config.n_embd  # the token embedding
+    # a wide GPT: stage 3 gathers a whole block (attention, MLP, two norms), larger than any one layer
+    # and than the embedding, and both ways of sizing a GPT say so
+    wide = GPTConfig(n_embd=512, n_head=8, n_layer=2, vocab_size=256, max_seq_len=64)
+    with torch.device("meta"):
+        block = sum(p.numel() for p in GPT(wide).blocks[0].parameters())
+        assert model_sizes(GPT(wide)).largest_layer_params == block == 12 * 512 * 512 + 13 * 512
+    assert gpt_sizes(wide).largest_layer_params == block
 
 
 def test_cli_table_json_and_errors(capsys: pytest.CaptureFixture[str]) -> None:

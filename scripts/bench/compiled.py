@@ -21,6 +21,12 @@ heads, MLP 8192, vocab 128256, tied head; 3.2B; micro batch 4 x 2048; sdpa atten
     python scripts/bench/compiled.py --repeats 3 --out                      # H200: both models
     python scripts/bench/compiled.py --models llama3b --stages 0,2 --fused_ab   # the fused master step's A/B
     python scripts/bench/compiled.py --tiny --steps 2 --warmup 1 --repeats 2 # CPU smoke check
+
+DeepSpeed beside us (issue 33): --ds_stages 0,2,3 adds `deepspeed-compiled-zeroS` rows (deepspeed.initialize
+with the same config, torch's AdamW inside it, then DeepSpeed's own `engine.compile()`), and
+--deepcompile_stages 3 `deepspeed-deepcompile-zeroS` rows (the config's `"compile": {"deepcompile": true}`,
+DeepSpeed's compiler passes). Real DeepSpeed must be what `import deepspeed` finds: run without compat/ on
+PYTHONPATH. A DeepSpeed row that fails reports its error and does not fail the run.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from scripts.bench.common import (
     init_single_process_group,
     median_time,
     out_file,
+    real_deepspeed,
     steady_time,
 )
 
@@ -114,18 +121,29 @@ def setup(
             optimizer.zero_grad(set_to_none=True)
 
         return torch_compute, torch_update
-    import runtime
-
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": batch.shape[0],
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": 0.0,  # set: DeepSpeed 0.19's default is 1.0
         "steps_per_print": 0,
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
     }
-    engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if peer.startswith("deepspeed"):
+        import logging
+
+        deepspeed = real_deepspeed()  # never our compat package under its name
+        deepspeed.utils.logger.setLevel(logging.WARNING)  # keep stdout for our JSON lines
+        config["optimizer"]["params"]["torch_adam"] = True  # torch's AdamW: no FusedAdam JIT build
+        config["steps_per_print"] = 1 << 30  # DeepSpeed takes the step count modulo it: 0 divides by zero
+        if peer == "deepspeed-deepcompile":
+            config["compile"] = {"deepcompile": True}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        import runtime
+
+        engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
     engine.compile(backend=backend)
 
     def engine_compute() -> torch.Tensor:
@@ -217,6 +235,8 @@ def run_model(name: str, args: argparse.Namespace) -> int:
     runs = [("torch-compiled", -1, "")] + [("ours-compiled", s, "") for s in args.stages]
     if args.fused_ab:  # each stage again with the fused master step (precision/fused_master.py)
         runs += [("ours-compiled", s, "-fused") for s in args.stages]
+    runs += [("deepspeed-compiled", s, "") for s in args.ds_stages]
+    runs += [("deepspeed-deepcompile", s, "") for s in args.deepcompile_stages]
     for peer, stage, variant in runs:
         label = peer if stage < 0 else f"{peer}-zero{stage}{variant}"
         if args.fused_ab:  # otherwise the caller's own setting stands
@@ -227,7 +247,7 @@ def run_model(name: str, args: argparse.Namespace) -> int:
         try:
             record.update(measure(peer, stage, name, args))
         except Exception as exc:  # one failed configuration must not hide the others' numbers
-            failed = True
+            failed = failed or not peer.startswith("deepspeed")  # the peer's failures are its own
             record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         finally:
             release(args.device)
@@ -260,10 +280,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also each stage with DSLAUNCH_FUSED_MASTER_STEP=1 (rows *-fused)",
     )
+    parser.add_argument(
+        "--ds_stages",
+        default="",
+        help="ZeRO stages of DeepSpeed's engine with engine.compile() (rows deepspeed-compiled-zeroS; "
+        "DeepSpeed importable without compat/ on the path)",
+    )
+    parser.add_argument(
+        "--deepcompile_stages",
+        default="",
+        help='the same with the config\'s "compile": {"deepcompile": true} (rows '
+        "deepspeed-deepcompile-zeroS; DeepCompile covers ZeRO-1 and 3)",
+    )
     add_out_argument(parser, "compiled")
     args = parser.parse_args(argv)
     args.out = out_file(args.out, "compiled")
     args.stages = [int(s) for s in str(args.stages).split(",") if s.strip()]
+    args.ds_stages = [int(s) for s in str(args.ds_stages).split(",") if s.strip()]
+    args.deepcompile_stages = [int(s) for s in str(args.deepcompile_stages).split(",") if s.strip()]
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or any(m not in MODELS for m in models):
         parser.error(f"--models: choose from {', '.join(MODELS)}")

@@ -32,3 +32,25 @@ def test_tiny_llama_rows_carry_spread_and_ratio_to_the_compiled_plain_loop() -> 
         assert row["repeats"] == 2 and row["model"] == "llama3b"
     # the same seeded model and batch: bf16 weights (ours) against fp32 weights under bf16 autocast
     assert abs(ours["loss_first"] - torch_row["loss_first"]) < 0.01 * torch_row["loss_first"]
+
+
+def test_deepspeed_rows_never_measure_our_compat_package() -> None:
+    """Device: CPU. --ds_stages asks for DeepSpeed's compiled engine beside ours; where `import deepspeed`
+    finds dslaunch's compatibility package (as in this suite's environment), the row says so instead of
+    timing our own engine under DeepSpeed's name, and the run still succeeds with the other rows."""
+    script = str(ROOT / "scripts" / "bench" / "compiled.py")
+    command = [sys.executable, script, "--tiny", "--models", "xl", "--stages", "0", "--ds_stages", "2",
+               "--steps", "1", "--warmup", "1", "--repeats", "1"]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"bench"')]
+    assert [row.get("config") for row in rows[1:]] == [
+        "torch-compiled",
+        "ours-compiled-zero0",
+        "deepspeed-compiled-zero2",
+    ]
+    assert "tokens_per_s" in rows[2] and "tokens_per_s" not in rows[3]
+    assert rows[3]["error"].startswith(
+        "ImportError: the deepspeed importable here is dslaunch's compatibility package"
+    )

@@ -65,6 +65,7 @@ from runtime.zero.optimizer import (
     split_muon_specs,
     with_low_dtype,
 )
+from runtime.zero.takeover import release_training_state
 
 _log = logging.getLogger("runtime.engine")
 
@@ -160,6 +161,7 @@ class Engine(EngineAccessors, nn.Module):
         )
         self.optimizer, self._per_tensor = self._build_optimizer(optimizer, sharded)
         self.masters.bind(self.optimizer)
+        self.zero.on_taken_over = lambda: release_training_state(self)
         self._client_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self._timers = Timers(enabled=config.wall_clock_breakdown, device=self.device)
@@ -173,6 +175,13 @@ class Engine(EngineAccessors, nn.Module):
             activation_checkpointing.use_engine_mpu(plan.mpu)
             self._engine_mpu = plan.mpu
         self.parameter_offload = engine_inference.parameter_offload(self)
+
+    def _check_trains(self, what: str) -> None:
+        """A training engine whose model another engine took over has no training state left to save or
+        load into (runtime.zero.takeover.release_training_state): say so rather than write or read a
+        checkpoint of nothing."""
+        if self.optimizer is not None:
+            self.zero.check_owned(what)
 
     # -- construction helpers -------------------------------------------------------------------------
     def _param_group_specs(
@@ -379,6 +388,7 @@ class Engine(EngineAccessors, nn.Module):
         (it all-gathers master shards); other ranks get {} when rank0_only."""
         from runtime.zero.gather import gather_master_params
 
+        self._check_trains("full_state_dict")
         self.masters.flush()  # an update still in flight (offload's delayed update) lands first
         keep = not rank0_only or self.comm.rank == 0
         masters = gather_master_params(self.groups, self.comm, keep=keep)  # one group whole at a time
@@ -410,6 +420,7 @@ class Engine(EngineAccessors, nn.Module):
     ) -> str:
         """Save the full training state under save_dir/<tag> (default "global_step<N>"), leaving frozen
         parameters out with exclude_frozen_parameters; every rank must call it. Returns the tag directory."""
+        self._check_trains("save_checkpoint")
         self.masters.flush()
         save_dir = checkpoint_dir(save_dir, "save_dir")
         with self.excluding_frozen(exclude_frozen_parameters):  # model-parallel parts: see checkpoint.save
@@ -426,6 +437,7 @@ class Engine(EngineAccessors, nn.Module):
     ) -> tuple[str, dict[str, Any]]:
         """Resume from load_dir/<tag> (default: the tag `latest` names), at any world size or ZeRO stage;
         every rank must call it. Returns (tag directory, client_state)."""
+        self._check_trains("load_checkpoint")
         self.masters.flush()
         return checkpoint.load_checkpoint(
             self,

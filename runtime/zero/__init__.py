@@ -22,7 +22,7 @@ the engine's `parameter_offload` wraps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -117,6 +117,9 @@ class ZeroStage(StageGroups, Protocol):
     # `offload_optimizer.ratio` between 0 and 1: which groups keep their optimizer state on the host and
     # which on the device (runtime.zero.offload_split); None when nothing is split
     offload_split: OffloadSplit | None
+    # called once another engine took the model over (after `check_owned` starts refusing): the engine
+    # frees what only its backward and step read
+    on_taken_over: Callable[[], None] | None
 
     @property
     def schedule(self) -> GatherScheduler | None:

@@ -78,6 +78,7 @@ class HookedStage:
         self.resident = ResidentGroups(self.groups, comm)
         self.resident.on_hand_over = self._taken_over
         self.taken_over: TakeOver | None = None  # another engine built over this model later took it
+        self.on_taken_over: Callable[[], None] | None = None  # the engine's, to free what it alone reads
 
     @property
     def params_sharded(self) -> bool:
@@ -134,6 +135,8 @@ class HookedStage:
         self.close()
         self._free_grads()
         self.taken_over = TakeOver(self.stage, new_stage)
+        if self.on_taken_over is not None:
+            self.on_taken_over()
 
     def _free_grads(self) -> None:
         """Free the gradient buffers (taken over: nothing reads them again)."""

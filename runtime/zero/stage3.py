@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -109,6 +109,7 @@ class ParamShardedStage:
         self.schedule = GatherScheduler(model, self.units, options.policy, names, self.stats)
         self.schedule.on_hand_over = self._taken_over
         self.taken_over: TakeOver | None = None  # another engine built over this model later took it
+        self.on_taken_over: Callable[[], None] | None = None  # the engine's, to free what it alone reads
         self._where: dict[nn.Parameter, tuple[ShardedUnit, Segment, int]] = {}
         for unit in self.units:
             for segment in unit.segments:
@@ -265,6 +266,8 @@ class ParamShardedStage:
             handle.remove()
         self._hooks.clear()
         self.taken_over = TakeOver(self.stage, new_stage)
+        if self.on_taken_over is not None:
+            self.on_taken_over()
 
     def check_owned(self, what: str) -> None:
         if self.taken_over is not None:

@@ -105,3 +105,61 @@ def test_the_second_engine_trains_as_a_fresh_one_and_the_first_refuses(
         )
         hint = "build one engine per model; keep using the newest engine (its forward, backward and step)"
         assert got["errors"] == [(f"backward {message}", hint), (f"step {message}", hint)]
+
+
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-3}}
+
+
+def _released(old_stage: int, offload: bool, tmp: str) -> dict:
+    import runtime
+    from runtime.zero.takeover import ModelTakenOver
+
+    config = _config(old_stage)
+    config["optimizer"] = ADAMW
+    if offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    model = _model()
+    old, _, _, _ = runtime.initialize(model=model, config=config)
+    old.backward(old(_batch(0)).pow(2).mean())
+    old.step()
+    before = old.memory_breakdown()
+    new, _, _, _ = runtime.initialize(model=model, config=_config(3))
+    after = old.memory_breakdown()
+    losses = _train(new)  # the new engine trains on, and the old one's forward still runs
+    forward = old(_batch(1)).shape
+    errors = []
+    for misuse in (lambda: old.save_checkpoint(tmp), lambda: old.load_checkpoint(tmp), old.full_state_dict):
+        with pytest.raises(ModelTakenOver) as error:
+            misuse()
+        errors.append(str(error.value).split(" of a ")[0])
+    out = {
+        "before": (before.optimizer_bytes, before.master_bytes, before.host_bytes + before.host_buffer_bytes),
+        "after": (after.model_state_bytes, after.host_bytes + after.host_buffer_bytes),
+        "masters": [p.numel() for g in old.optimizer.param_groups for p in g["params"]],
+        "losses": losses,
+        "forward": tuple(forward),
+        "errors": errors,
+    }
+    for engine in (old, new):
+        engine.destroy()
+    return out
+
+
+def _released_worker(rank: int, world_size: int, tmp: str) -> dict:
+    return {(stage, offload): _released(stage, offload, tmp) for stage in (1, 2) for offload in (False, True)}
+
+
+def test_the_first_engine_frees_its_optimizer_state_and_refuses_checkpoints(tmp_path: Any) -> None:
+    """Device: CPU, 2 gloo ranks. A training engine (AdamW, with and without offload_optimizer) that a
+    later engine took over frees its optimizer state, its masters and its offload buffers (TRL's two
+    engines over one policy would otherwise hold two copies); its forward still runs, the new engine trains,
+    and a checkpoint of it, which would hold nothing, is refused by name."""
+    for out in run_distributed(_released_worker, 2, str(tmp_path), timeout=180):
+        for (stage, offload), got in out.items():
+            optimizer, masters, host = got["before"]
+            assert optimizer > 0 and (masters > 0 or offload), (stage, offload, got)
+            assert (host > 0) == offload, (stage, offload, got)
+            assert got["after"] == (0, 0), (stage, offload, got)
+            assert set(got["masters"]) == {0}, (stage, offload, got)
+            assert got["forward"] == (ROWS, 4) and got["losses"][-1] < got["losses"][0], got
+            assert got["errors"] == ["save_checkpoint", "load_checkpoint", "full_state_dict"], got

@@ -113,10 +113,17 @@ def attach_master_grads(
             view.grad = None if grad is None else grad.narrow(0, slot.offset, slot.numel).view(view.shape)
 
 
-def group_segments(group: FlatGroup, pieces: Sequence[torch.Tensor]) -> list[Segment]:
+def group_segments(
+    group: FlatGroup, pieces: Sequence[torch.Tensor], shard: torch.Tensor | None = None
+) -> list[Segment]:
     """Matching slices of `group`'s master, its reduced gradient `pieces` (master order) and its working
-    buffer, one per contiguous run; empty when the pieces do not line up with the master."""
+    buffer, one per contiguous run; with `shard` (ZeRO-3: this rank's working shard, laid out like the
+    master), that shard whole; empty when the pieces do not line up with the master."""
     master, working, layout = group.master.data, group.working, group.layout
+    if shard is not None:
+        if len(pieces) != 1 or not pieces[0].numel() == shard.numel() == master.numel():
+            return []
+        return [Segment(master, pieces[0].view(-1), shard, 0)] if master.numel() else []
     if layout.shard_is_contiguous:
         start, end = layout.shard_range(group.rank)
         if sum(p.numel() for p in pieces) != master.numel() or end - start != master.numel():
@@ -164,6 +171,8 @@ class DeviceMasters:
         self._fused_setting = fused_setting()
         self._fused: FusedMasterAdam | None = None
         self._fused_decided = False
+        # ZeRO-3 with sharded weights: each group's working shard (what its fused step writes)
+        self._shards = {id(seg.group): seg.shard for unit in zero.units for seg in unit.segments}
 
     def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
         self._fused, self._fused_decided = None, False  # decided at the first step, on its gradients
@@ -220,7 +229,7 @@ class DeviceMasters:
         if self._fused is None:
             return None
         return [
-            group_segments(group, group_pieces)
+            group_segments(group, group_pieces, self._shards.get(id(group)))
             for group, group_pieces in zip(self.groups, pieces, strict=True)
         ]
 
@@ -234,8 +243,11 @@ class DeviceMasters:
         device = self.groups[0].master.device
         if self._fused_setting is None and (why := default_refusal(device)) is not None:
             return why
-        if self.zero.params_sharded:
-            return "the working weights are gather units' shards"
+        if self.zero.params_sharded and any(
+            self._shards.get(id(group)) is None or self._shards[id(group)].device != device
+            for group in self.groups
+        ):
+            return "the working shards are not beside the masters (offload_param keeps them in host memory)"
         if any(group.index >= len(optimizer.param_groups) for group in self.groups):
             return "the optimizer's param groups are not the flat groups"
         why = unsupported_reason(optimizer)
@@ -248,7 +260,7 @@ class DeviceMasters:
                 return "the working weights are not 16-bit on the masters' device"
             if any(p.dtype != group.working.dtype or p.device != device for p in group_pieces):
                 return "the gradients are not in the working dtype"
-            if not group_segments(group, group_pieces) and group.master.numel():
+            if not group_segments(group, group_pieces, self._shards.get(id(group))) and group.master.numel():
                 return "the gradients are not laid out like the masters"
         return None
 

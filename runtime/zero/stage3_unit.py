@@ -254,8 +254,11 @@ class ShardedUnit:
         launched = []
         with torch.no_grad():
             for segment in self.segments:
-                if not segment.group.master_is_alias:
-                    segment.shard.copy_(segment.group.master.detach())
+                group = segment.group
+                if group.working_written:  # the fused step wrote the shard as it updated the master
+                    group.working_written = False
+                elif not group.master_is_alias:
+                    segment.shard.copy_(group.master.detach())
                 if self.persistent:
                     launched.append(self.regather(segment))
         return launched

@@ -1,5 +1,6 @@
 """The fused master step (runtime/precision/fused_master.py): fp32 masters behind 16-bit working weights,
-updated from the 16-bit gradients and cast back into the weights in one pass. The default on CUDA
+updated from the 16-bit gradients and cast back into the weights (ZeRO-3: each rank's working shard) in
+one pass. The default on CUDA
 devices with Triton; these tests turn it on for the CPU with `DSLAUNCH_FUSED_MASTER_STEP=1` (dynamo traces
 the same function there, with the eager backend) and compare with the same run through torch's own AdamW
 step (`=0`); the `gpu` test compares the default on CUDA (inductor's kernel) with `=0`.
@@ -80,10 +81,13 @@ def _train(
         losses = _steps(engine, range(steps), rank, world_size)
         state = engine.optimizer.state_dict()["state"]
         moments = [v["exp_avg_sq"].clone() for _, v in sorted(state.items())]
+        params = list(engine.module.parameters())
+        with runtime.zero.GatheredParameters(params):  # ZeRO-3 over two ranks: each holds a shard
+            working = [p.detach().cpu().clone() for p in params]
         return {
             "losses": losses,
             "masters": [g.master.detach().cpu().clone() for g in engine.groups],
-            "working": [p.detach().cpu().clone() for p in engine.module.parameters()],
+            "working": working,
             "moments": [m.cpu() for m in moments],
             "steps": [float(v["step"]) for v in state.values()],
             "log": log,
@@ -130,11 +134,14 @@ def _both(rank: int, world_size: int, config: dict[str, Any], steps: int = 4) ->
     }
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_ranks_equal_torch_step(stage: int) -> None:
     """Device: CPU, 2 ranks over gloo, small buckets (each rank's shard is several pieces of the flat
-    buffer): every rank's masters and the losses match torch's step."""
+    buffer; at ZeRO-3 every unit is sharded, none persistent, and the step writes each rank's working
+    shard): every rank's masters and the losses match torch's step."""
     zero = {"stage": stage, "reduce_bucket_size": 64, "allgather_bucket_size": 64}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
     for result in run_distributed(_both, 2, _config("bf16", zero, clip=1.0)):
         _assert_same(result["fused"], result["plain"])
 

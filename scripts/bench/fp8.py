@@ -21,6 +21,7 @@ loss every 25 steps and the mean of its last 50 steps; issue 33's goal is fp8's 
 
     python scripts/bench/fp8.py --repeats 3                      # H200: ~3B model, both settings
     python scripts/bench/fp8.py --loss_steps 300                 # the loss curves on the stdlib corpus
+    python scripts/bench/fp8.py --loss_steps 300 --seed 1        # the same from other initial weights
     python scripts/bench/fp8.py --tiny                           # CPU smoke run: a tiny model, eager backend
 
 Output: one JSON line per setting (``"bench": "fp8"``), stamped with the commit and machine (common.py);
@@ -70,11 +71,11 @@ SHAPES = {
 }
 
 
-def build_model(shape: dict[str, int], seq_len: int) -> Any:
+def build_model(shape: dict[str, int], seq_len: int, seed: int = 0) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         **shape, max_position_embeddings=seq_len, tie_word_embeddings=True, attn_implementation="sdpa"
     )
@@ -111,7 +112,7 @@ def run_setting(fp8: bool, args: argparse.Namespace, device: Any, batches: Any) 
     import runtime
 
     shape = SHAPES["tiny" if args.tiny else "3b"]
-    model = build_model(shape, args.seq_len)
+    model = build_model(shape, args.seq_len, args.seed)
     n_linear = linear_params(model)
     engine, _, _, _ = runtime.initialize(model=model, config=engine_config(fp8, args))
     engine.compile(backend="eager" if device.type == "cpu" else None)
@@ -127,6 +128,7 @@ def run_setting(fp8: bool, args: argparse.Namespace, device: Any, batches: Any) 
         "bench": "fp8",
         "setting": "fp8" if fp8 else "bf16",
         "recipe": args.recipe if fp8 else None,
+        "seed": args.seed,
         "linear_params": n_linear,
         "seq_len": args.seq_len,
         "micro_batch": args.micro_batch,
@@ -182,6 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--micro_batch", type=int, default=2)
     parser.add_argument("--loss_steps", type=int, default=0, help="train N steps on the corpus instead")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the initial weights' seed (both settings start from the same weights): a spread over seeds, "
+        "one command each, tells a 1%% difference from one run's noise",
+    )
     add_out_argument(parser, "fp8")
     args = parser.parse_args(argv)
     if args.tiny:

@@ -17,7 +17,9 @@ every block up to a power of two (an 18 GB buffer would take 32 GB). If register
 copied into the caching allocator's pinned memory instead, and if that fails too it stays pageable with
 a warning: slower copies, same results. Nothing is ever pinned without CUDA.
 
-Owns: allocation, pinning, and releasing the registrations (`close`).
+Owns: allocation, pinning, and releasing the registrations (`close`); and the host room the offload plan
+asks for before it pins (`PIN_ROOM_BYTES_PER_PARAM`, `HOST_HEADROOM`), here so that the estimator, which
+mirrors the plan's choice, reads the same numbers without importing the offload.
 """
 
 from __future__ import annotations
@@ -27,6 +29,14 @@ import warnings
 import weakref
 
 import torch
+
+PIN_ROOM_BYTES_PER_PARAM = 16
+"""What "auto" wants available per parameter of the shard before it pins the 12 bytes of state: the same
+rule as fp32 landing, so a host that gave the CPU step fp32 landing gives the device step room, and the
+largest models keep the CPU step, which pins 2 bytes."""
+HOST_HEADROOM = 4 << 30
+"""Per rank, what the rest of the process keeps under "auto" (CUDA context, pinned staging, checkpoint
+buffers), as the offload bench's own host guard assumes."""
 
 
 def can_pin(device: torch.device) -> bool:

@@ -35,6 +35,7 @@ from runtime.engine import inference as engine_inference
 from runtime.engine.accessors import EngineAccessors
 from runtime.engine.log import StepLog, Timers
 from runtime.engine.memory import MemoryBreakdown, memory_breakdown
+from runtime.engine.takeover import release_training_state
 from runtime.fp8 import convert_model as convert_to_fp8
 from runtime.initialize_args import checkpoint_dir
 from runtime.monitor import TrainingMonitor
@@ -65,7 +66,6 @@ from runtime.zero.optimizer import (
     split_muon_specs,
     with_low_dtype,
 )
-from runtime.zero.takeover import release_training_state
 
 _log = logging.getLogger("runtime.engine")
 
@@ -178,8 +178,8 @@ class Engine(EngineAccessors, nn.Module):
 
     def _check_trains(self, what: str) -> None:
         """A training engine whose model another engine took over has no training state left to save or
-        load into (runtime.zero.takeover.release_training_state): say so rather than write or read a
-        checkpoint of nothing."""
+        load into (runtime/engine/takeover.py): say so rather than write or read a checkpoint of
+        nothing."""
         if self.optimizer is not None:
             self.zero.check_owned(what)
 

@@ -46,8 +46,8 @@ from runtime.estimator.model_states import (
     host_landing_bytes,
     moment_bytes,
 )
+from runtime.host_memory import HOST_HEADROOM, PIN_ROOM_BYTES_PER_PARAM
 from runtime.models.gpt import GPTConfig
-from runtime.offload.plan import HOST_HEADROOM, PIN_ROOM_BYTES_PER_PARAM
 
 GIB = 1 << 30
 CUDA_CONTEXT_BYTES = 1 * GIB  # the CUDA context, cuBLAS workspaces and NCCL buffers of one process
@@ -250,7 +250,8 @@ def fit_gpt(
 def step_on_host(work: Workload, *, offload_param: bool, shard: int, ranks: int, host: int) -> str | None:
     """Why the engine runs the offloaded Adam step on the CPU rather than streaming the state through the
     GPU, or None where it streams it: the automatic choice of runtime/offload/plan.plan_update, on the facts
-    known before a run (a GPU is assumed, and pinned memory)."""
+    known before a run (a GPU is assumed, and pinned memory). Keep the two in step: the estimator may not
+    import the offload (it sits below it), so the rule is written twice and the room from host_memory."""
     if offload_param:
         return "offload_param keeps the working weights in host memory"
     if work.master_dtype == "bf16":

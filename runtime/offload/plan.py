@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.config.offload import DEVICE_CHUNK_ELEMS, OffloadSettings
+from runtime.host_memory import HOST_HEADROOM, PIN_ROOM_BYTES_PER_PARAM
 from runtime.offload.io.spans import CHUNK_ALIGN, Span, plan_spans
 from runtime.zero.partition import FlatLayout, align_up
 
@@ -53,13 +54,6 @@ LANDING_KEY = "offload_optimizer.grad_transfer"  # how the reasons name the sett
 UPDATE_KEY = "offload_optimizer.update"
 SHARE_KEY = "offload_optimizer.host_share"
 FP32_LANDING_HOST_BYTES = 16  # per parameter of the shard: master 4 + exp_avg 4 + exp_avg_sq 4 + landing 4
-PIN_ROOM_BYTES_PER_PARAM = 16
-"""What "auto" wants available per parameter of the shard before it pins the 12 bytes of state: the same
-rule as fp32 landing, so a host that gave the CPU step fp32 landing gives the device step room, and the
-largest models keep the CPU step, which pins 2 bytes."""
-HOST_HEADROOM = 4 << 30
-"""Per rank, what the rest of the process keeps under "auto" (CUDA context, pinned staging, checkpoint
-buffers), as the offload bench's own host guard assumes."""
 DEVICE_SLOTS = 4
 """The fewest staging slots of the device step; a device with room gets more, up to MAX_DEVICE_SLOTS."""
 MAX_DEVICE_SLOTS = 16

@@ -6,13 +6,12 @@ weights gathered from the first one's stage-3 units, its module and gradient hoo
 copies freed), so it trains exactly as if built on a fresh model. The first engine's forward still runs
 the model as the new engine holds it; a backward or step of it would update weights the model no longer
 reads, so it raises `ModelTakenOver`, naming both engines' stages; what only those read, its optimizer
-state and masters, is freed then (`release_training_state`).
+state and masters, is freed then (runtime/engine/takeover.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from runtime.errors import UserError
 
@@ -35,22 +34,3 @@ class TakeOver:
             hint="build one engine per model; keep using the newest engine (its forward, backward and step)",
         )
 
-
-def release_training_state(engine: Any) -> None:
-    """Free what only the backward and step of `engine`, whose model another engine took over, would read:
-    its optimizer's state, the masters it steps and the offload's host buffers (a placement that holds
-    nothing replaces its own). TRL wraps a policy in one engine and the Trainer builds another over it:
-    two copies of the optimizer state would not fit where one barely does. Its forward still runs; a
-    checkpoint of it is refused (`Engine._check_trains`)."""
-    from runtime.offload.placement import DeviceMasters  # the placements import the stages, which import us
-
-    engine.masters.close()
-    engine.masters = DeviceMasters([], engine.zero)  # flush, close and the byte counts: nothing
-    if engine.optimizer is None:
-        return
-    engine.optimizer.state.clear()
-    weights = {id(p) for p in engine.module.parameters()}
-    for group in engine.optimizer.param_groups:
-        for param in group["params"]:
-            if id(param) not in weights:  # the masters (never a weight the new engine holds now)
-                param.data = param.data.new_empty(0)

@@ -30,8 +30,10 @@ from typing import Protocol
 import torch
 
 from runtime.precision.fused_master import (
+    KERNEL_FAILED,
     FusedMasterAdam,
     Segment,
+    compile_refusal,
     default_refusal,
     fused_setting,
     unsupported_reason,
@@ -224,6 +226,8 @@ class DeviceMasters:
                 _log.info("optimizer step: one fused pass (16-bit gradients in, 16-bit weights out)")
             elif self._fused_setting:
                 _log.warning("DSLAUNCH_FUSED_MASTER_STEP=1 ignored: %s", why)
+            elif why.startswith(KERNEL_FAILED):  # the default's probe failed: say so, it costs speed
+                _log.warning("the fused optimizer step is off, torch's own runs: %s", why)
             else:
                 _log.debug("optimizer step: torch's own (%s)", why)
         if self._fused is None:
@@ -262,7 +266,7 @@ class DeviceMasters:
                 return "the gradients are not in the working dtype"
             if not group_segments(group, group_pieces, self._shards.get(id(group))) and group.master.numel():
                 return "the gradients are not laid out like the masters"
-        return None
+        return compile_refusal(device, self.groups[0].working.dtype)
 
     def write_back(self) -> None:
         self.zero.write_back()

@@ -1,7 +1,9 @@
 """The Adam/AdamW step of fp32 masters behind 16-bit working weights, in one pass over each group's bytes.
 
 Owns `FusedMasterAdam` (the step and the flat moments it needs), `unsupported_reason` (which optimizers it
-can stand in for) and `fused_setting` (the `DSLAUNCH_FUSED_MASTER_STEP` switch). The device placement
+can stand in for), `fused_setting` (the `DSLAUNCH_FUSED_MASTER_STEP` switch) and `compile_refusal` (a
+probe that builds its kernel before the first real step, so a missing toolchain means torch's step, not a
+crash). The device placement
 (runtime/offload/placement.py `DeviceMasters`) decides where it applies and hands it segments: matching
 slices of a master, of its reduced 16-bit gradient and of the working weights.
 
@@ -41,6 +43,7 @@ import torch
 _log = logging.getLogger(__name__)
 _ENV = "DSLAUNCH_FUSED_MASTER_STEP"
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+KERNEL_FAILED = "its kernel did not build here"  # compile_refusal's reasons start so
 
 
 def fused_setting() -> bool | None:
@@ -119,6 +122,23 @@ def _update_for(device: torch.device) -> Callable[..., None]:
         backend = "inductor" if kind == "cuda" else "eager"
         _compiled[kind] = torch.compile(adam_update_, backend=backend, dynamic=True, fullgraph=True)
     return _compiled[kind]
+
+
+def compile_refusal(device: torch.device, working_dtype: torch.dtype) -> str | None:
+    """Run the compiled update once on a few elements of `device`, so that a toolchain that cannot build
+    its kernel (inductor's compiler, Triton's) is found before any real state is touched: the reason, or
+    None when it ran. The dynamic-shape kernel it builds is the one the real segments use."""
+    n = 64
+    try:
+        master, exp_avg, exp_avg_sq = (torch.zeros(n, dtype=torch.float32, device=device) for _ in range(3))
+        grad, working = (torch.zeros(n, dtype=working_dtype, device=device) for _ in range(2))
+        one = torch.ones((), dtype=torch.float32, device=device)  # lr, step and factor
+        update = _update_for(device)
+        update(master, grad, exp_avg, exp_avg_sq, working, one, one, one, 0.9, 0.999, 1e-8, 0.0, True)
+    except Exception as exc:  # any failure to build or run it: torch's own step is the fallback
+        first = (str(exc).splitlines() or [""])[0][:200]
+        return f"{KERNEL_FAILED} ({type(exc).__name__}: {first})"
+    return None
 
 
 @dataclass(frozen=True)

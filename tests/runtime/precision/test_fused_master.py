@@ -257,3 +257,35 @@ def test_the_cuda_default_equals_torch_step(stage: int) -> None:
         _default_and_off, 1, _config("bf16", {"stage": stage}, clip=1.0), timeout=300, device="cuda"
     )
     _assert_same(result["fused"], result["plain"])
+
+
+def _kernel_fails(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    """The fused step asked for where its kernel cannot be built (a toolchain missing, here a stand-in
+    that raises), and the same run with it off."""
+    from runtime.precision import fused_master
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no C++ compiler found\nsecond line")
+
+    fused_master._compiled["cpu"] = broken
+    try:
+        asked = _train(True, config, rank, world_size)
+    finally:
+        fused_master._compiled.pop("cpu", None)
+    return {"asked": asked, "plain": _train(False, config, rank, world_size)}
+
+
+def test_a_kernel_that_does_not_build_leaves_torch_step_running() -> None:
+    """Device: CPU. The fused step's kernel is built by a probe on a few elements before the first real
+    step: where that fails, training runs torch's own step (the same masters as with it off), nothing of
+    the state was touched, and the log says why in one line."""
+    [result] = run_distributed(_kernel_fails, 1, _config("bf16", {"stage": 2}))
+    asked, plain = result["asked"], result["plain"]
+    assert not any("one fused pass" in line for line in asked["log"])
+    assert (
+        "DSLAUNCH_FUSED_MASTER_STEP=1 ignored: its kernel did not build here "
+        "(RuntimeError: no C++ compiler found)"
+    ) in asked["log"]
+    assert asked["steps"] == plain["steps"]
+    for a, b in zip(asked["masters"], plain["masters"], strict=True):
+        assert torch.equal(a, b)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -38,7 +37,7 @@ from runtime.offload.io.spans import Span
 from runtime.offload.io.targets import Publisher, WorkingTarget
 from runtime.offload.plan import OffloadPlan, UpdateChoice
 from runtime.offload.step import host_adam
-from runtime.offload.step.delayed import DelayedUpdate, check_after_steps
+from runtime.offload.step.delayed import DelayedUpdate, Update, check_after_steps
 from runtime.offload.step.device_step import DeviceStep
 from runtime.offload.step.host_step import HostStep
 from runtime.offload.step.speculative import Shadow, undo_working
@@ -107,7 +106,6 @@ class HostMasters:
         self._shadow: Shadow | None = None  # a speculative step's second copy of the state, once made
         self._speculate = plan.speculate  # taken back where the CPU takes over the step (unless forced)
         self._speculate_forced = settings.speculate is True
-        self._said_in_place = False  # the delayed update's note on an optimizer it cannot delay
         self.grads = self._landing()
 
     def _landing(self) -> GradLanding:
@@ -243,10 +241,11 @@ class HostMasters:
             # device weights may still be read by kernels queued before this point
             self.copies.fence_uploads()
             fast = not per_tensor and host_adam.supports(optimizer)
-            if fast and self._delayed_now():
-                self._start_delayed(optimizer, coef)
-            elif not fast and self._delayed_now() and self._runs_delayed(optimizer, per_tensor):
-                self._start_delayed_own(optimizer, coef)
+            delayed = self._delayed if self._delayed_now() else None
+            if delayed is not None and fast:
+                self._start_delayed(self._adam_update(optimizer, coef))
+            elif delayed is not None and delayed.takes(optimizer, per_tensor):
+                self._start_delayed(self._host.own_update(optimizer, coef, self.spans))
             elif fast:
                 adam = self._host_adam(optimizer)
                 self._split.begin(adam, coef, self.memory)
@@ -372,71 +371,28 @@ class HostMasters:
         else:
             self._delayed.after_steps = check_after_steps(after_steps)
 
-    def _start_delayed(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
+    def _adam_update(self, optimizer: torch.optim.Optimizer, coef: float) -> Update:
+        """The one-pass Adam step of every span, as the delayed update runs it on its worker."""
         adam = self._host_adam(optimizer)
         adam.begin_step()  # here, not on the worker: the scheduler changes the lr as soon as we return
-        assert self._delayed is not None
-
-        def update(
-            landing: list[torch.Tensor], tickets: list[Ticket], dst_of: Callable[[Span], torch.Tensor]
-        ):
-            ready = [(None, ticket) for ticket in tickets]  # the host updates every span whole
-            return self._run_adam(adam, coef, landing, ready, dst_of, publish=False)
-
-        # the next backward lands in the other buffers while this update reads (and writes) these
-        self.grads.buffers = self._delayed.start(update, self.grads.buffers, self.grads.tickets)
-
-    def _runs_delayed(self, optimizer: torch.optim.Optimizer, per_tensor: bool) -> bool:
-        """Whether an optimizer with its own step (bf16 masters' `MasterAdam`) can run it delayed: one
-        that can hand its settings over to the worker thread; others step in place (said once)."""
-        if not per_tensor and callable(getattr(optimizer, "hyperparameters", None)):
-            return True
-        if not self._said_in_place:
-            self._said_in_place = True
-            _log.warning(
-                "the delayed parameter update covers Adam/AdamW (fp32 or bf16 masters); %s steps in place",
-                type(optimizer).__name__,
-            )
-        return False
-
-    def _start_delayed_own(self, optimizer: torch.optim.Optimizer, coef: float) -> None:
-        """The delayed update of an optimizer with its own step: `step(hyperparameters=...)` on the worker,
-        with the settings read here (the scheduler changes them as soon as we return)."""
-        own: Any = optimizer  # precision.MasterAdam (`_runs_delayed` checked for `hyperparameters`)
-        settings = own.hyperparameters()
-        assert self._delayed is not None
 
         def update(
             landing: list[torch.Tensor], tickets: list[Ticket], dst_of: Callable[[Span], torch.Tensor]
         ) -> Ticket:
-            last: list[Ticket] = [None]
+            ready = [(None, ticket) for ticket in tickets]  # the host updates every span whole
+            return self._run_adam(adam, coef, landing, ready, dst_of, publish=False)
 
-            def uploaded(span: Span, ticket: Ticket) -> None:
-                last[0] = ticket
+        return update
 
-            self._host.generic(
-                optimizer,
-                coef,
-                per_tensor=False,
-                landing=landing,
-                tickets=tickets,
-                spans=self.spans,
-                dst_of=dst_of,
-                uploaded=uploaded,
-                step=lambda: own.step(hyperparameters=settings),
-            )
-            return last[0]
-
+    def _start_delayed(self, update: Update) -> None:
+        assert self._delayed is not None
+        # the next backward lands in the other buffers while this update reads (and writes) these
         self.grads.buffers = self._delayed.start(update, self.grads.buffers, self.grads.tickets)
 
     def _install_in_flight(self) -> None:
-        """Wait for the delayed update (re-raising its error) and make it the working weights."""
-        if self._delayed is None or not self._delayed.pending:
-            return
-        self.copies.device_wait(self._delayed.wait())
-        for span in self.spans:
-            self.publisher.piece(span).copy_(self._delayed.staged(span))
-            self.publisher.publish(span, (None, None))
+        """DPU: the update the last step started becomes the working weights (step/delayed.py)."""
+        if self._delayed is not None:
+            self._delayed.install(self.copies, self.spans, self.publisher)
 
     def flush(self) -> None:
         """Finish everything in flight: the masters, the optimizer state and the working weights agree."""

@@ -21,8 +21,10 @@ start and install.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 
@@ -31,6 +33,8 @@ from runtime.offload.io.copies import Ticket
 from runtime.offload.io.spans import Span
 from runtime.offload.step.worker import HostWorker
 from runtime.zero.flat import FlatGroup
+
+_log = logging.getLogger("runtime.offload")
 
 # run(landing, tickets, dst_of) -> the last upload's ticket: the whole update of one step
 Update = Callable[[list[torch.Tensor], list[Ticket], Callable[[Span], torch.Tensor]], Ticket]
@@ -55,6 +59,7 @@ class DelayedUpdate:
         ]
         self._worker = HostWorker()
         self._in_flight: Future[Ticket] | None = None
+        self._said_in_place = False  # the note on an optimizer it cannot delay, said once
 
     def due(self, steps_done: int) -> bool:
         return steps_done >= self.after_steps
@@ -82,6 +87,29 @@ class DelayedUpdate:
         assert self._in_flight is not None
         future, self._in_flight = self._in_flight, None
         return future.result()
+
+    def takes(self, optimizer: Any, per_tensor: bool) -> bool:
+        """Whether an optimizer with its own step (bf16 masters' `MasterAdam`) runs delayed: one that hands
+        its settings over to the worker (`hyperparameters`); others step in place, which it says once."""
+        if not per_tensor and callable(getattr(optimizer, "hyperparameters", None)):
+            return True
+        if not self._said_in_place:
+            self._said_in_place = True
+            _log.warning(
+                "the delayed parameter update covers Adam/AdamW (fp32 or bf16 masters); %s steps in place",
+                type(optimizer).__name__,
+            )
+        return False
+
+    def install(self, copies: Any, spans: Sequence[Span], publisher: Any) -> None:
+        """Wait for the update in flight, if any (re-raising its error), and make it the working weights:
+        each span copied from the staging buffer and published (io/targets.Publisher)."""
+        if not self.pending:
+            return
+        copies.device_wait(self.wait())
+        for span in spans:
+            publisher.piece(span).copy_(self.staged(span))
+            publisher.publish(span, (None, None))
 
     def staged(self, span: Span) -> torch.Tensor:
         """The updated weights of `span` on the device, once `wait` has returned."""

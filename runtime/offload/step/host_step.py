@@ -21,12 +21,14 @@ Owns the per-chunk order of a span's update and copy-back, and the generic path'
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from runtime.offload.io.copies import CopyEngine, Ticket
 from runtime.offload.io.spans import Span, plan_chunks
 from runtime.offload.placement import attach_master_grads
+from runtime.offload.step.delayed import Update
 from runtime.offload.step.host_adam import HostAdam
 from runtime.zero.flat import FlatGroup
 
@@ -127,6 +129,35 @@ class HostStep:
                     source = landing[span.group].narrow(0, at, numel).copy_(source)
                 last = self.copies.to_device(dst.narrow(0, offset, numel), source)
             uploaded(span, last)
+
+    def own_update(self, optimizer: Any, coef: float, spans: Sequence[Span]) -> Update:
+        """The generic step of an optimizer with its own `step(hyperparameters=...)` (precision.MasterAdam)
+        as the delayed update runs it on its worker: the settings are read here, on the caller's thread,
+        since its scheduler changes them as soon as the engine's step returns."""
+        settings = optimizer.hyperparameters()
+
+        def update(
+            landing: list[torch.Tensor], tickets: list[Ticket], dst_of: Callable[[Span], torch.Tensor]
+        ) -> Ticket:
+            last: list[Ticket] = [None]
+
+            def uploaded(span: Span, ticket: Ticket) -> None:
+                last[0] = ticket
+
+            self.generic(
+                optimizer,
+                coef,
+                per_tensor=False,
+                landing=landing,
+                tickets=tickets,
+                spans=spans,
+                dst_of=dst_of,
+                uploaded=uploaded,
+                step=lambda: optimizer.step(hyperparameters=settings),
+            )
+            return last[0]
+
+        return update
 
     def host_bytes(self) -> int:
         """The generic path's fp32 gradient buffers, once made."""

@@ -14,16 +14,18 @@ from tests.support.paths import REPO
 ROOT = REPO
 
 
-def test_one_length_trains_and_the_summary_names_it() -> None:
+def _walk(*args: str) -> list[dict]:
+    """Run long_context.py on the CPU with a tiny Llama shape and `args`; its JSON lines."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        str(ROOT / "scripts" / "bench" / "long_context.py"),
-        *("--model", "64:128:2:4:2:100", "--device", "cpu", "--start", "96", "--max", "96", "--steps", "2"),
-    ]
+    script = str(ROOT / "scripts" / "bench" / "long_context.py")
+    command = [sys.executable, script, "--model", "64:128:2:4:2:100", "--device", "cpu", *args]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
-    tried, summary = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_one_length_trains_and_the_summary_names_it() -> None:
+    tried, summary = _walk("--start", "96", "--max", "96", "--steps", "2")
     assert tried["ok"] and tried["seq_len"] == 96, tried
     assert (
         tried["setup"]["tiled_mlp"] and tried["setup"]["tiled_loss"] and tried["setup"]["cpu_checkpointing"]
@@ -35,16 +37,9 @@ def test_one_length_trains_and_the_summary_names_it() -> None:
 
 def test_the_time_limit_stops_the_walk_before_a_slow_length() -> None:
     """One step at 96 tokens gives the rate; 192 tokens would take longer than a microsecond: untried."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        str(ROOT / "scripts" / "bench" / "long_context.py"),
-        *("--model", "64:128:2:4:2:100", "--device", "cpu", "--start", "96", "--max", "4096"),
-        *("--multiple", "32", "--steps", "1", "--time_limit", "1e-6"),
-    ]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
-    tried, summary = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    tried, summary = _walk(
+        *("--start", "96", "--max", "4096", "--multiple", "32", "--steps", "1", "--time_limit", "1e-6")
+    )
     assert tried["seq_len"] == 96 and tried["ok"] and tried["hw_tflops"] > 0  # the rate it predicts from
     assert len(tried["losses"]) == 1 and tried["step_s"] > 0  # --steps 1: the one step is the timed one
     assert summary["longest"] == 96 and summary["stopped_by"] == "time" and summary["would_try"] == 192

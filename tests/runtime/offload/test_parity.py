@@ -253,18 +253,33 @@ def test_cuda_offload_matches_device_adam(
 DPU_AFTER = 2
 
 
-def _delayed_reference(*, steps: int, accumulation: int, param_dtype: torch.dtype, clip: float) -> dict:
-    """Plain PyTorch with ZeRO-Offload's one-step delay: from step DPU_AFTER on, the forward of step k+1
-    still runs on the weights from before step k's update."""
+def _delayed_reference(
+    *,
+    steps: int,
+    accumulation: int,
+    param_dtype: torch.dtype,
+    clip: float,
+    bf16_masters: bool = False,
+    after: int = DPU_AFTER,
+) -> dict:
+    """Plain PyTorch with ZeRO-Offload's one-step delay: from step `after` on, the forward of step k+1
+    still runs on the weights from before step k's update. `bf16_masters`: bf16 masters and moments
+    stepped by precision.MasterAdam, rounding to nearest (else fp32 masters and torch's AdamW)."""
     import copy
 
+    from runtime.precision.master_adam import MasterAdam
     from tests.support.models import build_optimizer, global_batch
 
-    master = make_model(0)
+    master = make_model(0).to(torch.bfloat16 if bf16_masters else torch.float32)
     working = copy.deepcopy(master).to(param_dtype)
-    opt = build_optimizer("AdamW", param_groups(master), 3e-3)
+    if bf16_masters:
+        opt = MasterAdam(
+            param_groups(master), lr=3e-3, state_dtype=torch.bfloat16, stochastic_rounding=False
+        )
+    else:
+        opt = build_optimizer("AdamW", param_groups(master), 3e-3)
     installed = [p.detach().clone() for p in master.parameters()]
-    initial = {n: p.detach().clone() for n, p in master.named_parameters()}
+    initial = {n: p.detach().float().clone() for n, p in master.named_parameters()}
     losses = []
     for step in range(steps):
         with torch.no_grad():
@@ -277,16 +292,16 @@ def _delayed_reference(*, steps: int, accumulation: int, param_dtype: torch.dtyp
             losses.append(loss.item())
         with torch.no_grad():
             for pm, pw in zip(master.parameters(), working.parameters(), strict=True):
-                pm.grad = pw.grad.float() / accumulation
+                pm.grad = (pw.grad.float() / accumulation).to(pm.dtype)
                 pw.grad = None
         torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
         before = [p.detach().clone() for p in master.parameters()]
         opt.step()
         opt.zero_grad()
-        installed = [p.detach().clone() for p in master.parameters()] if step < DPU_AFTER else before
+        installed = [p.detach().clone() for p in master.parameters()] if step < after else before
     return {
         "losses": losses,
-        "master": {n: p.detach().clone() for n, p in master.named_parameters()},
+        "master": {n: p.detach().float().clone() for n, p in master.named_parameters()},
         "initial": initial,
     }
 
@@ -334,40 +349,6 @@ class Bf16MastersCase(OffloadCase):
         return cfg
 
 
-def _delayed_bf16_reference(*, steps: int, accumulation: int, clip: float, after: int = DPU_AFTER) -> dict:
-    """Plain PyTorch with bf16 masters and moments (MasterAdam) and ZeRO-Offload's one-step delay."""
-    from runtime.precision.master_adam import MasterAdam
-    from tests.support.models import global_batch
-
-    master = make_model(0).to(torch.bfloat16)
-    working = make_model(0).to(torch.bfloat16)
-    groups = param_groups(master)
-    opt = MasterAdam(groups, lr=3e-3, state_dtype=torch.bfloat16, stochastic_rounding=False)
-    installed = [p.detach().clone() for p in master.parameters()]
-    initial = {n: p.detach().float().clone() for n, p in master.named_parameters()}
-    losses = []
-    for step in range(steps):
-        with torch.no_grad():
-            for w, value in zip(working.parameters(), installed, strict=True):
-                w.copy_(value)
-        for micro in range(accumulation):
-            x, y = global_batch(step, micro, ROWS)
-            loss = loss_fn(working(x.to(torch.bfloat16)), y)
-            loss.backward()
-            losses.append(loss.item())
-        with torch.no_grad():
-            for pm, pw in zip(master.parameters(), working.parameters(), strict=True):
-                pm.grad = (pw.grad.float() / accumulation).to(torch.bfloat16)
-                pw.grad = None
-        torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
-        before = [p.detach().clone() for p in master.parameters()]
-        opt.step()
-        opt.zero_grad()
-        installed = [p.detach().clone() for p in master.parameters()] if step < after else before
-    master_out = {n: p.detach().float().clone() for n, p in master.named_parameters()}
-    return {"losses": losses, "master": master_out, "initial": initial}
-
-
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_delayed_update_with_bf16_masters_and_states(world_size: int) -> None:
     """Device: CPU. bf16 masters step with their own Adam (MasterAdam), which the delayed update now runs
@@ -375,7 +356,8 @@ def test_delayed_update_with_bf16_masters_and_states(world_size: int) -> None:
     weights the masters, and the delay real (the losses leave the undelayed run's)."""
     case = Bf16MastersCase(2, "bf16", 2, 0.5)
     [got] = run_distributed(_train_delayed, world_size, [case], timeout=180)[0]
-    ref = _delayed_bf16_reference(steps=STEPS, accumulation=2, clip=0.5)
+    bf16 = dict(steps=STEPS, accumulation=2, param_dtype=torch.bfloat16, clip=0.5, bf16_masters=True)
+    ref = _delayed_reference(**bf16)
     for i, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True)):
         assert abs(a - b) <= 5e-3 * abs(b), f"loss[{i}] {a} vs {b}"  # bf16 sums in another order
     for name, want in ref["master"].items():
@@ -383,7 +365,7 @@ def test_delayed_update_with_bf16_masters_and_states(world_size: int) -> None:
         delta = (want - ref["initial"][name]).norm()
         assert float((have - want).norm() / delta) < 0.05, name
         assert torch.equal(got["working"][name], got["master"][name].to(got["working"][name].dtype)), name
-    undelayed = _delayed_bf16_reference(steps=STEPS, accumulation=2, clip=0.5, after=STEPS)
+    undelayed = _delayed_reference(**bf16, after=STEPS)
     # the engine is ten times (about 40 times, measured) closer to the delayed run than to the undelayed one
     off_delayed = sum(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
     off_undelayed = sum(abs(a - b) for a, b in zip(got["losses"], undelayed["losses"], strict=True))

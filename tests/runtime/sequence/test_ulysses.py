@@ -228,7 +228,8 @@ def test_bad_input_at_the_entry_points_users_call() -> None:
     )
 
 
-def _bad_shards_worker(rank: int, world: int) -> list[tuple[str, str]]:
+def _registered(**options: Any) -> Any:
+    """A tiny Llama registered for Ulysses at sp 2 through DeepSpeed's name (Accelerate's call)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     model = _model(2)
@@ -237,7 +238,13 @@ def _bad_shards_worker(rank: int, world: int) -> list[tuple[str, str]]:
         core_attn_implementation="sdpa",
         sequence_parallel_size=2,
         micro_batch_size=1,
+        **options,
     )
+    return model
+
+
+def _bad_shards_worker(rank: int, world: int) -> list[tuple[str, str]]:
+    model = _registered()
     ids = torch.arange(SEQ).reshape(1, -1) % VOCAB
     errors = []
     # whole sequences without the adapter: each rank would attend over 2 copies of its sequence
@@ -253,17 +260,7 @@ def _bad_shards_worker(rank: int, world: int) -> list[tuple[str, str]]:
 
 
 def _fixed_length_worker(rank: int, world: int) -> tuple[str, str]:
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-
-    model = _model(2)
-    UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=model,
-        core_attn_implementation="sdpa",
-        sequence_parallel_size=2,
-        micro_batch_size=1,
-        seq_length=SEQ + 8,
-        seq_length_is_variable=False,
-    )
+    model = _registered(seq_length=SEQ + 8, seq_length_is_variable=False)
     ids = torch.arange(SEQ).reshape(1, -1) % VOCAB
     half = SEQ // 2
     cut = slice(rank * half, (rank + 1) * half)

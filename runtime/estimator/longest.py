@@ -157,7 +157,7 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
     else:
         per_token += shape.vocab_size * (w + FP32 + FP32)
     work = Workload(dtype=setup.dtype, master_dtype=setup.master_dtype, state_dtype=setup.state_dtype)
-    numel = shape.sizes().total_params  # one GPU: the whole model is this rank's shard
+    numel = shape.num_params()  # one GPU: the whole model is this rank's shard
     host_bytes = machine.host_bytes
     on_host = step_on_host(work, offload_param=setup.offload_param, shard=numel, ranks=1, host=host_bytes)
     if setup.offload_optimizer and on_host is None:  # the device step's staging slots

@@ -142,7 +142,7 @@ class HostStep:
             last: list[Ticket] = [None]
 
             def uploaded(span: Span, ticket: Ticket) -> None:
-                last[0] = ticket
+                last[0] = ticket or last[0]
 
             self.generic(
                 optimizer,

@@ -5,6 +5,7 @@ much state on the GPU as fits, and the one H200 measurement the terms were set f
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -107,6 +108,26 @@ def test_the_estimate_puts_the_step_where_the_engine_would() -> None:
     # the CPU step lands the gradients on the host: 2 bytes an element more than the device step asks
     auto, device = fit_gpt(big, h200, ratio=1.0), fit_gpt(big, h200, ratio=1.0, host_step=False)
     assert auto.host_need - device.host_need == 2 * big.num_params()
+
+
+def test_the_estimates_step_rule_agrees_with_the_engines_plan() -> None:
+    # the rule is written twice (the estimator sits below the offload package): on the same facts, the
+    # estimator's `step_on_host` and offload/plan.plan_update, with what HostMasters.bind adds (bf16
+    # masters' MasterAdam is not the one-pass Adam), must put the step in the same place
+    from runtime.estimator.fit import step_on_host
+    from runtime.offload.plan import plan_update
+
+    kinds = (("fp32", "adamw"), ("bf16", "adamw"), ("fp32", "muon"))
+    shards, hosts = (10**8, 10**9, 5 * 10**9, 2 * 10**10), (16, 64, 125, 500)
+    facts = itertools.product(shards, hosts, (1, 4), (False, True))
+    for (shard, host_gib, ranks, offload_param), (masters, optimizer) in itertools.product(facts, kinds):
+        work, host = Workload(master_dtype=masters, optimizer=optimizer), host_gib * GIB
+        ours = step_on_host(work, offload_param=offload_param, shard=shard, ranks=ranks, host=host)
+        theirs = plan_update(
+            on_gpu=True, adam=masters == "fp32" and optimizer == "adamw", weights_on_host=offload_param,
+            pinned=True, shard_numel=shard, local_ranks=ranks, host_available=host,
+        )  # fmt: skip
+        assert (ours is None) == theirs.on_device, (shard, host_gib, ranks, offload_param, work)
 
 
 @pytest.mark.parametrize(

@@ -47,8 +47,8 @@ KERNEL_FAILED = "its kernel did not build here"  # compile_refusal's reasons sta
 
 
 def fused_setting() -> bool | None:
-    """The `DSLAUNCH_FUSED_MASTER_STEP` switch: "1" on wherever the step allows it, "0" off, unset None
-    (the default: `default_refusal` decides by the device)."""
+    """The `DSLAUNCH_FUSED_MASTER_STEP` switch, for this step and master_kernel's of bf16 masters: "1" on
+    wherever the step allows it, "0" off, unset None (the default, which each decides by the device)."""
     text = os.environ.get(_ENV, "").strip()
     if text not in ("", "0", "1"):
         raise ValueError(f"{_ENV}={text!r}: expected 0 or 1")

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from runtime.precision import master_kernel
+
 _log = logging.getLogger(__name__)
 # elements a chunk: on a GPU large, since each pass is a kernel launch; on a CPU 64K a thread, so the
 # chunk's passes stay in cache (4x faster than 4M-element chunks on one thread of the dev box) and every
@@ -184,6 +186,10 @@ class MasterAdam(torch.optim.Adam):
         noise: tuple[int, int],
     ) -> None:
         flat = [t.view(-1) for t in (p, g, m, v)]
+        decoupled = kernel is torch._fused_adamw_
+        if self._one_pass(flat, decoupled):
+            self._update_one_pass(flat, settings, decoupled, noise)
+            return
         size = _CPU_CHUNK_PER_THREAD * torch.get_num_threads() if p.device.type == "cpu" else _DEVICE_CHUNK
         for start in range(0, p.numel(), size):
             pc, gc, mc, vc = (t[start : start + size] for t in flat)
@@ -199,6 +205,32 @@ class MasterAdam(torch.optim.Adam):
                 self.round_into(pc, pw, *noise, start // size)
             else:
                 pc.copy_(pw)
+
+    def _one_pass(self, flat: list[torch.Tensor], decoupled: bool) -> bool:
+        """Whether this parameter takes master_kernel's compiled one-pass step (where it is wanted and
+        its kernel builds for these dtypes)."""
+        p, g, m, _ = flat
+        if not master_kernel.wanted(p.device, p.numel()):
+            return False
+        rounding = self.stochastic_rounding and p.dtype == torch.bfloat16
+        return master_kernel.refusal(p.device, (p.dtype, g.dtype, m.dtype), decoupled, rounding) is None
+
+    def _update_one_pass(
+        self,
+        flat: list[torch.Tensor],
+        settings: dict[str, Any],
+        decoupled: bool,
+        noise: tuple[int, int],
+    ) -> None:
+        p = flat[0]
+        rounding = self.stochastic_rounding and p.dtype == torch.bfloat16
+        numbers = master_kernel.hyper_numbers(settings, noise[0], decoupled)  # noise[0]: the step count
+        hyper = torch.tensor(numbers, dtype=torch.float32, device=p.device)
+        update = master_kernel.update_for(p.device, decoupled, rounding)
+        for piece, start in enumerate(range(0, p.numel(), master_kernel.PIECE)):
+            key = master_kernel.rounding_key(self._seed, *noise, piece)
+            key_t = torch.tensor(key, dtype=torch.int32, device=p.device)
+            update(*(t[start : start + master_kernel.PIECE].detach() for t in flat), hyper, key_t)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, then the moments taken again from `state_dict` in `state_dtype` (torch's own load

@@ -11,8 +11,9 @@ Effective GB/s counts the least traffic a step can do: read p, g, m, v and write
 fp32 grads; +2 B/param when bf16 weights are written out; with bf16 grads in and bf16 weights out it is
 2 + 12 + 12 + 2 = 28 B. The `master_adam_bf16_states*` rows step bf16 masters and bf16 moments (issue 32:
 `precision.MasterAdam`, the offloaded step with `bf16.bf16_master_weights_and_grads`), 14 B/param, with
-and without stochastic rounding; on the 2-core dev box they run at 0.52 and 0.69 G params/s against 0.91
-for the fp32 offload path (`ours_bf16grad_out_bf16`): chunked passes, not bytes, bound them there.
+and without stochastic rounding, in `precision.master_kernel`'s one compiled pass (the default at these
+sizes) and in the chunked step it replaced (`_chunked`): on the 2-core dev box at 100M, 0.82 and 1.59 G
+params/s one-pass against 0.43 and 0.58 chunked (the rounding's hash is most of the one pass's work there).
 ``memcpy`` (one fp32 tensor copied into another, 8 B/element read + written) is measured in the same
 rounds as the physical reference.
 
@@ -159,9 +160,9 @@ def deepspeed_optimizer(param: torch.Tensor, size: int, out: Path | None) -> tor
 def _bytes_needed(n: int, with_ds: bool) -> int:
     # p, g fp32; g bf16; out bf16; memcpy target; m+v for fused, foreach, ours (+ DeepSpeed);
     # foreach temporaries (~3 fp32 copies); the unchunked bf16-grad variant's fp32 temporary.
-    # two MasterAdams: their own bf16 masters and bf16 moments (6 B/param each)
+    # four MasterAdams: their own bf16 masters and bf16 moments (6 B/param each)
     optimizers = 4 if with_ds else 3
-    return n * (4 + 4 + 2 + 2 + 4 + 8 * optimizers + 12 + 4 + 2 * 6)
+    return n * (4 + 4 + 2 + 2 + 4 + 8 * optimizers + 12 + 4 + 4 * 6)
 
 
 def build_variants(n: int, chunks: list[int], with_ds: bool, out: Path | None) -> list[Variant]:
@@ -209,16 +210,35 @@ def build_variants(n: int, chunks: list[int], with_ds: bool, out: Path | None) -
     # runs with bf16.bf16_master_weights_and_grads), with and without stochastic rounding
     from runtime.precision.master_adam import MasterAdam
 
+    # ("_chunked": the step before precision.master_kernel's one-pass kernel, forced by its switch)
     for rounding in (True, False):
-        master = torch.nn.Parameter(param.detach().to(torch.bfloat16))
-        master.grad = grad16
-        bf16_adam = MasterAdam(
-            [master], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, state_dtype=torch.bfloat16,
-            stochastic_rounding=rounding,
-        )  # fmt: skip
-        name = "master_adam_bf16_states" + ("_sr" if rounding else "")
-        variants.append(Variant(name, BF16_STATE_STEP_BYTES, bf16_adam.step))
+        for one_pass in (True, False):
+            master = torch.nn.Parameter(param.detach().to(torch.bfloat16))
+            master.grad = grad16
+            bf16_adam = MasterAdam(
+                [master], lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                state_dtype=torch.bfloat16, stochastic_rounding=rounding,
+            )  # fmt: skip
+            name = "master_adam_bf16_states" + ("_sr" if rounding else "") + ("" if one_pass else "_chunked")
+            variants.append(Variant(name, BF16_STATE_STEP_BYTES, _switched(bf16_adam.step, one_pass)))
     return variants
+
+
+def _switched(step: Callable[[], object], one_pass: bool) -> Callable[[], None]:
+    """`step` run with the one-pass master step switched on or off (DSLAUNCH_FUSED_MASTER_STEP)."""
+
+    def run() -> None:
+        saved = os.environ.get("DSLAUNCH_FUSED_MASTER_STEP")
+        os.environ["DSLAUNCH_FUSED_MASTER_STEP"] = "1" if one_pass else "0"
+        try:
+            step()
+        finally:
+            if saved is None:
+                del os.environ["DSLAUNCH_FUSED_MASTER_STEP"]
+            else:
+                os.environ["DSLAUNCH_FUSED_MASTER_STEP"] = saved
+
+    return run
 
 
 def time_variants(variants: list[Variant], warmup: int, rounds: int) -> dict[str, list[float]]:

@@ -97,7 +97,7 @@ def cap_allocator(device: Any, gpu_gib: float) -> None:
         raise SystemExit(f"--gpu_gib {gpu_gib}: the GPU has only {total / GIB:.1f} GiB")
     torch.cuda.set_per_process_memory_fraction(cap / total, device)
 
-    def capped_mem_get_info(device: Any = None) -> tuple[int, int]:
+    def capped_mem_get_info(_: Any = None) -> tuple[int, int]:  # this process has the one GPU
         return max(0, cap - torch.cuda.memory_reserved(device)), cap
 
     torch.cuda.mem_get_info = capped_mem_get_info
@@ -201,8 +201,9 @@ def try_length(args: argparse.Namespace, seq: int) -> dict:
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode == 0 and lines:
         return {"seq_len": seq, "ok": True, **json.loads(lines[-1])}
-    tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-    error = "timeout" if done.returncode is None else tail[-300:]
+    stderr = done.stderr.strip().splitlines() or ["(no output)"]
+    where = [line.strip() for line in stderr if line.lstrip().startswith('File "')][-1:]  # the raising frame
+    error = "timeout" if done.returncode is None else " at ".join([stderr[-1][-300:], *where])
     return {"seq_len": seq, "ok": False, "error": error}
 
 

@@ -115,8 +115,15 @@ def update_for(device: torch.device, decoupled: bool, rounding: bool) -> Callabl
     cache_key = (device.type, decoupled, rounding)
     if cache_key not in _compiled:
 
-        def update(*tensors: torch.Tensor) -> None:
-            one_pass_update_(*tensors, decoupled, rounding)
+        def update(
+            master: torch.Tensor,
+            grad: torch.Tensor,
+            exp_avg: torch.Tensor,
+            exp_avg_sq: torch.Tensor,
+            hyper: torch.Tensor,
+            key: torch.Tensor,
+        ) -> None:
+            one_pass_update_(master, grad, exp_avg, exp_avg_sq, hyper, key, decoupled, rounding)
 
         _compiled[cache_key] = torch.compile(update, backend="inductor", dynamic=True, fullgraph=True)
     return _compiled[cache_key]

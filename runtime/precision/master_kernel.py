@@ -12,8 +12,10 @@ narrows the moments back and rounds the weights: a dozen operations a chunk, eac
 dispatcher and its thread pool. On the 16-core host of issue 32's H100 machine it stepped 17.63B bf16
 masters in 14.0 s (1.26 G parameters/s, 18 GB/s of the host's ~125): the host step was half of every
 optimizer step, and what held that run to 25% MFU. One compiled loop reads g, p, m, v once and writes
-p, m, v once, 14 bytes a parameter with bf16 moments. On the 2-core dev box it is 1.7x the chunked step
-with rounding and 3.6x without (the rounding's hash is most of its arithmetic there).
+p, m, v once, 14 bytes a parameter with bf16 moments. On that host it steps 5.1G parameters a second with
+stochastic rounding and 9.9G without (the host's bandwidth), 2.5x and 4.1x the chunked step, and took that
+run to 35.3% MFU (BENCHMARKS.md, issue 32). The rounding costs half: inductor's C++ backend reinterprets
+each weight's bits (fp32 to int32 and back) element by element; the hash itself is nearly free.
 
 The noise: 16 uniform bits for each element, a bijective integer hash of (element index xor key), where
 the key is drawn per (seed, step, parameter, piece) by `rounding_key`. For a fixed element, a uniformly
@@ -38,9 +40,9 @@ from runtime.precision.fused_master import fused_setting
 
 _log = logging.getLogger(__name__)
 PIECE = 1 << 30  # elements a call: the int32 element index and hash never overflow into the sign's use
-# By default a CPU host compiles the kernel only for a parameter this large: building it costs a few
-# seconds once (inductor's C++ compiler), which a step of 16M elements repays within a few hundred steps
-# and the multi-billion-element shards of the offloaded masters in their first.
+# By default a CPU host compiles the kernel only for a parameter this large: building it costs seconds to
+# tens of seconds once a process (inductor's C++ compiler on a cold cache), which a step of 16M elements
+# repays within some hundreds of steps and the multi-billion-element offloaded shards in a few.
 CPU_MIN_ELEMENTS = 1 << 24
 _GOLDEN = -1640531535  # 0x9E3779B1 as int32: Knuth's multiplicative hash constant
 _MIX = -2048144789  # 0x85EBCA6B as int32: murmur3's finalizer constant

@@ -454,7 +454,8 @@ def init_single_process_group(device: Any) -> None:
     }.items():
         os.environ.setdefault(key, value)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        # torch.cuda.set_device wants an index (torch 2.11 refuses a bare "cuda"): that is the current GPU
+        torch.cuda.set_device(torch.cuda.current_device() if device.index is None else device.index)
     fd, store_path = tempfile.mkstemp(prefix="bench_store_")
     os.close(fd)
     store = dist.FileStore(store_path, 1)

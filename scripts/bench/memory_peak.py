@@ -69,9 +69,10 @@ def peak_breakdown(trace: list[Mapping[str, Any]], top: int = 25) -> dict[str, A
             total -= live.pop(event["addr"])
     # replay again to the peak, now keeping each live block's site (computed for these blocks only)
     alive: dict[int, Mapping[str, Any]] = {}
-    for event in trace[: peak_at + 1]:
+    born: dict[int, int] = {}
+    for index, event in enumerate(trace[: peak_at + 1]):
         if event.get("action") == "alloc":
-            alive[event["addr"]] = event
+            alive[event["addr"]], born[event["addr"]] = event, index
         elif event.get("action") == "free_completed":
             alive.pop(event["addr"], None)
     groups: dict[str, list[int]] = {}
@@ -92,4 +93,14 @@ def peak_breakdown(trace: list[Mapping[str, Any]], top: int = 25) -> dict[str, A
             for name, (size, count) in ranked[:top]
         ],
         "other_gib": round(sum(size for _, (size, _) in ranked[top:]) / GIB, 3),
+        # the largest blocks themselves, and how many events before the peak each was allocated: blocks of
+        # one site and size allocated far apart are one tensor per layer kept alive
+        "largest_blocks": [
+            {
+                "site": site(event.get("frames", ())),
+                "mib": round(event["size"] / 2**20, 1),
+                "age": peak_at - born[addr],
+            }
+            for addr, event in sorted(alive.items(), key=lambda item: -item[1]["size"])[:top]
+        ],
     }

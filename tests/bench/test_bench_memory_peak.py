@@ -42,6 +42,7 @@ def test_the_peak_is_the_largest_live_set_and_is_grouped_by_the_first_frame_outs
         "transformers/models/llama/x.py:7 f": (4.0, 2),
     }
     assert result["peak_during"] == ["transformers/models/llama/x.py:7 f"]  # torch's own frame skipped
+    assert [(b["mib"], b["age"]) for b in result["largest_blocks"]] == [(4096.0, 4), (2048.0, 1), (2048.0, 0)]
 
 
 def test_a_block_with_only_torch_frames_is_named_so() -> None:

@@ -62,7 +62,7 @@ def test_the_time_limit_keeps_a_too_slow_length_untried() -> None:
 
 def test_the_summary_estimates_for_the_capped_gpu_and_says_which_side_binds() -> None:
     shape, setup = LLAMA_SHAPES["8b"], LongSequenceSetup()
-    capped = allocator_capped(48 * GIB, 120 * GIB)
+    capped = allocator_capped(40 * GIB, 120 * GIB)
     expected = longest_sequence(shape, capped, setup)
     keys = estimate_summary(shape, setup, capped, longest=expected.seq_len - 1024, hw_tflops=300.0)
     assert keys["estimate"] == expected.seq_len and keys["estimate_binds"] == "gpu"
@@ -72,7 +72,7 @@ def test_the_summary_estimates_for_the_capped_gpu_and_says_which_side_binds() ->
     assert keys["step_s_at_estimate"] == round(step_s, 2)
     assert "estimate_note" not in keys
     # a host too small for the same cap: the host term binds first, and the summary says so
-    small_host = allocator_capped(48 * GIB, 112 * GIB)
+    small_host = allocator_capped(40 * GIB, 112 * GIB)
     keys = estimate_summary(shape, setup, small_host, longest=0, hw_tflops=None)
     assert "host" in keys["estimate_binds"] and "host term binds" in keys["estimate_note"]
     assert keys["estimate_error"] is None and keys["step_s_at_estimate"] is None

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import sys
 import time
@@ -68,6 +69,9 @@ from runtime.estimator.step_flops import model_flops, step_flops, step_seconds  
 from scripts.bench import memory_peak  # noqa: E402
 from scripts.bench.common import add_out_argument, emit, mfu, out_file, run_isolated  # noqa: E402
 from scripts.bench.long_context_walk import WalkPlan, walk_lengths  # noqa: E402
+
+# a raised exception's last line in a traceback: "torch.OutOfMemoryError: ...", "RuntimeError: ..."
+EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b")
 
 
 def setup_from(args: argparse.Namespace) -> LongSequenceSetup:
@@ -217,8 +221,15 @@ def try_length(args: argparse.Namespace, seq: int) -> dict:
     frames = [line.strip() for line in stderr if line.lstrip().startswith('File "')]
     ours = [frame for frame in frames if "site-packages" not in frame]
     where = list(dict.fromkeys(frames[-1:] + ours[-1:]))
-    error = "timeout" if done.returncode is None else " at ".join([stderr[-1][-300:], *where])
+    error = "timeout" if done.returncode is None else " at ".join([error_line(stderr)[-300:], *where])
     return {"seq_len": seq, "ok": False, "error": error}
+
+
+def error_line(stderr: list[str]) -> str:
+    """The exception's own line of a failed child's stderr (``torch.OutOfMemoryError: ...``), not a warning
+    printed after it at exit (NCCL's about an undestroyed process group); the last line if none is."""
+    raised = [line for line in stderr if EXCEPTION_LINE.match(line)]
+    return (raised or stderr)[-1]
 
 
 def machine_facts(device_name: str) -> Machine:

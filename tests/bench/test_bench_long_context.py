@@ -43,3 +43,16 @@ def test_the_time_limit_stops_the_walk_before_a_slow_length() -> None:
     assert tried["seq_len"] == 96 and tried["ok"] and tried["hw_tflops"] > 0  # the rate it predicts from
     assert len(tried["losses"]) == 1 and tried["step_s"] > 0  # --steps 1: the one step is the timed one
     assert summary["longest"] == 96 and summary["stopped_by"] == "time" and summary["would_try"] == 192
+
+
+def test_a_failed_length_reports_the_exception_not_the_warning_after_it() -> None:
+    from scripts.bench.long_context import error_line
+
+    stderr = [
+        "Traceback (most recent call last):",
+        '  File "x.py", line 1, in <module>',
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.02 GiB.",
+        "[rank0]:[W1206 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not called",
+    ]
+    assert error_line(stderr).startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert error_line(["Killed"]) == "Killed"  # nothing raised: the last line

@@ -25,8 +25,10 @@ the embedding's, the last, arrives. One GPU holds the whole model as its shard, 
 
 Measured (BENCHMARKS.md, "Long sequences"; scripts/bench/long_context.py --memory_trace): the 1B shape
 under a 32 GiB cap on an H100 peaked at 82.4 KiB a token in a layer's backward (this model: 84) above
-6.4 GiB of fixed terms (this model: 7.0), from 131,072 to 265,216 tokens; the loss phase is far smaller
-there. Before, the two phases were summed: 100 KiB a token and 12.0 GiB, an estimate 27% short.
+6.4 GiB of fixed terms (this model: 7.0), from 131,072 to 277,504 tokens; the loss phase is far smaller
+there. Before, the two phases were summed: 100 KiB a token and 12.0 GiB, an estimate 27% short. The
+limit under that cap lies in [277,504, 285,696) and this model names 290,816, 1.8-4.8% long: although it
+overcounts the allocated peak, the allocator's unusable cached memory there (3.5 GiB) exceeds the slack.
 
 Host, per token: ``L x h x w`` with ``cpu_checkpointing`` (pinned, as the side-stream copies need).
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import random
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -172,11 +173,37 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+LOWEST_DRAWN_PORT = 10_000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux: 32768 unless configured)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def find_free_port() -> int:
-    """A port that is free now (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    """A TCP port free on this machine now, drawn at random from below the kernel's ephemeral range.
+
+    Not port 0's answer: that one comes from the ephemeral range, where every outgoing connection of every
+    process takes its local port (gloo opens dozens a world), so between this choice and the store's bind
+    another process's connection could take it ("the port is in use"). Below the range only listeners
+    bind, and a random draw among ~20,000 ports keeps concurrent jobs apart. The kernel's choice only
+    where the range leaves no room below it."""
+    high = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(LOWEST_DRAWN_PORT, high) if high > LOWEST_DRAWN_PORT else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise LaunchError(f"no free TCP port between {LOWEST_DRAWN_PORT} and {high}: pass --master_port")
 
 
 @dataclass(frozen=True)

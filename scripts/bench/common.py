@@ -369,9 +369,11 @@ def run_isolated(
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free now, from below the kernel's ephemeral range (launcher.machine.find_free_port: port
+    0's answer can be taken by another process's outgoing connection before the launcher binds it)."""
+    from launcher.machine import find_free_port
+
+    return find_free_port()
 
 
 # -- model FLOPs utilisation ----------------------------------------------------------------------------

@@ -23,15 +23,15 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
-import random
 import shutil
-import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from launcher.machine import find_free_port
 
 DEFAULT_TIMEOUT = 120.0
 BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # by the device the ranks train on
@@ -57,36 +57,10 @@ def _context() -> Any:
     return _CONTEXT
 
 
-_LOWEST_PORT = 10_000
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's range for outgoing connections (Linux: 32768 unless configured)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port() -> int:
-    """A TCP port that is free on this machine now, drawn at random from below the kernel's ephemeral range.
-
-    Not port 0's answer: that one comes from the ephemeral range, where every outgoing connection of every
-    process takes its local port (gloo opens dozens a world), so under a parallel suite it was sometimes
-    taken again before the launcher bound it ("--master_port N: the port is in use"). Below the range only
-    listeners bind, and a random draw among ~20,000 ports keeps concurrent tests apart."""
-    high = _ephemeral_low()
-    draw = random.SystemRandom()
-    for _ in range(200):
-        port = draw.randrange(_LOWEST_PORT, high) if high > _LOWEST_PORT else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("", port))
-            except OSError:
-                continue
-            return sock.getsockname()[1]
-    raise RuntimeError(f"no free TCP port between {_LOWEST_PORT} and {high}")
+    """A TCP port free on this machine now, from below the kernel's ephemeral range (the launcher's rule:
+    port 0's answer raced gloo's outgoing connections under a parallel suite)."""
+    return find_free_port()
 
 
 def _worker(

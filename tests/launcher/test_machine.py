@@ -50,6 +50,11 @@ def test_one_node_without_master_port_moves_off_a_busy_default(held_port) -> Non
     choice = choose_master_port(None, single_node=True, master_is_here=True, default=held_port)
     assert choice.port != held_port and port_is_free(choice.port)
     assert choice.notice == f"port {held_port} is in use; using {choice.port} (pass --master_port to choose)"
+    # drawn below the kernel's range for outgoing connections, where no other process's connection can
+    # take it before rank 0's store binds it
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    assert 10_000 <= choice.port < ephemeral_low
 
 
 def test_a_free_default_or_a_given_free_port_is_kept_silently(held_port) -> None:

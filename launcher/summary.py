@@ -110,6 +110,23 @@ def lost_peer(failure: Failure) -> str | None:
     return None
 
 
+def aborted_in_shutdown(failure: Failure) -> bool:
+    """Whether a rank aborted as its interpreter shut down: SIGABRT with C++'s "terminate called without
+    an active exception" (a native thread still running at exit) among its last lines."""
+    return "SIGABRT" in failure.how and any(
+        "terminate called without an active exception" in line for line in failure.tail[-5:]
+    )
+
+
+# torch's gloo process group aborts this way in about 1 exit of 3 when a script ends without destroying
+# it (measured: two ranks ending in a barrier, torch 2.13); runtime.initialize's group is guarded already.
+_SHUTDOWN_ABORT_HINT = (
+    "the rank aborted while its interpreter shut down, after its script had returned: a native thread "
+    "(with gloo, the process group's worker) was still running. End the script with "
+    "torch.distributed.destroy_process_group() after a last barrier"
+)
+
+
 def arrange_failures(failures: Sequence[Failure]) -> list[Failure]:
     """Failures in order of arrival -> the root cause first (the first that is not a lost peer, else
     the first), then the others in order. A later failure without a message that did not lose its peer
@@ -243,6 +260,8 @@ def summary_lines(
                 more = f" ({cut} more bytes cut; the whole output is above and in --log_dir)" if cut else ""
                 lines.append(f"  last {len(tail)} line(s) of {who}{more}:")
                 lines.extend(f"    {line}" for line in tail)
+            if aborted_in_shutdown(first):
+                lines.append(f"  hint: {_SHUTDOWN_ABORT_HINT}")
     if consequences:
         lines.extend(_consequence_lines(root, consequences))
     if lost_peer(root) is not None and finished:

@@ -110,6 +110,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 from runtime.distributed import accelerator  # noqa: E402
 from runtime.estimator.fit_cli import parse_ratio  # noqa: E402
 from runtime.models import MODEL_SIZES  # noqa: E402
+from scripts.bench import memory_peak  # noqa: E402
 from scripts.bench.common import (  # noqa: E402
     Column,
     add_out_argument,
@@ -183,6 +184,9 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
     if share is not None:
         os.environ["DSLAUNCH_OFFLOAD_HOST_SHARE"] = str(share)
     record: dict[str, Any] = {"bench": "offload", "config": name}
+    tracing = bool(spec.get("memory_trace")) and device.type == "cuda"
+    if tracing:  # before anything is allocated: every block alive at the peak is then in the trace
+        memory_peak.start_trace()
     try:
         if name in (*ENGINES, "trial") or share is not None:
             init_single_process_group(device)
@@ -193,6 +197,10 @@ def worker_main(name: str, spec: dict[str, Any]) -> int:
         text = f"{type(exc).__name__}: {exc}"
         record["error"] = text[:2000]
         record["oom"] = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in text.lower()
+    if tracing:
+        # after an out-of-memory error the peak is the moment before the allocation that failed: what the
+        # estimate missed is among these sites
+        record["memory_trace"] = memory_peak.peak_breakdown(memory_peak.device_trace(device))
     print(json.dumps(record), flush=True)
     return 0
 
@@ -335,6 +343,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_out_argument(parser, "offload")
     parser.add_argument(
+        "--memory_trace",
+        action="store_true",
+        help="CUDA: record every allocation and report what was alive at the peak (or at an out-of-memory "
+        "error), by site (scripts/bench/memory_peak.py); slows the step: not for timing",
+    )
+    parser.add_argument(
         "--summarize",
         type=Path,
         help="only print the summary of the latest record per configuration in this JSON-lines file "
@@ -400,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine": args.engine,
         "bf16_masters": args.bf16_masters,
         "bf16_states": args.bf16_states,
+        "memory_trace": args.memory_trace,
     }
     mode = "find_max" if args.find_max else "step"
     start = {"bench": "offload", "config": "start", "mode": mode, **environment(args.device)}

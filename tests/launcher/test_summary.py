@@ -193,3 +193,15 @@ def test_a_runaway_message_and_hint_are_cut_in_the_summary() -> None:
     )
     assert len(lines) == 2 and all(len(line.encode()) < 1200 for line in lines)
     assert lines[0].endswith("v end") and "bytes cut ...]" in lines[0] and "bytes cut ...]" in lines[1]
+
+
+def test_an_abort_in_interpreter_shutdown_says_to_destroy_the_process_group() -> None:
+    """The CI-seen failure of a plain DDP script: training done, then SIGABRT at exit from a gloo thread."""
+    how = "was killed by SIGABRT (exit code 134); aborted (a C++ exception or assertion)"
+    tail = ("{'train_loss': '3.828'}", "terminate called without an active exception")
+    lines = summary_lines([Failure(134, "rank 1 (local rank 1) on localhost", how, 1, tail)], 0, "j")
+    assert lines[-1].startswith("  hint: the rank aborted while its interpreter shut down")
+    assert "torch.distributed.destroy_process_group()" in lines[-1]
+    # another abort (an assertion in NCCL, say) gets no such hint
+    other = Failure(134, "rank 1 (local rank 1) on localhost", how, 1, ("NCCL assertion failed",))
+    assert not any("interpreter shut down" in line for line in summary_lines([other], 0, "j"))

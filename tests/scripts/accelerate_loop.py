@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
+from baseline_exit import leave_baseline
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -90,12 +89,7 @@ def main() -> None:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     if ds is None:
-        # The plain DDP baseline's group is torch's own, and it still aborted in shutdown once in a full
-        # suite after all of the above (torchrun, 2 ranks, 2 cores). Its result is written: leave without
-        # interpreter shutdown. The engine's runs exit normally (runtime.init_distributed's fix, and
-        # tests/integration/test_launch_local.py checks that clean exit every time).
-        sys.stdout.flush()
-        os._exit(0)
+        leave_baseline()  # the plain DDP baseline: torch's own group, see baseline_exit
 
 
 if __name__ == "__main__":

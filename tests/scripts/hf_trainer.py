@@ -12,8 +12,10 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 
 import torch
+from baseline_exit import leave_baseline  # tests/scripts, beside this file
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -136,3 +138,5 @@ def check_reload(trainer: Trainer, final_dir: str) -> dict:
 
 if __name__ == "__main__":
     main()
+    if "--deepspeed" not in sys.argv:
+        leave_baseline()  # plain DDP: torch's own group, see baseline_exit

@@ -148,6 +148,12 @@ def main() -> None:
     if trainer.is_global_zero:
         with open(args.out, "w") as f:
             json.dump({"losses": model.losses, "global_step": trainer.global_step, **result}, f)
+    if args.strategy == "ddp":
+        # imported here: the tests load this file as a module (its Regression), without tests/scripts on
+        # the path
+        from baseline_exit import leave_baseline  # tests/scripts, beside this file
+
+        leave_baseline()  # torch's own group, see baseline_exit
 
 
 if __name__ == "__main__":

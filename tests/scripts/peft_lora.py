@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
+from baseline_exit import leave_baseline  # tests/scripts, beside this file
 from hf_trainer import RecordLosses, Tokens, no_deepspeed_config  # tests/scripts, beside this file
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
@@ -86,3 +88,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if "--deepspeed" not in sys.argv:
+        leave_baseline()  # plain DDP: torch's own group, see baseline_exit

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
+from baseline_exit import leave_baseline  # tests/scripts, beside this file
 from datasets import Dataset, load_from_disk
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, TrainerCallback
@@ -183,3 +185,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if "--deepspeed" not in sys.argv:
+        leave_baseline()  # plain DDP: torch's own group, see baseline_exit

@@ -149,6 +149,7 @@ def gpt_sizes(config: GPTConfig) -> ModelSizes:
     return ModelSizes(
         total_params=config.num_params(),
         largest_layer_params=max(block, config.vocab_size * d),
+        largest_param=max(4 * d * d, config.vocab_size * d),  # an MLP matrix, or the token embedding
         tensor_parallel_params=sharded,
         muon_params=muon,
     )

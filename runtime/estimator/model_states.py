@@ -20,8 +20,12 @@ cost nothing extra. Stage 3 keeps units smaller than ``stage3_param_persistence_
 every rank; the estimate assumes large units (true for models that need stage 3) and counts them sharded.
 
 Transient device memory, counted separately: stage 2 stages gradients in reduce buckets (up to three
-buckets of ``reduce_bucket_size`` elements alive: one filling, two on the wire); stage 3 gathers a layer's
-weights and produces its full gradient before the reduce-scatter (2 x w x largest layer).
+buckets of ``reduce_bucket_size`` elements alive: one filling, two on the wire); stage 3 holds two
+gathered units (the largest "layer": a transformer block whole), with more than one rank three more for
+the gradients staged for their reduce-scatters (one rank adds them straight into its shard), and the
+whole gradient of its largest parameter as autograd makes it: w x (2 x unit + parameter) on one rank
+with ``offload_param``, w x (5 x unit + parameter) on more, none on one rank without it (the replicated
+path).
 
 Offload (``offload_optimizer`` with device "cpu", runtime/offload): master weights, optimizer state and
 the buffer the gradient shard lands in (4 + 8 + w bytes per parameter of the shard, Adam) live in host
@@ -93,6 +97,10 @@ OPTIMIZER_BYTES = {
 MASTER_BYTES = 4  # fp32 master weights
 DEFAULT_BUCKET = 500_000_000  # zero_optimization.reduce_bucket_size default (elements)
 _STAGE2_BUCKETS_ALIVE = 3  # one bucket being filled + two in flight (ShardedGradStage.max_in_flight)
+_STAGE3_UNITS_GATHERED = 2  # the unit computing and the one gathered ahead of it (stage3_hooks' prefetch)
+# more than one rank: a unit's gradients are staged whole for its reduce-scatter, one unit filling and two
+# on the wire (Stage3Options.max_in_flight); one rank adds them straight into its shard (stage3.py)
+_STAGE3_UNITS_STAGED = 3
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,9 @@ class ModelSizes:
     # what stage 3 gathers at once: DeepSpeed's estimator takes the largest layer; ours gathers units (a
     # block with its whole subtree), so model_sizes and gpt_sizes give the largest unit here
     largest_layer_params: int | None = None
+    # the largest single parameter: autograd makes its whole gradient before stage 3 takes it into the
+    # shard (None: taken as the largest layer, DeepSpeed's estimator's assumption)
+    largest_param: int | None = None
     numels: tuple[int, ...] | None = None  # every parameter's size: the flat layout's padding becomes exact
     tensor_parallel_params: int | None = None  # the part AutoTP shards (projection weights, colwise biases)
     muon_params: int | None = None  # the part optimizer "muon" updates with Muon (runtime.optim.muon's rule)
@@ -174,6 +185,7 @@ def model_sizes(model: nn.Module) -> ModelSizes:
     return ModelSizes(
         total_params=sum(p.numel() for p in params),
         largest_layer_params=largest,
+        largest_param=max((p.numel() for p in params), default=0),
         numels=tuple(p.numel() for p in reversed(params)),  # the engine lays out in reverse order
         tensor_parallel_params=sharded,
         muon_params=muon,
@@ -195,7 +207,20 @@ def rank_sizes(sizes: ModelSizes, pipeline_parallel: int, tensor_parallel: int) 
         (sizes.total_params - sharded + math.ceil(sharded / tensor_parallel)) / pipeline_parallel
     )
     largest = sizes.largest_layer_params
-    return ModelSizes(total_params=local, largest_layer_params=largest)  # the exact layout is unknown
+    # the exact layout is unknown
+    return ModelSizes(total_params=local, largest_layer_params=largest, largest_param=sizes.largest_param)
+
+
+def _stage3_transient(sizes: ModelSizes, world: int, offload_param: bool) -> int:
+    """Elements stage 3 holds beyond its shards at its peak, in backward: the units gathered, the
+    gradients staged for their reduce-scatters, and the one parameter's gradient autograd has just made.
+    One rank without `offload_param` runs the replicated path: nothing is gathered or staged."""
+    if world == 1 and not offload_param:
+        return 0
+    unit = sizes.largest_layer_params or 0
+    staged = _STAGE3_UNITS_STAGED if world > 1 else 0
+    param = sizes.largest_param if sizes.largest_param is not None else unit
+    return unit * (_STAGE3_UNITS_GATHERED + staged) + param
 
 
 def _flat(sizes: ModelSizes, world: int, bucket: int) -> tuple[int, int, bool]:
@@ -277,7 +302,7 @@ def estimate(
     else:
         params = shard * w
         grads = shard * w
-        transient = 2 * w * sizes.largest_layer_params  # type: ignore[operator]
+        transient = _stage3_transient(sizes, world, offload_param) * w
     host = StateBytes()
     if offload_optimizer:
         # runtime.offload.host_masters: the shard's gradients land in a host buffer of their own dtype

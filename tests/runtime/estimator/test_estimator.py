@@ -151,7 +151,13 @@ def test_zero_paper_bytes_per_parameter() -> None:
         e = estimate(sizes, stage=stage, num_gpus_per_node=n)
         assert e.gpu.total == pytest.approx(expected * psi, rel=1e-6), stage
     e3 = estimate(ModelSizes(int(psi), 10**8), stage=3, num_gpus_per_node=n)
-    assert e3.gpu_transient == 2 * 2 * 10**8  # the largest layer's bf16 weights and gradient, gathered
+    # bf16: two gathered units, three staged for their reduce-scatters, one parameter's whole gradient (not
+    # known here: taken as the largest layer)
+    assert e3.gpu_transient == 2 * (2 + 3 + 1) * 10**8
+    one = estimate(ModelSizes(int(psi), 10**8, largest_param=4 * 10**7), stage=3, offload_optimizer=True,
+                   offload_param=True)  # fmt: skip
+    assert one.gpu_transient == 2 * (2 * 10**8 + 4 * 10**7)  # one rank adds gradients into its shard
+    assert estimate(ModelSizes(int(psi), 10**8), stage=3).gpu_transient == 0  # the replicated path
     # fp32 on one GPU: the master weights are the working buffer itself
     fp32 = estimate(int(psi), stage=0, dtype="fp32")
     assert fp32.gpu.master == 0 and fp32.gpu.total == pytest.approx(16 * psi)

@@ -26,6 +26,7 @@ cast them to the parameter's dtype). The offloaded step runs this optimizer's `s
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -206,6 +207,27 @@ class MasterAdam(torch.optim.Adam):
             else:
                 pc.copy_(pw)
 
+    def prepare(self) -> None:
+        """Build the one-pass kernels the step will take, now: inductor compiles each once a process
+        (14 s on the 2-core CI host with a cold cache, a minute on issue 32's 16-core host), which the first
+        step would otherwise stall on, uncounted by anything that times setup. The probe assumes gradients
+        in the masters' dtype; a step that lands another builds its own at once."""
+        built: set[tuple[torch.device, torch.dtype, bool, bool]] = set()
+        for group in self.param_groups:
+            decoupled = bool(group["decoupled_weight_decay"])
+            for p in group["params"]:
+                rounding = self.stochastic_rounding and p.dtype == torch.bfloat16
+                mode = (p.device, p.dtype, decoupled, rounding)
+                if mode in built or not master_kernel.wanted(p.device, p.numel()):
+                    continue
+                built.add(mode)
+                started = time.perf_counter()
+                dtypes = (p.dtype, p.dtype, self.state_dtype)
+                refused = master_kernel.refusal(p.device, dtypes, decoupled, rounding)
+                took = time.perf_counter() - started
+                if refused is None and took >= 1.0:  # built here, not found built by an earlier engine
+                    _log.info("bf16 master step: its one-pass kernel for %s built in %.1f s", p.device, took)
+
     def _one_pass(self, flat: list[torch.Tensor], decoupled: bool) -> bool:
         """Whether this parameter takes master_kernel's compiled one-pass step (where it is wanted and
         its kernel builds for these dtypes)."""
@@ -275,4 +297,6 @@ def for_masters(
         groups[-1]["decoupled_weight_decay"] = isinstance(optimizer, torch.optim.AdamW) or bool(
             group.get("decoupled_weight_decay", False)
         )
-    return MasterAdam(groups, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding)
+    adam = MasterAdam(groups, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding)
+    adam.prepare()  # during the engine's setup, not in its first step
+    return adam

@@ -4,8 +4,9 @@ host, Triton on a GPU).
 
 Owns `one_pass_update_` (the arithmetic), `rounding_key` (the noise's seed for one call), `refusal` (a
 probe that builds the kernel on a few elements before any real state is touched) and `wanted` (where it
-runs by default). `MasterAdam` asks `wanted` and `refusal`, then calls `update_for`'s kernel in place of
-its chunked step.
+runs by default). `MasterAdam` asks `wanted` and `refusal` (first as the engine makes it: `prepare`, so
+the build is part of the setup, not of step 1), then calls `update_for`'s kernel in place of its chunked
+step.
 
 Why: the chunked step widens each operand into a fp32 copy, runs torch's fused kernel on the copies,
 narrows the moments back and rounds the weights: a dozen operations a chunk, each a trip through torch's

@@ -189,3 +189,30 @@ def test_the_cuda_default_steps_as_the_host_kernel(monkeypatch: pytest.MonkeyPat
         param.grad = torch.ones_like(param)
         optimizer.step()
     assert 1.0 - param.detach().float().mean().item() == pytest.approx(50e-4, rel=0.02)
+
+
+def test_the_kernel_is_built_when_the_optimizer_is_made_not_in_its_first_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's bf16-master optimizer (`for_masters`) comes with its kernels built: the compile (14 s
+    here on a cold cache, a minute on a 16-core host) is part of the setup, not a stall in step 1."""
+    from runtime.precision.master_adam import for_masters
+
+    events: list[str] = []
+    probe = master_kernel.refusal
+
+    def recording(*args: Any) -> str | None:
+        events.append("probe")
+        return probe(*args)
+
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setattr(master_kernel, "refusal", recording)
+    param = torch.nn.Parameter(torch.randn(N).to(torch.bfloat16))
+    adam = for_masters(torch.optim.AdamW([param], lr=1e-2), torch.bfloat16, torch.bfloat16, True)
+    assert isinstance(adam, MasterAdam) and events == ["probe"]
+    key = ("cpu", torch.bfloat16, torch.bfloat16, torch.bfloat16, True, True)
+    assert master_kernel._refusals[key] is None  # built, and it ran
+    param.grad = torch.randn(N).to(torch.bfloat16)
+    before = param.detach().clone()
+    adam.step()
+    assert not torch.equal(param, before)  # the step ran the kernel the setup built

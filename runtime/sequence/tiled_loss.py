@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.errors import UserError
-from runtime.sequence.tiles import check_tiles, loss_tiles
+from runtime.sequence.tiles import TileGradSums, check_tiles, loss_tiles
 from runtime.zero import GatheredParameters
 
 __all__ = ["tiled_causal_lm_loss", "tiled_loss"]
@@ -63,7 +63,7 @@ class _TiledLossFunction(torch.autograd.Function):
         want_x = x.requires_grad
         wanted = [i for i, p in enumerate(params) if p.requires_grad]
         grad_x = torch.zeros_like(x) if want_x else None
-        sums: list[torch.Tensor | None] = [None] * len(params)
+        sums = TileGradSums(params)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         x_tiles = x.chunk(tiles, dim=0)
         gx_tiles = grad_x.chunk(tiles, dim=0) if grad_x is not None else [None] * len(x_tiles)
@@ -83,21 +83,10 @@ class _TiledLossFunction(torch.autograd.Function):
             grads = list(torch.autograd.grad(out, inputs, allow_unused=True))
             if gx_tile is not None:  # there is a tile of grad_x exactly when want_x
                 gx_tile.copy_(grads.pop(0))
-            for i, g in zip(wanted, grads, strict=True):
-                if g is None:
-                    continue
-                running = sums[i]
-                if running is None:
-                    sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
-                else:
-                    running.add_(g)
-        for i in wanted:
-            if sums[i] is None:  # every tile skipped: a zero gradient, as the untiled loss would give
-                sums[i] = torch.zeros_like(params[i])
+            sums.add(wanted, grads)
         ctx.grad_x = grad_x
-        ctx.param_grads = [
-            s.to(p.dtype) if s is not None else None for s, p in zip(sums, params, strict=True)
-        ]
+        # every tile skipped: a zero gradient, as the untiled loss would give
+        ctx.param_grads = sums.result(zero_if_none=wanted)
         return total
 
     @staticmethod

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from runtime.errors import UserError
-from runtime.sequence.tiles import check_tiles, mlp_tiles
+from runtime.sequence.tiles import TileGradSums, check_tiles, mlp_tiles
 
 __all__ = ["TileCount", "tile_llama_mlps", "tile_mlp", "tiled_mlp", "trainable_params"]
 
@@ -61,7 +61,7 @@ class _TiledMLPFunction(torch.autograd.Function):
         want_x = ctx.needs_input_grad[2]
         wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[4 + i]]
         grad_x = torch.empty_like(x) if want_x else None
-        sums: list[torch.Tensor | None] = [None] * len(ctx.params)
+        sums = TileGradSums(ctx.params)
         x_tiles = x.chunk(ctx.tiles, dim=-2)
         g_tiles = grad_out.chunk(ctx.tiles, dim=-2)
         gx_tiles = grad_x.chunk(ctx.tiles, dim=-2) if grad_x is not None else [None] * len(x_tiles)
@@ -73,19 +73,8 @@ class _TiledMLPFunction(torch.autograd.Function):
             grads = list(torch.autograd.grad(out, inputs, g_tile, allow_unused=True))
             if gx_tile is not None:  # there is a tile of grad_x exactly when want_x
                 gx_tile.copy_(grads.pop(0))
-            for i, g in zip(wanted, grads, strict=True):
-                if g is None:
-                    continue
-                running = sums[i]
-                if running is None:
-                    # 16-bit gradients summed in fp32: one rounding at the end, as one untiled matmul has
-                    sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
-                else:
-                    running.add_(g)
-        param_grads = [
-            s.to(p.dtype) if s is not None else None for s, p in zip(sums, ctx.params, strict=True)
-        ]
-        return (None, None, grad_x, None, *param_grads)
+            sums.add(wanted, grads)
+        return (None, None, grad_x, None, *sums.result())
 
 
 def trainable_params(module: nn.Module, extra: list[torch.Tensor] | None = None) -> list[torch.Tensor]:

@@ -11,30 +11,40 @@ The weights they carry are checked by tests/runtime/offload/test_parity.py's off
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tests.support.dist import run_distributed
 
 
-def _one_step_of_uploads(rank: int, world_size: int) -> dict:
+def _engine(**config: Any) -> tuple[Any, Any]:
+    """GPT-tiny under ZeRO-3 with parameters and optimizer offloaded, every module its own unit."""
     import runtime
     from runtime.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.named("tiny"))
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": {"device": "cpu"},
+        "offload_param": {"device": "cpu"},
+        **config.pop("zero", {}),
+    }
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "steps_per_print": 0,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": 0,
-            "offload_optimizer": {"device": "cpu"},
-            "offload_param": {"device": "cpu"},
-        },
+        "zero_optimization": zero,
+        **config,
     }
     engine, _, _, _ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine, model
+
+
+def _one_step_of_uploads(rank: int, world_size: int) -> dict:
+    engine, model = _engine(zero={"stage3_max_reuse_distance": 0})
     tokens = torch.randint(0, model.config.vocab_size, (2, 9))
     x, y = tokens[:, :-1], tokens[:, 1:]
 
@@ -76,25 +86,7 @@ def test_offloaded_shards_upload_in_trace_order_and_count_their_bytes() -> None:
 
 
 def _staging_seen_in_backward(rank: int, world_size: int) -> dict:
-    import runtime
-    from runtime.models import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.named("tiny"))
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 2,
-        "steps_per_print": 0,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "offload_optimizer": {"device": "cpu"},
-            "offload_param": {"device": "cpu"},
-        },
-    }
-    engine, _, _, _ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, model = _engine(gradient_accumulation_steps=2, bf16={"enabled": True})
     seen: list[int] = []
     for param in model.parameters():  # after the engine's own hook: what it holds once a gradient is in
         param.register_post_accumulate_grad_hook(lambda _: seen.append(engine.zero.buffer_bytes()))

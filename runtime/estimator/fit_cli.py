@@ -108,6 +108,11 @@ def fit_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no_cpu_checkpointing", action="store_true", help="--longest_seq: layer inputs stay on the GPU"
     )
+    group.add_argument(
+        "--lean_norms",
+        action="store_true",
+        help="--longest_seq: RMSNorms keep their 16-bit input, not fp32 copies (runtime.sequence.lean_norm)",
+    )
 
 
 def llama_shape(text: str) -> LlamaShape:
@@ -193,6 +198,7 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             tiled_mlp=not args.no_tiled_mlp,
             tiled_loss=not args.no_tiled_loss,
             cpu_checkpointing=not args.no_cpu_checkpointing,
+            lean_norms=args.lean_norms,
             dtype=args.dtype,
             stage=args.stage,
             offload_optimizer=not args.no_offload,

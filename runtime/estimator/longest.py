@@ -11,7 +11,8 @@ working dtype, h = hidden size, kv = key/value width, I = intermediate size, per
   (the input being recomputed and the one prefetched; the rest are in host memory);
 - one decoder layer's recomputation and backward, one layer at a time: attention with flash/SDPA kernels
   (no seq x seq scores) keeps its input, normed input, q, k, v, the attention output and its projection,
-  and as many gradients, 2 x (5 h + 2 kv) elements in w bytes, plus RMSNorm's fp32 upcasts (2 x 4 h);
+  and as many gradients, 2 x (5 h + 2 kv) elements in w bytes, plus RMSNorm's fp32 upcasts (2 x 4 h;
+  none with ``lean_norms``, runtime.sequence.lean_norm, which keeps the 16-bit input counted already);
   the residual stream and its gradient (2 h w); the MLP untiled, gate/up/act/product and their gradients
   (8 I w), or tiled, its input gradient and the one it receives (2 h w), one tile of about h tokens
   (``mlp_tiles``) of 8 x I elements and the layer's weight gradients summed in fp32 (3 h I x 4);
@@ -117,6 +118,9 @@ class LongSequenceSetup:
     tiled_mlp: bool = True
     tiled_loss: bool = True
     cpu_checkpointing: bool = True
+    # runtime.sequence.lean_norm: the norms keep their 16-bit input, not fp32 copies (off until measured
+    # on a GPU: the measured limits above are with HF's norms)
+    lean_norms: bool = False
     dtype: str = "bf16"
     stage: int = 3
     offload_optimizer: bool = True
@@ -150,7 +154,9 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
     kept_layers = 2 if setup.cpu_checkpointing else layers
     stash = kept_layers * h * w  # checkpointed layer inputs on the GPU, alive in every phase
     # the backward of one decoder layer (recomputed, then differentiated)
-    layer_token = 2 * (5 * h + 2 * kv) * w + 2 * h * FP32  # attention's working set and the norms' upcasts
+    layer_token = 2 * (5 * h + 2 * kv) * w  # attention's working set (the norms' inputs among it)
+    if not setup.lean_norms:
+        layer_token += 2 * h * FP32  # HF's norms keep an fp32 upcast of their input each
     layer_token += 2 * h * w  # the residual stream and its gradient
     layer_fixed = 0
     if setup.tiled_mlp:

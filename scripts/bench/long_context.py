@@ -10,7 +10,8 @@ HIDDEN:INTERMEDIATE:LAYERS:HEADS:KV_HEADS:VOCAB; random bf16 weights, no downloa
 ``LlamaForCausalLM`` with SDPA attention (flash kernels on the GPU), the tiled MLP
 (``tile_llama_mlps``), the tiled loss (``tile_causal_lm_loss``) and its layers checkpointed through
 runtime.activation_checkpointing (``hf_checkpointing``), keeping their inputs on the host unless
-``--no_cpu_checkpointing``; each ``--no_tiled_*`` flag turns a part off. It trains through
+``--no_cpu_checkpointing``; each ``--no_tiled_*`` flag turns a part off; ``--lean_norms`` swaps the
+RMSNorms for runtime.sequence.lean_norm's. It trains through
 ``runtime.initialize`` at ZeRO ``--stage`` (3) with the Adam state offloaded to the host (unless
 ``--no_offload``), micro-batch 1.
 
@@ -79,8 +80,11 @@ def setup_from(args: argparse.Namespace) -> LongSequenceSetup:
         tiled_mlp=not args.no_tiled_mlp,
         tiled_loss=not args.no_tiled_loss,
         cpu_checkpointing=not args.no_cpu_checkpointing,
+        lean_norms=args.lean_norms,
         stage=args.stage,
         offload_optimizer=not args.no_offload,
+        master_dtype="bf16" if args.bf16_master_weights or args.bf16_optimizer_states else "fp32",
+        state_dtype="bf16" if args.bf16_optimizer_states else "fp32",
     )
 
 
@@ -125,7 +129,7 @@ def train_one(
 
     import runtime
     from runtime import activation_checkpointing
-    from runtime.sequence import tile_causal_lm_loss, tile_llama_mlps
+    from runtime.sequence import lean_llama_norms, tile_causal_lm_loss, tile_llama_mlps
     from scripts.bench.common import init_single_process_group
 
     device = torch.device(device_name)
@@ -155,15 +159,21 @@ def train_one(
         tile_llama_mlps(model)
     if setup.tiled_loss:
         tile_causal_lm_loss(model)
+    if setup.lean_norms:
+        lean_llama_norms(model)
     activation_checkpointing.configure(checkpoint_in_cpu=setup.cpu_checkpointing)
     activation_checkpointing.hf_checkpointing(model)
     zero: dict[str, Any] = {"stage": setup.stage}
     if setup.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    bf16: dict[str, Any] = {"enabled": True}
+    if setup.master_dtype == "bf16":  # issue 32's 16-bit state keys: 6 bytes a parameter of Adam, not 16
+        bf16["bf16_master_weights_and_grads"] = True
+        bf16["bf16_optimizer_states"] = setup.state_dtype == "bf16"
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "steps_per_print": 0,
-        "bf16": {"enabled": True},
+        "bf16": bf16,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}},
         "zero_optimization": zero,
     }
@@ -351,6 +361,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no_tiled_mlp", action="store_true")
     parser.add_argument("--no_tiled_loss", action="store_true")
     parser.add_argument("--no_cpu_checkpointing", action="store_true")
+    parser.add_argument(
+        "--lean_norms", action="store_true", help="RMSNorms keep their bf16 input, not fp32 copies"
+    )
+    parser.add_argument(
+        "--bf16_master_weights", action="store_true", help="bf16.bf16_master_weights_and_grads"
+    )
+    parser.add_argument(
+        "--bf16_optimizer_states", action="store_true", help="bf16.bf16_optimizer_states (and bf16 masters)"
+    )
     parser.add_argument(
         "--memory_trace",
         action="store_true",

@@ -70,11 +70,19 @@ def peak_breakdown(trace: list[Mapping[str, Any]], top: int = 25) -> dict[str, A
     # replay again to the peak, now keeping each live block's site (computed for these blocks only)
     alive: dict[int, Mapping[str, Any]] = {}
     born: dict[int, int] = {}
+    # blocks whose tensor is gone but whose memory the allocator still holds: the free waits for the
+    # work of another stream the block was marked used by (record_stream) to finish
+    pending: set[int] = set()
     for index, event in enumerate(trace[: peak_at + 1]):
-        if event.get("action") == "alloc":
+        action = event.get("action")
+        if action == "alloc":
             alive[event["addr"]], born[event["addr"]] = event, index
-        elif event.get("action") == "free_completed":
+            pending.discard(event["addr"])
+        elif action == "free_requested" and event["addr"] in alive:
+            pending.add(event["addr"])
+        elif action == "free_completed":
             alive.pop(event["addr"], None)
+            pending.discard(event["addr"])
     groups: dict[str, list[int]] = {}
     for event in alive.values():
         entry = groups.setdefault(site(event.get("frames", ())), [0, 0])
@@ -93,6 +101,7 @@ def peak_breakdown(trace: list[Mapping[str, Any]], top: int = 25) -> dict[str, A
             for name, (size, count) in ranked[:top]
         ],
         "other_gib": round(sum(size for _, (size, _) in ranked[top:]) / GIB, 3),
+        "pending_free_gib": round(sum(alive[addr]["size"] for addr in pending) / GIB, 3),
         # the largest blocks themselves, and how many events before the peak each was allocated: blocks of
         # one site and size allocated far apart are one tensor per layer kept alive
         "largest_blocks": [
@@ -100,6 +109,7 @@ def peak_breakdown(trace: list[Mapping[str, Any]], top: int = 25) -> dict[str, A
                 "site": site(event.get("frames", ())),
                 "mib": round(event["size"] / 2**20, 1),
                 "age": peak_at - born[addr],
+                "free_pending": addr in pending,  # dead tensor, memory held for another stream's use
             }
             for addr, event in sorted(alive.items(), key=lambda item: -item[1]["size"])[:top]
         ],

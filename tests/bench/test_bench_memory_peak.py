@@ -1,5 +1,6 @@
 """scripts/bench/memory_peak.py's replay on made-up allocator events (CPU; no CUDA needed): the peak is
-found where the live bytes were largest, and what was alive then is summed by the allocating line."""
+found where the live bytes were largest, and what was alive then is summed by the allocating line; a block
+whose free waits for another stream is flagged."""
 
 from __future__ import annotations
 
@@ -43,6 +44,22 @@ def test_the_peak_is_the_largest_live_set_and_is_grouped_by_the_first_frame_outs
     }
     assert result["peak_during"] == ["transformers/models/llama/x.py:7 f"]  # torch's own frame skipped
     assert [(b["mib"], b["age"]) for b in result["largest_blocks"]] == [(4096.0, 4), (2048.0, 1), (2048.0, 0)]
+    assert result["pending_free_gib"] == 0  # the free of block 3 was requested after the peak
+
+
+def test_a_block_whose_free_waits_for_another_stream_is_told_apart() -> None:
+    """A tensor freed while another stream still uses its memory (record_stream) is dead to Python, yet
+    its block stays allocated until that stream's work is done: at the peak it counts, flagged."""
+    trace = [
+        _alloc(1, 2.0, MLP),
+        {"action": "free_requested", "addr": 1, "size": 0, "frames": []},  # dead, the side stream reads it
+        _alloc(2, 1.0, ATTN),  # the peak: 3 GiB, one of them only waiting
+        _free(1),
+    ]
+    result = peak_breakdown(trace)
+    assert result["traced_peak_gib"] == 3.0 and result["pending_free_gib"] == 2.0
+    blocks = [(b["mib"], b["free_pending"]) for b in result["largest_blocks"]]
+    assert blocks == [(2048.0, True), (1024.0, False)]
 
 
 def test_a_block_with_only_torch_frames_is_named_so() -> None:

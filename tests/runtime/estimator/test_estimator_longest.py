@@ -51,6 +51,8 @@ def test_each_part_moves_its_own_term() -> None:
     assert gpu == 2 * h * w + layer + 8 * i * w  # gate, up, act, product and their gradients
     gpu, _ = _per_token(LongSequenceSetup(tiled_loss=False))
     assert gpu == 2 * h * w + 2 * h * w + vocab * (w + 4 + 4)  # the loss phase: logits, fp32 copy, gradient
+    gpu, _ = _per_token(LongSequenceSetup(lean_norms=True))
+    assert gpu == 2 * h * w + layer - 2 * h * 4 + 2 * h * w  # the norms keep no fp32 upcast
 
 
 def test_the_phases_do_not_add_up() -> None:

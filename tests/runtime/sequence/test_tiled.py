@@ -3,9 +3,9 @@
 Forward values and gradients (input and parameters) against the plain module and against
 ``F.cross_entropy(hidden @ W.T, labels, ignore_index=-100)``, over several tile counts with an uneven last
 tile, more tiles than tokens, fp32 and bf16; DeepSpeed's ``TiledMLP`` / ``TiledFusedLogitsLoss`` call
-signatures; a tiny HF Llama trained 4 steps with both tiled (and its layers checkpointed) equal to the plain
-model, in one process and at ZeRO-3 over 2 gloo ranks (parameters sharded, so the tiles must run on
-gathered weights); bad input.
+signatures; a tiny HF Llama trained 4 steps with both tiled, its norms lean (runtime.sequence.lean_norm)
+and its layers checkpointed, equal to the plain model, in one process and at ZeRO-3 over 2 gloo ranks
+(parameters sharded, so the tiles must run on gathered weights); bad input.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import runtime
 from runtime.activation_checkpointing import hf_checkpointing
 from runtime.errors import UserError
 from runtime.sequence import (
+    lean_llama_norms,
     loss_tiles,
     mlp_tiles,
     tile_causal_lm_loss,
@@ -221,6 +222,7 @@ def _train_llama(rank: int, stage: int, tiled: bool) -> dict[str, Any]:
     if tiled:
         assert tile_llama_mlps(model, tiles=3) == 2
         tile_causal_lm_loss(model, tiles=4)
+        assert lean_llama_norms(model) == 5
         hf_checkpointing(model)  # as ALST runs: every layer recomputed, its MLP tiles recomputed again
     config = {
         "train_micro_batch_size_per_gpu": 2,

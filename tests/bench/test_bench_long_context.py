@@ -35,6 +35,19 @@ def test_one_length_trains_and_the_summary_names_it() -> None:
     assert summary["summary"] and summary["longest"] == 96 and "estimate" not in summary
 
 
+def test_lean_norms_and_16_bit_states_on_the_device_run_as_asked() -> None:
+    """The 8B's 500K configuration (issue 34 with issue 32's keys): lean norms, bf16 masters and moments,
+    no offload. The lean norms' forward is HF's bit for bit, so the first loss equals the plain run's."""
+    plain, _ = _walk("--start", "96", "--max", "96", "--steps", "2")
+    lean, _ = _walk(
+        *("--start", "96", "--max", "96", "--steps", "2", "--lean_norms", "--bf16_optimizer_states"),
+        "--no_offload",
+    )
+    assert lean["ok"] and lean["setup"]["lean_norms"] and not lean["setup"]["offload_optimizer"]
+    assert (lean["setup"]["master_dtype"], lean["setup"]["state_dtype"]) == ("bf16", "bf16")
+    assert lean["losses"][0] == plain["losses"][0]
+
+
 def test_the_time_limit_stops_the_walk_before_a_slow_length() -> None:
     """One step at 96 tokens gives the rate; 192 tokens would take longer than a microsecond: untried."""
     tried, summary = _walk(

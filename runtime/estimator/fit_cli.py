@@ -25,6 +25,7 @@ from runtime.estimator.longest import (
     LlamaShape,
     LongSequenceSetup,
     SequenceFit,
+    longest_over_settings,
     longest_sequence,
 )
 from runtime.estimator.step_flops import model_flops, step_flops, step_seconds
@@ -113,6 +114,21 @@ def fit_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--longest_seq: RMSNorms keep their 16-bit input, not fp32 copies (runtime.sequence.lean_norm)",
     )
+
+
+def _setup_flags(setup: LongSequenceSetup) -> list[str]:
+    """The ds_estimate flags (the same names as scripts/bench/long_context.py's) that ask for `setup`'s
+    choices of state placement, dtypes, host checkpoints and norms."""
+    flags = [] if setup.offload_optimizer else ["--no_offload"]
+    if setup.master_dtype == "bf16":
+        flags.append("--bf16_master_weights")
+    if setup.state_dtype == "bf16":
+        flags.append("--bf16_optimizer_states")
+    if not setup.cpu_checkpointing:
+        flags.append("--no_cpu_checkpointing")
+    if setup.lean_norms:
+        flags.append("--lean_norms")
+    return flags
 
 
 def llama_shape(text: str) -> LlamaShape:
@@ -212,14 +228,22 @@ def run_fit(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         other = replace(setup, cpu_checkpointing=not setup.cpu_checkpointing)
         alternative = longest_sequence(args.longest_seq, machine, other)
         label = "without" if setup.cpu_checkpointing else "with"
+        # and the longest over where the optimizer state lives, its dtypes and the lean norms: the flags
+        longest, longest_setup = longest_over_settings(args.longest_seq, machine, setup)
         if args.json:
             found_keys = asdict(found) | _step_keys(args.longest_seq, found, setup, args.tflops)
             other_keys = asdict(alternative) | _step_keys(args.longest_seq, alternative, other, args.tflops)
-            print(json.dumps(found_keys | {"setup": asdict(setup), f"{label}_cpu_checkpointing": other_keys}))
+            flags = _setup_flags(longest_setup)
+            longest_keys = asdict(longest) | {"setup": asdict(longest_setup), "flags": flags}
+            keys = found_keys | {"setup": asdict(setup), f"{label}_cpu_checkpointing": other_keys}
+            print(json.dumps(keys | {"longest_over_settings": longest_keys}))
         else:
             print(found.reason + _step_text(args.longest_seq, found, setup, args.tflops))
             text = _step_text(args.longest_seq, alternative, other, args.tflops)
             print(f"{label} cpu_checkpointing: {alternative.reason}{text}")
+            if longest.seq_len > max(found.seq_len, alternative.seq_len):
+                asked = " ".join(_setup_flags(longest_setup))
+                print(f"longest over the settings: {longest.seq_len} tokens, with {asked}")
         return 0 if found.seq_len else 1
     if args.gpt is not None:
         n_embd, n_head, n_layer = args.gpt

@@ -42,8 +42,9 @@ of 256 MiB), so on a large GPU up to 4 GiB.
 
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.estimator.fit import (
     ALLOCATOR_SLACK,
@@ -229,3 +230,29 @@ def longest_sequence(
         f"overflow " + " and ".join(stops or ["nothing (the walk's bound)"])
     )
     return SequenceFit(seq_len=seq, gpu_need=gpu, host_need=host, reason=reason, binds="+".join(binds))
+
+
+def longest_over_settings(
+    shape: LlamaShape, machine: Machine, base: LongSequenceSetup = LongSequenceSetup(), multiple: int = 1024
+) -> tuple[SequenceFit, LongSequenceSetup]:
+    """The longest sequence over the settings that trade one side's memory for the other's, and the setup
+    that reaches it: where the Adam state lives and in which dtypes (fp32 offloaded, bf16 offloaded, bf16
+    on the GPU), the layer inputs on the host or not, the lean norms on or not. `base` keeps the rest (the
+    tiled parts, the stage, the working dtype). Ties go to the earlier, plainer setup."""
+    states = (("fp32", True), ("bf16", True), ("bf16", False))  # (masters' and moments' dtype, offloaded)
+    best: tuple[SequenceFit, LongSequenceSetup] | None = None
+    for (dtype, offloaded), host_inputs, lean in itertools.product(states, (True, False), (False, True)):
+        setup = replace(
+            base,
+            offload_optimizer=offloaded,
+            offload_param=False,
+            master_dtype=dtype,
+            state_dtype=dtype,
+            cpu_checkpointing=host_inputs,
+            lean_norms=lean,
+        )
+        found = longest_sequence(shape, machine, setup, multiple)
+        if best is None or found.seq_len > best[0].seq_len:
+            best = (found, setup)
+    assert best is not None
+    return best

@@ -116,6 +116,7 @@ class _State:
     stats: CheckpointStats = field(default_factory=CheckpointStats)
     depth: int = 0  # > 0 while a checkpointed forward or a recomputation runs (nested calls)
     stash: HostStash = field(default_factory=HostStash)  # cpu_checkpointing's host copies
+    ran: bool = False  # a checkpointed forward has run in this process (the engine's memory advice reads it)
 
 
 _state = _State()
@@ -213,6 +214,11 @@ def configured_mpu() -> Any:
 def is_configured() -> bool:
     """True once ``configure()`` (or ``runtime.initialize``) has set the checkpointing options."""
     return _state.configured
+
+
+def has_run() -> bool:
+    """True once a checkpointed forward has run in this process."""
+    return _state.ran
 
 
 def settings() -> CheckpointSettings:
@@ -402,6 +408,7 @@ def checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     chosen = _state.settings
     device = _first_device(args)
     outer = _state.depth == 0
+    _state.ran = True
     streams = get_cuda_rng_tracker().get_states()  # the model-parallel streams, replayed like the RNG
 
     def contexts() -> tuple[Any, Any]:

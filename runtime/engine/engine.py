@@ -35,6 +35,7 @@ from runtime.engine import inference as engine_inference
 from runtime.engine.accessors import EngineAccessors
 from runtime.engine.log import StepLog, Timers
 from runtime.engine.memory import MemoryBreakdown, memory_breakdown
+from runtime.engine.oom import explained_oom
 from runtime.engine.takeover import release_training_state
 from runtime.fp8 import convert_model as convert_to_fp8
 from runtime.initialize_args import checkpoint_dir
@@ -129,6 +130,7 @@ class Engine(EngineAccessors, nn.Module):
             specs = with_low_dtype(specs, low, self.policy.autocast_dtype)
         # "ratio": "auto" becomes a number before the stage splits its groups by it (an inference engine
         # splits nothing: nothing of it is offloaded)
+        self.ratio_was_auto = config.zero_optimization.offload_optimizer.ratio is None  # said on OOM
         if not inference:
             dtype = self.policy.param_dtype
             config = self.config = with_auto_ratio(config, model, self.comm, self.device, dtype)
@@ -244,9 +246,12 @@ class Engine(EngineAccessors, nn.Module):
             inputs = cast_floating(inputs, self.policy.param_dtype)
             kwargs = cast_floating(kwargs, self.policy.param_dtype)
         self.monitor.observe_inputs(inputs)
-        with self._timers("forward"), autocast_context(self.policy, self.device):
+        oom = explained_oom(self, "forward")
+        with self._timers("forward"), oom, autocast_context(self.policy, self.device):
             try:
                 return self.module(*inputs, **kwargs)
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError as error:
                 clear = input_dtype_error(error, (inputs, kwargs), self.policy.param_dtype)
                 if clear is None:
@@ -266,7 +271,7 @@ class Engine(EngineAccessors, nn.Module):
         self._log.record_loss(loss)
         self.monitor.record_loss(loss)
         scaled = self.guard.scale(loss)
-        with self._timers("backward"):
+        with self._timers("backward"), explained_oom(self, "backward"):
             if boundary and self.optimizer is not None:
                 # an offloaded update may start as soon as gradients land, when nothing waits on the norm
                 self.masters.prepare_step(self.optimizer, self._grad_math(), per_tensor=self._per_tensor)
@@ -287,7 +292,7 @@ class Engine(EngineAccessors, nn.Module):
         if self.optimizer is None:
             engine_inference.refuse_step()
         self.zero.check_owned("step")
-        with self._timers("step"):
+        with self._timers("step"), explained_oom(self, "step"):
             self._step_applied = self._apply_step(lr_kwargs)
             self.zero.zero_grad()
         self.micro_steps += 1

@@ -1,0 +1,131 @@
+"""Out of GPU memory in a training step, explained (runtime/engine/oom.py): the message names the phase,
+the step and the allocator's numbers beside the engine's own model states; the hint lists the settings
+that lower the peak for this configuration; the error is still torch's OutOfMemoryError with torch's
+opening words, so HF Trainer's auto_find_batch_size and Accelerate's find_executable_batch_size still
+retry with a smaller batch. Device: CPU; the out-of-memory error is raised by the model (a CPU run cannot
+exhaust a GPU), everything after it is the engine's real path, under dslaunch too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import runtime
+from runtime.engine.oom import DeviceMemoryError, OomFacts, describe
+from runtime.errors import UserError
+from tests.support.paths import REPO
+
+GIB = 1 << 30
+TORCH_TEXT = (
+    "CUDA out of memory. Tried to allocate 1.15 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+    "402.00 MiB is free. Of the allocated memory 74.80 GiB is allocated by PyTorch"
+)
+
+
+def test_one_gpu_offload_with_an_auto_ratio() -> None:
+    """Issue 32's case: ZeRO-3 with offload_param at micro-batch 8, out of memory in backward."""
+    facts = OomFacts(
+        phase="backward", step=1, micro_step=1, accumulation=8, micro_batch=8, world_size=1, stage=3,
+        asked=int(1.15 * GIB), allocated=int(74.8 * GIB), reserved=int(77.3 * GIB), capacity=int(79.19 * GIB),
+        device_states=int(62.0 * GIB), device_optimizer=int(29.5 * GIB), offload_ratio=0.55,
+        ratio_was_auto=True, checkpointing=True,
+    )  # fmt: skip
+    message, hint = describe(facts)
+    assert message == (
+        "CUDA out of memory. The backward of step 1 (micro-batch 1 of 8) asked for 1.15 GiB with 74.80 GiB "
+        "allocated and 77.30 reserved of the card's 79.19; the engine's model states take 62.00 GiB of the "
+        "device, activations and temporaries the other 12.80"
+    )
+    assert hint.startswith("lower the peak with, cheapest first: train_micro_batch_size_per_gpu 8 -> 4 with ")
+    assert "gradient_accumulation_steps 8 -> 16 keeps the global batch" in hint
+    assert 'offload_optimizer.ratio 0.55 ("auto" chose it): each 0.1 more on the host frees about 6.5' in hint
+    assert "expandable_segments:True (2.50 GiB were reserved but not allocated" in hint
+    assert "recompute activations" not in hint and "zero_optimization.stage" not in hint
+
+
+def test_several_ranks_without_offload_are_told_about_offload_and_the_stage() -> None:
+    facts = OomFacts(
+        phase="step", step=7, micro_step=1, accumulation=1, micro_batch=1, world_size=4, stage=1,
+        asked=None, allocated=int(70 * GIB), reserved=int(70.5 * GIB), capacity=int(80 * GIB),
+        device_states=int(60 * GIB), device_optimizer=int(40 * GIB), offload_ratio=None,
+    )  # fmt: skip
+    message, hint = describe(facts)
+    assert message.startswith("CUDA out of memory. The update of step 7 ran out with 70.00 GiB allocated")
+    assert "train_micro_batch_size_per_gpu" not in hint  # one sample a micro-batch already
+    assert "recompute activations in backward" in hint
+    assert 'offload_optimizer {"device": "cpu"} moves the optimizer state (40.00 GiB here)' in hint
+    assert "zero_optimization.stage 1 -> 2 shards more of the model states over the 4 ranks" in hint
+    assert "expandable_segments" not in hint
+
+
+class RunsOut(nn.Module):
+    """A linear model whose forward runs out of memory at its `fail_at`-th call."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.calls, self.fail_at = 0, fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise torch.OutOfMemoryError(TORCH_TEXT)
+        return self.linear(x).pow(2).mean()
+
+
+def test_the_engine_says_which_micro_batch_ran_out_and_stays_retryable() -> None:
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    torch.manual_seed(0)
+    model = RunsOut(fail_at=4)  # step 2's second micro-batch
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "steps_per_print": 0,
+    }
+    engine, _, _, _ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.randn(4, 8)
+    with pytest.raises(DeviceMemoryError) as raised:
+        for _ in range(4):
+            engine.backward(engine(x))
+            engine.step()
+    error = raised.value
+    assert str(error).startswith("CUDA out of memory. The forward of step 2 (micro-batch 2 of 2) asked for")
+    assert isinstance(error, torch.OutOfMemoryError) and isinstance(error, UserError)
+    assert isinstance(error.__cause__, torch.OutOfMemoryError)  # torch's own message is kept behind it
+    assert should_reduce_batch_size(error)  # Accelerate's (and the Trainer's) retry with a smaller batch
+    assert "train_micro_batch_size_per_gpu 4 -> 2 with gradient_accumulation_steps 2 -> 4" in error.hint
+    engine.destroy()
+
+
+def test_under_dslaunch_it_is_one_line_a_hint_and_exit_code_2(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, runtime\n"
+        "from tests.runtime.engine.test_oom import RunsOut\n"
+        "model = RunsOut(fail_at=2)\n"
+        "config = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'AdamW', 'params': {}}}\n"
+        "engine, _, _, _ = runtime.initialize(model=model, config=config)\n"
+        "for _ in range(2):\n"
+        "    engine.backward(engine(torch.randn(2, 8)))\n"
+        "    engine.step()\n"
+    )
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = f"{REPO}:{REPO / 'compat'}"
+    done = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "--num_gpus", "1", str(script)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-3000:]
+    assert "rank 0 (local rank 0) on localhost exited with code 2: CUDA out of memory. The forward" in output
+    assert "  hint: lower the peak with, cheapest first: train_micro_batch_size_per_gpu 2 -> 1" in output
+    assert "Traceback" not in output

@@ -260,11 +260,22 @@ def parse_sizes(text: str) -> list[dict[str, int]]:
     return sizes
 
 
+def parse_gpt(text: str) -> dict[str, int]:
+    """--gpt: one n_embd:n_head:n_layer size for the step mode."""
+    sizes = parse_sizes(text)
+    if len(sizes) != 1:
+        raise argparse.ArgumentTypeError(f"--gpt takes one size, got {text!r}")
+    return sizes[0]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="xl", choices=sorted(MODEL_SIZES))
+    parser.add_argument(
+        "--gpt", type=parse_gpt, help="step mode: a GPT of n_embd:n_head:n_layer instead of --model"
+    )
     parser.add_argument("--micro_batch", type=int, help="default 8 (1 with --find_max)")
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--stage", type=int, default=2, choices=(1, 2, 3))
@@ -416,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         "bf16_states": args.bf16_states,
         "memory_trace": args.memory_trace,
     }
+    if args.gpt is not None:  # the step mode at a size of --find_max's kind (e.g. pcie beside ours-z3-param)
+        spec.pop("size")
+        spec.update(args.gpt)
+        args.model = "{n_embd}:{n_head}:{n_layer}".format(**args.gpt)
     mode = "find_max" if args.find_max else "step"
     start = {"bench": "offload", "config": "start", "mode": mode, **environment(args.device)}
     start["args"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

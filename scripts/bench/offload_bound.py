@@ -111,6 +111,12 @@ def summarize(rows: dict[str, dict[str, Any]], accumulation: int = 1) -> dict[st
         micro = rows.get(name, {}).get("micro_s")
         if micro is not None and t_gpu is not None:  # the micro-batches that cannot overlap the update
             summary[f"{name}_micro_over_gpu"] = round(micro / t_gpu, 3)
+        # ZeRO-3 offload_param: the upload stream's busy time against its bytes over this run's measured
+        # host-to-device rate (issue 32 item 3 asks for 1.2x at most)
+        row = rows.get(name, {})
+        uploaded, busy = row.get("upload_bytes_per_step"), row.get("upload_s_per_step")
+        if uploaded and busy and pcie.get("up_gb_per_s"):
+            summary[f"{name}_upload_over_link"] = round(busy / (uploaded / (pcie["up_gb_per_s"] * 1e9)), 3)
     ours = rows.get("ours", {}).get("step_s")
     unchecked = rows.get("ours-unchecked", {}).get("step_s")
     if ours is not None and unchecked:  # the price of the non-finite check (issue 32 item 4)

@@ -133,6 +133,11 @@ def test_benchmark_summary_holds_each_row_to_its_own_bound_and_skips_what_is_mis
     floored = bench.summarize({**parts, "devstep": {"step_s": 0.4}, "ours": {
         "step_s": 0.5, "grad_landing": "device"}})  # fmt: skip
     assert floored["device_floor_s"] == 0.4 and floored["ours_over_device_floor"] == pytest.approx(1.25)
+    # ZeRO-3 offload_param: the upload stream's busy time against its bytes at the run's host-to-device rate
+    z3 = {"step_s": 16.7, "upload_bytes_per_step": 334_700_000_000, "upload_s_per_step": 6.1}
+    uploads = bench.summarize({**parts, "pcie": {**parts["pcie"], "up_gb_per_s": 55.0}, "ours-z3-param": z3})
+    assert uploads["ours-z3-param_upload_over_link"] == pytest.approx(6.1 / (334.7 / 55.0), abs=1e-3)
+    assert "ours-z3-param_upload_over_link" not in full  # no upload rows, or no PCIe rate: no ratio
 
 
 def test_with_accumulation_each_engine_is_held_to_the_floor_of_its_own_step() -> None:
@@ -253,6 +258,8 @@ def test_ratio_and_engine_flags_are_checked(capsys: pytest.CaptureFixture[str]) 
         (["--ratio", "1.5"], "expected a number from 0 to 1, or auto, got '1.5'"),
         (["--engine", "deepspeed"], "--engine is for --find_max"),
         (["--find_max", "--offload_param"], "--offload_param needs --stage 3"),
+        (["--gpt", "5120:40"], "size '5120:40' is not n_embd:n_head:n_layer"),
+        (["--gpt", "64:4:2,64:4:3"], "--gpt takes one size"),
     ):
         with pytest.raises(SystemExit) as stop:
             bench.parse_args(["--device", "cpu", *argv])

@@ -92,10 +92,12 @@ def describe(facts: OomFacts) -> tuple[str, str]:
 
     hints: list[str] = []
     if facts.micro_batch > 1:
-        half = facts.micro_batch // 2
+        # the largest divisor below it: the accumulation grows by a whole factor, the global batch stays
+        smaller = max(d for d in range(1, facts.micro_batch) if facts.micro_batch % d == 0)
+        more = facts.accumulation * facts.micro_batch // smaller
         hints.append(
-            f"train_micro_batch_size_per_gpu {facts.micro_batch} -> {half} with gradient_accumulation_steps "
-            f"{facts.accumulation} -> {facts.accumulation * facts.micro_batch // half} keeps the global batch"
+            f"train_micro_batch_size_per_gpu {facts.micro_batch} -> {smaller} with "
+            f"gradient_accumulation_steps {facts.accumulation} -> {more} keeps the global batch"
         )
     if not facts.checkpointing:
         hints.append(
@@ -147,8 +149,11 @@ def _facts(engine: Engine, phase: str, error: BaseException) -> OomFacts:
         reserved = torch.cuda.memory_reserved(device)
         capacity = torch.cuda.get_device_properties(device).total_memory
     held = memory_breakdown(engine)
-    on_host = held.host_bytes
-    optimizer = held.master_bytes + held.optimizer_bytes
+    # what optimizer offload would move: the masters that are not the working weights, and the state
+    tensors: list[torch.Tensor] = [g.master for g in engine.groups if not g.master_is_alias]
+    for state in engine.optimizer.state.values() if engine.optimizer is not None else ():
+        tensors += [t for t in state.values() if torch.is_tensor(t)]
+    device_optimizer = sum(t.numel() * t.element_size() for t in tensors if t.device.type == device.type)
     offload = engine.config.zero_optimization.offload_optimizer
     accumulation = engine.gradient_accumulation_steps()
     return OomFacts(
@@ -164,8 +169,7 @@ def _facts(engine: Engine, phase: str, error: BaseException) -> OomFacts:
         reserved=reserved,
         capacity=capacity,
         device_states=held.device_model_state_bytes,
-        # the host's share is all masters and optimizer state: what is left of them is on the device
-        device_optimizer=max(0, optimizer - on_host),
+        device_optimizer=device_optimizer,
         offload_ratio=offload.ratio if offload.device != "none" else None,
         ratio_was_auto=engine.ratio_was_auto,
         # ours, or HF's gradient checkpointing

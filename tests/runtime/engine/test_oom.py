@@ -129,3 +129,17 @@ def test_under_dslaunch_it_is_one_line_a_hint_and_exit_code_2(tmp_path: Path) ->
     assert "rank 0 (local rank 0) on localhost exited with code 2: CUDA out of memory. The forward" in output
     assert "  hint: lower the peak with, cheapest first: train_micro_batch_size_per_gpu 2 -> 1" in output
     assert "Traceback" not in output
+
+
+@pytest.mark.parametrize(("micro", "smaller", "accumulation"), [(6, 3, 4), (5, 1, 10), (3, 1, 6)])
+def test_the_smaller_micro_batch_divides_it_so_the_global_batch_stays(
+    micro: int, smaller: int, accumulation: int
+) -> None:
+    facts = OomFacts(
+        phase="forward", step=1, micro_step=1, accumulation=2, micro_batch=micro, world_size=1, stage=0,
+        asked=None, allocated=None, reserved=None, capacity=None, device_states=0, device_optimizer=0,
+        offload_ratio=None,
+    )  # fmt: skip
+    hint = describe(facts)[1]
+    assert f"{micro} -> {smaller} with gradient_accumulation_steps 2 -> {accumulation} keeps" in hint
+    assert smaller * accumulation == micro * 2

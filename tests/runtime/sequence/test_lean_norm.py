@@ -1,7 +1,7 @@
 """The lean RMSNorm (runtime.sequence.lean_norm) against HF's LlamaRMSNorm: the same output bit for bit,
 gradients as close as two orders of the same fp32 sums allow, a fraction of the bytes saved for backward;
 several token counts (one tile, uneven last tile), bf16 and fp32 inputs, an fp32 weight under a bf16
-input; the model-wide swap and its bad input. Device: CPU.
+input; the model-wide swap and its bad input; ZeRO-3 on 2 gloo ranks without recomputation. Device: CPU.
 """
 
 from __future__ import annotations
@@ -113,3 +113,43 @@ def test_a_model_or_module_without_an_rms_norm_is_refused_in_one_line() -> None:
         lean_llama_norms(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
     with pytest.raises(UserError, match="lean_norm: LayerNorm is not an RMSNorm"):
         lean_norm(nn.LayerNorm(4))
+
+
+def _zero3_losses(rank: int, world_size: int, lean: bool) -> list[float]:
+    import runtime
+    from tests.runtime.sequence.test_tiled import SEQ, VOCAB, _llama
+
+    model = _llama()
+    if lean:
+        lean_llama_norms(model)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "steps_per_print": 0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+    }
+    engine, _, _, _ = runtime.initialize(model=model, config=config)
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        losses.append(out.loss.item())
+    engine.destroy()
+    return losses
+
+
+def _plain_and_lean(rank: int, world_size: int) -> tuple[list[float], list[float]]:
+    return _zero3_losses(rank, world_size, False), _zero3_losses(rank, world_size, True)
+
+
+def test_zero3_without_recomputation_trains_the_same_with_lean_norms() -> None:
+    """ZeRO-3 releases the norm's weight after forward and gathers it again for backward, where the lean
+    norm reads the weight it saved: the losses of HF's norms, step for step, on 2 gloo ranks."""
+    from tests.support.dist import run_distributed
+
+    for plain, lean in run_distributed(_plain_and_lean, 2, timeout=180):
+        assert lean[0] == plain[0]  # the forward is HF's bit for bit
+        assert lean == pytest.approx(plain, rel=1e-5)  # the gradients, as close as their fp32 sums

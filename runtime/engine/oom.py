@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime.errors import UserError
+from runtime.errors import UserError, root_cause
 
 if TYPE_CHECKING:
     from runtime.engine.engine import Engine
@@ -49,7 +49,7 @@ class DeviceMemoryError(UserError, torch.OutOfMemoryError):
 class OomFacts:
     """What is known when a phase runs out of memory. Bytes; None where the device does not say."""
 
-    phase: str  # "forward", "backward" or "step"
+    phase: str  # "forward", "backward", "step", or a pipeline's "forward and backward"
     step: int  # the optimizer step being made (1-based)
     micro_step: int  # the micro-batch within it (1-based)
     accumulation: int
@@ -77,7 +77,7 @@ def describe(facts: OomFacts) -> tuple[str, str]:
         where = f"the update of step {facts.step}"
     else:
         where = f"the {facts.phase} of step {facts.step}"
-        if facts.accumulation > 1:
+        if facts.accumulation > 1 and facts.phase in ("forward", "backward"):  # not a pipeline's schedule
             where += f" (micro-batch {facts.micro_step} of {facts.accumulation})"
     held = f"{_gib(facts.allocated)} GiB allocated and {_gib(facts.reserved)} reserved"
     if facts.capacity is not None:
@@ -183,11 +183,12 @@ def explained_oom(engine: Engine, phase: str) -> Iterator[None]:
     """Run a phase of `engine`'s step; an out-of-memory error in it comes out as a `DeviceMemoryError`."""
     try:
         yield
-    except DeviceMemoryError:
-        raise
-    except torch.OutOfMemoryError as error:
+    except RuntimeError as error:  # torch's OutOfMemoryError, or a pipeline stage's wrapper around one
+        cause, where = root_cause(error)
+        if isinstance(cause, DeviceMemoryError) or not isinstance(cause, torch.OutOfMemoryError):
+            raise
         try:
-            message, hint = describe(_facts(engine, phase, error))
+            message, hint = describe(_facts(engine, f"{phase} ({where})" if where else phase, cause))
         except Exception:  # the engine half-way through a phase: never hide torch's error behind ours
             raise error from None
-        raise DeviceMemoryError(message, hint=hint) from error
+        raise DeviceMemoryError(message, hint=hint) from cause

@@ -42,6 +42,7 @@ from torch.distributed.pipelining import (
 from runtime.config import Config, read_config_file
 from runtime.distributed import current_device
 from runtime.engine import Engine
+from runtime.engine.oom import explained_oom
 from runtime.parallel.pipe_plan import build_pipeline_plan
 from runtime.parallel.plan import ParallelPlan, PipeAxis
 from runtime.pipe.config import MULTI_CHUNK_SCHEDULES, PipelineError, check_schedule
@@ -245,7 +246,8 @@ class PipelineEngine(Engine):
         micro = self.config.train_micro_batch_size_per_gpu
         inputs, targets = self._read_micro_batches(self._next_iterator(None), micro)
         self._losses = []
-        self._schedule.step(*inputs, target=targets, return_outputs=False)
+        with explained_oom(self, "forward and backward"):  # the schedule interleaves the micro-batches
+            self._schedule.step(*inputs, target=targets, return_outputs=False)
         all_reduce_tied_grads(self.ties)
         math = self._grad_math()
         self._duplicate_squares = None

@@ -4,7 +4,8 @@ user's own exception, not torch's wrapper.
 
 Three layers, the cheap ones first: the config sections and pure checks in this process; the engines'
 checks on one spawn of 2 gloo ranks (every rank must raise the same error, none may hang); two real
-dslaunch runs for what a user sees (the folded one-line summary, the stage's root cause).
+dslaunch runs for what a user sees (the folded one-line summary, the stage's root cause), and a third
+for a stage out of GPU memory (the engine's explanation through torch's stage wrapper).
 """
 
 from __future__ import annotations
@@ -390,7 +391,7 @@ class Picky(nn.Linear):
     def forward(self, x):
         Picky.calls += 1
         if Picky.calls > 1:  # the schedule's first call only infers shapes
-            raise ValueError("bad shape in my layer")
+            raise RAISED
         return super().forward(x)
 
 
@@ -404,9 +405,12 @@ engine.train_batch(iter([(torch.ones(2, 4), torch.ones(2, 4))] * 2))
 """
 
 
-def _dslaunch(tmp_path: Path, pipeline: dict) -> subprocess.CompletedProcess:
+def _dslaunch(
+    tmp_path: Path, pipeline: dict, raised: str = 'ValueError("bad shape in my layer")'
+) -> subprocess.CompletedProcess:
     script = tmp_path / "train.py"
-    script.write_text(SCRIPT.replace("PIPELINE", json.dumps(pipeline)), encoding="utf-8")
+    source = SCRIPT.replace("PIPELINE", json.dumps(pipeline)).replace("RAISED", raised)
+    script.write_text(source, encoding="utf-8")
     args = [*DSLAUNCH, "--num_gpus", "2", "--master_port", str(free_port()), str(script)]
     return subprocess.run(args, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
 
@@ -428,3 +432,18 @@ def test_a_layer_raising_in_a_stage_is_reported_as_the_users_exception(tmp_path:
         "dslaunch: FAILED: rank 1 (local rank 1) on localhost exited with code 1: ValueError: bad shape in "
         "my layer (in pipeline stage 1, forward)"
     ], output
+
+
+def test_a_stage_out_of_memory_is_explained_in_one_line_with_the_pipeline_stage(tmp_path: Path) -> None:
+    """torch's pipelining wraps a stage's OutOfMemoryError in its own RuntimeError; the engine unwraps it
+    and says it in its terms (runtime/engine/oom.py): the phase, the stage, what to change; exit code 2."""
+    oom = 'torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ...")'
+    result = _dslaunch(tmp_path, {}, raised=oom)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    summary = [line for line in output.splitlines() if line.startswith("dslaunch: FAILED")]
+    assert len(summary) == 1 and summary[0].startswith(
+        "dslaunch: FAILED: rank 1 (local rank 1) on localhost exited with code 2: CUDA out of memory. The "
+        "forward and backward (pipeline stage 1, forward) of step 1 asked for 2.00 GiB"
+    ), output
+    assert "  hint: lower the peak with, cheapest first: train_micro_batch_size_per_gpu 2 -> 1" in output

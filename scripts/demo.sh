@@ -22,8 +22,9 @@ else
     config=scripts/configs/zero2.json
     where="2 CPU worker processes (gloo), fp32, ZeRO-2"
 fi
-# A free port, so the demo never collides with another job on the default 29500.
-port=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+# A free port, so the demo never collides with another job on the default 29500: the launcher's own
+# choice, below the kernel's ephemeral range where no outgoing connection can take it before the bind.
+port=$("$PYTHON" -c "from launcher.machine import find_free_port; print(find_free_port())")
 
 echo "demo: training a tiny GPT on scripts/data/corpus.txt with $where"
 echo "demo: dslaunch --num_gpus $workers scripts/train_gpt.py --deepspeed_config $config --model_size tiny"

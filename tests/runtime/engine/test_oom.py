@@ -20,6 +20,7 @@ from torch import nn
 import runtime
 from runtime.engine.oom import DeviceMemoryError, OomFacts, describe
 from runtime.errors import UserError
+from tests.support.dist import free_port
 from tests.support.paths import REPO
 
 GIB = 1 << 30
@@ -120,10 +121,10 @@ def test_under_dslaunch_it_is_one_line_a_hint_and_exit_code_2(tmp_path: Path) ->
     )
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = f"{REPO}:{REPO / 'compat'}"
+    launch = [sys.executable, "-m", "launcher.cli", "--num_gpus", "1", "--master_port", str(free_port())]
     done = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "--num_gpus", "1", str(script)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [*launch, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-3000:]
     assert "rank 0 (local rank 0) on localhost exited with code 2: CUDA out of memory. The forward" in output

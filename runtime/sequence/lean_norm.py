@@ -33,6 +33,8 @@ __all__ = ["lean_llama_norms", "lean_norm", "lean_rms_norm"]
 
 
 class _LeanRMSNorm(torch.autograd.Function):
+    """forward(x, weight, eps): HF's RMSNorm; backward recomputes the normalized rows tile by tile."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # HF's LlamaRMSNorm, op for op, so the output is bitwise its output
@@ -53,7 +55,7 @@ class _LeanRMSNorm(torch.autograd.Function):
         grad_x = torch.empty_like(rows) if want_x else None
         grad_weight = torch.zeros(hidden, dtype=torch.float32, device=x.device) if want_weight else None
         count = rows.shape[0]
-        size = -(-count // mlp_tiles(count, hidden))  # about `hidden` rows a tile
+        size = max(1, -(-count // mlp_tiles(count, hidden)))  # about `hidden` rows a tile (none: no loop)
         for start in range(0, count, size):
             stop = min(count, start + size)
             upcast, scale, g = rows[start:stop].to(torch.float32), scales[start:stop], grads[start:stop]

@@ -67,6 +67,13 @@ def test_the_lean_norm_computes_what_hf_computes(
         assert float((apart > 0).float().mean()) < 0.05
 
 
+def test_an_empty_sequence_has_empty_gradients() -> None:
+    x = torch.zeros(2, 0, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
+    norm = lean_norm(_norm(torch.bfloat16))
+    norm(x).sum().backward()
+    assert x.grad.shape == x.shape and bool((norm.weight.grad == 0).all())
+
+
 def test_backward_keeps_the_16_bit_input_and_one_fp32_a_row() -> None:
     """What a long sequence's layer holds through its backward: HF's norm keeps the fp32 upcast (4 bytes an
     element) and the normalized 16-bit value (2 more); the lean one its bf16 input and the reciprocal RMS."""

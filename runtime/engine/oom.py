@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from runtime import activation_checkpointing
+from runtime.engine.memory import memory_breakdown
 from runtime.errors import UserError, root_cause
 
 if TYPE_CHECKING:
@@ -139,9 +141,6 @@ def _asked(error: BaseException) -> int | None:
 
 
 def _facts(engine: Engine, phase: str, error: BaseException) -> OomFacts:
-    from runtime import activation_checkpointing
-    from runtime.engine.memory import memory_breakdown
-
     device = engine.device
     allocated = reserved = capacity = None
     if device.type == "cuda":

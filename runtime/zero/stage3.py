@@ -198,8 +198,11 @@ class ParamShardedStage:
     def _reduce(self, unit: ShardedUnit) -> None:
         """Reduce-scatter the unit's gradients into the shards, then release its weights."""
         self._reduced.add(unit.index)
+        if self._direct:  # the gradients are in the shards already: nothing to reduce
+            self.schedule.release_after_backward(unit)
+            return
         rank = self.comm.rank
-        for segment in () if self._direct else unit.segments:
+        for segment in unit.segments:
             buffer = self._staging_buffer(segment)
             del self._staging[id(segment)]
             if self.options.pre_reduce_scale != 1.0:

@@ -2,8 +2,9 @@
 the step and the allocator's numbers beside the engine's own model states; the hint lists the settings
 that lower the peak for this configuration; the error is still torch's OutOfMemoryError with torch's
 opening words, so HF Trainer's auto_find_batch_size and Accelerate's find_executable_batch_size still
-retry with a smaller batch. Device: CPU; the out-of-memory error is raised by the model (a CPU run cannot
-exhaust a GPU), everything after it is the engine's real path, under dslaunch too.
+retry with a smaller batch. Device: CPU, where the model raises the out-of-memory error itself (a CPU run
+cannot exhaust a GPU) and everything after it is the engine's real path, under dslaunch too; CUDA for the
+`gpu` test, which asks the allocator for 16 TiB: torch's own error, with the card's figures.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import nn
 import runtime
 from runtime.engine.oom import DeviceMemoryError, OomFacts, describe
 from runtime.errors import UserError
-from tests.support.dist import free_port
+from tests.support.dist import free_port, run_distributed
 from tests.support.paths import REPO
 
 GIB = 1 << 30
@@ -144,3 +145,66 @@ def test_the_smaller_micro_batch_divides_it_so_the_global_batch_stays(
     hint = describe(facts)[1]
     assert f"{micro} -> {smaller} with gradient_accumulation_steps 2 -> {accumulation} keeps" in hint
     assert smaller * accumulation == micro * 2
+
+
+class AsksTooMuch(nn.Module):
+    """A linear model whose `fail_at`-th forward asks the GPU for 16 TiB: a real CUDA out-of-memory error."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 256)
+        self.calls, self.fail_at = 0, fail_at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            torch.empty(1 << 42, device=x.device)
+        return self.linear(x).pow(2).mean()
+
+
+def _cuda_oom(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = AsksTooMuch(fail_at=4)
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "steps_per_print": 0,
+    }
+    engine, _, _, _ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+    x = torch.randn(4, 256, device=engine.device, dtype=torch.bfloat16)
+    error = None
+    try:
+        for _ in range(4):
+            engine.backward(engine(x))
+            engine.step()
+    except DeviceMemoryError as caught:
+        error = caught
+    allocated = torch.cuda.memory_allocated(engine.device)
+    capacity = torch.cuda.get_device_properties(engine.device).total_memory
+    engine.backward(engine(x))  # the micro-batch again: nothing was left half-done
+    engine.step()
+    done = engine.global_steps
+    engine.destroy()
+    return {
+        "message": str(error) if error else None,
+        "cause_is_torch": isinstance(error.__cause__, torch.OutOfMemoryError) if error else False,
+        "allocated_gib": allocated / GIB,
+        "capacity_gib": capacity / GIB,
+        "steps": done,
+    }
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_out_of_memory_is_explained_with_the_cards_numbers() -> None:
+    """CUDA: torch's own error from the allocator, explained with the allocator's and the card's figures."""
+    got = run_distributed(_cuda_oom, 1, timeout=240, device="cuda")[0]
+    message = got["message"]
+    assert message is not None and got["cause_is_torch"]
+    assert message.startswith(
+        "CUDA out of memory. The forward of step 2 (micro-batch 2 of 2) asked for 16384.00 GiB with "
+    ), message
+    assert f"of the card's {got['capacity_gib']:.2f}" in message, message
+    assert "the engine's model states take 0.00 GiB of the device" in message  # 256 x 256: 0.4 MiB
+    assert got["steps"] == 2  # the step that ran out was made again and trained

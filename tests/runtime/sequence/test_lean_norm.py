@@ -1,7 +1,8 @@
 """The lean RMSNorm (runtime.sequence.lean_norm) against HF's LlamaRMSNorm: the same output bit for bit,
 gradients as close as two orders of the same fp32 sums allow, a fraction of the bytes saved for backward;
 several token counts (one tile, uneven last tile), bf16 and fp32 inputs, an fp32 weight under a bf16
-input; the model-wide swap and its bad input; ZeRO-3 on 2 gloo ranks without recomputation. Device: CPU.
+input; the model-wide swap and its bad input; ZeRO-3 on 2 gloo ranks without recomputation. Device: CPU;
+CUDA for the `gpu` test.
 """
 
 from __future__ import annotations
@@ -160,3 +161,44 @@ def test_zero3_without_recomputation_trains_the_same_with_lean_norms() -> None:
     for plain, lean in run_distributed(_plain_and_lean, 2, timeout=180):
         assert lean[0] == plain[0]  # the forward is HF's bit for bit
         assert lean == pytest.approx(plain, rel=1e-5)  # the gradients, as close as their fp32 sums
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_lean_norm_is_hfs_output_and_holds_a_third_of_the_memory() -> None:
+    """CUDA, a long sequence's shape: the output bit for bit, gradients within 2 bf16 ulps, and what the
+    allocator holds between forward and backward (the output and what backward keeps) about a third."""
+    hidden, tokens = 2048, 16384
+    gen = torch.Generator().manual_seed(2)
+    x = (3.0 * torch.randn(1, tokens, hidden, generator=gen)).to(torch.bfloat16).cuda()
+    g = torch.randn(1, tokens, hidden, generator=gen).cuda()
+
+    def norm_of(lean: bool) -> nn.Module:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        torch.manual_seed(0)
+        norm = LlamaRMSNorm(hidden, eps=1e-6)
+        with torch.no_grad():
+            norm.weight.copy_(1.0 + 0.3 * torch.randn(hidden))
+        norm = norm.to(torch.bfloat16).cuda()
+        return lean_norm(norm) if lean else norm
+
+    def run(norm: nn.Module) -> tuple[int, tuple[torch.Tensor, ...]]:
+        leaf = x.detach().clone().requires_grad_()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = norm(leaf)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        y.backward(g.to(y.dtype))
+        return held, (y.detach(), leaf.grad, norm.weight.grad)
+
+    hf_held, hf = run(norm_of(lean=False))
+    lean_held, lean = run(norm_of(lean=True))
+    assert torch.equal(lean[0], hf[0])
+    for got, want in zip(lean[1:], hf[1:], strict=True):
+        assert bool((_ulps_apart(got, want) <= 2).all())
+    elements = tokens * hidden
+    # HF: the bf16 output, the fp32 upcast and the bf16 normalized value (8 bytes an element) and more;
+    # lean: the output and one fp32 a token
+    assert hf_held >= 8 * elements
+    assert lean_held <= 2 * elements + 4 * tokens + (1 << 20)

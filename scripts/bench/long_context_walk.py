@@ -3,7 +3,8 @@ it. Decisions only (no torch, no processes): the caller passes how to try a leng
 a length is predicted to take, so the rules are tested without a GPU.
 
 Upward: from ``start``, each next length is ``growth`` times the last one that trained, rounded down to a
-multiple of ``multiple`` (at least one multiple more), until a length fails or the next passes ``max``.
+multiple of ``multiple`` (at least one multiple more), until a length fails or ``max`` has trained. A next
+length past ``max`` is ``max`` itself: the bound a command names is tried, not stepped over.
 Then bisection between the longest that trained and the shortest that failed, until they are within
 ``resolution`` of the former. A growth of 2 doubles; a growth of 1.05 started just below an estimate
 brackets it in two or three tries, which is what a GPU command of a few minutes affords when every try
@@ -45,7 +46,7 @@ class WalkResult:
 
     longest: int = 0  # the longest length that trained; 0 when none did
     shortest_failed: int | None = None
-    stopped_by: str = "max"  # "max": the next length passed max; "failed"; "time": the time limit
+    stopped_by: str = "max"  # "max": max trained; "failed"; "time": the time limit
     would_try: int | None = None  # with "time": the length the limit kept out
     tried: list[int] = field(default_factory=list)
 
@@ -88,7 +89,9 @@ def walk_lengths(
             result.shortest_failed, result.stopped_by = seq, "failed"
             break
         result.longest = seq
-        seq = next_length(seq, plan.growth, plan.multiple)
+        if seq >= plan.max:
+            break
+        seq = min(plan.max, next_length(seq, plan.growth, plan.multiple))
     bad = result.shortest_failed
     while bad is not None and result.longest:
         good = result.longest

@@ -47,6 +47,17 @@ def test_a_small_growth_started_at_the_estimate_brackets_it_in_two_tries() -> No
         WalkPlan(start=1024, max=4096, growth=1.0)
 
 
+def test_a_growth_past_max_tries_max_itself() -> None:
+    # 2026-12-06: 342,016 x 1.11 passed --max 377,856, and the walk ended without trying 377,856
+    tried, attempt = _machine(limit=1 << 30)
+    result = walk_lengths(WalkPlan(start=342016, max=377856, growth=1.11), attempt, lambda seq: None)
+    assert tried == [342016, 377856]
+    assert (result.longest, result.stopped_by) == (377856, "max")
+    tried, attempt = _machine(limit=360_000)
+    result = walk_lengths(WalkPlan(start=342016, max=377856, growth=1.11), attempt, lambda seq: None)
+    assert tried[:2] == [342016, 377856] and result.shortest_failed is not None
+
+
 def test_the_time_limit_keeps_a_too_slow_length_untried() -> None:
     tried, attempt = _machine(limit=1 << 30)  # memory never stops this walk
 

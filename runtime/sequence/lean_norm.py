@@ -8,10 +8,14 @@ gradients of the same size. At 65K tokens of the 1B shape under one GPU's long-s
 the largest single share of what a layer's backward held (BENCHMARKS.md, "What the GPU held at its
 peak": two 512 MiB fp32 copies of a 256 MiB input).
 
-`lean_rms_norm` computes the same forward, op for op (its output is bitwise the module's), and saves only
-the 16-bit input and one fp32 number a token (the reciprocal RMS). Backward recomputes the normalized
-value tile by tile (about ``hidden`` tokens a tile, as the tiled MLP cuts them), so its fp32 temporaries
-are one tile's, and sums the weight's gradient over tiles in fp32. The gradients are the module's in exact
+`lean_rms_norm` computes the same forward, op for op on each row (its output is bitwise the module's),
+and saves only the 16-bit input and one fp32 number a token (the reciprocal RMS). Both passes run a tile
+of rows at a time (about ``hidden`` tokens a tile, as the tiled MLP cuts them), so their fp32 temporaries
+are one tile's: HF's forward holds 10 bytes a hidden element of the whole sequence at once (the fp32
+input, the fp32 normalized value and its 16-bit cast), and with checkpointing that forward runs again
+inside backward, where the 1B shape's peak sat (BENCHMARKS.md, "Long sequences": the lean norm's own
+forward, untiled, was 3 of its 13 GiB at 131K tokens). Backward sums the weight's gradient over tiles in
+fp32. The gradients are the module's in exact
 arithmetic; in floating point they are as close as two orders of the same fp32 sums (tested).
 
 `lean_llama_norms(model)` swaps the forward of every RMSNorm-like module (a ``weight`` and a
@@ -32,17 +36,37 @@ from runtime.sequence.tiles import mlp_tiles
 __all__ = ["lean_llama_norms", "lean_norm", "lean_rms_norm"]
 
 
+def _tile_rows(count: int, hidden: int) -> int:
+    """Rows a tile: about `hidden`, as the tiled MLP cuts a sequence (at least 1: an empty input, no loop)."""
+    return max(1, -(-count // mlp_tiles(count, hidden)))
+
+
 class _LeanRMSNorm(torch.autograd.Function):
     """forward(x, weight, eps): HF's RMSNorm; backward recomputes the normalized rows tile by tile."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # HF's LlamaRMSNorm, op for op, so the output is bitwise its output
-        upcast = x.to(torch.float32)
-        rstd = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
-        out = weight * (upcast * rstd).to(x.dtype)
+        # HF's LlamaRMSNorm, op for op on each row, so the output is bitwise its output; a tile of rows at a
+        # time, so the fp32 temporaries (10 bytes a hidden element) are one tile's, not the sequence's
+        hidden = x.shape[-1]
+        rows = x.reshape(-1, hidden)
+        count = rows.shape[0]
+        size = _tile_rows(count, hidden)
+        if size >= count:
+            upcast = rows.to(torch.float32)
+            rstd = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
+            out = weight * (upcast * rstd).to(x.dtype)
+        else:
+            out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+            rstd = torch.empty(count, 1, dtype=torch.float32, device=x.device)
+            for start in range(0, count, size):
+                stop = min(count, start + size)
+                upcast = rows[start:stop].to(torch.float32)
+                scale = torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)
+                out[start:stop] = weight * (upcast * scale).to(x.dtype)
+                rstd[start:stop] = scale
         ctx.save_for_backward(x, rstd, weight)
-        return out
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> Any:
@@ -55,7 +79,7 @@ class _LeanRMSNorm(torch.autograd.Function):
         grad_x = torch.empty_like(rows) if want_x else None
         grad_weight = torch.zeros(hidden, dtype=torch.float32, device=x.device) if want_weight else None
         count = rows.shape[0]
-        size = max(1, -(-count // mlp_tiles(count, hidden)))  # about `hidden` rows a tile (none: no loop)
+        size = _tile_rows(count, hidden)
         for start in range(0, count, size):
             stop = min(count, start + size)
             upcast, scale, g = rows[start:stop].to(torch.float32), scales[start:stop], grads[start:stop]

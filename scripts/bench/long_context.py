@@ -384,6 +384,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model: {error}")
     if args.steps < 1:
         parser.error(f"--steps: expected at least 1, got {args.steps}")
+    if args.steps == 1 and args.no_offload:
+        # measured on the H200 (2026-12-06): the 8B shape's first step peaked at 59.9 GiB at any length up
+        # to 162,816 tokens, its later steps at 67.1-67.5 GiB from 54,272: the Adam moments are made in the
+        # first step, after its backward, so only a second step carries them through a whole backward
+        parser.error(
+            "--steps 1 with --no_offload: the optimizer state joins the GPU during the first step, so a "
+            "length can train once and not twice; pass --steps 2 or more"
+        )
     setup = setup_from(args)
     if args.one is not None:
         record = train_one(shape, setup, args.one, args.steps, args.device, args.gpu_gib, args.memory_trace)

@@ -48,6 +48,15 @@ def test_lean_norms_and_16_bit_states_on_the_device_run_as_asked() -> None:
     assert lean["losses"][0] == plain["losses"][0]
 
 
+def test_one_step_without_offload_is_refused_it_never_carries_the_moments() -> None:
+    """With the Adam state on the GPU, the moments are made in the first step, after its backward: a
+    one-step length reports a peak that later steps pass (59.9 against 67.5 GiB for the 8B on the H200)."""
+    script = str(ROOT / "scripts" / "bench" / "long_context.py")
+    command = [sys.executable, script, "--model", "64:128:2:4:2:100", "--device", "cpu", "--steps", "1"]
+    done = subprocess.run([*command, "--no_offload"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "pass --steps 2 or more" in done.stderr.splitlines()[-1], done.stderr
+
+
 def test_the_time_limit_stops_the_walk_before_a_slow_length() -> None:
     """One step at 96 tokens gives the rate; 192 tokens would take longer than a microsecond: untried."""
     tried, summary = _walk(

@@ -31,7 +31,8 @@ there. Before, the two phases were summed: 100 KiB a token and 12.0 GiB, an esti
 limit under that cap lies in [277,504, 285,696) and this model names 290,816, 1.8-4.8% long: although it
 overcounts the allocated peak, the allocator's unusable cached memory there (3.5 GiB) exceeds the slack.
 
-Host, per token: ``L x h x w`` with ``cpu_checkpointing`` (pinned, as the side-stream copies need).
+Host, per token: ``L x h x w`` with ``cpu_checkpointing`` (pinned, as the side-stream copies need; each
+layer's input in power-of-two blocks at most 1/64 over its size, runtime.sequence.host_stash.pinned_pieces).
 
 Fixed terms: the model states (``model_states.estimate``: stage, offload), the CUDA context, the
 allocator's slack, the host process: the same named constants as ``fit``; with optimizer offload, the
@@ -56,6 +57,7 @@ from runtime.estimator.fit import (
     step_on_host,
 )
 from runtime.estimator.model_states import DTYPE_BYTES, ModelSizes, estimate
+from runtime.sequence.host_stash import pinned_pieces
 from runtime.sequence.tiles import LOGITS_TILE_BYTES, mlp_tiles
 
 LOSS_TILE_COPIES = 3.5  # fp32 logits, their log-softmax, their gradient, and the 16-bit logits (half)
@@ -192,8 +194,8 @@ def memory_at(shape: LlamaShape, seq: int, setup: LongSequenceSetup, machine: Ma
     )
     host_states = states.host_per_rank.total
     host = HOST_PROCESS_BYTES + max(host_states, states.host_init_per_rank)
-    if setup.cpu_checkpointing:
-        host += seq * layers * h * w
+    if setup.cpu_checkpointing:  # each layer's input in pinned blocks (at most 1/64 over its size)
+        host += layers * sum(pinned_pieces(seq * h * w))
     return gpu, host
 
 

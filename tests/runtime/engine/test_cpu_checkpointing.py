@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from runtime import activation_checkpointing
-from runtime.sequence.host_stash import HostStash
+from runtime.sequence.host_stash import HostStash, pinned_pieces
 
 VOCAB, SEQ = 64, 24
 
@@ -34,8 +34,9 @@ def test_stash_returns_the_values_from_host_copies_and_prefetches_backwards() ->
     inputs = [torch.randn(3, 5) * i for i in range(4)]
     copies = [stash.put(t) for t in inputs]
     for t, c in zip(inputs, copies, strict=True):
-        assert c.host.device.type == "cpu" and c.host.data_ptr() != t.data_ptr()  # a copy, not the tensor
-        assert torch.equal(c.host, t)
+        (host,) = c.pieces  # 60 bytes: one page-sized block
+        assert host.device.type == "cpu" and host.data_ptr() != t.data_ptr()  # a copy, not the tensor
+        assert torch.equal(host.view(3, 5), t)
     # backward takes the last first; each take starts bringing back the one before it
     assert torch.equal(stash.take(copies[3]), inputs[3])
     assert copies[2].prefetched is not None and copies[1].prefetched is None
@@ -44,6 +45,23 @@ def test_stash_returns_the_values_from_host_copies_and_prefetches_backwards() ->
     assert torch.equal(stash.take(copies[0]), inputs[0])
     assert stash.prefetched == 3  # every take but the first found its tensor already on the way
     assert torch.equal(stash.take(copies[2]), inputs[2])  # taken again (retain_graph): still there
+
+
+def test_a_long_input_is_kept_in_power_of_two_blocks_within_a_64th_of_its_size() -> None:
+    """torch's pinned allocator rounds a block up to a power of two (1.24 GiB took 2 GiB on the H200): the
+    stash asks only for powers of two, a few of them, and the values come back whole and in order."""
+    layer_input = 162_816 * 4096 * 2  # the 8B shape's bf16 layer input at 162,816 tokens: 1.24 GiB
+    pieces = pinned_pieces(layer_input)
+    assert pieces == [1 << 30, 1 << 28]  # 1.25 GiB: 0.6% over, where one block would be 2 GiB
+    for nbytes in (1, 4095, 4097, 3 * (1 << 20) + 5, layer_input, 123_456_789_012):
+        got = pinned_pieces(nbytes)
+        assert all(p & (p - 1) == 0 for p in got) and got == sorted(got, reverse=True) and len(got) <= 8
+        assert nbytes <= sum(got) <= max(nbytes + 4096, nbytes + nbytes // 64)
+    stash = HostStash()
+    data = torch.arange(10_000, dtype=torch.float32).view(100, 100)[:, ::2]  # not contiguous: 20,000 bytes
+    copy = stash.put(data)
+    assert [p.numel() for p in copy.pieces] == [4096, 904]  # 16 KiB + 4 KiB blocks, the second part-used
+    assert torch.equal(stash.take(copy), data)
 
 
 def _llama(device: str) -> torch.nn.Module:
@@ -123,7 +141,7 @@ def test_checkpointed_inputs_live_in_pinned_host_memory_on_cuda() -> None:
         HostStash.put = put  # type: ignore[method-assign]
     _assert_same(on_host, on_device)
     assert len(taken) == 2 * 3  # one input per layer and step
-    assert all(c.host.device.type == "cpu" and c.host.is_pinned() for c in taken)
+    assert all(all(h.device.type == "cpu" and h.is_pinned() for h in c.pieces) for c in taken)
     layer_input = 2 * SEQ * 32 * 4  # [batch, seq, hidden] fp32
     assert on_host["kept"][0].host_bytes_kept == 3 * layer_input
     assert on_device["kept"][0].host_bytes_kept == 0

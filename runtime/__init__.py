@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime import checkpointing
-from runtime.distributed import init_distributed
+from runtime.distributed import current_device, init_distributed
 from runtime.engine import Engine, MemoryBreakdown
 from runtime.errors import UserError, install_excepthook
 from runtime.memory import see_memory_usage
@@ -162,28 +162,38 @@ def initialize(
         from runtime.pipe.engine import PipelineEngine
 
         plan, cfg = build_pipeline_plan(model, source)
-        engine: Engine = PipelineEngine(
-            model,
-            cfg,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            lr_scheduler=lr_scheduler,
-            parallel=plan,
-        )
+        with _setup_oom(model, cfg, plan):
+            engine: Engine = PipelineEngine(
+                model,
+                cfg,
+                optimizer=optimizer,
+                model_parameters=model_parameters,
+                lr_scheduler=lr_scheduler,
+                parallel=plan,
+            )
     else:
         plan, cfg = build_parallel_plan(model, source, mpu=mpu)
-        engine = Engine(
-            model,
-            cfg,
-            optimizer=optimizer,
-            model_parameters=model_parameters,
-            lr_scheduler=lr_scheduler,
-            parallel=plan,
-        )
+        with _setup_oom(model, cfg, plan):
+            engine = Engine(
+                model,
+                cfg,
+                optimizer=optimizer,
+                model_parameters=model_parameters,
+                lr_scheduler=lr_scheduler,
+                parallel=plan,
+            )
     loader = None
     if training_data is not None:
         loader = _dataloader(engine, training_data, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _setup_oom(model: nn.Module, config: Any, plan: Any) -> Any:
+    """Around the engine's construction: out of memory, say what fits (runtime/engine/setup_oom.py)."""
+    from runtime.engine.setup_oom import explained_setup_oom
+
+    ranks = plan.comm.world_size if plan.comm is not None else dist.get_world_size()
+    return explained_setup_oom(model, config, ranks, current_device())
 
 
 def _dataloader(

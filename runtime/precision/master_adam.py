@@ -208,10 +208,21 @@ class MasterAdam(torch.optim.Adam):
                 pc.copy_(pw)
 
     def prepare(self) -> None:
-        """Build the one-pass kernels the step will take, now: inductor compiles each once a process
-        (14 s on the 2-core CI host with a cold cache, a minute on issue 32's 16-core host), which the first
-        step would otherwise stall on, uncounted by anything that times setup. The probe assumes gradients
-        in the masters' dtype; a step that lands another builds its own at once."""
+        """Make the state and build the one-pass kernels the step will take, now, while the engine is built.
+
+        The moments: made in the first step, after its backward, they would let a first step fit that no
+        later one does (the 8B at 162,816 tokens on an H200 peaked at 59.9 GiB in its first step, 67.5
+        from the second on, at shorter lengths): made here, a configuration that cannot hold them fails at
+        setup, where the engine explains it (runtime/engine/setup_oom.py), as DeepSpeed's ZeRO optimizers
+        make their state at initialization. Zeros with step 0 are what the first step would make.
+
+        The kernels: inductor compiles each once a process (14 s on the 2-core CI host with a cold cache, a
+        minute on issue 32's 16-core host), which the first step would otherwise stall on, uncounted by
+        anything that times setup. The probe assumes gradients in the masters' dtype; a step that lands
+        another builds its own at once."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._state_of(p)
         built: set[tuple[torch.device, torch.dtype, bool, bool]] = set()
         for group in self.param_groups:
             decoupled = bool(group["decoupled_weight_decay"])

@@ -267,6 +267,23 @@ def _engine(
     return engine
 
 
+@pytest.mark.parametrize(
+    "zero", [{"stage": 2}, {"stage": 2, "offload_optimizer": {"device": "cpu"}}], ids=["device", "offloaded"]
+)
+def test_the_moments_exist_once_the_engine_is_built(zero: dict[str, Any]) -> None:
+    """Made at setup, not in the first step: a first step whose backward runs without them would fit where
+    no later one does (the 8B on an H200: 59.9 GiB in its first step, 67.5 from the second on)."""
+    built = _engine(STATES16, steps=0, zero=zero)
+    masters = [p for group in built.optimizer.param_groups for p in group["params"]]
+    for p in masters:
+        state = built.optimizer.state[p]
+        assert float(state["step"]) == 0.0
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].dtype == torch.bfloat16 and state[key].device == p.device
+            assert state[key].shape == p.shape and not state[key].any()
+    built.destroy()  # the steps that follow are the parity tests' (their numbers did not move)
+
+
 @pytest.mark.parametrize(("saved", "loaded"), [(BF16, STATES16), (STATES16, BF16)])
 def test_a_checkpoint_resumes_at_the_other_state_precision(
     tmp_path: Any, caplog: pytest.LogCaptureFixture, saved: dict[str, Any], loaded: dict[str, Any]

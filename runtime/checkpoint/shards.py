@@ -199,7 +199,8 @@ def load_optimizer_state(
     dtypes: dict[str, torch.dtype],
     scalars: dict[str, Any],
 ) -> None:
-    """Fill the optimizer state of one flat group from the checkpoint (creating it when empty)."""
+    """Fill the optimizer state of one flat group from the checkpoint: into the tensors the engine made at
+    setup where they fit (their layout kept, no second copy held), else into new ones."""
     params = optimizer_params(engine, group)
     if not params:
         return
@@ -222,8 +223,16 @@ def load_optimizer_state(
             state.setdefault(master, {})[key] = dst
             continue
         for param, slot in zip(params, group.layout.slots, strict=True):
-            piece = dst.narrow(0, slot.offset, slot.numel).view(param.shape).clone()
-            state.setdefault(param, {})[key] = piece
+            piece = dst.narrow(0, slot.offset, slot.numel).view(param.shape)
+            held = state.get(param, {}).get(key)
+            if held is not None and (held.shape, held.dtype, held.device) == (
+                param.shape,
+                dst.dtype,
+                dst.device,
+            ):
+                held.copy_(piece)  # the state the engine made at setup: filled where it is, no second copy
+            else:
+                state.setdefault(param, {})[key] = piece.clone()
     for key, saved in scalars.items():
         for param in params:
             state.setdefault(param, {})[key] = _scalar_value(saved, param)

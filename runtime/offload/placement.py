@@ -36,6 +36,7 @@ from runtime.precision.fused_master import (
     compile_refusal,
     default_refusal,
     fused_setting,
+    make_adam_state,
     unsupported_reason,
 )
 from runtime.precision.grad_math import (
@@ -178,6 +179,10 @@ class DeviceMasters:
 
     def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
         self._fused, self._fused_decided = None, False  # decided at the first step, on its gradients
+        if optimizer is not None:  # torch's Adam state now, in the layout the fused step takes as it is
+            make_adam_state(
+                optimizer, [group.master for group in self.groups], [g.index for g in self.groups]
+            )
 
     def prepare_step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> None:
         pass

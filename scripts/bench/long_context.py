@@ -384,14 +384,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model: {error}")
     if args.steps < 1:
         parser.error(f"--steps: expected at least 1, got {args.steps}")
-    if args.steps == 1 and args.no_offload and not (args.bf16_master_weights or args.bf16_optimizer_states):
-        # measured on the H200 (2026-12-06): the 8B shape's first step peaked at 59.9 GiB at any length up
-        # to 162,816 tokens, its later steps at 67.1-67.5 GiB from 54,272: torch's Adam makes the moments in
-        # the first step, after its backward (bf16 masters' MasterAdam makes them at setup since)
-        parser.error(
-            "--steps 1 with --no_offload: torch's Adam makes its state during the first step, so a length "
-            "can train once and not twice; pass --steps 2 or more"
-        )
     setup = setup_from(args)
     if args.one is not None:
         record = train_one(shape, setup, args.one, args.steps, args.device, args.gpu_gib, args.memory_trace)

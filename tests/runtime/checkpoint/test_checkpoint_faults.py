@@ -184,16 +184,21 @@ def _misuse_and_options(rank: int, world: int, root: str) -> dict:
 
     fresh = build()
     fresh.load_checkpoint(root, "quiet", load_module_only=True)
-    seen["module_only"] = (fresh.global_steps, len(fresh.optimizer.state), _same(fresh, masters))
+    seen["module_only"] = (fresh.global_steps, _stepped(fresh), _same(fresh, masters))
     fresh = build()
     fresh.load_checkpoint(root, load_optimizer_states=False)
-    seen["no_optimizer"] = (fresh.global_steps, len(fresh.optimizer.state), _same(fresh, masters))
+    seen["no_optimizer"] = (fresh.global_steps, _stepped(fresh), _same(fresh, masters))
     seen["no_optimizer_lr"] = fresh.get_lr()  # the schedule's, not the fresh optimizer's
     fresh = build()
     fresh.load_checkpoint(root)
     state = fresh.optimizer.state[fresh.groups[0].master]
     seen["everything"] = (fresh.global_steps, sorted(state), _same(fresh, masters))
     return seen
+
+
+def _stepped(engine) -> int:
+    """How many parameters' optimizer state has taken a step (the engine makes it, zero, at setup)."""
+    return sum(1 for state in engine.optimizer.state.values() if state and float(state["step"]) > 0)
 
 
 def _same(engine, masters: dict) -> bool:

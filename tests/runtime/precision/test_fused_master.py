@@ -289,3 +289,88 @@ def test_a_kernel_that_does_not_build_leaves_torch_step_running() -> None:
     assert asked["steps"] == plain["steps"]
     for a, b in zip(asked["masters"], plain["masters"], strict=True):
         assert torch.equal(a, b)
+
+
+def _state_at_setup(rank: int, world_size: int, stage: int, fused: bool) -> dict[str, Any]:
+    """The optimizer state right after initialize, and where the fused step's moments live after one step."""
+    import runtime
+
+    os.environ[ENV] = "1" if fused else "0"
+    try:
+        model = make_model(0)
+        config = _config("bf16", {"stage": stage})
+        engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+        state = engine.optimizer.state
+        params = [p for group in engine.optimizer.param_groups for p in group["params"]]
+        made = {
+            "all": len(params) > 0
+            and all(set(state[p]) == {"step", "exp_avg", "exp_avg_sq"} for p in params),
+            "zero": all(not state[p][k].any() for p in params for k in ("exp_avg", "exp_avg_sq")),
+            "steps": sorted({(float(state[p]["step"]), state[p]["step"].device.type) for p in params}),
+            "fp32": all(state[p]["exp_avg"].dtype == torch.float32 for p in params),
+            # one flat buffer per group, shaped like its master (the fused step's layout)
+            "flat": all(
+                state[p]["exp_avg"]._base is not None and state[p]["exp_avg"]._base.shape == g.master.shape
+                for g in engine.groups
+                for p in engine.optimizer.param_groups[g.index]["params"]
+            ),
+        }
+        buffers = {p: state[p]["exp_avg"]._base.data_ptr() for p in params}
+        _steps(engine, range(1), rank, world_size)
+        made["kept"] = all(state[p]["exp_avg"]._base.data_ptr() == buffers[p] for p in params)
+        made["fused_ran"] = engine.masters._fused is not None  # the placement took the one-pass step
+        made["stepped"] = sorted({float(state[p]["step"]) for p in params})
+        engine.destroy()
+        return made
+    finally:
+        os.environ.pop(ENV, None)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-step", "fused-step"])
+def test_adams_state_is_made_when_the_engine_is_built(stage: int, fused: bool) -> None:
+    """torch's Adam makes its moments in the first step, after the backward, so a first step can fit where
+    no later one does; the engine makes them at setup, zero with step 0 where torch keeps it (the CPU for
+    torch's unfused step), in the fused step's flat layout, which that step then takes without a copy."""
+    got = run_distributed(_state_at_setup, 1, stage, fused)[0]
+    assert got["all"] and got["zero"] and got["fp32"] and got["flat"], got
+    assert got["steps"] == [(0.0, "cpu")]
+    assert got["fused_ran"] is fused
+    assert got["kept"]  # the first step updated the buffers made at setup, whichever step ran
+    assert got["stepped"] == [1.0]
+
+
+def _resume_in_place(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    import runtime
+
+    os.environ[ENV] = "1"
+    try:
+        engines = []
+        for _ in range(2):
+            model = make_model(0)
+            config = _config("bf16", {"stage": 0})
+            engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+            engines.append(engine)
+        saved, fresh = engines
+        _steps(saved, range(2), rank, world_size)
+        saved.save_checkpoint(folder, "t")
+        params = [p for group in fresh.optimizer.param_groups for p in group["params"]]
+        buffers = [fresh.optimizer.state[p]["exp_avg"].data_ptr() for p in params]
+        fresh.load_checkpoint(folder, "t")
+        want = [v["exp_avg"] for _, v in sorted(saved.optimizer.state_dict()["state"].items())]
+        got = [v["exp_avg"] for _, v in sorted(fresh.optimizer.state_dict()["state"].items())]
+        return {
+            "in_place": [fresh.optimizer.state[p]["exp_avg"].data_ptr() for p in params] == buffers,
+            "equal": all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and len(got) > 0,
+            "losses": _steps(fresh, range(2, 3), rank, world_size)
+            == _steps(saved, range(2, 3), rank, world_size),
+        }
+    finally:
+        os.environ.pop(ENV, None)
+
+
+def test_a_resume_fills_the_state_made_at_setup_in_place(tmp_path: Any) -> None:
+    """Loading into the moments made at setup, not beside them: no second copy at the load's peak, and the
+    fused step's first step after it still takes them as they are."""
+    got = run_distributed(_resume_in_place, 1, str(tmp_path))[0]
+    assert got["in_place"] and got["equal"] and got["losses"], got

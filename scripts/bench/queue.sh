@@ -17,9 +17,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:?which call: 1-4}" in
 1)  # the gpu tests of what changed since the last device run, beside the 1B lean-norm walk (the norm's
     # forward is tiled since 342,016 trained under the 32 GiB cap; the walk now tries --max itself)
+    # (the fused step's CUDA case: it now takes the moments made at setup)
     (timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/sequence/test_lean_norm.py \
         tests/runtime/engine/test_cpu_checkpointing.py tests/runtime/engine/test_setup_oom.py \
-        tests/runtime/engine/test_oom.py > "$OUT/gpu-tests.log" 2>&1; echo "rc=$?" >> "$OUT/gpu-tests.log") &
+        tests/runtime/engine/test_oom.py tests/runtime/precision/test_fused_master.py \
+        > "$OUT/gpu-tests.log" 2>&1; echo "rc=$?" >> "$OUT/gpu-tests.log") &
     long 560 --model 1b --gpu_gib 32 --lean_norms --start 376832 --growth 1.12 --max 471040 \
         --resolution 0.08 --steps 1 --timeout 260 --out "$OUT/long-1b-lean.jsonl"
     wait; tail -3 "$OUT/gpu-tests.log" ;;

@@ -25,6 +25,7 @@ from torch import nn
 from runtime import checkpointing
 from runtime.distributed import current_device, init_distributed
 from runtime.engine import Engine, MemoryBreakdown
+from runtime.engine.setup_oom import explained_setup_oom
 from runtime.errors import UserError, install_excepthook
 from runtime.memory import see_memory_usage
 from runtime.parallel.plan import build_parallel_plan
@@ -157,43 +158,30 @@ def initialize(
     # the parallel plan, built once with the config loaded for the data-parallel size: a pipeline's is the
     # grid its module was built on; any other model's comes from the mpu or AutoTP (applied to the model
     # where asked), or is the trivial plan
+    engine_class: type[Engine] = Engine
     if isinstance(model, PipelineModule):
         from runtime.parallel.pipe_plan import build_pipeline_plan
         from runtime.pipe.engine import PipelineEngine
 
         plan, cfg = build_pipeline_plan(model, source)
-        with _setup_oom(model, cfg, plan):
-            engine: Engine = PipelineEngine(
-                model,
-                cfg,
-                optimizer=optimizer,
-                model_parameters=model_parameters,
-                lr_scheduler=lr_scheduler,
-                parallel=plan,
-            )
+        engine_class = PipelineEngine
     else:
         plan, cfg = build_parallel_plan(model, source, mpu=mpu)
-        with _setup_oom(model, cfg, plan):
-            engine = Engine(
-                model,
-                cfg,
-                optimizer=optimizer,
-                model_parameters=model_parameters,
-                lr_scheduler=lr_scheduler,
-                parallel=plan,
-            )
+    # out of GPU memory while it is built, the engine says what would fit (runtime/engine/setup_oom.py)
+    ranks = plan.comm.world_size if plan.comm is not None else dist.get_world_size()
+    with explained_setup_oom(model, cfg, ranks, current_device()):
+        engine = engine_class(
+            model,
+            cfg,
+            optimizer=optimizer,
+            model_parameters=model_parameters,
+            lr_scheduler=lr_scheduler,
+            parallel=plan,
+        )
     loader = None
     if training_data is not None:
         loader = _dataloader(engine, training_data, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
-
-
-def _setup_oom(model: nn.Module, config: Any, plan: Any) -> Any:
-    """Around the engine's construction: out of memory, say what fits (runtime/engine/setup_oom.py)."""
-    from runtime.engine.setup_oom import explained_setup_oom
-
-    ranks = plan.comm.world_size if plan.comm is not None else dist.get_world_size()
-    return explained_setup_oom(model, config, ranks, current_device())
 
 
 def _dataloader(

@@ -158,7 +158,12 @@ class Engine(EngineAccessors, nn.Module):
         cast_unmanaged(model, managed, self.policy.param_dtype)
         # where the masters live (device, or host under offload_optimizer); before the optimizer is built
         self.masters: MasterPlacement = build_master_placement(
-            config, self.groups, self.zero, self.comm, self.device, registration=registration,
+            config,
+            self.groups,
+            self.zero,
+            self.comm,
+            self.device,
+            registration=registration,
             trains=setup.trains,
         )
         self.optimizer, self._per_tensor = self._build_optimizer(optimizer, sharded)

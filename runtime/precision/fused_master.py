@@ -306,9 +306,9 @@ def _flat_moment(
 
 def make_adam_state(
     optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], indices: Sequence[int]
-) -> int:
-    """Make now, while the engine is built, the state torch's Adam/AdamW makes in its first step; returns
-    the bytes made (0: an optimizer this does not cover, or state there already).
+) -> None:
+    """Make now, while the engine is built, the state torch's Adam/AdamW makes in its first step (nothing
+    for an optimizer this does not cover, or where state is there already).
 
     Made in the first step, after its backward, the moments let a first step fit where no later one does
     (bf16 masters' `MasterAdam.prepare` says what that cost on an H200); made here, a configuration that
@@ -318,8 +318,7 @@ def make_adam_state(
     group's moments are one flat fp32 buffer beside its master (`masters[i]`, the optimizer's param group
     `indices[i]`), the layout `FusedMasterAdam` keeps, so its first step takes them without a copy."""
     if unsupported_reason(optimizer) is not None or any(optimizer.state.values()):
-        return 0
-    made = 0
+        return
     for master, index in zip(masters, indices, strict=True):
         if index >= len(optimizer.param_groups):
             continue
@@ -330,17 +329,14 @@ def make_adam_state(
         flat = None
         if params and all(_offset_in(master, p) is not None and p.dtype == torch.float32 for p in params):
             flat = {key: torch.zeros_like(master, dtype=torch.float32) for key in _MOMENTS}
-            made += 2 * master.numel() * 4
         for param in params:
             entry = optimizer.state[param]
             for key in _MOMENTS:
                 if flat is None:
                     entry[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    made += param.numel() * param.element_size()
                 else:
                     offset = _offset_in(master, param)
                     assert offset is not None
                     entry[key] = flat[key].narrow(0, offset, param.numel()).view(param.shape)
             step_device = param.device if on_device else torch.device("cpu")
             entry["step"] = torch.zeros((), dtype=scalar, device=step_device)
-    return made

@@ -33,4 +33,3 @@ class TakeOver:
             "later over the same model took over (its gradient hooks and weight copies are gone)",
             hint="build one engine per model; keep using the newest engine (its forward, backward and step)",
         )
-

@@ -48,15 +48,6 @@ def test_lean_norms_and_16_bit_states_on_the_device_run_as_asked() -> None:
     assert lean["losses"][0] == plain["losses"][0]
 
 
-def test_one_step_without_offload_carries_the_moments_made_at_setup() -> None:
-    """The engine makes Adam's moments when it is built (torch's Adam made them in the first step, after
-    its backward: a one-step length on the H200 peaked at 59.9 GiB, later steps at 67.5), so one step
-    without offload is the steady one, with fp32 and with bf16 masters."""
-    for extra in ((), ("--bf16_optimizer_states",)):
-        tried, summary = _walk("--start", "96", "--max", "96", "--steps", "1", "--no_offload", *extra)
-        assert tried["ok"] and summary["longest"] == 96, tried
-
-
 def test_the_time_limit_stops_the_walk_before_a_slow_length() -> None:
     """One step at 96 tokens gives the rate; 192 tokens would take longer than a microsecond: untried."""
     tried, summary = _walk(

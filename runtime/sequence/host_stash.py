@@ -14,6 +14,14 @@ The copies overlap compute:
   k-1 (the next one backward needs) on the side stream, so it arrives while block k recomputes and runs
   its backward; the compute stream waits only on the event of the copy it needs now.
 
+The device tensor a copy back lands in is allocated on the compute stream, which uses and frees it, and
+the side stream first waits for the compute work queued before it. Allocated on the side stream instead
+(as before), its free waited for an event on the compute stream, which the CPU, queueing kernels far
+ahead of the GPU, finds unfinished: the next prefetch could not reuse it, and a third layer input stayed
+on the GPU (the 1B's trace at 131K tokens: 3 blocks where 2 are needed). On the compute stream a freed
+input is reused in stream order at once. A prefetch never taken (a graph dropped before its backward)
+makes its allocating stream wait for the copy before the memory goes back (`_Arrival`).
+
 Host buffers are pinned (page-locked) on CUDA, which the asynchronous copies need. torch's pinned caching
 allocator rounds every block up to a power of two, which at long sequences doubled the host's cost: a
 layer input of 1.24 GiB (the 8B shape at 162,816 tokens) took a 2 GiB block, and the H200 run's host RSS
@@ -54,18 +62,44 @@ def pinned_pieces(nbytes: int) -> list[int]:
     return [1 << bit for bit in range(total.bit_length() - 1, -1, -1) if total >> bit & 1]
 
 
+class _Arrival:
+    """A device copy of a kept tensor on its way back: allocated on the compute stream (`stream`), written
+    by the side stream until `ready`. Dropped before it is taken, it makes `stream` wait for the copy, so
+    the allocator cannot hand the memory to a kernel while the copy still writes it."""
+
+    __slots__ = ("data", "ready", "stream")
+
+    def __init__(self, data: torch.Tensor, ready: torch.cuda.Event | None, stream: torch.cuda.Stream | None):
+        self.data: torch.Tensor | None = data
+        self.ready, self.stream = ready, stream
+
+    def take(self) -> torch.Tensor:
+        """The tensor, usable on the current stream from here on."""
+        data, self.data = self.data, None
+        assert data is not None
+        if self.ready is not None:
+            current = torch.cuda.current_stream(data.device)
+            current.wait_event(self.ready)
+            if current != self.stream:  # used and freed on another stream than the one it came from
+                data.record_stream(current)
+        return data
+
+    def __del__(self) -> None:
+        if self.data is not None and self.stream is not None and self.ready is not None:
+            self.stream.wait_event(self.ready)  # before `data` is freed, after this returns
+
+
 class HostCopy:
     """One tensor kept in host memory (``pieces``: 1-D host tensors, its elements in order), with the events
     of its copies on CUDA."""
 
-    __slots__ = ("__weakref__", "copied", "device", "dtype", "pieces", "prefetched", "ready", "shape")
+    __slots__ = ("__weakref__", "copied", "device", "dtype", "pieces", "prefetched", "shape")
 
     def __init__(self, pieces: list[torch.Tensor], data: torch.Tensor) -> None:
         self.pieces = pieces
         self.shape, self.dtype, self.device = data.shape, data.dtype, data.device
         self.copied: torch.cuda.Event | None = None  # the device-to-host copy is done
-        self.prefetched: torch.Tensor | None = None  # the device copy, started ahead of need
-        self.ready: torch.cuda.Event | None = None  # `prefetched` has arrived
+        self.prefetched: _Arrival | None = None  # the device copy, started ahead of need
 
 
 class HostStash:
@@ -116,16 +150,23 @@ class HostStash:
         if copy.prefetched is not None:
             return
         stream = self._stream(copy.device)
+        # on the compute stream, which uses and frees it (module docstring); the side stream writes it
+        # only after the compute work queued so far, which may still use the memory's previous tensor
+        data = torch.empty(copy.shape, dtype=copy.dtype, device=copy.device)
+        current = None
+        if stream is not None:
+            current = torch.cuda.current_stream(copy.device)
+            stream.wait_stream(current)
+        ready = None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            data = torch.empty(copy.shape, dtype=copy.dtype, device=copy.device)
             flat, start = data.view(-1), 0
             for host in copy.pieces:
                 flat[start : start + host.numel()].copy_(host, non_blocking=stream is not None)
                 start += host.numel()
-            copy.prefetched = data
             if stream is not None:
-                copy.ready = torch.cuda.Event()
-                copy.ready.record(stream)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+        copy.prefetched = _Arrival(data, ready, current)
 
     def take(self, copy: HostCopy) -> torch.Tensor:
         """The tensor back on its device (usable on the current stream); prefetches the copy put just
@@ -139,13 +180,10 @@ class HostStash:
         if copy.prefetched is not None:
             self.prefetched += 1
         self._prefetch(copy)  # a no-op when it is on the way already
-        data = copy.prefetched
-        assert data is not None
-        if copy.ready is not None:
-            current = torch.cuda.current_stream(copy.device)
-            current.wait_event(copy.ready)
-            data.record_stream(current)  # allocated on the side stream, used and freed on this one
-        copy.prefetched, copy.ready = None, None  # the handle may be taken again (retain_graph)
+        arrival = copy.prefetched
+        assert arrival is not None
+        copy.prefetched = None  # the handle may be taken again (retain_graph)
+        data = arrival.take()
         if earlier is not None:
             self._prefetch(earlier)
         return data

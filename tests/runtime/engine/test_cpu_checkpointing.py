@@ -145,3 +145,44 @@ def test_checkpointed_inputs_live_in_pinned_host_memory_on_cuda() -> None:
     layer_input = 2 * SEQ * 32 * 4  # [batch, seq, hidden] fp32
     assert on_host["kept"][0].host_bytes_kept == 3 * layer_input
     assert on_device["kept"][0].host_bytes_kept == 0
+
+
+@pytest.mark.gpu
+def test_backward_keeps_two_inputs_on_the_gpu_while_the_cpu_runs_ahead_of_it() -> None:
+    """Taking input k brings k-1 back ahead of need, so the GPU holds those two; the one used before is
+    freed in stream order and reused by the next prefetch, even while the GPU runs far behind the CPU
+    (at 131K tokens the 1B's trace showed a third input held: its free waited on a stream event)."""
+    count, numel = 6, 16 << 20  # six 64 MiB inputs
+    stash = HostStash()
+    copies = [stash.put(torch.full((numel,), float(i), device="cuda")) for i in range(count)]
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    seen = []
+    for i in reversed(range(count)):
+        data = stash.take(copies[i])
+        torch.cuda._sleep(20_000_000)  # a long block backward: the GPU falls behind the CPU
+        seen.append(torch.stack([data.min(), data.max()]))
+        del data
+    torch.cuda.synchronize()
+    assert [s.tolist() for s in seen] == [[float(i), float(i)] for i in reversed(range(count))]
+    assert torch.cuda.max_memory_allocated() - base <= 2 * numel * 4 + (1 << 20)
+    assert stash.prefetched == count - 1
+
+
+@pytest.mark.gpu
+def test_a_prefetch_never_taken_is_freed_only_after_its_copy() -> None:
+    """A graph dropped before its backward leaves a prefetched input unused: its memory goes back to the
+    compute stream only after the side stream's copy into it, so what is allocated there next keeps its
+    values."""
+    numel = 32 << 20
+    stash = HostStash()
+    copies = [stash.put(torch.full((numel,), float(i + 1), device="cuda")) for i in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy so the copy is still pending on the GPU
+    assert stash.take(copies[1]).min().item() == 2.0  # and copies[0] is now on its way back
+    del copies, stash  # never taken
+    reused = torch.zeros(numel, device="cuda")  # may get the dropped prefetch's memory
+    torch.cuda.synchronize()
+    assert reused.abs().max().item() == 0.0
+

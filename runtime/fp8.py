@@ -17,7 +17,13 @@ The rule (a linear stays in bf16 for the first reason that applies, in this orde
    called `lm_head` / `output`: the logits feed a softmax over the whole vocabulary, the layer float8 hurts
    most (torchtitan keeps it in bf16 for the same reason);
 4. `dims not divisible by 16`: float8 matmul kernels need both dims multiples of 16;
-5. `smaller than min_features`: a dim under `fp8.min_features` costs more in casts than it saves.
+5. `smaller than min_features`: a dim under `fp8.min_features` costs more in casts than it saves;
+6. `below float8's break-even`: with `fp8.auto_filter_small_kn` (on by default), a shape that torchao's
+   published H100 tables show no faster in float8 for the recipe (`below_break_even`): with tensorwise
+   scales K <= 4096 and N <= 1024 (K the input, N the output features), which keeps the key and value
+   projections of a grouped-query model (Llama-3.2-3B's 3072 -> 1024); with rowwise scales N <= 2048,
+   K <= 1024, or N <= 4096 with K <= 2048. Those matmuls are too small for the faster kernel to pay for
+   the casts and scale reductions around it.
 """
 
 from __future__ import annotations
@@ -73,7 +79,17 @@ def _keep_reason(name: str, module: nn.Linear, cfg: FP8Config, embeddings: list[
         return f"dims not divisible by {DIM_MULTIPLE}"
     if min(module.in_features, module.out_features) < cfg.min_features:
         return f"smaller than min_features={cfg.min_features}"
+    if cfg.auto_filter_small_kn and below_break_even(cfg.recipe, module.in_features, module.out_features):
+        return f"below float8's {cfg.recipe} break-even (K={module.in_features}, N={module.out_features})"
     return None
+
+
+def below_break_even(recipe: str, k: int, n: int) -> bool:
+    """Whether a linear of `k` input and `n` output features runs no faster in float8 than in bf16 under
+    `recipe`, by the thresholds of torchao's H100 performance tables (rule 6 of the module docstring)."""
+    if recipe == "tensorwise":
+        return k <= 4096 and n <= 1024
+    return n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)
 
 
 def select_linears(model: nn.Module, cfg: FP8Config) -> Selection:

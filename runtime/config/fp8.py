@@ -9,7 +9,8 @@ checked by `runtime.config.load`, which sees both sections.
         "enabled": true,
         "recipe": "tensorwise",        # or "rowwise": one scale per tensor, or per row (more accurate)
         "exclude_modules": ["*.attn.*"],  # fnmatch patterns on module names kept in bf16
-        "min_features": 1024           # both dims of a converted layer at least this
+        "min_features": 1024,          # both dims of a converted layer at least this
+        "auto_filter_small_kn": true   # keep layers below float8's measured break-even for the recipe
     }
 """
 
@@ -35,6 +36,9 @@ class FP8Config:
     recipe: str = "tensorwise"
     exclude_modules: tuple[str, ...] = ()  # fnmatch patterns matched against each linear's module name
     min_features: int = DEFAULT_MIN_FEATURES
+    # keep a linear whose shape torchao's H100 tables show no faster in float8 for the recipe (torchtitan's
+    # option of the same name); runtime.fp8.below_break_even holds the thresholds
+    auto_filter_small_kn: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ def read_fp8(r: SectionReader) -> FP8Config:
         recipe=r.get("recipe", Choice(RECIPES), "tensorwise"),
         exclude_modules=r.get("exclude_modules", StrList(), ()),
         min_features=r.get("min_features", Int(DIM_MULTIPLE), DEFAULT_MIN_FEATURES),
+        auto_filter_small_kn=r.get("auto_filter_small_kn", Bool(), True),
     )
     r.finish()
     return cfg

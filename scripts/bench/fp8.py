@@ -5,7 +5,9 @@ default about 2.9B parameters (hidden 3072, MLP 8192, 28 layers, 24 heads of whi
 32000, tied head: Llama-3.2-3B's body with a smaller vocabulary). Both settings train it with bf16
 weights, fp32 masters, AdamW(lr 3e-4, weight decay 0.01), clipping at 1.0, ZeRO stage 2, and
 ``engine.compile()``; the fp8 setting adds ``"fp8": {"enabled": true, "recipe": --recipe}``, which converts
-every attention and MLP projection (the tied head stays bf16: runtime/fp8.py's rule, logged at start).
+the attention and MLP projections (runtime/fp8.py's rule, logged at start: the tied head stays bf16, and so
+do the key and value projections, 3072 -> 1024, below float8's break-even; --all_projections converts
+those too, as the runs before that rule did).
 
 Throughput: for each setting, a fresh engine, --warmup steps (compilation), then --repeats timed blocks of
 --steps steps each on one fixed batch of random tokens; tokens/s of each block, and the median, min and
@@ -96,6 +98,8 @@ def engine_config(fp8: bool, args: argparse.Namespace) -> dict:
         cfg["fp8"] = {"enabled": True, "recipe": args.recipe}
         if args.tiny:
             cfg["fp8"]["min_features"] = 16  # the tiny model's layers are 64-128 wide
+        if args.tiny or args.all_projections:
+            cfg["fp8"]["auto_filter_small_kn"] = False
     return cfg
 
 
@@ -128,6 +132,7 @@ def run_setting(fp8: bool, args: argparse.Namespace, device: Any, batches: Any) 
         "bench": "fp8",
         "setting": "fp8" if fp8 else "bf16",
         "recipe": args.recipe if fp8 else None,
+        "auto_filter_small_kn": (not (args.tiny or args.all_projections)) if fp8 else None,
         "seed": args.seed,
         "linear_params": n_linear,
         "seq_len": args.seq_len,
@@ -178,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
     parser.add_argument("--recipe", default="tensorwise", choices=("tensorwise", "rowwise"))
+    parser.add_argument(
+        "--all_projections",
+        action="store_true",
+        help="fp8.auto_filter_small_kn false: the key and value projections in float8 too",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
     parser.add_argument("--warmup", type=int, default=5)

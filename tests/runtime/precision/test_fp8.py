@@ -23,7 +23,7 @@ from torch import nn
 from runtime.config import ConfigError, load_config
 from runtime.config.fp8 import FP8Config
 from runtime.errors import UserError
-from runtime.fp8 import convert_model, select_linears
+from runtime.fp8 import below_break_even, convert_model, select_linears
 from tests.support.dist import run_distributed
 from tests.support.models import CLASSES, IN_FEATURES, loss_fn, rank_batch, train_engine
 from tests.support.parity import ROWS, update_error
@@ -34,7 +34,7 @@ STEPS = 4
 ACCUMULATION = 2
 LR = 3e-3
 CLIP = 0.5
-SMALL = FP8Config(enabled=True, min_features=16)
+SMALL = FP8Config(enabled=True, min_features=16, auto_filter_small_kn=False)  # tiny layers converted
 
 
 class Fp8Net(nn.Module):
@@ -80,7 +80,7 @@ def _config(stage: int, *, fp8: bool = True, **zero: Any) -> dict:
         "zero_optimization": {"stage": stage, **zero},
     }
     if fp8:
-        cfg["fp8"] = {"enabled": True, "min_features": 16}
+        cfg["fp8"] = {"enabled": True, "min_features": 16, "auto_filter_small_kn": False}
     return cfg
 
 
@@ -100,6 +100,11 @@ def test_fp8_section_reads_with_defaults() -> None:
         ({"recipe": "x"}, True, "fp8.recipe: expected one of 'tensorwise', 'rowwise', got str 'x'"),
         ({"exclude_modules": [3]}, True, "fp8.exclude_modules[0]: expected a non-empty string, got 3"),
         ({"min_features": 8}, True, "fp8.min_features: expected an integer >= 16, got 8"),
+        (
+            {"auto_filter_small_kn": "no"},
+            True,
+            "fp8.auto_filter_small_kn: expected true or false, got str 'no'",
+        ),
     ],
 )
 def test_fp8_section_refuses_bad_values(section: dict, bf16: bool, message: str) -> None:
@@ -130,7 +135,9 @@ def test_selection_on_a_tiny_gpt_keeps_the_tied_head_and_small_layers() -> None:
     from runtime.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=100, max_seq_len=16))
-    rule = FP8Config(enabled=True, min_features=32, exclude_modules=("blocks.1.attn*",))
+    rule = FP8Config(
+        enabled=True, min_features=32, exclude_modules=("blocks.1.attn*",), auto_filter_small_kn=False
+    )
     chosen = select_linears(model, rule)
     block0 = ("blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj")
     assert chosen.converted == (*block0, "blocks.1.mlp.fc", "blocks.1.mlp.proj")
@@ -158,7 +165,7 @@ def test_selection_on_a_tiny_hf_llama_keeps_the_untied_head() -> None:
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
-    chosen = select_linears(model, FP8Config(enabled=True, min_features=16))
+    chosen = select_linears(model, SMALL)
     assert chosen.converted == tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo")  # k, v: 48 -> 16
     assert chosen.kept == (
         ("model.layers.0.mlp.gate_proj", "dims not divisible by 16"),  # 120 wide
@@ -170,6 +177,45 @@ def test_selection_on_a_tiny_hf_llama_keeps_the_untied_head() -> None:
     assert summary.startswith(
         "fp8: 4 of 8 linear layers train in float8 (tensorwise scaling); kept in bf16: "
     )
+
+
+def test_the_break_even_rule_keeps_a_grouped_query_models_key_and_value_projections() -> None:
+    """Llama-3.2-3B's shapes (hidden 3072, 8 of 24 heads for keys and values, MLP 8192): by torchao's H100
+    tables, k_proj and v_proj (3072 -> 1024) gain nothing in float8 with either recipe; the rest do."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=1,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    layer = "model.layers.0."
+    fast = (
+        f"{layer}self_attn.q_proj",
+        f"{layer}self_attn.o_proj",
+        *(f"{layer}mlp.{p}_proj" for p in ("gate", "up", "down")),
+    )
+    for recipe in ("tensorwise", "rowwise"):
+        chosen = select_linears(model, FP8Config(enabled=True, recipe=recipe))
+        assert chosen.converted == fast
+        assert chosen.kept[:2] == tuple(
+            (f"{layer}self_attn.{p}_proj", f"below float8's {recipe} break-even (K=3072, N=1024)")
+            for p in "kv"
+        )
+        assert chosen.kept[2] == ("lm_head", "tied to an embedding")
+    everything = select_linears(model, FP8Config(enabled=True, auto_filter_small_kn=False))
+    assert len(everything.converted) == 7  # the switch off: only the head stays
+    # the tables' edges (K input features, N output features)
+    assert below_break_even("tensorwise", 4096, 1024) and not below_break_even("tensorwise", 4097, 1024)
+    assert not below_break_even("tensorwise", 4096, 1040)
+    assert below_break_even("rowwise", 8192, 2048) and below_break_even("rowwise", 1024, 8192)
+    assert below_break_even("rowwise", 2048, 4096) and not below_break_even("rowwise", 2064, 4096)
 
 
 # -- the engine ------------------------------------------------------------------------------------------

@@ -17,9 +17,10 @@ The copies overlap compute:
 The device tensor a copy back lands in is allocated on the compute stream, which uses and frees it, and
 the side stream first waits for the compute work queued before it. Allocated on the side stream instead
 (as before), its free waited for an event on the compute stream, which the CPU, queueing kernels far
-ahead of the GPU, finds unfinished: the next prefetch could not reuse it, and a third layer input stayed
-on the GPU (the 1B's trace at 131K tokens: 3 blocks where 2 are needed). On the compute stream a freed
-input is reused in stream order at once. A prefetch never taken (a graph dropped before its backward)
+ahead of the GPU, finds unfinished: the next prefetch could not reuse it, so a third layer input stayed
+on the GPU (the 1B's trace at 131K tokens: 3 blocks where 2 are needed) until the GPU caught up, or until
+the allocator, short of memory, stopped to synchronize. On the compute stream a freed input is reused in
+stream order at once. A prefetch never taken (a graph dropped before its backward)
 makes its allocating stream wait for the copy before the memory goes back (`_Arrival`).
 
 Host buffers are pinned (page-locked) on CUDA, which the asynchronous copies need. torch's pinned caching

@@ -133,8 +133,9 @@ class PartialMasters:
         self._host_stage = StageView(zero, split.host)
         self._total: torch.Tensor | None = None  # this step's squared norm over both sides and all ranks
 
-    # -- delegated to the host side ------------------------------------------------------------------
+    # -- delegated to the host side (bind: to both) ----------------------------------------------------------
     def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self._device.bind(optimizer)  # the device's groups: their Adam state now, as without offload
         self.host.bind(optimizer)
 
     def prepare_step(self, optimizer: torch.optim.Optimizer, math: GradMath, *, per_tensor: bool) -> None:

@@ -308,7 +308,7 @@ def make_adam_state(
     optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], indices: Sequence[int]
 ) -> None:
     """Make now, while the engine is built, the state torch's Adam/AdamW makes in its first step (nothing
-    for an optimizer this does not cover, or where state is there already).
+    for an optimizer this does not cover, or for a group whose state is there already).
 
     Made in the first step, after its backward, the moments let a first step fit where no later one does
     (bf16 masters' `MasterAdam.prepare` says what that cost on an H200); made here, a configuration that
@@ -317,13 +317,15 @@ def make_adam_state(
     a fused or capturable group, on the CPU otherwise), so torch's own step reads them as its own. Each
     group's moments are one flat fp32 buffer beside its master (`masters[i]`, the optimizer's param group
     `indices[i]`), the layout `FusedMasterAdam` keeps, so its first step takes them without a copy."""
-    if unsupported_reason(optimizer) is not None or any(optimizer.state.values()):
+    if unsupported_reason(optimizer) is not None:
         return
     for master, index in zip(masters, indices, strict=True):
         if index >= len(optimizer.param_groups):
             continue
         group = optimizer.param_groups[index]
         params = list(group["params"])
+        if any(optimizer.state.get(param) for param in params):
+            continue  # made already (a resume, or the host side of a partial offload)
         on_device = bool(group.get("fused") or group.get("capturable"))
         scalar = torch.float32 if on_device or torch.get_default_dtype() != torch.float64 else torch.float64
         flat = None

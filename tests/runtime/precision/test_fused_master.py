@@ -374,3 +374,37 @@ def test_a_resume_fills_the_state_made_at_setup_in_place(tmp_path: Any) -> None:
     fused step's first step after it still takes them as they are."""
     got = run_distributed(_resume_in_place, 1, str(tmp_path))[0]
     assert got["in_place"] and got["equal"] and got["losses"], got
+
+
+def _partial_state_at_setup(rank: int, world_size: int) -> dict[str, Any]:
+    import runtime
+
+    model = make_model(0)
+    config = _config("bf16", {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}})
+    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+    split = engine.masters.split
+    state = engine.optimizer.state
+
+    def params(indices: Any) -> list[torch.Tensor]:
+        return [p for i in indices for p in engine.optimizer.param_groups[engine.groups[i].index]["params"]]
+
+    def entries(indices: Any) -> list[tuple[str, ...]]:
+        return [tuple(sorted(state[p])) if p in state else () for p in params(indices)]
+
+    got = {"device": entries(split.device), "host": entries(split.host)}
+    got["zero"] = all(not state[p][k].any() for p in params(split.device) for k in ("exp_avg", "exp_avg_sq"))
+    buffers = [state[p]["exp_avg"].data_ptr() for p in params(split.device)]
+    _steps(engine, range(1), rank, world_size)
+    got["kept"] = [state[p]["exp_avg"].data_ptr() for p in params(split.device)] == buffers
+    got["stepped"] = sorted({float(state[p]["step"]) for p in params(split.device)})
+    engine.destroy()
+    return got
+
+
+def test_a_partial_offloads_device_share_has_its_state_at_setup() -> None:
+    """With `offload_optimizer.ratio` between 0 and 1 and fp32 masters, the device's groups step with torch's
+    Adam on the device: their moments are made at setup too (the host's share has its own buffers), and the
+    first step updates those."""
+    got = run_distributed(_partial_state_at_setup, 1)[0]
+    assert got["device"] and all(e == ("exp_avg", "exp_avg_sq", "step") for e in got["device"]), got
+    assert got["zero"] and got["kept"] and got["stepped"] == [1.0]

@@ -41,6 +41,17 @@ def _config(stage: int, *, offload: bool = False, ratio: float = 1.0, params: bo
 
 
 def _reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """torch's Muon + AdamW over the global batches, on one intra-op thread as the ranks run (a BLAS call
+    may block its sums differently with more threads, and the one-process test compares bit for bit)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _reference_steps(steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference_steps(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = make_model(0)
     split = muon_split(model)
     chosen = [n for n, p in model.named_parameters() if split[p]]

@@ -96,6 +96,9 @@ class AutoFacts:
     # the host's gradient landing (and, for an optimizer without the one-pass Adam step, the conversion
     # into fp32 masters: estimator.model_states.host_landing_bytes)
     landing_bytes: int = LANDING_BYTES
+    # the working weights live on the device: with ZeRO-3's offload_param they are in host memory, so the
+    # device share's bf16 masters are a copy of their own there (runtime.offload.partial)
+    weights_on_device: bool = True
 
     @property
     def bf16_masters(self) -> bool:
@@ -103,8 +106,10 @@ class AutoFacts:
 
     @property
     def device_state_bytes(self) -> float:
-        """An element of the device's share: its master (none when it is the working weight) and moments."""
-        return (0 if self.bf16_masters else self.master_bytes) + self.moment_bytes
+        """An element of the device's share: its master (none when it is the working weight on the device)
+        and moments."""
+        shared = self.bf16_masters and self.weights_on_device
+        return (0 if shared else self.master_bytes) + self.moment_bytes
 
     @property
     def host_state_bytes(self) -> float:
@@ -375,6 +380,7 @@ def read_auto_facts(
         master_bytes=DTYPE_BYTES[master_dtype],
         moment_bytes=moment_bytes(sizes, optimizer, state_dtype),
         landing_bytes=host_landing_bytes(optimizer, dtype, master_dtype),
+        weights_on_device=not (zero.stage == 3 and zero.offload_param.enabled),
     )
 
 

@@ -9,6 +9,7 @@ on the host) and, in the `gpu` test, on a GPU with room for all of it.
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -225,3 +226,43 @@ def test_auto_counts_the_host_bytes_the_estimator_counts(optimizer: str, states:
     converts = optimizer == "Muon" and states == "fp32"  # bf16 gradients into fp32 for the host step
     assert facts.landing_bytes == 2 + (4 if converts else 0)
     assert facts.device_state_bytes == pytest.approx(moments + (4 if states == "fp32" else 0))
+
+
+def test_with_offload_param_the_device_share_of_bf16_masters_costs_its_masters() -> None:
+    """bf16 masters on the device are the working weights, except under ZeRO-3's offload_param, which keeps
+    the weights in host memory: the device share then holds a bf16 copy of its masters beside the moments.
+    Uncounted, "auto" put 44% of a 17.63B model's state on an 80 GB H100 at micro-batch 8 and its first
+    forward ran out of memory with 0.69 GiB left; at 34% on the device it trained (BENCHMARKS.md)."""
+    from runtime.comm import Comm
+    from runtime.config import load_config
+    from runtime.distributed import init_distributed
+    from runtime.estimator.fit import Machine, Workload, fit_gpt
+    from runtime.models.gpt import GPTConfig
+    from runtime.offload.auto_ratio import read_auto_facts
+
+    bf16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+    def facts(zero: dict) -> Any:
+        config = load_config(
+            {
+                "train_micro_batch_size_per_gpu": 1,
+                "bf16": bf16,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": "auto"}, **zero},
+            },
+            world_size=1,
+        )
+        init_distributed()
+        return read_auto_facts(
+            _gpt(layers=2, width=64, heads=2), config, Comm(), torch.device("cpu"), torch.bfloat16
+        )
+
+    assert facts({"stage": 3}).device_state_bytes == 4  # bf16 moments; the master is the working weight
+    assert facts({"stage": 3, "offload_param": {"device": "cpu"}}).device_state_bytes == 2 + 4
+    # ds_estimate counts the same: the 17.63B GPT on an H100 needs more of its state on the host
+    gib = 1 << 30
+    h100 = Machine(gpu_bytes=int(79.1 * gib), host_bytes=int(124.9 * gib), gpus_per_node=1)
+    gpt = GPTConfig(n_layer=28, n_head=56, n_embd=7168, vocab_size=50304, max_seq_len=1024)
+    work = Workload(micro_batch=8, master_dtype="bf16", state_dtype="bf16")
+    z3 = fit_gpt(gpt, h100, work, stage=3, offload_param=True, ratio="auto")
+    assert z3.ratio is not None and z3.ratio >= 0.664, z3.reason  # the share on the host that trained

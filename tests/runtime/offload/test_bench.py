@@ -318,3 +318,26 @@ def test_find_max_with_bf16_states_estimates_the_smaller_state() -> None:
     for key in ("tokens_per_s", "loss_first", "loss_last", "setup_s", "wall_s"):
         assert summary[key] is not None and summary[key] == trial[key], key
     assert summary["mfu"] is None  # no bf16 peak for a CPU
+
+
+def test_the_link_is_timed_on_a_sample_of_a_large_models_bytes_and_scaled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 17.6B model's copies (35 GB each way in bf16, twice that in fp32, on host and device) filled the
+    H100 machine's host: past PCIE_SAMPLE_ELEMENTS the pcie row times a sample and scales its seconds to
+    the whole model's bytes, so the bound still holds the whole step's copies."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from scripts.bench import offload_parts
+
+    spec = {"n_layer": 2, "n_head": 4, "n_embd": 256, "seq_len": 64}
+    n = offload_parts.model_config(spec).num_params()
+    monkeypatch.setattr(offload_parts, "PCIE_SAMPLE_ELEMENTS", n // 4)
+    row = offload_parts.work_pcie(spec, torch.device("cpu"))
+    assert row["bytes_each_way"] == 2 * n and row["sampled_bytes_each_way"] == 2 * (n // 4)
+    # the seconds are the whole model's: its bytes at the sample's rate
+    assert row["down_s"] == pytest.approx(2 * n / (row["down_gb_per_s"] * 1e9), rel=0.1)
+    assert row["up_s"] == pytest.approx(2 * n / (row["up_gb_per_s"] * 1e9), rel=0.1)

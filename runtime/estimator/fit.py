@@ -25,7 +25,11 @@ Recomputation in Large Transformer Models", 2022, with flash attention so no s x
 about 34 x n_embd bytes in 16-bit. With activation checkpointing every block keeps only its input
 (2 x n_embd bytes a token) and one block's full activations exist at a time, during its recomputation.
 The logits and the loss add vocab x (2 + 4 + 4) bytes a token (16-bit logits, their fp32 copy for the
-loss, and its gradient).
+loss, and its gradient): on top of every block's activations without checkpointing, and with it on top of
+the kept inputs only, as the loss's backward ends before the first block recomputes (the larger of the
+two phases counts). Measured: ZeRO-3 with offload_param at micro batch 8 x 1024, 17.63B on an H100, held
+9.4 GiB beside its model states at the peak, where the sum of both phases counted 11.7 (the gathered
+units and the embedding's gradient included).
 
 These are estimates, not allocations: the fixed terms (context, allocator slack, process overhead) come
 from measurements on the H200 machine and are kept here as named constants; BENCHMARKS.md records how
@@ -127,11 +131,12 @@ def activation_bytes(config: GPTConfig, work: Workload) -> int:
     tokens = work.seq_len * work.micro_batch
     w = DTYPE_BYTES[work.dtype]
     block = ACTIVATION_BYTES_PER_TOKEN_PER_EMBD * config.n_embd * tokens * w // 2
+    logits = tokens * config.vocab_size * LOGIT_BYTES_PER_TOKEN_PER_VOCAB
     if work.activation_checkpointing:
-        kept = config.n_layer * tokens * config.n_embd * w + block
-    else:
-        kept = config.n_layer * block
-    return kept + tokens * config.vocab_size * LOGIT_BYTES_PER_TOKEN_PER_VOCAB
+        # every block's input all along; the loss's logits, then one block's recomputation at a time:
+        # backward runs the loss's first and frees its logits before any block recomputes
+        return config.n_layer * tokens * config.n_embd * w + max(block, logits)
+    return config.n_layer * block + logits
 
 
 def gpt_sizes(config: GPTConfig) -> ModelSizes:

@@ -133,7 +133,7 @@ class PartialMasters:
         self._host_stage = StageView(zero, split.host)
         self._total: torch.Tensor | None = None  # this step's squared norm over both sides and all ranks
 
-    # -- delegated to the host side (bind: to both) ----------------------------------------------------------
+    # -- delegated to the host side (bind: to both sides) ----------------------------------------------
     def bind(self, optimizer: torch.optim.Optimizer | None) -> None:
         self._device.bind(optimizer)  # the device's groups: their Adam state now, as without offload
         self.host.bind(optimizer)

@@ -20,8 +20,8 @@ the side stream first waits for the compute work queued before it. Allocated on 
 ahead of the GPU, finds unfinished: the next prefetch could not reuse it, so a third layer input stayed
 on the GPU (the 1B's trace at 131K tokens: 3 blocks where 2 are needed) until the GPU caught up, or until
 the allocator, short of memory, stopped to synchronize. On the compute stream a freed input is reused in
-stream order at once. A prefetch never taken (a graph dropped before its backward)
-makes its allocating stream wait for the copy before the memory goes back (`_Arrival`).
+stream order at once. A prefetch never taken (a graph dropped before its backward) makes its allocating
+stream wait for the copy before the memory goes back (`_Arrival`).
 
 Host buffers are pinned (page-locked) on CUDA, which the asynchronous copies need. torch's pinned caching
 allocator rounds every block up to a power of two, which at long sequences doubled the host's cost: a
@@ -70,7 +70,9 @@ class _Arrival:
 
     __slots__ = ("data", "ready", "stream")
 
-    def __init__(self, data: torch.Tensor, ready: torch.cuda.Event | None, stream: torch.cuda.Stream | None):
+    def __init__(
+        self, data: torch.Tensor, ready: torch.cuda.Event | None, stream: torch.cuda.Stream | None
+    ) -> None:
         self.data: torch.Tensor | None = data
         self.ready, self.stream = ready, stream
 

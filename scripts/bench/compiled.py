@@ -22,6 +22,11 @@ heads, MLP 8192, vocab 128256, tied head; 3.2B; micro batch 4 x 2048; sdpa atten
     python scripts/bench/compiled.py --models llama3b --stages 0,2 --fused_ab   # the fused master step's A/B
     python scripts/bench/compiled.py --tiny --steps 2 --warmup 1 --repeats 2 # CPU smoke check
 
+The per-unit plan's price (issue 33): at ZeRO-3 over several ranks (or with `offload_param`) the engine
+compiles each gather unit's forward on its own, the glue between them eager (runtime/compile.py).
+--regions_stages 3 adds `ours-regions-zeroS` rows: that plan on this one rank, where nothing is gathered,
+so the row against `ours-compiled-zeroS` is what the plan's graph boundaries cost without the gathers.
+
 DeepSpeed beside us (issue 33): --ds_stages 0,2,3 adds `deepspeed-compiled-zeroS` rows (deepspeed.initialize
 with the same config, torch's AdamW inside it, then DeepSpeed's own `engine.compile()`), and
 --deepcompile_stages 3 `deepspeed-deepcompile-zeroS` rows (the config's `"compile": {"deepcompile": true}`,
@@ -140,11 +145,16 @@ def setup(
         if peer == "deepspeed-deepcompile":
             config["compile"] = {"deepcompile": True}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        engine.compile(backend=backend)
     else:
         import runtime
+        from runtime.compile import block_names, compile_model
 
         engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
-    engine.compile(backend=backend)
+        if peer == "ours-regions":  # stage 3's per-unit plan on one rank: each block and the head alone
+            compile_model(engine.module, block_names(engine.module), {"backend": backend})
+        else:
+            engine.compile(backend=backend)
 
     def engine_compute() -> torch.Tensor:
         loss = loss_of(engine, name, batch)
@@ -158,6 +168,9 @@ def measure(peer: str, stage: int, name: str, args: argparse.Namespace) -> dict[
     flops, micro, seq, vocab = _sizes(name, args)
     gen = torch.Generator().manual_seed(1234)
     batch = torch.randint(0, vocab, (micro, seq + 1), generator=gen).to(args.device)
+    from runtime.compile import compile_counts
+
+    before = compile_counts()
     compute, update = setup(peer, stage, name, args, batch)
 
     def step() -> torch.Tensor:
@@ -166,6 +179,8 @@ def measure(peer: str, stage: int, name: str, args: argparse.Namespace) -> dict[
         return loss
 
     losses = [step() for _ in range(args.warmup)]
+    # what this configuration compiled in its warm-up (dynamo's counters are the process's: the difference)
+    compiled = {key: value - before[key] for key, value in compile_counts().items()}
     windows = []
     for _ in range(args.repeats):
         median, _times = median_time(lambda: losses.append(step()), args.device, 0, args.steps)
@@ -182,6 +197,8 @@ def measure(peer: str, stage: int, name: str, args: argparse.Namespace) -> dict[
         "loss_last": round(float(losses[-1]), 4),
         "micro_batch": micro,
         "seq_len": seq,
+        "graphs_compiled": compiled["graphs_compiled"],
+        "graph_breaks": compiled["graph_breaks"],
     }
     if args.device.type == "cuda":
         result.update(phases(compute, update, args.steps, losses))
@@ -235,6 +252,7 @@ def run_model(name: str, args: argparse.Namespace) -> int:
     runs = [("torch-compiled", -1, "")] + [("ours-compiled", s, "") for s in args.stages]
     if args.fused_ab:  # each stage again with the fused master step (precision/fused_master.py)
         runs += [("ours-compiled", s, "-fused") for s in args.stages]
+    runs += [("ours-regions", s, "") for s in args.regions_stages]
     runs += [("deepspeed-compiled", s, "") for s in args.ds_stages]
     runs += [("deepspeed-deepcompile", s, "") for s in args.deepcompile_stages]
     for peer, stage, variant in runs:
@@ -281,6 +299,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also each stage with DSLAUNCH_FUSED_MASTER_STEP=1 (rows *-fused)",
     )
     parser.add_argument(
+        "--regions_stages",
+        default="",
+        help="ZeRO stages of ours compiled per region as stage 3 over several ranks compiles it (each block "
+        "and the head, the glue eager), on this one rank without the gathers: the structure's own cost "
+        "(rows ours-regions-zeroS)",
+    )
+    parser.add_argument(
         "--ds_stages",
         default="",
         help="ZeRO stages of DeepSpeed's engine with engine.compile() (rows deepspeed-compiled-zeroS; "
@@ -297,6 +322,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.out = out_file(args.out, "compiled")
     args.stages = [int(s) for s in str(args.stages).split(",") if s.strip()]
     args.ds_stages = [int(s) for s in str(args.ds_stages).split(",") if s.strip()]
+    args.regions_stages = [int(s) for s in str(args.regions_stages).split(",") if s.strip()]
     args.deepcompile_stages = [int(s) for s in str(args.deepcompile_stages).split(",") if s.strip()]
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or any(m not in MODELS for m in models):

@@ -38,13 +38,15 @@ PY
     long 575 "${lean8b[@]}" --start 114688 --growth 1.2 --max 163840 --resolution 0.1 --steps 2 \
         --timeout 280 --out "$OUT/long-8b-lean-bf16-up.jsonl" ;;
 4)  # issue 33 on an H200 (needs_h200: micro batch 4 x 2048 of the 3B Llama does not fit 80 GB): the
-    # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, DeepSpeed's compiled engine and
-    # DeepCompile beside it (carry .whl; its prefix: scripts/bench/README.md)
+    # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, stage 3's per-unit plan on one
+    # rank (what its graph boundaries cost), DeepSpeed's compiled engine and DeepCompile at ZeRO 3 beside
+    # it (carry .whl; its prefix: scripts/bench/README.md)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds \
         .whl/ds/*.whl || exit
     PYTHONPATH=/tmp/ds:$PWD TORCH_EXTENSIONS_DIR=/tmp/dslaunch_torch_extensions timeout 585 \
-        python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 0,2,3 --ds_stages 2,3 \
-        --deepcompile_stages 3 --repeats 3 --out "$OUT/compiled-llama3b-micro4.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
+        python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 0,2,3 --regions_stages 3 \
+        --ds_stages 3 --deepcompile_stages 3 --repeats 3 --out "$OUT/compiled-llama3b-micro4.jsonl" 2>&1 \
+        | grep '^{' | cut -c1-900 ;;
 5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule
     # (k and v projections in bf16) and without it (carry .whl: torchao's wheel is .whl/ao)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \

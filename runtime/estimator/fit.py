@@ -46,6 +46,7 @@ from runtime.estimator.model_states import (
     DTYPE_BYTES,
     MASTER_BYTES,
     ModelSizes,
+    device_master_bytes,
     estimate,
     host_landing_bytes,
     moment_bytes,
@@ -191,15 +192,15 @@ def fit_gpt(
     )
     params = config.num_params()
     shard = math.ceil(params / ranks) if stage >= 1 else params
-    # bf16 masters: on the device they are the working weights (no bytes, no fp32 gradient copy at the
-    # step: runtime.precision.master_adam), unless offload_param keeps those on the host, where the device
-    # share's masters are a copy of their own (runtime.offload.partial); on the host 2 bytes. bf16 states:
-    # half the optimizer's. Muon: its momentum on the blocks' matrices, AdamW's moments on the rest.
+    # bf16 masters: on the device mostly the working weights (`device_master_bytes`; no fp32 gradient copy
+    # at the step: runtime.precision.master_adam), on the host 2 bytes; bf16 states: half the optimizer's.
+    # Muon: its momentum on the blocks' matrices, AdamW's moments on the rest (gpt_sizes).
     bf16_masters = work.master_dtype == "bf16"
     moments = moment_bytes(gpt_sizes(config), work.optimizer, work.state_dtype)
-    host_movable = round(shard * (DTYPE_BYTES[work.master_dtype] + moments))  # what ratio moves, per rank
-    shared = bf16_masters and not (stage == 3 and offload_param)
-    movable = host_movable if not shared else round(shard * moments)
+    master = DTYPE_BYTES[work.master_dtype]
+    host_movable = round(shard * (master + moments))  # what ratio moves, per rank
+    weights_on_device = not (stage == 3 and offload_param)
+    movable = round(shard * (device_master_bytes(master, weights_on_device=weights_on_device) + moments))
     # on the device the step also makes an fp32 copy of 16-bit gradients (runtime.precision.mixed)
     copies = w < MASTER_BYTES and not bf16_masters
     device_movable = movable + (shard * MASTER_BYTES if copies else 0)

@@ -353,6 +353,15 @@ def host_landing_bytes(optimizer: str, dtype: str, master_dtype: str = "fp32") -
     return w + (0 if one_pass else master)
 
 
+def device_master_bytes(master_bytes: int, *, weights_on_device: bool) -> int:
+    """Bytes an element of the optimizer state's device share takes for its master (`ratio` below 1):
+    none for bf16 masters, which are the working weights themselves (bf16_master_weights_and_grads),
+    unless ZeRO-3's offload_param keeps those in host memory (`weights_on_device` false), where the device
+    share's masters are a copy of their own (runtime.offload.partial); fp32 masters always their 4.
+    `ratio: "auto"` (runtime/offload/auto_ratio.py) counts the same bytes."""
+    return 0 if master_bytes < MASTER_BYTES and weights_on_device else master_bytes
+
+
 def moment_bytes(sizes: ModelSizes, optimizer: str, state_dtype: str = "fp32") -> float:
     """Optimizer state bytes per element of a shard (`state_bytes_per_param`), halved by bf16 states."""
     return state_bytes_per_param(sizes, optimizer) * DTYPE_BYTES[state_dtype] / 4

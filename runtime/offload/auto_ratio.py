@@ -52,6 +52,7 @@ from runtime.estimator.model_states import (
     DTYPE_BYTES,
     MASTER_BYTES,
     OPTIMIZER_BYTES,
+    device_master_bytes,
     estimate,
     host_landing_bytes,
     model_sizes,
@@ -108,8 +109,8 @@ class AutoFacts:
     def device_state_bytes(self) -> float:
         """An element of the device's share: its master (none when it is the working weight on the device)
         and moments."""
-        shared = self.bf16_masters and self.weights_on_device
-        return (0 if shared else self.master_bytes) + self.moment_bytes
+        master = device_master_bytes(self.master_bytes, weights_on_device=self.weights_on_device)
+        return master + self.moment_bytes
 
     @property
     def host_state_bytes(self) -> float:

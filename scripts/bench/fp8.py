@@ -4,24 +4,29 @@ The model is a Llama-shaped ``LlamaForCausalLM`` built from a ``LlamaConfig`` in
 default about 2.9B parameters (hidden 3072, MLP 8192, 28 layers, 24 heads of which 8 key/value, vocab
 32000, tied head: Llama-3.2-3B's body with a smaller vocabulary). Both settings train it with bf16
 weights, fp32 masters, AdamW(lr 3e-4, weight decay 0.01), clipping at 1.0, ZeRO stage 2, and
-``engine.compile()``; the fp8 setting adds ``"fp8": {"enabled": true, "recipe": --recipe}``, which converts
-the attention and MLP projections (runtime/fp8.py's rule, logged at start: the tied head stays bf16, and so
-do the key and value projections, 3072 -> 1024, below float8's break-even; --all_projections converts
-those too, as the runs before that rule did).
+``engine.compile()``. --settings names what runs, in order, each in a fresh engine: ``bf16``; ``fp8`` adds
+``"fp8": {"enabled": true, "recipe": --recipe}``, which converts the attention and MLP projections
+(runtime/fp8.py's rule, logged at start: the tied head stays bf16, and so do the key and value
+projections, 3072 -> 1024, below float8's break-even); ``fp8-all`` converts those two as well
+(``auto_filter_small_kn`` false, the selection of the runs before that rule).
 
 Throughput: for each setting, a fresh engine, --warmup steps (compilation), then --repeats timed blocks of
 --steps steps each on one fixed batch of random tokens; tokens/s of each block, and the median, min and
 max over blocks. MFU counts 6·N + 12·L·d·T FLOPs a token (N: the parameters of every linear layer, the
 head included) against the device's bf16 dense peak, for both settings (fp8's own peak is twice that).
-The two settings run one after the other (both engines at once do not fit beside each other's state).
+The settings run one after the other (two engines at once do not fit beside each other's state); each
+row is printed as its setting ends, and every fp8 row's ratio to the bf16 row at the end.
 
 --loss_steps N: instead, train each setting N steps from the same initial weights on the same batches of
 a real corpus: the Python standard library's own sources (every ``*.py`` under ``sysconfig``'s stdlib
 path, tests and site-packages left out, sorted by path), tokenized bytewise (token = byte, ids 0-255), in
-consecutive windows of --seq_len bytes (labels = inputs; the model shifts them). Prints each setting's
-loss every 25 steps and the mean of its last 50 steps; issue 33's goal is fp8's within 1% of bf16's.
+consecutive windows of --seq_len bytes (labels = inputs; the model shifts them). The lr follows the
+config's WarmupCosineLR, as a real run's would: linear from 0 to 3e-4 over --lr_warmup steps, then a cosine
+down to a tenth at step N (--lr_warmup 0: a constant 3e-4, as the runs before 2026-12-07). The row gives
+the loss every 25 steps and the mean of the last 50; issue 33's goal is fp8's within 1% of bf16's.
 
-    python scripts/bench/fp8.py --repeats 3                      # H200: ~3B model, both settings
+    python scripts/bench/fp8.py --repeats 3                      # H200: ~3B model, bf16 then fp8
+    python scripts/bench/fp8.py --settings bf16,fp8,fp8-all      # the break-even rule's A/B
     python scripts/bench/fp8.py --loss_steps 300                 # the loss curves on the stdlib corpus
     python scripts/bench/fp8.py --loss_steps 300 --seed 1        # the same from other initial weights
     python scripts/bench/fp8.py --tiny                           # CPU smoke run: a tiny model, eager backend
@@ -84,7 +89,10 @@ def build_model(shape: dict[str, int], seq_len: int, seed: int = 0) -> Any:
     return LlamaForCausalLM(config)
 
 
-def engine_config(fp8: bool, args: argparse.Namespace) -> dict:
+SETTINGS = ("bf16", "fp8", "fp8-all")
+
+
+def engine_config(setting: str, args: argparse.Namespace) -> dict:
     cfg: dict = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -94,11 +102,22 @@ def engine_config(fp8: bool, args: argparse.Namespace) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
         "zero_optimization": {"stage": 2},
     }
-    if fp8:
+    if args.loss_steps and args.lr_warmup:
+        cfg["scheduler"] = {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": args.loss_steps,
+                "warmup_num_steps": args.lr_warmup,
+                "warmup_type": "linear",
+                "warmup_min_ratio": 0.0,
+                "cos_min_ratio": 0.1,
+            },
+        }
+    if setting != "bf16":
         cfg["fp8"] = {"enabled": True, "recipe": args.recipe}
         if args.tiny:
             cfg["fp8"]["min_features"] = 16  # the tiny model's layers are 64-128 wide
-        if args.tiny or args.all_projections:
+        if args.tiny or setting == "fp8-all":
             cfg["fp8"]["auto_filter_small_kn"] = False
     return cfg
 
@@ -109,7 +128,7 @@ def linear_params(model: Any) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def run_setting(fp8: bool, args: argparse.Namespace, device: Any, batches: Any) -> dict:
+def run_setting(setting: str, args: argparse.Namespace, device: Any, batches: Any) -> dict:
     """Build, compile and train one setting; its measurements. `batches(step)` gives (input, labels)."""
     import torch
 
@@ -118,7 +137,7 @@ def run_setting(fp8: bool, args: argparse.Namespace, device: Any, batches: Any) 
     shape = SHAPES["tiny" if args.tiny else "3b"]
     model = build_model(shape, args.seq_len, args.seed)
     n_linear = linear_params(model)
-    engine, _, _, _ = runtime.initialize(model=model, config=engine_config(fp8, args))
+    engine, _, _, _ = runtime.initialize(model=model, config=engine_config(setting, args))
     engine.compile(backend="eager" if device.type == "cpu" else None)
 
     def step(i: int) -> torch.Tensor:
@@ -130,9 +149,9 @@ def run_setting(fp8: bool, args: argparse.Namespace, device: Any, batches: Any) 
 
     record: dict[str, Any] = {
         "bench": "fp8",
-        "setting": "fp8" if fp8 else "bf16",
-        "recipe": args.recipe if fp8 else None,
-        "auto_filter_small_kn": (not (args.tiny or args.all_projections)) if fp8 else None,
+        "setting": setting,
+        "recipe": None if setting == "bf16" else args.recipe,
+        "auto_filter_small_kn": None if setting == "bf16" else not (args.tiny or setting == "fp8-all"),
         "seed": args.seed,
         "linear_params": n_linear,
         "seq_len": args.seq_len,
@@ -141,10 +160,16 @@ def run_setting(fp8: bool, args: argparse.Namespace, device: Any, batches: Any) 
     }
     if args.loss_steps:
         losses = [float(step(i)) for i in range(args.loss_steps)]
-        for i in range(0, len(losses), 25):
-            print(f"{record['setting']} step {i}: loss {losses[i]:.4f}", file=sys.stderr)
-        tail = losses[-50:]
-        record.update(loss_steps=args.loss_steps, last50_mean=statistics.fmean(tail), final_loss=losses[-1])
+        every25 = {i: round(losses[i], 4) for i in range(0, len(losses), 25)}
+        for i, loss in every25.items():
+            print(f"{setting} step {i}: loss {loss:.4f}", file=sys.stderr)
+        record.update(
+            loss_steps=args.loss_steps,
+            lr_warmup=args.lr_warmup,
+            loss_every_25=every25,
+            last50_mean=statistics.fmean(losses[-50:]),
+            final_loss=losses[-1],
+        )
     else:
         for i in range(args.warmup):
             step(i)
@@ -184,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
     parser.add_argument("--recipe", default="tensorwise", choices=("tensorwise", "rowwise"))
     parser.add_argument(
-        "--all_projections",
-        action="store_true",
-        help="fp8.auto_filter_small_kn false: the key and value projections in float8 too",
+        "--settings",
+        default="bf16,fp8",
+        help=f"comma-separated, of {', '.join(SETTINGS)} (fp8-all: the key and value projections in float8 "
+        "too); bf16 first: the fp8 rows' ratios are to it",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
@@ -194,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--micro_batch", type=int, default=2)
     parser.add_argument("--loss_steps", type=int, default=0, help="train N steps on the corpus instead")
+    parser.add_argument(
+        "--lr_warmup", type=int, default=30, help="--loss_steps: lr warmup steps (0: constant)"
+    )
     parser.add_argument(
         "--seed",
         type=int,
@@ -203,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_out_argument(parser, "fp8")
     args = parser.parse_args(argv)
+    settings = args.settings.split(",")
+    if not set(settings) <= set(SETTINGS) or settings[0] != "bf16" or len(set(settings)) != len(settings):
+        parser.error(
+            f"--settings: bf16 first, then any of {', '.join(SETTINGS[1:])}, each once; got {args.settings}"
+        )
     if args.tiny:
         args.seq_len, args.micro_batch = min(args.seq_len, 64), min(args.micro_batch, 2)
         args.steps, args.warmup = min(args.steps, 2), min(args.warmup, 1)
@@ -233,21 +267,16 @@ def main(argv: list[str] | None = None) -> int:
             return fixed, fixed
 
     out = out_file(args.out, "fp8")
-    records = [run_setting(fp8, args, device, batches) for fp8 in (False, True)]
-    for record in records:
-        emit(record, out)
-    bf16, fp8 = records
-    if args.loss_steps:
+    records = []
+    for setting in settings:
+        records.append(run_setting(setting, args, device, batches))
+        emit(records[-1], out)  # now: a later setting may not finish in the time a command has
+    bf16, key = records[0], "last50_mean" if args.loss_steps else "tokens_per_s_median"
+    for record in records[1:]:
+        ratio = record[key] / bf16[key]
+        what = f"loss {ratio - 1:+.2%}" if args.loss_steps else f"{ratio:.3f}x tokens/s"
         print(
-            f"last-50 mean loss: bf16 {bf16['last50_mean']:.4f}, fp8 {fp8['last50_mean']:.4f} "
-            f"({fp8['last50_mean'] / bf16['last50_mean'] - 1:+.2%})",
-            file=sys.stderr,
-        )
-    else:
-        print(
-            f"tokens/s median: bf16 {bf16['tokens_per_s_median']}, fp8 {fp8['tokens_per_s_median']} "
-            f"({fp8['tokens_per_s_median'] / bf16['tokens_per_s_median']:.3f}x)",
-            file=sys.stderr,
+            f"{record['setting']} against bf16: {what} ({record[key]} against {bf16[key]})", file=sys.stderr
         )
     return 0
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU session's queue (scripts/bench/README.md, "The queue"), one device command per call:
-#   bash scripts/bench/queue.sh N        (N = 1 to 5; each stays under the 600 s a command may run)
+#   bash scripts/bench/queue.sh N        (N = 1 to 7; each stays under the 600 s a command may run)
 # run from the repository root on the device machine, with $OUT set (the device tool sets it) and
 # .devrun/commit holding the commit under test. Results land in $OUT; copy them to scripts/bench/results/
 # under <yyyymmdd>_<card>_<what>.jsonl and cite them in BENCHMARKS.md with the command below.
@@ -14,7 +14,7 @@ long() {  # long SECONDS ARGS...: long_context.py under a wall-clock limit, its 
 }
 lean8b=(--model 8b --gpu_gib 72 --no_offload --bf16_master_weights --bf16_optimizer_states --lean_norms)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-case "${1:?which call: 1-5}" in
+case "${1:?which call: 1-7}" in
 1)  # the 1B lean-norm walk under the 32 GiB cap from where the last one stopped (342,016 trained; the walk
     # now tries --max itself)
     long 585 --model 1b --gpu_gib 32 --lean_norms --start 376832 --growth 1.12 --max 471040 \
@@ -38,23 +38,32 @@ PY
     long 575 "${lean8b[@]}" --start 114688 --growth 1.2 --max 163840 --resolution 0.1 --steps 2 \
         --timeout 280 --out "$OUT/long-8b-lean-bf16-up.jsonl" ;;
 4)  # issue 33 on an H200 (needs_h200: micro batch 4 x 2048 of the 3B Llama does not fit 80 GB): the
-    # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, stage 3's per-unit plan on one
-    # rank (what its graph boundaries cost), DeepSpeed's compiled engine and DeepCompile at ZeRO 3 beside
-    # it (carry .whl; its prefix: scripts/bench/README.md)
+    # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and stage 3's per-unit plan on one
+    # rank (what its graph boundaries cost); then GPT-2 XL at its micro batch 8, each model in its process
+    timeout 390 python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 0,2,3 \
+        --regions_stages 3 --repeats 3 --out "$OUT/compiled-llama3b-micro4.jsonl" 2>&1 | grep '^{' | cut -c1-900
+    timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --repeats 3 \
+        --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
+5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule
+    # (k and v projections in bf16) and every projection in float8 (carry .whl: torchao's wheel is .whl/ao)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
+        .whl/ao/*.whl || exit
+    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --micro_batch 4 --repeats 3 \
+        --settings bf16,fp8,fp8-all --out "$OUT/fp8-micro4.jsonl" 2>&1 | grep -E '^\{|against bf16' | cut -c1-700 ;;
+6)  # issue 33: the fp8 loss against bf16's over 300 steps of the stdlib corpus, lr warmup 30 then cosine
+    # (micro batch 2: the loss goal names no batch, and 2 keeps both runs inside one command)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
+        .whl/ao/*.whl || exit
+    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --loss_steps 300 \
+        --out "$OUT/fp8-loss.jsonl" 2>&1 | grep -E '^\{|against bf16|step' | cut -c1-900 ;;
+7)  # issue 33: DeepSpeed 0.19.8's compiled engine and DeepCompile at ZeRO 3 beside the compiled plain loop
+    # (carry .whl; its prefix: scripts/bench/README.md)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds \
         .whl/ds/*.whl || exit
     PYTHONPATH=/tmp/ds:$PWD TORCH_EXTENSIONS_DIR=/tmp/dslaunch_torch_extensions timeout 585 \
-        python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 0,2,3 --regions_stages 3 \
-        --ds_stages 3 --deepcompile_stages 3 --repeats 3 --out "$OUT/compiled-llama3b-micro4.jsonl" 2>&1 \
+        python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 3 --ds_stages 3 \
+        --deepcompile_stages 3 --repeats 3 --out "$OUT/compiled-llama3b-deepspeed.jsonl" 2>&1 \
         | grep '^{' | cut -c1-900 ;;
-5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule
-    # (k and v projections in bf16) and without it (carry .whl: torchao's wheel is .whl/ao)
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
-        .whl/ao/*.whl || exit
-    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 290 python3 scripts/bench/fp8.py --micro_batch 4 --repeats 3 \
-        --out "$OUT/fp8-micro4.jsonl" 2>&1 | grep '^{' | cut -c1-700
-    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout $((585 - SECONDS)) python3 scripts/bench/fp8.py --micro_batch 4 \
-        --repeats 3 --all_projections --out "$OUT/fp8-micro4-all.jsonl" 2>&1 | grep '^{' | cut -c1-700 ;;
-*)  echo "no call $1: 1-5" >&2; exit 2 ;;
+*)  echo "no call $1: 1-7" >&2; exit 2 ;;
 esac
 echo "call $1 ended at ${SECONDS}s"

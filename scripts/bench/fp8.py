@@ -142,12 +142,16 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
     engine, _, _, _ = runtime.initialize(model=model, config=engine_config(setting, args))
     engine.compile(backend="eager" if device.type == "cpu" else None)
 
-    def step(i: int) -> torch.Tensor:
+    def compute(i: int) -> torch.Tensor:
         x, y = batches(i)
         loss = engine(input_ids=x, labels=y).loss
         engine.backward(loss)
-        engine.step()
         return loss.detach()
+
+    def step(i: int) -> torch.Tensor:
+        loss = compute(i)
+        engine.step()
+        return loss
 
     record: dict[str, Any] = {
         "bench": "fp8",
@@ -173,8 +177,13 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
             final_loss=losses[-1],
         )
     else:
+        from runtime.compile import compile_counts
+
+        before = compile_counts()
         for i in range(args.warmup):
             step(i)
+        # what the warm-up compiled (dynamo's counters are the process's: the difference)
+        record.update({key: value - before[key] for key, value in compile_counts().items()})
         tokens = args.micro_batch * args.seq_len * args.steps
         rates = []
         for _ in range(args.repeats):
@@ -197,6 +206,9 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
             mfu_bf16_peak=mfu(med * flops_per_token, name),
         )
         if device.type == "cuda":
+            from scripts.bench.compiled import phases  # where the time goes: forward+backward, the step
+
+            record.update(phases(lambda: compute(0), engine.step, args.steps, []))
             record["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     engine.destroy()
     torch._dynamo.reset()  # the compiled graphs of this model hold its tensors; the next setting recompiles

@@ -9,7 +9,8 @@ The engine talks to a `ZeroStage` and never branches on the stage number itself:
 
 `build_zero_stage` owns the grouping as well as the strategy, since stage 3 groups by module: stages 0-2
 flatten one buffer per optimizer param group; stage 0 and 1 keep full gradients (`ReplicatedGradStage`),
-stage 2 keeps a gradient shard (`ShardedGradStage`), stage 3 shards parameters per gather unit
+stage 2 keeps a gradient shard (`ShardedGradStage`), one rank with 16-bit weights keeps autograd's own
+gradient tensors (`AutogradGradStage`), stage 3 shards parameters per gather unit
 (`ParamShardedStage`, runtime.zero.stage3). With one rank every stage is the replicated one, since a
 shard is the whole buffer. `Init` and `GatheredParameters` are ZeRO-3's user-facing context managers.
 
@@ -36,6 +37,7 @@ from runtime.zero.flat import FlatGroup, flatten_group
 from runtime.zero.gathered import GatheredParameters, resident_owners
 from runtime.zero.init import Init, materialize_params
 from runtime.zero.offload_split import RATIO_KEY, OffloadSplit, split_count, whole_group_split
+from runtime.zero.one_rank import AutogradGradStage, flat_grads_forced
 from runtime.zero.optimizer import GroupSpec
 from runtime.zero.partition import FlatLayout, plan_flat_layout
 from runtime.zero.replicated import GradientViewsReplaced, ReplicatedGradStage
@@ -235,7 +237,21 @@ def _build(
     )
     if stage == 2 and comm.world_size > 1 and setup.trains:
         return ShardedGradStage(groups, comm, hooked)
+    if _autograd_grads(comm, setup):
+        return AutogradGradStage(stage, groups, comm, hooked)
     return ReplicatedGradStage(stage, groups, comm, hooked)
+
+
+def _autograd_grads(comm: Comm, setup: StageSetup) -> bool:
+    """One rank keeps autograd's own gradient tensors (runtime/zero/one_rank.py) where nothing reads a flat
+    buffer of them: 16-bit weights with their own masters, the optimizer on the device."""
+    return (
+        comm.world_size == 1
+        and setup.trains
+        and setup.param_dtype != setup.master_dtype
+        and setup.zero.offload_optimizer.device == "none"
+        and not flat_grads_forced()
+    )
 
 
 def _flatten_specs(

@@ -38,10 +38,11 @@ PY
     long 575 "${lean8b[@]}" --start 114688 --growth 1.2 --max 163840 --resolution 0.1 --steps 2 \
         --timeout 280 --out "$OUT/long-8b-lean-bf16-up.jsonl" ;;
 4)  # issue 33 on an H200 (needs_h200: micro batch 4 x 2048 of the 3B Llama does not fit 80 GB): the
-    # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and stage 3's per-unit plan on one
-    # rank (what its graph boundaries cost); then GPT-2 XL at its micro batch 8, each model in its process
+    # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and ZeRO 2 with the one-rank flat
+    # gradient buffer of before (the A/B of runtime/zero/one_rank.py); then GPT-2 XL at its micro batch 8,
+    # each model in its process
     timeout 390 python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 0,2,3 \
-        --regions_stages 3 --repeats 3 --out "$OUT/compiled-llama3b-micro4.jsonl" 2>&1 | grep '^{' | cut -c1-900
+        --flat_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro4.jsonl" 2>&1 | grep '^{' | cut -c1-900
     timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --repeats 3 \
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
 5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule
@@ -57,12 +58,13 @@ PY
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --loss_steps 300 --micro_batch 1 \
         --seeds 0,1,2 --out "$OUT/fp8-loss.jsonl" 2>&1 | grep -E '^\{|over seeds' | cut -c1-900 ;;
 7)  # issue 33: DeepSpeed 0.19.8's compiled engine and DeepCompile at ZeRO 3 beside the compiled plain loop
-    # (carry .whl; its prefix: scripts/bench/README.md)
+    # and ours, and stage 3's per-unit plan on one rank (what its graph boundaries cost) (carry .whl; its
+    # prefix: scripts/bench/README.md)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds \
         .whl/ds/*.whl || exit
     PYTHONPATH=/tmp/ds:$PWD TORCH_EXTENSIONS_DIR=/tmp/dslaunch_torch_extensions timeout 585 \
-        python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 3 --ds_stages 3 \
-        --deepcompile_stages 3 --repeats 3 --out "$OUT/compiled-llama3b-deepspeed.jsonl" 2>&1 \
+        python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 3 --regions_stages 3 \
+        --ds_stages 3 --deepcompile_stages 3 --repeats 3 --out "$OUT/compiled-llama3b-deepspeed.jsonl" 2>&1 \
         | grep '^{' | cut -c1-900 ;;
 *)  echo "no call $1: 1-7" >&2; exit 2 ;;
 esac

@@ -46,7 +46,10 @@ PY
     timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --repeats 3 \
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
 5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule
-    # (k and v projections in bf16) and every projection in float8 (carry .whl: torchao's wheel is .whl/ao)
+    # (k and v projections in bf16) and every projection in float8 (carry .whl: torchao's wheel is .whl/ao);
+    # first the gpu tests of the one-rank gradients and of the fused step over them
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
+        tests/runtime/precision/test_fused_master.py 2>&1 | tail -4
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --micro_batch 4 --repeats 3 \

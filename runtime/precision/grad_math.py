@@ -84,14 +84,16 @@ def master_grads_from(
             grads.append(group_pieces[0].view(master.shape))
             continue
         grad = torch.empty_like(master)
-        offset = 0
+        offset, views = 0, []
         for piece in group_pieces:
-            grad.narrow(0, offset, piece.numel()).copy_(piece)
+            views.append(grad.narrow(0, offset, piece.numel()))
             offset += piece.numel()
         if offset != master.numel():
             raise AssertionError(
                 f"gradient pieces cover {offset} elements, master shard has {master.numel()}"
             )
+        # one multi-tensor cast-copy: one rank's gradients come as a piece per parameter (zero/one_rank.py)
+        torch._foreach_copy_(views, [piece.reshape(-1) for piece in group_pieces])
         grads.append(grad)
     return grads
 
@@ -134,7 +136,8 @@ def device_grad_factor(
     inv = 1.0 / (math.divisor * math.loss_scale)
     if not math.needs_norm:
         return GradResult(None, False), inv
-    norms = [torch.linalg.vector_norm(piece, dtype=torch.float32) for piece in pieces]
+    # one multi-tensor kernel: one rank's gradients come as a piece per parameter (runtime/zero/one_rank.py)
+    norms = torch._foreach_norm(list(pieces), 2, dtype=torch.float32)
     squared = torch.stack(norms).square().sum()
     if math.all_reduce_sum is not None:
         math.all_reduce_sum(squared)

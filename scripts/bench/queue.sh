@@ -45,7 +45,8 @@ PY
     micro=4; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && micro=2
     timeout 390 python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro --stages 0,2,3 \
         --flat_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-900
-    timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --repeats 3 \
+    timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --flat_stages 2 \
+        --repeats 3 \
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
 5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule
     # (k and v projections in bf16) and every projection in float8 (carry .whl: torchao's wheel is .whl/ao);

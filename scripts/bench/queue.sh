@@ -41,7 +41,10 @@ PY
     # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and ZeRO 2 with the one-rank flat
     # gradient buffer of before (the A/B of runtime/zero/one_rank.py); then GPT-2 XL at its micro batch 8,
     # each model in its process
-    # (on an 80 GB card: micro batch 2, as the H100 runs before)
+    # (on an 80 GB card: micro batch 2, as the H100 runs before); first the gpu tests of the one-rank
+    # gradients (runtime/zero/one_rank.py) and of the fused step over them
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
+        tests/runtime/precision/test_fused_master.py 2>&1 | tail -4
     micro=4; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && micro=2
     timeout 390 python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro --stages 0,2,3 \
         --flat_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-900
@@ -49,10 +52,7 @@ PY
         --repeats 3 \
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
 5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule
-    # (k and v projections in bf16) and every projection in float8 (carry .whl: torchao's wheel is .whl/ao);
-    # first the gpu tests of the one-rank gradients and of the fused step over them
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
-        tests/runtime/precision/test_fused_master.py 2>&1 | tail -4
+    # (k and v projections in bf16) and every projection in float8 (carry .whl: torchao's wheel is .whl/ao)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --micro_batch 4 --repeats 3 \

@@ -56,7 +56,7 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --micro_batch 4 --repeats 3 \
-        --settings bf16,fp8,fp8-all --out "$OUT/fp8-micro4.jsonl" 2>&1 | grep -E '^\{|against bf16' | cut -c1-700 ;;
+        --settings bf16,fp8,fp8-all --out "$OUT/fp8-micro4.jsonl" 2>&1 | grep -E '^\{|/ bf16' | cut -c1-700 ;;
 6)  # issue 33: the fp8 loss against bf16's over 300 steps of the stdlib corpus (lr warmup 30, then cosine),
     # from three initial weights (micro batch 1: the loss goal names no batch; six runs fit one command)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \

@@ -12,7 +12,7 @@ flatten one buffer per optimizer param group; stage 0 and 1 keep full gradients 
 stage 2 keeps a gradient shard (`ShardedGradStage`), one rank with 16-bit weights keeps autograd's own
 gradient tensors (`AutogradGradStage`), stage 3 shards parameters per gather unit
 (`ParamShardedStage`, runtime.zero.stage3). With one rank every stage is the replicated one, since a
-shard is the whole buffer. `Init` and `GatheredParameters` are ZeRO-3's user-facing context managers.
+shard is the whole buffer, or `AutogradGradStage` where nothing needs the flat gradient buffer. `Init` and `GatheredParameters` are ZeRO-3's user-facing context managers.
 
 What the optimizer's placement (runtime.offload) reads of a stage is declared here too, on
 `StageGroups`: where the working weights live (`params_sharded`, `units`, `host_param_bytes`) and, on

@@ -38,17 +38,17 @@ PY
     long 575 "${lean8b[@]}" --start 114688 --growth 1.2 --max 163840 --resolution 0.1 --steps 2 \
         --timeout 280 --out "$OUT/long-8b-lean-bf16-up.jsonl" ;;
 4)  # issue 33 on an H200 (needs_h200: micro batch 4 x 2048 of the 3B Llama does not fit 80 GB): the
-    # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and ZeRO 2 with the one-rank flat
-    # gradient buffer of before (the A/B of runtime/zero/one_rank.py); then GPT-2 XL at its micro batch 8,
-    # each model in its process
+    # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and ZeRO 2 with one rank's
+    # gradients as autograd's tensors (the opt-in of runtime/zero/one_rank.py: its A/B); then GPT-2 XL at its
+    # micro batch 8, each model in its process
     # (on an 80 GB card: micro batch 2, as the H100 runs before); first the gpu tests of the one-rank
     # gradients (runtime/zero/one_rank.py) and of the fused step over them
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
         tests/runtime/precision/test_fused_master.py 2>&1 | tail -4
     micro=4; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && micro=2
     timeout 390 python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro --stages 0,2,3 \
-        --flat_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-900
-    timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --flat_stages 2 \
+        --autograd_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-900
+    timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --autograd_stages 2 \
         --repeats 3 \
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
 5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule

@@ -1,7 +1,8 @@
-"""One rank with 16-bit weights keeps autograd's own gradient tensors (runtime/zero/one_rank.py).
+"""One rank with 16-bit weights keeps autograd's own gradient tensors (runtime/zero/one_rank.py), asked for
+with `DSLAUNCH_AUTOGRAD_GRADS=1`.
 
-What a user relies on: the run trains exactly as it did with the flat gradient buffer
-(`DSLAUNCH_FLAT_GRADS=1`), at every ZeRO stage, in bf16 and fp16, with gradient accumulation, clipping,
+What a user relies on: the run trains exactly as it does with the flat gradient buffer (the default), at
+every ZeRO stage, in bf16 and fp16, with gradient accumulation, clipping,
 weight-decay groups, torch's step and the fused one, and with a parameter that gets no gradient; after a
 step `.grad` is None, as after a plain loop's `zero_grad()` and DeepSpeed's step; a `.grad` cleared between
 backward and step is refused as before, while one cleared before the backward is fine. On a GPU, a
@@ -22,7 +23,7 @@ from torch import nn
 from tests.support.dist import run_distributed
 from tests.support.models import UnevenNet, loss_fn, make_model, param_groups, rank_batch
 
-FLAT = "DSLAUNCH_FLAT_GRADS"
+AUTOGRAD = "DSLAUNCH_AUTOGRAD_GRADS"
 FUSED = "DSLAUNCH_FUSED_MASTER_STEP"
 
 
@@ -55,7 +56,7 @@ class WithUnused(nn.Module):
 def _train(rank: int, world_size: int, config: dict[str, Any], flat: bool, fused: bool, unused: bool) -> dict:
     import runtime
 
-    os.environ[FLAT], os.environ[FUSED] = ("1" if flat else "0"), ("1" if fused else "0")
+    os.environ[AUTOGRAD], os.environ[FUSED] = ("0" if flat else "1"), ("1" if fused else "0")
     try:
         model = WithUnused() if unused else make_model(0)
         engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
@@ -80,7 +81,7 @@ def _train(rank: int, world_size: int, config: dict[str, Any], flat: bool, fused
             "distinct_storages": distinct,
         }
     finally:
-        os.environ.pop(FLAT), os.environ.pop(FUSED)
+        os.environ.pop(AUTOGRAD), os.environ.pop(FUSED)
 
 
 def _both(rank: int, world_size: int, config: dict[str, Any], fused: bool, unused: bool) -> dict:
@@ -123,7 +124,10 @@ def _cleared(rank: int, world_size: int, when: str) -> dict:
 
     model = make_model(0)
     config = _config("bf16", 2, 1.0)
+    os.environ[AUTOGRAD] = "1"
     engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+    os.environ.pop(AUTOGRAD)
+    assert type(engine.zero).__name__ == "AutogradGradStage"
     losses = []
     try:
         for step in range(2):
@@ -157,7 +161,7 @@ def test_grad_cleared_outside_the_engine() -> None:
 def _compiled_peak(rank: int, world_size: int, flat: bool) -> dict:
     import runtime
 
-    os.environ[FLAT] = "1" if flat else "0"
+    os.environ[AUTOGRAD] = "0" if flat else "1"
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(8)]).cuda()
     config = {"train_batch_size": 8, "bf16": {"enabled": True}, "steps_per_print": 0,
@@ -173,7 +177,7 @@ def _compiled_peak(rank: int, world_size: int, flat: bool) -> dict:
     engine.backward(engine(x).float().square().mean())
     peak = torch.cuda.max_memory_allocated()
     engine.step()
-    os.environ.pop(FLAT)
+    os.environ.pop(AUTOGRAD)
     return {"peak": peak, "grad_bytes": sum(p.numel() * 2 for p in model.parameters()),
             "masters": [g.master.detach().cpu() for g in engine.groups]}  # fmt: skip
 

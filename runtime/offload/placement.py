@@ -42,7 +42,7 @@ from runtime.precision.fused_master import (
 from runtime.precision.grad_math import (
     GradMath,
     GradResult,
-    device_grad_factor,
+    device_grad_verdict,
     finish_grads,
     master_grads_from,
 )
@@ -201,13 +201,14 @@ class DeviceMasters:
         segments = self._fused_segments(optimizer, pieces)
         if segments is not None:
             assert self._fused is not None
-            result, factor = device_grad_factor([p for group in pieces for p in group], math)
-            if result.overflow:
-                return result
-            self._fused.step(optimizer, segments, factor)
-            for group in self.groups:
-                group.working_written = True
-            return result
+            norm, finite, factor = device_grad_verdict([p for group in pieces for p in group], math)
+            # the kernels skip a non-finite step themselves, so they are launched before the verdict is
+            # read: the host sync then waits for the step instead of the GPU waiting for its launches
+            self._fused.step(optimizer, segments, factor, keep=finite)
+            overflow = finite is not None and not bool(finite)
+            for group in self.groups:  # skipped, the kernels wrote the weights they found: no write-back runs
+                group.working_written = not overflow
+            return GradResult(norm, overflow)
         grads = master_grads_from(pieces, [group.master for group in self.groups])
         result = finish_grads(grads, math)
         if result.overflow:

@@ -88,6 +88,7 @@ def adam_update_(
     lr: torch.Tensor,
     step: torch.Tensor,
     factor: torch.Tensor,
+    keep: torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
@@ -95,19 +96,26 @@ def adam_update_(
     decoupled: bool,
 ) -> None:
     """One Adam(W) update of `master` (fp32) from the 16-bit `grad` times `factor`, moments in place, and
-    the new weight cast into `working`; lr, step (already counted) and factor are 0-d fp32 tensors."""
+    the new weight cast into `working`; lr, step (already counted), factor and keep are 0-d fp32 tensors.
+    With `keep` 0 (non-finite gradients) master and moments keep their values, so the skip needs no host
+    decision before the launch."""
     g = grad.to(torch.float32) * factor
+    weight = master
     if weight_decay != 0.0:
         if decoupled:
-            master.mul_(1.0 - lr * weight_decay)
+            weight = master * (1.0 - lr * weight_decay)
         else:
             g = g + weight_decay * master
-    exp_avg.mul_(beta1).add_(g, alpha=1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+    avg = exp_avg * beta1 + g * (1.0 - beta1)
+    avg_sq = exp_avg_sq * beta2 + g * g * (1.0 - beta2)
     bias1 = 1.0 - torch.pow(beta1, step)
     bias2_sqrt = torch.sqrt(1.0 - torch.pow(beta2, step))
-    denom = exp_avg_sq.sqrt() / bias2_sqrt + eps
-    master.sub_(exp_avg / denom * (lr / bias1))
+    denom = avg_sq.sqrt() / bias2_sqrt + eps
+    weight = weight - avg / denom * (lr / bias1)
+    kept = keep > 0
+    exp_avg.copy_(torch.where(kept, avg, exp_avg))
+    exp_avg_sq.copy_(torch.where(kept, avg_sq, exp_avg_sq))
+    master.copy_(torch.where(kept, weight, master))
     working.copy_(master)
 
 
@@ -132,9 +140,9 @@ def compile_refusal(device: torch.device, working_dtype: torch.dtype) -> str | N
     try:
         master, exp_avg, exp_avg_sq = (torch.zeros(n, dtype=torch.float32, device=device) for _ in range(3))
         grad, working = (torch.zeros(n, dtype=working_dtype, device=device) for _ in range(2))
-        one = torch.ones((), dtype=torch.float32, device=device)  # lr, step and factor
+        one = torch.ones((), dtype=torch.float32, device=device)  # lr, step, factor and keep
         update = _update_for(device)
-        update(master, grad, exp_avg, exp_avg_sq, working, one, one, one, 0.9, 0.999, 1e-8, 0.0, True)
+        update(master, grad, exp_avg, exp_avg_sq, working, one, one, one, one, 0.9, 0.999, 1e-8, 0.0, True)
     except Exception as exc:  # any failure to build or run it: torch's own step is the fallback
         first = (str(exc).splitlines() or [""])[0][:200]
         return f"{KERNEL_FAILED} ({type(exc).__name__}: {first})"
@@ -173,25 +181,29 @@ class FusedMasterAdam:
         self.indices = list(indices)  # the optimizer param group of each master
         self._groups: list[_GroupState | None] = [None] * len(self.masters)
         self._factor = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
+        self._keep = torch.ones((), dtype=torch.float32, device=self.masters[0].device)
 
     def step(
         self,
         optimizer: torch.optim.Optimizer,
         segments: Sequence[Sequence[Segment]],
         factor: float | torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> None:
         """Update every group's segments (`segments[i]` belongs to `masters[i]`): gradients times `factor`
         (averaging, unscaling and clipping folded into one number, or a 0-d device tensor when it depends
-        on the norm)."""
+        on the norm). `keep`, a 0-d device tensor, is 0 where the gradients were not finite: then nothing
+        changes, step counts included (None: always 1). The caller reads the verdict after the launches."""
         if isinstance(factor, torch.Tensor):
             factor_t = factor.to(torch.float32).reshape(())
         else:
             factor_t = self._factor.fill_(factor)
+        keep_t = self._keep if keep is None else keep.to(torch.float32).reshape(())
         update = _update_for(self.masters[0].device)
         for index, group_segments in enumerate(segments):
             options = optimizer.param_groups[self.indices[index]]
             state = self._bound(optimizer, index)
-            torch._foreach_add_(state.steps, 1.0)
+            torch._foreach_add_(state.steps, keep_t)
             state.lr.fill_(float(options["lr"]))
             beta1, beta2 = options["betas"]
             decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
@@ -208,6 +220,7 @@ class FusedMasterAdam:
                     state.lr,
                     state.steps[0],
                     factor_t,
+                    keep_t,
                     float(beta1),
                     float(beta2),
                     float(options["eps"]),

@@ -8,7 +8,8 @@ that folds together the averaging over ranks and micro-steps, the loss-scale uns
 coefficient. Nothing else in the step waits for the device.
 
 - `finish_grads` applies it to fp32 master gradients in place (masters on the device).
-- `device_grad_factor` computes the same norm and verdict from the gradients where the ZeRO stage
+- `device_grad_factor` (and `device_grad_verdict`, which leaves the verdict on the device for a step that
+  skips inside its kernel) computes the same norm and verdict from the gradients where the ZeRO stage
   reduced them and returns the factor (a device tensor when it needs the norm), for a step that
   multiplies as it updates (the fused master step); `scale_from_device_grads` returns it as a number, for
   a placement that multiplies elsewhere (the optimizer offload's host step).
@@ -126,27 +127,38 @@ def finish_grads(grads: Sequence[torch.Tensor], math: GradMath) -> GradResult:
     return GradResult(norm, False)
 
 
-def device_grad_factor(
+def device_grad_verdict(
     pieces: Sequence[torch.Tensor], math: GradMath
-) -> tuple[GradResult, float | torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float | torch.Tensor]:
     """`finish_grads`' arithmetic on the reduced gradients where they are (any dtype), without touching
-    them: the norm, the verdict, and the one factor to multiply them by (averaging over ranks and
-    micro-steps, unscale, clip). The factor is a 0-d device tensor when clipping makes it depend on the
-    norm, so nothing waits for the device but the overflow verdict."""
+    them and without waiting for the device: the norm (None when nothing needs it), the verdict as a 0-d
+    fp32 device tensor, 1 where the norm is finite and 0 where not (None without the check), and the one
+    factor to multiply them by (averaging over ranks and micro-steps, unscale, clip). The factor is a 0-d
+    device tensor when clipping makes it depend on the norm."""
     inv = 1.0 / (math.divisor * math.loss_scale)
     if not math.needs_norm:
-        return GradResult(None, False), inv
-    # one multi-tensor kernel: one rank's gradients come as a piece per parameter (runtime/zero/one_rank.py)
+        return None, None, inv
+    # one multi-tensor kernel: one rank's gradients may come as a piece per parameter (zero/one_rank.py)
     norms = torch._foreach_norm(list(pieces), 2, dtype=torch.float32)
     squared = torch.stack(norms).square().sum()
     if math.all_reduce_sum is not None:
         math.all_reduce_sum(squared)
     norm = squared.sqrt_().mul_(inv)
-    if math.check_overflow and not bool(torch.isfinite(norm)):  # the one host sync of the step
-        return GradResult(norm, True), inv
+    finite = torch.isfinite(norm).to(torch.float32) if math.check_overflow else None
     if math.max_norm <= 0:
-        return GradResult(norm, False), inv
-    return GradResult(norm, False), (math.max_norm / (norm + 1e-6)).clamp_(max=1.0).mul_(inv)
+        return norm, finite, inv
+    return norm, finite, (math.max_norm / (norm + 1e-6)).clamp_(max=1.0).mul_(inv)
+
+
+def device_grad_factor(
+    pieces: Sequence[torch.Tensor], math: GradMath
+) -> tuple[GradResult, float | torch.Tensor]:
+    """`device_grad_verdict` with the verdict read: the step's one host sync, before anything is updated
+    (for a step that cannot skip inside its own kernels)."""
+    norm, finite, factor = device_grad_verdict(pieces, math)
+    if finite is not None and not bool(finite):
+        return GradResult(norm, True), factor
+    return GradResult(norm, False), factor
 
 
 def scale_from_device_grads(

@@ -17,10 +17,9 @@ fp32 buffer as it did from the flat one.
 Opt-in for now, `DSLAUNCH_AUTOGRAD_GRADS=1`: `build_zero_stage` then takes it for one rank with 16-bit
 working weights and the optimizer on the device (optimizer offload streams gradients out of the flat
 buffer as they land). Why not yet the default: the fused step launches one kernel a parameter (255 for a
-3B Llama, about 580 for GPT-2 XL), and the non-finite check (bf16's default) reads the norm on the host
-before the step, so those launches run while the GPU waits: about 35 us each, as much as the traffic it
-saves at 3B and more at XL. Deciding the skip inside the kernel would let the launches run ahead, as the
-rest of the step does; until that is built and measured on a GPU, the flat buffer stays the default.
+3B Llama, about 580 for GPT-2 XL), some tens of microseconds of host time each. Since the fused step
+decides a non-finite skip inside its kernel (precision/fused_master.py) those launches run ahead of the
+GPU, as the rest of the step does, but neither that nor the gain has been measured on a GPU yet.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """A step whose gradients are not finite is skipped on every rank, in every precision and ZeRO stage.
 
-One 2-rank gloo world runs the grid: fp32, bf16 and fp16 at ZeRO stages 0-3, and CPU offload at stage 2
-with the host step and with the device step (which runs on the CPU here, the same chunks and kernels).
+One 2-rank gloo world runs the grid: fp32, bf16 and fp16 at ZeRO stages 0-3, CPU offload at stage 2
+with the host step and with the device step (which runs on the CPU here, the same chunks and kernels),
+and the fused master step (runtime/precision/fused_master.py, the CUDA default, which skips inside its
+kernel: the verdict is read after the launch) at bf16 ZeRO-1 and fp16 ZeRO-3.
 In each case the last rank's loss is multiplied by nan (and, in a second run, by 1e30) at step 3 only;
 the run must end with the same fp32 masters, working weights and optimizer state (Adam's moments and
 step count), on every rank, as the same engine trained on the same batches without step 3. The LR
@@ -37,11 +39,14 @@ class Case:
     dtype: str
     stage: int
     offload: str = "none"  # "host": the CPU runs the offloaded Adam step; "device": the device step
+    fused: bool = False  # the fused master step (DSLAUNCH_FUSED_MASTER_STEP=1), which skips in its kernel
 
     @property
     def name(self) -> str:
-        return f"{self.dtype}-stage{self.stage}" + (
-            "" if self.offload == "none" else f"-offload-{self.offload}"
+        return (
+            f"{self.dtype}-stage{self.stage}"
+            + ("" if self.offload == "none" else f"-offload-{self.offload}")
+            + ("-fused" if self.fused else "")
         )
 
     def config(self, **bf16: Any) -> dict:
@@ -73,6 +78,8 @@ class Case:
 CASES = [Case(dtype, stage) for dtype in ("fp32", "bf16", "fp16") for stage in (0, 1, 2, 3)] + [
     Case("bf16", 2, "host"),
     Case("bf16", 2, "device"),
+    Case("bf16", 1, fused=True),
+    Case("fp16", 3, fused=True),
 ]
 
 
@@ -96,8 +103,16 @@ def _optimizer_state(engine: Any) -> dict[str, torch.Tensor]:
 def _train(case: Case, rank: int, world_size: int, *, poison: float | None, bad_steps: set[int], **bf16: Any):
     """Train STEPS steps; on `bad_steps` the last rank's loss is multiplied by `poison`, or (poison None)
     the step's batch is left out entirely (the reference)."""
+    import os
+
     import runtime
 
+    if case.fused:  # the CPU's default is torch's step
+        os.environ["DSLAUNCH_FUSED_MASTER_STEP"] = "1"
+    placement, said = logging.getLogger("runtime.offload.placement"), _Records()
+    said.setLevel(logging.INFO)
+    placement.addHandler(said)
+    placement.setLevel(logging.INFO)
     model = make_model(0)
     engine, _, _, _ = runtime.initialize(
         model=model, model_parameters=param_groups(model), config=case.config(**bf16)
@@ -117,6 +132,10 @@ def _train(case: Case, rank: int, world_size: int, *, poison: float | None, bad_
             out["norms"].append(engine.get_global_grad_norm())
     except Exception as error:
         out["error"] = (type(error).__name__, str(error), getattr(error, "hint", None), engine.global_steps)
+    finally:
+        os.environ.pop("DSLAUNCH_FUSED_MASTER_STEP", None)
+        placement.removeHandler(said)
+    out["fused"] = any("one fused pass" in message for message in said.messages)
     out["master"] = engine.full_state_dict(rank0_only=False)
     with runtime.zero.GatheredParameters(list(engine.module.parameters())):  # whole under stage 3
         out["working"] = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
@@ -157,6 +176,7 @@ def _grid(rank: int, world_size: int) -> dict:
                 report[(case.name, poison)] = {
                     "error": got.get("error"),
                     "skipped": got["skipped"],
+                    "fused": got["fused"],
                     "differences": _differences(got, reference),
                     "finite": all(v.isfinite().all() for v in got["master"].values()),
                     # the skipped step leaves the LR where it was; the reference never saw that step
@@ -208,6 +228,7 @@ def test_a_nonfinite_step_is_skipped_on_every_rank(grid: list[dict], case: Case,
         got = report[(case.name, poison)]
         where = f"rank {rank}"
         assert got["error"] is None, where
+        assert got["fused"] == case.fused, where  # the step under test ran
         assert got["skipped"] == 1, where
         # weights, masters, Adam's moments and step count equal a run that never saw step 3
         assert got["differences"] == [], where

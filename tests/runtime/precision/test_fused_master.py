@@ -259,6 +259,42 @@ def test_the_cuda_default_equals_torch_step(stage: int) -> None:
     _assert_same(result["fused"], result["plain"])
 
 
+def _nan_at_step_three(rank: int, world_size: int, poison: bool) -> dict[str, Any]:
+    """Four steps of the CUDA default; with `poison`, step 3's loss is nan, else step 3 never runs."""
+    import runtime
+
+    model = make_model(0)
+    config = _config("bf16", {"stage": 0}, clip=1.0)
+    config.update(train_batch_size=4, gradient_accumulation_steps=1)
+    engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+    for step in range(4):
+        if step == 2 and not poison:
+            continue
+        x, y = (t.to(engine.device) for t in rank_batch(step, 0, 4, rank, world_size))
+        loss = loss_fn(engine(x), y) * (float("nan") if step == 2 else 1.0)
+        engine.backward(loss)
+        engine.step()
+    state = engine.optimizer.state_dict()["state"]
+    return {
+        "skipped": engine.skipped_steps,
+        "masters": [g.master.detach().cpu().clone() for g in engine.groups],
+        "moments": [v["exp_avg_sq"].cpu().clone() for _, v in sorted(state.items())],
+        "steps": [float(v["step"]) for v in state.values()],
+    }
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernel_skips_a_nan_step() -> None:
+    """Device: CUDA. bf16's non-finite check with the fused step (the default there): the kernel itself
+    leaves a step with nan gradients out, so the run ends where one that never saw that step ends."""
+    [poisoned] = run_distributed(_nan_at_step_three, 1, True, timeout=300, device="cuda")
+    [clean] = run_distributed(_nan_at_step_three, 1, False, timeout=300, device="cuda")
+    assert poisoned["skipped"] == 1 and clean["skipped"] == 0
+    assert poisoned["steps"] == clean["steps"] == [3.0] * len(clean["steps"])
+    pairs = zip(poisoned["masters"] + poisoned["moments"], clean["masters"] + clean["moments"], strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+
+
 def _kernel_fails(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     """The fused step asked for where its kernel cannot be built (a toolchain missing, here a stand-in
     that raises), and the same run with it off."""

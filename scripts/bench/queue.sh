@@ -43,14 +43,14 @@ PY
     # micro batch 8, each model in its process
     # (on an 80 GB card: micro batch 2, as the H100 runs before); first the gpu tests of the one-rank
     # gradients (runtime/zero/one_rank.py) and of the fused step over them
-    # (LIMIT: the seconds the call may take, 585 unless less device time is left)
-    limit=${LIMIT:-585}
+    # (LIMIT: the seconds the call may take, 585 unless less device time is left; STAGES: ours, 0,2,3)
+    limit=${LIMIT:-585} stages=${STAGES:-0,2,3}
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
         tests/runtime/precision/test_fused_master.py 2>&1 | tail -4
     micro=4; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && micro=2
-    timeout $(((limit - SECONDS) * 2 / 3)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro --stages 0,2,3 \
+    timeout $(((limit - SECONDS) * 2 / 3)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro --stages $stages \
         --autograd_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-900
-    timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --autograd_stages 2 \
+    timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages $stages --autograd_stages 2 \
         --repeats 3 \
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
 5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule

@@ -48,8 +48,8 @@ PY
     timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
         tests/runtime/precision/test_fused_master.py 2>&1 | tail -4
     micro=4; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && micro=2
-    timeout $(((limit - SECONDS) * 2 / 3)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro --stages $stages \
-        --autograd_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-900
+    timeout $(((limit - SECONDS) * 2 / 3)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro \
+        --stages $stages --autograd_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-900
     timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages $stages --autograd_stages 2 \
         --repeats 3 \
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;

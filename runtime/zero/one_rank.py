@@ -16,10 +16,11 @@ fp32 buffer as it did from the flat one.
 
 Opt-in for now, `DSLAUNCH_AUTOGRAD_GRADS=1`: `build_zero_stage` then takes it for one rank with 16-bit
 working weights and the optimizer on the device (optimizer offload streams gradients out of the flat
-buffer as they land). Why not yet the default: the fused step launches one kernel a parameter (255 for a
-3B Llama, about 580 for GPT-2 XL), some tens of microseconds of host time each. Since the fused step
-decides a non-finite skip inside its kernel (precision/fused_master.py) those launches run ahead of the
-GPU, as the rest of the step does, but neither that nor the gain has been measured on a GPU yet.
+buffer as they land). On an H100 it took a compiled 3.2B Llama from 1.033x to 1.060x a compiled plain
+loop and its peak 5.98 GiB lower (BENCHMARKS.md, issue 33). Why not yet the default: the fused step launches
+one kernel a parameter (255 there, about 580 for GPT-2 XL), some tens of microseconds of host time each;
+since the fused step decides a non-finite skip inside its kernel (precision/fused_master.py) they run
+ahead of the GPU, as the rest of the step does, but models with many small tensors are not measured yet.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 with `DSLAUNCH_AUTOGRAD_GRADS=1`.
 
 What a user relies on: the run trains exactly as it does with the flat gradient buffer (the default), at
-every ZeRO stage, in bf16 and fp16, with gradient accumulation, clipping,
-weight-decay groups, torch's step and the fused one, and with a parameter that gets no gradient; after a
-step `.grad` is None, as after a plain loop's `zero_grad()` and DeepSpeed's step; a `.grad` cleared between
-backward and step is refused as before, while one cleared before the backward is fine. On a GPU, a
-compiled run with the fused step's CUDA kernel trains bit for bit as the flat buffer does.
+every ZeRO stage, in bf16 and fp16, with gradient accumulation, clipping, weight-decay groups, torch's step
+and the fused one, and with a parameter that gets no gradient; after a step `.grad` is None, as after a
+plain loop's `zero_grad()` and DeepSpeed's step; a `.grad` cleared between backward and step is refused as
+the flat buffer refuses it, while one cleared before the backward is fine. On a GPU, a compiled run with
+the fused step's CUDA kernel trains bit for bit as the flat buffer does.
 
 Device: CPU (gloo, one rank) unless marked `gpu`.
 """
@@ -98,7 +98,7 @@ CASES = [  # precision, stage, clip, fused step, a parameter without gradient
 
 
 @pytest.mark.parametrize(("precision", "stage", "clip", "fused", "unused"), CASES, ids=str)
-def test_trains_as_the_flat_buffer_did(
+def test_trains_as_the_flat_buffer_does(
     precision: str, stage: int, clip: float, fused: bool, unused: bool
 ) -> None:
     """Device: CPU. Four steps of two micro-steps each: the same losses, masters and weights as with the

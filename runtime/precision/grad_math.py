@@ -8,11 +8,11 @@ that folds together the averaging over ranks and micro-steps, the loss-scale uns
 coefficient. Nothing else in the step waits for the device.
 
 - `finish_grads` applies it to fp32 master gradients in place (masters on the device).
-- `device_grad_factor` (and `device_grad_verdict`, which leaves the verdict on the device for a step that
-  skips inside its kernel) computes the same norm and verdict from the gradients where the ZeRO stage
-  reduced them and returns the factor (a device tensor when it needs the norm), for a step that
-  multiplies as it updates (the fused master step); `scale_from_device_grads` returns it as a number, for
-  a placement that multiplies elsewhere (the optimizer offload's host step).
+- `device_grad_verdict` computes the same norm and verdict from the gradients where the ZeRO stage
+  reduced them, without waiting for the device: the verdict as a device flag and the factor (a device
+  tensor when it needs the norm), for a step that multiplies as it updates and skips inside its kernel
+  (the fused master step, which reads the verdict after its launch); `scale_from_device_grads` reads both,
+  for a placement that multiplies elsewhere (the optimizer offload's host step).
 
 The engines build a `GradMath` for each step (runtime/engine.py `_grad_math`; the pipeline and
 model-parallel engines widen its `all_reduce_sum` over their grid); the placements in runtime/offload/
@@ -150,25 +150,16 @@ def device_grad_verdict(
     return norm, finite, (math.max_norm / (norm + 1e-6)).clamp_(max=1.0).mul_(inv)
 
 
-def device_grad_factor(
-    pieces: Sequence[torch.Tensor], math: GradMath
-) -> tuple[GradResult, float | torch.Tensor]:
-    """`device_grad_verdict` with the verdict read: the step's one host sync, before anything is updated
-    (for a step that cannot skip inside its own kernels)."""
-    norm, finite, factor = device_grad_verdict(pieces, math)
-    if finite is not None and not bool(finite):
-        return GradResult(norm, True), factor
-    return GradResult(norm, False), factor
-
-
 def scale_from_device_grads(
     pieces: Sequence[Sequence[torch.Tensor]], math: GradMath
 ) -> tuple[GradResult, float]:
-    """The norm and overflow decision from the reduced gradients on the device, and the one factor the
-    caller multiplies the gradients by elsewhere (average over ranks and micro-steps, unscale, clip), as a
-    number: with clipping, reading it is one more sync."""
-    result, factor = device_grad_factor([piece for group in pieces for piece in group], math)
-    return result, float(factor)
+    """The norm and overflow decision from the reduced gradients on the device (read: one host sync), and
+    the one factor the caller multiplies the gradients by elsewhere (average over ranks and micro-steps,
+    unscale, clip), as a number: with clipping, reading it is one more sync."""
+    norm, finite, factor = device_grad_verdict([piece for group in pieces for piece in group], math)
+    if finite is not None and not bool(finite):
+        return GradResult(norm, True), 1.0 / (math.divisor * math.loss_scale)
+    return GradResult(norm, False), float(factor)
 
 
 def pre_reduce_scale(config: Any, world_size: int) -> float:

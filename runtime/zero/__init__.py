@@ -9,11 +9,11 @@ The engine talks to a `ZeroStage` and never branches on the stage number itself:
 
 `build_zero_stage` owns the grouping as well as the strategy, since stage 3 groups by module: stages 0-2
 flatten one buffer per optimizer param group; stage 0 and 1 keep full gradients (`ReplicatedGradStage`),
-stage 2 keeps a gradient shard (`ShardedGradStage`), one rank with 16-bit weights may keep autograd's
-own gradient tensors (`AutogradGradStage`, opt-in), stage 3 shards parameters per gather unit
-(`ParamShardedStage`, runtime.zero.stage3). With one rank every stage is the replicated one, since a
-shard is the whole buffer (or, asked for, `AutogradGradStage`). `Init` and `GatheredParameters` are
-ZeRO-3's user-facing context managers.
+stage 2 keeps a gradient shard (`ShardedGradStage`), one rank with 16-bit weights and the optimizer on
+the device keeps autograd's own gradient tensors (`AutogradGradStage`), stage 3 shards parameters per
+gather unit (`ParamShardedStage`, runtime.zero.stage3). With one rank a shard is the whole buffer, so
+every stage is `AutogradGradStage` there, or the replicated one where that does not apply. `Init` and
+`GatheredParameters` are ZeRO-3's user-facing context managers.
 
 What the optimizer's placement (runtime.offload) reads of a stage is declared here too, on
 `StageGroups`: where the working weights live (`params_sharded`, `units`, `host_param_bytes`) and, on
@@ -38,7 +38,7 @@ from runtime.zero.flat import FlatGroup, flatten_group
 from runtime.zero.gathered import GatheredParameters, resident_owners
 from runtime.zero.init import Init, materialize_params
 from runtime.zero.offload_split import RATIO_KEY, OffloadSplit, split_count, whole_group_split
-from runtime.zero.one_rank import AutogradGradStage, autograd_grads_asked
+from runtime.zero.one_rank import AutogradGradStage, autograd_grads_on
 from runtime.zero.optimizer import GroupSpec
 from runtime.zero.partition import FlatLayout, plan_flat_layout
 from runtime.zero.replicated import GradientViewsReplaced, ReplicatedGradStage
@@ -244,14 +244,15 @@ def _build(
 
 
 def _autograd_grads(comm: Comm, setup: StageSetup) -> bool:
-    """One rank keeps autograd's own gradient tensors (runtime/zero/one_rank.py), when asked, where nothing
-    reads a flat buffer of them: 16-bit weights with their own masters, the optimizer on the device."""
+    """One rank keeps autograd's own gradient tensors (runtime/zero/one_rank.py), unless told not to, where
+    nothing reads a flat buffer of them: 16-bit weights with their own masters, the optimizer on the
+    device."""
     return (
         comm.world_size == 1
         and setup.trains
         and setup.param_dtype != setup.master_dtype
         and setup.zero.offload_optimizer.device == "none"
-        and autograd_grads_asked()
+        and autograd_grads_on()
     )
 
 

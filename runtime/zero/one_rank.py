@@ -14,13 +14,13 @@ and for a parameter that got no gradient. The fused step (precision/fused_master
 master one parameter at a time, straight from autograd's tensor; torch's step casts the pieces into its
 fp32 buffer as it did from the flat one.
 
-Opt-in for now, `DSLAUNCH_AUTOGRAD_GRADS=1`: `build_zero_stage` then takes it for one rank with 16-bit
-working weights and the optimizer on the device (optimizer offload streams gradients out of the flat
-buffer as they land). On an H100 it took a compiled 3.2B Llama from 1.033x to 1.060x a compiled plain
-loop and its peak 5.98 GiB lower (BENCHMARKS.md, issue 33). Why not yet the default: the fused step launches
-one kernel a parameter (255 there, about 580 for GPT-2 XL), some tens of microseconds of host time each;
-since the fused step decides a non-finite skip inside its kernel (precision/fused_master.py) they run
-ahead of the GPU, as the rest of the step does, but models with many small tensors are not measured yet.
+The default wherever it applies: `build_zero_stage` takes it for one rank with 16-bit working weights and
+the optimizer on the device (optimizer offload streams gradients out of the flat buffer as they land);
+`DSLAUNCH_AUTOGRAD_GRADS=0` keeps the flat buffer there. On an H100 it took a compiled 3.2B Llama from
+1.033x to 1.060x a compiled plain loop, with a peak 5.98 GiB lower (BENCHMARKS.md, issue 33). The price:
+the fused step launches one kernel a parameter (255 there, about 580 for GPT-2 XL), some tens of
+microseconds of host time each; since the fused step decides a non-finite skip inside its kernel
+(precision/fused_master.py), they run ahead of the GPU as the rest of the step does.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from runtime.zero.replicated import GradientViewsReplaced
 _ENV = "DSLAUNCH_AUTOGRAD_GRADS"
 
 
-def autograd_grads_asked() -> bool:
-    """`DSLAUNCH_AUTOGRAD_GRADS=1`: one rank keeps autograd's gradient tensors where it can (unset or 0:
-    the flat buffer)."""
+def autograd_grads_on() -> bool:
+    """Whether one rank keeps autograd's gradient tensors where it can: yes unless
+    `DSLAUNCH_AUTOGRAD_GRADS=0` keeps the flat buffer."""
     text = os.environ.get(_ENV, "").strip()
     if text not in ("", "0", "1"):
         raise ValueError(f"{_ENV}={text!r}: expected 0 or 1")
-    return text == "1"
+    return text != "0"
 
 
 class AutogradGradStage(HookedStage):

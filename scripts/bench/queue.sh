@@ -37,28 +37,31 @@ PY
 3)  # the same setting walked up from there (each length builds the 8B: about 2.5 minutes a try)
     long 575 "${lean8b[@]}" --start 114688 --growth 1.2 --max 163840 --resolution 0.1 --steps 2 \
         --timeout 280 --out "$OUT/long-8b-lean-bf16-up.jsonl" ;;
-4)  # issue 33 on an H200 (needs_h200: micro batch 4 x 2048 of the 3B Llama does not fit 80 GB): the
-    # compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and ZeRO 2 with one rank's
-    # gradients as autograd's tensors (the opt-in of runtime/zero/one_rank.py: its A/B); then GPT-2 XL at its
-    # micro batch 8, each model in its process
-    # (on an 80 GB card: micro batch 2, as the H100 runs before); first the gpu tests of the one-rank
-    # gradients (runtime/zero/one_rank.py) and of the fused step over them
+4)  # issue 33 on an H200 (needs_h200: micro batch 4 x 2048 of the 3B Llama does not fit 80 GB; an 80 GB
+    # card takes micro batch 2): the compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop,
+    # one rank's gradients as autograd's tensors (the default since runtime/zero/one_rank.py became it),
+    # and ZeRO 2 again with the flat gradient buffer (DSLAUNCH_AUTOGRAD_GRADS=0: the A/B); first the gpu
+    # tests that train one rank with 16-bit weights on the device, the paths that default changed
     # (LIMIT: the seconds the call may take, 585 unless less device time is left; STAGES: ours, 0,2,3)
     limit=${LIMIT:-585} stages=${STAGES:-0,2,3}
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
-        tests/runtime/precision/test_fused_master.py 2>&1 | tail -4
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
+        tests/runtime/precision/test_fused_master.py tests/runtime/engine/test_device.py \
+        tests/runtime/engine/test_optim.py tests/runtime/engine/test_oom.py 2>&1 | tail -4
     micro=4; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && micro=2
-    timeout $(((limit - SECONDS) * 2 / 3)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro \
-        --stages $stages --autograd_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-900
-    timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models xl --stages $stages --autograd_stages 2 \
-        --repeats 3 \
-        --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
-5)  # issue 33: fp8 against compiled bf16 on the ~3B model at micro batch 4 (H200), with the break-even rule
-    # (k and v projections in bf16) and every projection in float8 (carry .whl: torchao's wheel is .whl/ao)
+    timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro \
+        --stages $stages --flat_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 \
+        | grep '^{' | cut -c1-900 ;;
+5)  # issue 33: GPT-2 XL (its micro batch 8) the same way, then fp8 against compiled bf16 on the ~3B model
+    # at micro batch 4 (H200) with the break-even rule (k and v projections in bf16) (carry .whl: torchao's
+    # wheel is .whl/ao)
+    timeout 270 python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --flat_stages 2 --repeats 3 \
+        --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit
-    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --micro_batch 4 --repeats 3 \
-        --settings bf16,fp8,fp8-all --out "$OUT/fp8-micro4.jsonl" 2>&1 | grep -E '^\{|/ bf16' | cut -c1-700 ;;
+    micro=4; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && micro=2
+    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout $((585 - SECONDS)) python3 scripts/bench/fp8.py --micro_batch $micro \
+        --repeats 3 --settings bf16,fp8 --out "$OUT/fp8-micro$micro.jsonl" 2>&1 | grep -E '^\{|/ bf16' \
+        | cut -c1-700 ;;
 6)  # issue 33: the fp8 loss against bf16's over 300 steps of the stdlib corpus (lr warmup 30, then cosine),
     # from three initial weights (micro batch 1: the loss goal names no batch; six runs fit one command)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \

@@ -1,7 +1,7 @@
-"""One rank with 16-bit weights keeps autograd's own gradient tensors (runtime/zero/one_rank.py), asked for
-with `DSLAUNCH_AUTOGRAD_GRADS=1`.
+"""One rank with 16-bit weights keeps autograd's own gradient tensors (runtime/zero/one_rank.py), by
+default; `DSLAUNCH_AUTOGRAD_GRADS=0` keeps the flat gradient buffer.
 
-What a user relies on: the run trains exactly as it does with the flat gradient buffer (the default), at
+What a user relies on: the run trains exactly as it does with the flat gradient buffer, at
 every ZeRO stage, in bf16 and fp16, with gradient accumulation, clipping, weight-decay groups, torch's step
 and the fused one, and with a parameter that gets no gradient; after a step `.grad` is None, as after a
 plain loop's `zero_grad()` and DeepSpeed's step; a `.grad` cleared between backward and step is refused as
@@ -56,7 +56,9 @@ class WithUnused(nn.Module):
 def _train(rank: int, world_size: int, config: dict[str, Any], flat: bool, fused: bool, unused: bool) -> dict:
     import runtime
 
-    os.environ[AUTOGRAD], os.environ[FUSED] = ("0" if flat else "1"), ("1" if fused else "0")
+    os.environ[FUSED] = "1" if fused else "0"
+    if flat:
+        os.environ[AUTOGRAD] = "0"
     try:
         model = WithUnused() if unused else make_model(0)
         engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
@@ -81,7 +83,7 @@ def _train(rank: int, world_size: int, config: dict[str, Any], flat: bool, fused
             "distinct_storages": distinct,
         }
     finally:
-        os.environ.pop(AUTOGRAD), os.environ.pop(FUSED)
+        os.environ.pop(AUTOGRAD, None), os.environ.pop(FUSED)
 
 
 def _both(rank: int, world_size: int, config: dict[str, Any], fused: bool, unused: bool) -> dict:
@@ -124,9 +126,7 @@ def _cleared(rank: int, world_size: int, when: str) -> dict:
 
     model = make_model(0)
     config = _config("bf16", 2, 1.0)
-    os.environ[AUTOGRAD] = "1"
     engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
-    os.environ.pop(AUTOGRAD)
     assert type(engine.zero).__name__ == "AutogradGradStage"
     losses = []
     try:
@@ -161,7 +161,8 @@ def test_grad_cleared_outside_the_engine() -> None:
 def _compiled_masters(rank: int, world_size: int, flat: bool) -> list[torch.Tensor]:
     import runtime
 
-    os.environ[AUTOGRAD] = "0" if flat else "1"
+    if flat:
+        os.environ[AUTOGRAD] = "0"
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(8)]).cuda()
     config = {"train_batch_size": 8, "bf16": {"enabled": True}, "steps_per_print": 0,
@@ -172,7 +173,7 @@ def _compiled_masters(rank: int, world_size: int, flat: bool) -> list[torch.Tens
     for _ in range(3):
         engine.backward(engine(x).float().square().mean())
         engine.step()
-    os.environ.pop(AUTOGRAD)
+    os.environ.pop(AUTOGRAD, None)
     return [g.master.detach().cpu() for g in engine.groups]
 
 
@@ -186,3 +187,41 @@ def test_compiled_training_on_cuda_equals_the_flat_buffer() -> None:
     [flat] = run_distributed(_compiled_masters, 1, True, timeout=300, device="cuda")
     for a, b in zip(own, flat, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _stage_chosen(rank: int, world_size: int, config: dict[str, Any], env: str | None) -> str:
+    import runtime
+
+    if env is not None:
+        os.environ[AUTOGRAD] = env
+    try:
+        model = make_model(0)
+        engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
+        return type(engine.zero).__name__
+    finally:
+        os.environ.pop(AUTOGRAD, None)
+
+
+def _with(**extra: Any) -> dict[str, Any]:
+    config = _config("bf16", 2, 0.0)
+    config.pop("bf16")
+    return {**config, **extra}
+
+
+CHOICES = [  # world size, config, DSLAUNCH_AUTOGRAD_GRADS, the stage a user gets
+    (1, _with(bf16={"enabled": True}), None, "AutogradGradStage"),
+    (1, _with(bf16={"enabled": True}), "0", "ReplicatedGradStage"),
+    (1, _with(), None, "ReplicatedGradStage"),  # fp32: the weights are the masters, their .grad the buffer's
+    (1, _with(bf16={"enabled": True}, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
+     None, "ReplicatedGradStage"),  # the offload streams gradients out of the flat buffer
+    (2, _with(bf16={"enabled": True}), None, "ShardedGradStage"),
+]
+
+
+@pytest.mark.parametrize(("world", "config", "env", "expected"), CHOICES, ids=str)
+def test_which_ranks_keep_autograd_gradients(
+    world: int, config: dict, env: str | None, expected: str
+) -> None:
+    """Device: CPU. The default at one rank with 16-bit weights and the optimizer on the device; the flat
+    buffer where something reads it (fp32 weights, an offloaded optimizer, two ranks) or when asked for."""
+    assert run_distributed(_stage_chosen, world, config, env) == [expected] * world

@@ -12,6 +12,9 @@ long() {  # long SECONDS ARGS...: long_context.py under a wall-clock limit, its 
     local limit=$1; shift
     timeout "$limit" python3 scripts/bench/long_context.py "$@" 2>&1 | grep '^{' | cut -c1-1500
 }
+small_card() {  # under 100 GB: the 3B Llama's micro batch 4 was sized for the H200 (MICRO= overrides)
+    [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ]
+}
 lean8b=(--model 8b --gpu_gib 72 --no_offload --bf16_master_weights --bf16_optimizer_states --lean_norms)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:?which call: 1-7}" in
@@ -42,12 +45,13 @@ PY
     # one rank's gradients as autograd's tensors (the default since runtime/zero/one_rank.py became it),
     # and ZeRO 2 again with the flat gradient buffer (DSLAUNCH_AUTOGRAD_GRADS=0: the A/B); first the gpu
     # tests that train one rank with 16-bit weights on the device, the paths that default changed
-    # (LIMIT: the seconds the call may take, 585 unless less device time is left; STAGES: ours, 0,2,3)
+    # (LIMIT: the seconds the call may take, 585 unless less device time is left; STAGES: ours, 0,2,3;
+    # MICRO: the 3B's micro batch, here and in call 5)
     limit=${LIMIT:-585} stages=${STAGES:-0,2,3}
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
         tests/runtime/precision/test_fused_master.py tests/runtime/engine/test_device.py \
         tests/runtime/engine/test_optim.py tests/runtime/engine/test_oom.py 2>&1 | tail -4
-    micro=4; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && micro=2
+    micro=${MICRO:-$(small_card && echo 2 || echo 4)}
     timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro \
         --stages $stages --flat_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 \
         | grep '^{' | cut -c1-900 ;;
@@ -58,7 +62,7 @@ PY
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit
-    micro=4; [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ] && micro=2
+    micro=${MICRO:-$(small_card && echo 2 || echo 4)}
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout $((585 - SECONDS)) python3 scripts/bench/fp8.py --micro_batch $micro \
         --repeats 3 --settings bf16,fp8 --out "$OUT/fp8-micro$micro.jsonl" 2>&1 | grep -E '^\{|/ bf16' \
         | cut -c1-700 ;;

@@ -46,14 +46,14 @@ PY
     # and ZeRO 2 again with the flat gradient buffer (DSLAUNCH_AUTOGRAD_GRADS=0: the A/B); first the gpu
     # tests that train one rank with 16-bit weights on the device, the paths that default changed
     # (LIMIT: the seconds the call may take, 585 unless less device time is left; STAGES: ours, 0,2,3;
-    # MICRO: the 3B's micro batch, here and in call 5)
+    # MICRO: the 3B's micro batch, here and in call 5; FLAT: the stages of the flat-buffer A/B, 2; empty: none)
     limit=${LIMIT:-585} stages=${STAGES:-0,2,3}
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
         tests/runtime/precision/test_fused_master.py tests/runtime/engine/test_device.py \
         tests/runtime/engine/test_optim.py tests/runtime/engine/test_oom.py 2>&1 | tail -4
     micro=${MICRO:-$(small_card && echo 2 || echo 4)}
     timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro \
-        --stages $stages --flat_stages 2 --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 \
+        --stages $stages --flat_stages "${FLAT-2}" --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 \
         | grep '^{' | cut -c1-900 ;;
 5)  # issue 33: GPT-2 XL (its micro batch 8) the same way, then fp8 against compiled bf16 on the ~3B model
     # at micro batch 4 (H200) with the break-even rule (k and v projections in bf16) (carry .whl: torchao's

@@ -23,6 +23,7 @@ wherever its gradients are.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -37,6 +38,7 @@ from runtime.precision.fused_master import (
     default_refusal,
     fused_setting,
     make_adam_state,
+    plan_runs,
     unsupported_reason,
 )
 from runtime.precision.grad_math import (
@@ -126,24 +128,20 @@ def group_segments(
     if shard is not None:
         if len(pieces) != 1 or not pieces[0].numel() == shard.numel() == master.numel():
             return []
-        return [Segment(master, pieces[0].view(-1), shard, 0)] if master.numel() else []
+        return [Segment(master, (pieces[0].view(-1),), shard, 0)] if master.numel() else []
     if layout.shard_is_contiguous:
         start, end = layout.shard_range(group.rank)
-        if sum(p.numel() for p in pieces) != master.numel() or end - start != master.numel():
+        numels = [p.numel() for p in pieces]
+        if sum(numels) != master.numel() or end - start != master.numel():
             return []
-        out, offset = [], 0
-        for piece in pieces:
-            n = piece.numel()
-            if n:
-                out.append(
-                    Segment(
-                        master.narrow(0, offset, n),
-                        piece.view(-1),
-                        working.narrow(0, start + offset, n),
-                        offset,
-                    )
-                )
-            offset += n
+        starts = [0, *itertools.accumulate(numels)]
+        out = []
+        for first, last in plan_runs(numels):  # many small pieces: one launch a run, not a piece
+            offset, n = starts[first], starts[last] - starts[first]
+            joined = tuple(p.view(-1) for p in pieces[first:last] if p.numel())
+            out.append(
+                Segment(master.narrow(0, offset, n), joined, working.narrow(0, start + offset, n), offset)
+            )
         return out
     buckets = layout.buckets
     if len(pieces) == 1:
@@ -154,7 +152,7 @@ def group_segments(
     else:
         return []
     return [
-        Segment(group.master_piece(b), g, group.piece(working, b), b.shard_offset)
+        Segment(group.master_piece(b), (g,), group.piece(working, b), b.shard_offset)
         for b, g in zip(buckets, grads, strict=True)
         if b.piece_numel
     ]

@@ -134,6 +134,42 @@ def _both(rank: int, world_size: int, config: dict[str, Any], steps: int = 4) ->
     }
 
 
+def _both_in_small_runs(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    from runtime.precision import fused_master
+
+    fused_master.RUN_ELEMENTS = 200  # the 312- and 744-element matrices alone, the rest joined in runs
+    return _both(rank, world_size, config)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_one_rank_autograd_gradients_in_runs_equal_torch_step(precision: str) -> None:
+    """Device: CPU. One rank keeps autograd's gradient tensors (runtime/zero/one_rank.py), one a
+    parameter, which the fused step launches on in runs (`plan_runs`): some alone, some joined with
+    their neighbours and the layout's padding. Same training as torch's step, with clipping."""
+    [result] = run_distributed(_both_in_small_runs, 1, _config(precision, {"stage": 2}, clip=1.0))
+    _assert_same(result["fused"], result["plain"])
+
+
+@pytest.mark.parametrize(
+    ("numels", "runs"),
+    [
+        ([5, 5, 20, 0, 3, 3, 3, 0], [(0, 2), (2, 3), (3, 8)]),  # joined, alone, the rest joined
+        ([4, 4, 4, 4], [(0, 3), (3, 4)]),  # a run closes once it holds the target
+        ([0, 0, 20, 0], [(2, 3)]),  # empty pieces make no launch of their own
+        ([30, 10, 30], [(0, 1), (1, 2), (2, 3)]),  # exactly the target is a run of its own
+        ([], []),
+    ],
+)
+def test_plan_runs(numels: list[int], runs: list[tuple[int, int]]) -> None:
+    """Device: none. The launches of a master's gradient pieces at a target of 10 elements: in order,
+    covering every element once, a large piece never copied into a run."""
+    from runtime.precision.fused_master import plan_runs
+
+    assert plan_runs(numels, 10) == runs
+    covered = [i for a, b in runs for i in range(a, b) if numels[i]]
+    assert covered == [i for i, n in enumerate(numels) if n]
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_two_ranks_equal_torch_step(stage: int) -> None:
     """Device: CPU, 2 ranks over gloo, small buckets (each rank's shard is several pieces of the flat

@@ -244,7 +244,7 @@ def _build(
 
 
 def _autograd_grads(comm: Comm, setup: StageSetup) -> bool:
-    """One rank keeps autograd's own gradient tensors (runtime/zero/one_rank.py), unless told not to, where
+    """One rank keeps autograd's own gradient tensors (runtime/zero/one_rank.py) when asked to, where
     nothing reads a flat buffer of them: 16-bit weights with their own masters, the optimizer on the
     device."""
     return (

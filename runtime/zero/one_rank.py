@@ -11,16 +11,18 @@ dropped by `zero_grad`, as in a plain PyTorch loop.
 `grad_pieces` still tiles each group's master in order, as the optimizer's placement reads it
 (runtime/offload/placement.py): each parameter's gradient flattened, and zeros for the layout's padding
 and for a parameter that got no gradient. The fused step (precision/fused_master.py) then updates the
-master one parameter at a time, straight from autograd's tensor; torch's step casts the pieces into its
-fp32 buffer as it did from the flat one.
+master straight from autograd's tensors where one holds at least 16M elements, and from runs of smaller
+neighbours joined into one buffer otherwise; torch's step casts the pieces into its fp32 buffer as it did
+from the flat one.
 
-The default wherever it applies: `build_zero_stage` takes it for one rank with 16-bit working weights and
-the optimizer on the device (optimizer offload streams gradients out of the flat buffer as they land);
-`DSLAUNCH_AUTOGRAD_GRADS=0` keeps the flat buffer there. On an H100 it took a compiled 3.2B Llama from
-1.033x to 1.060x a compiled plain loop, with a peak 5.98 GiB lower (BENCHMARKS.md, issue 33). The price:
-the fused step launches one kernel a parameter (255 there, about 580 for GPT-2 XL), some tens of
-microseconds of host time each; since the fused step decides a non-finite skip inside its kernel
-(precision/fused_master.py), they run ahead of the GPU as the rest of the step does.
+Opt-in with `DSLAUNCH_AUTOGRAD_GRADS=1`, where it applies: `build_zero_stage` takes it for one rank with
+16-bit working weights and the optimizer on the device (optimizer offload streams gradients out of the
+flat buffer as they land). On an H100 it took a compiled 3.2B Llama from 1.033x to 1.060x a compiled plain
+loop, with a peak 5.98 GiB lower, but GPT-2 XL from 1.045x to 0.882x (BENCHMARKS.md, issue 33): its 580
+gradient tensors made 580 launches of the fused step, some 80 us of host time each, so the step waited on
+the host (63 ms against 18). The fused step now joins small gradients into runs of 16M elements
+(precision/fused_master.py `plan_runs`), which should take that cost away; it becomes the default once a
+GPU measures GPT-2 XL and the Llama with runs (scripts/bench/queue.sh, call 4).
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ _ENV = "DSLAUNCH_AUTOGRAD_GRADS"
 
 
 def autograd_grads_on() -> bool:
-    """Whether one rank keeps autograd's gradient tensors where it can: yes unless
-    `DSLAUNCH_AUTOGRAD_GRADS=0` keeps the flat buffer."""
+    """Whether one rank keeps autograd's gradient tensors where it can: only with
+    `DSLAUNCH_AUTOGRAD_GRADS=1`; unset or 0 keeps the flat buffer."""
     text = os.environ.get(_ENV, "").strip()
     if text not in ("", "0", "1"):
         raise ValueError(f"{_ENV}={text!r}: expected 0 or 1")
-    return text != "0"
+    return text == "1"
 
 
 class AutogradGradStage(HookedStage):

@@ -20,7 +20,7 @@ heads, MLP 8192, vocab 128256, tied head; 3.2B; micro batch 4 x 2048; sdpa atten
 
     python scripts/bench/compiled.py --repeats 3 --out                      # H200: both models
     python scripts/bench/compiled.py --models llama3b --stages 0,2 --fused_ab   # the fused master step's A/B
-    python scripts/bench/compiled.py --models llama3b --flat_stages 2   # one rank's gradients: A/B
+    python scripts/bench/compiled.py --models llama3b --autograd_stages 2   # one rank's gradients: A/B
     python scripts/bench/compiled.py --tiny --steps 2 --warmup 1 --repeats 2 # CPU smoke check
 
 The per-unit plan's price (issue 33): at ZeRO-3 over several ranks (or with `offload_param`) the engine
@@ -253,6 +253,7 @@ def run_model(name: str, args: argparse.Namespace) -> int:
     runs = [("torch-compiled", -1, "")] + [("ours-compiled", s, "") for s in args.stages]
     if args.fused_ab:  # each stage again with the fused master step (precision/fused_master.py)
         runs += [("ours-compiled", s, "-fused") for s in args.stages]
+    runs += [("ours-compiled", s, "-autograd") for s in args.autograd_stages]
     runs += [("ours-compiled", s, "-flat") for s in args.flat_stages]
     runs += [("ours-regions", s, "") for s in args.regions_stages]
     runs += [("deepspeed-compiled", s, "") for s in args.ds_stages]
@@ -261,8 +262,8 @@ def run_model(name: str, args: argparse.Namespace) -> int:
         label = peer if stage < 0 else f"{peer}-zero{stage}{variant}"
         if args.fused_ab and variant in ("", "-fused"):  # otherwise the caller's own setting stands
             os.environ["DSLAUNCH_FUSED_MASTER_STEP"] = "1" if variant else "0"
-        if variant == "-flat":  # one rank with the flat gradient buffer, not autograd's tensors
-            os.environ["DSLAUNCH_AUTOGRAD_GRADS"] = "0"
+        if variant in ("-autograd", "-flat"):  # one rank's gradients: autograd's tensors, or the flat buffer
+            os.environ["DSLAUNCH_AUTOGRAD_GRADS"] = "1" if variant == "-autograd" else "0"
         else:
             os.environ.pop("DSLAUNCH_AUTOGRAD_GRADS", None)
         record: dict[str, Any] = {"bench": "compiled", "model": name, "config": label, "stage": stage}
@@ -305,6 +306,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also each stage with DSLAUNCH_FUSED_MASTER_STEP=1 (rows *-fused)",
     )
     parser.add_argument(
+        "--autograd_stages",
+        default="",
+        help="ZeRO stages of ours again with DSLAUNCH_AUTOGRAD_GRADS=1 (rows ours-compiled-zeroS-autograd): "
+        "one rank's gradients as autograd's own tensors, not the flat buffer (runtime/zero/one_rank.py)",
+    )
+    parser.add_argument(
         "--flat_stages",
         default="",
         help="ZeRO stages of ours again with DSLAUNCH_AUTOGRAD_GRADS=0 (rows ours-compiled-zeroS-flat): "
@@ -336,6 +343,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.ds_stages = [int(s) for s in str(args.ds_stages).split(",") if s.strip()]
     args.regions_stages = [int(s) for s in str(args.regions_stages).split(",") if s.strip()]
     args.flat_stages = [int(s) for s in str(args.flat_stages).split(",") if s.strip()]
+    args.autograd_stages = [int(s) for s in str(args.autograd_stages).split(",") if s.strip()]
     args.deepcompile_stages = [int(s) for s in str(args.deepcompile_stages).split(",") if s.strip()]
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or any(m not in MODELS for m in models):

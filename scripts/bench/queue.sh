@@ -12,9 +12,6 @@ long() {  # long SECONDS ARGS...: long_context.py under a wall-clock limit, its 
     local limit=$1; shift
     timeout "$limit" python3 scripts/bench/long_context.py "$@" 2>&1 | grep '^{' | cut -c1-1500
 }
-small_card() {  # under 100 GB: the 3B Llama's micro batch 4 was sized for the H200 (MICRO= overrides)
-    [ "$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)" -lt 100000 ]
-}
 lean8b=(--model 8b --gpu_gib 72 --no_offload --bf16_master_weights --bf16_optimizer_states --lean_norms)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:?which call: 1-7}" in
@@ -40,29 +37,29 @@ PY
 3)  # the same setting walked up from there (each length builds the 8B: about 2.5 minutes a try)
     long 575 "${lean8b[@]}" --start 114688 --growth 1.2 --max 163840 --resolution 0.1 --steps 2 \
         --timeout 280 --out "$OUT/long-8b-lean-bf16-up.jsonl" ;;
-4)  # issue 33 on an H200 (needs_h200: micro batch 4 x 2048 of the 3B Llama does not fit 80 GB; an 80 GB
-    # card takes micro batch 2): the compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop,
-    # one rank's gradients as autograd's tensors (the default since runtime/zero/one_rank.py became it),
-    # and ZeRO 2 again with the flat gradient buffer (DSLAUNCH_AUTOGRAD_GRADS=0: the A/B); first the gpu
-    # tests that train one rank with 16-bit weights on the device, the paths that default changed
+4)  # issue 33 (micro batch 4 x 2048 of the 3B Llama fits an 80 GB card now: 69.9 GiB ours, 73.4 the plain
+    # loop): the compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and ZeRO 2 again with
+    # one rank's gradients as autograd's tensors (DSLAUNCH_AUTOGRAD_GRADS=1: the fused step now launches on
+    # runs of 16M elements, precision/fused_master.py plan_runs; the default once it beats the flat buffer
+    # at both models); first the gpu tests that train one rank with 16-bit weights on the device
     # (LIMIT: the seconds the call may take, 585 unless less device time is left; STAGES: ours, 0,2,3;
-    # MICRO: the 3B's micro batch, here and in call 5; FLAT: the stages of the flat-buffer A/B, 2; empty: none)
+    # MICRO: the 3B's micro batch, here and in call 5; AUTOGRAD: the stages of the A/B, 2; empty: none)
     limit=${LIMIT:-585} stages=${STAGES:-0,2,3}
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
         tests/runtime/precision/test_fused_master.py tests/runtime/engine/test_device.py \
         tests/runtime/engine/test_optim.py tests/runtime/engine/test_oom.py 2>&1 | tail -4
-    micro=${MICRO:-$(small_card && echo 2 || echo 4)}
+    micro=${MICRO:-4}
     timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro \
-        --stages $stages --flat_stages "${FLAT-2}" --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 \
+        --stages $stages --autograd_stages "${AUTOGRAD-2}" --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 \
         | grep '^{' | cut -c1-900 ;;
-5)  # issue 33: GPT-2 XL (its micro batch 8) the same way, then fp8 against compiled bf16 on the ~3B model
-    # at micro batch 4 (H200) with the break-even rule (k and v projections in bf16) (carry .whl: torchao's
-    # wheel is .whl/ao)
-    timeout 270 python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --flat_stages 2 --repeats 3 \
+5)  # issue 33: GPT-2 XL (its micro batch 8) the same way (its 580 gradient tensors made the A/B's step
+    # wait on the host before plan_runs: 0.88x), then fp8 against compiled bf16 on the ~3B model at micro
+    # batch 4 with the break-even rule (k and v projections in bf16) (carry .whl: torchao's wheel is .whl/ao)
+    timeout 270 python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --autograd_stages 2 --repeats 3 \
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit
-    micro=${MICRO:-$(small_card && echo 2 || echo 4)}
+    micro=${MICRO:-4}
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout $((585 - SECONDS)) python3 scripts/bench/fp8.py --micro_batch $micro \
         --repeats 3 --settings bf16,fp8 --out "$OUT/fp8-micro$micro.jsonl" 2>&1 | grep -E '^\{|/ bf16' \
         | cut -c1-700 ;;

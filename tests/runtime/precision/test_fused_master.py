@@ -137,13 +137,14 @@ def _both(rank: int, world_size: int, config: dict[str, Any], steps: int = 4) ->
 def _both_in_small_runs(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     from runtime.precision import fused_master
 
+    os.environ["DSLAUNCH_AUTOGRAD_GRADS"] = "1"  # one gradient tensor a parameter, not one flat buffer
     fused_master.RUN_ELEMENTS = 200  # the 312- and 744-element matrices alone, the rest joined in runs
     return _both(rank, world_size, config)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_one_rank_autograd_gradients_in_runs_equal_torch_step(precision: str) -> None:
-    """Device: CPU. One rank keeps autograd's gradient tensors (runtime/zero/one_rank.py), one a
+    """Device: CPU. One rank keeping autograd's gradient tensors (runtime/zero/one_rank.py), one a
     parameter, which the fused step launches on in runs (`plan_runs`): some alone, some joined with
     their neighbours and the layout's padding. Same training as torch's step, with clipping."""
     [result] = run_distributed(_both_in_small_runs, 1, _config(precision, {"stage": 2}, clip=1.0))

@@ -1,5 +1,5 @@
-"""One rank with 16-bit weights keeps autograd's own gradient tensors (runtime/zero/one_rank.py), by
-default; `DSLAUNCH_AUTOGRAD_GRADS=0` keeps the flat gradient buffer.
+"""One rank with 16-bit weights keeps autograd's own gradient tensors (runtime/zero/one_rank.py) with
+`DSLAUNCH_AUTOGRAD_GRADS=1`; unset or 0 keeps the flat gradient buffer (the default).
 
 What a user relies on: the run trains exactly as it does with the flat gradient buffer, at
 every ZeRO stage, in bf16 and fp16, with gradient accumulation, clipping, weight-decay groups, torch's step
@@ -57,8 +57,7 @@ def _train(rank: int, world_size: int, config: dict[str, Any], flat: bool, fused
     import runtime
 
     os.environ[FUSED] = "1" if fused else "0"
-    if flat:
-        os.environ[AUTOGRAD] = "0"
+    os.environ[AUTOGRAD] = "0" if flat else "1"
     try:
         model = WithUnused() if unused else make_model(0)
         engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
@@ -124,6 +123,7 @@ def test_trains_as_the_flat_buffer_does(
 def _cleared(rank: int, world_size: int, when: str) -> dict:
     import runtime
 
+    os.environ[AUTOGRAD] = "1"
     model = make_model(0)
     config = _config("bf16", 2, 1.0)
     engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
@@ -161,8 +161,7 @@ def test_grad_cleared_outside_the_engine() -> None:
 def _compiled_masters(rank: int, world_size: int, flat: bool) -> list[torch.Tensor]:
     import runtime
 
-    if flat:
-        os.environ[AUTOGRAD] = "0"
+    os.environ[AUTOGRAD] = "0" if flat else "1"
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(8)]).cuda()
     config = {"train_batch_size": 8, "bf16": {"enabled": True}, "steps_per_print": 0,
@@ -209,12 +208,13 @@ def _with(**extra: Any) -> dict[str, Any]:
 
 
 CHOICES = [  # world size, config, DSLAUNCH_AUTOGRAD_GRADS, the stage a user gets
-    (1, _with(bf16={"enabled": True}), None, "AutogradGradStage"),
+    (1, _with(bf16={"enabled": True}), None, "ReplicatedGradStage"),  # the default: the flat buffer
+    (1, _with(bf16={"enabled": True}), "1", "AutogradGradStage"),
     (1, _with(bf16={"enabled": True}), "0", "ReplicatedGradStage"),
-    (1, _with(), None, "ReplicatedGradStage"),  # fp32: the weights are the masters, their .grad the buffer's
+    (1, _with(), "1", "ReplicatedGradStage"),  # fp32: the weights are the masters, their .grad the buffer's
     (1, _with(bf16={"enabled": True}, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
-     None, "ReplicatedGradStage"),  # the offload streams gradients out of the flat buffer
-    (2, _with(bf16={"enabled": True}), None, "ShardedGradStage"),
+     "1", "ReplicatedGradStage"),  # the offload streams gradients out of the flat buffer
+    (2, _with(bf16={"enabled": True}), "1", "ShardedGradStage"),
 ]
 
 
@@ -222,6 +222,6 @@ CHOICES = [  # world size, config, DSLAUNCH_AUTOGRAD_GRADS, the stage a user get
 def test_which_ranks_keep_autograd_gradients(
     world: int, config: dict, env: str | None, expected: str
 ) -> None:
-    """Device: CPU. The default at one rank with 16-bit weights and the optimizer on the device; the flat
-    buffer where something reads it (fp32 weights, an offloaded optimizer, two ranks) or when asked for."""
+    """Device: CPU. Asked for, at one rank with 16-bit weights and the optimizer on the device; the flat
+    buffer by default and where something reads it (fp32 weights, an offloaded optimizer, two ranks)."""
     assert run_distributed(_stage_chosen, world, config, env) == [expected] * world

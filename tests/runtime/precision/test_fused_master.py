@@ -146,7 +146,7 @@ def _both_in_small_runs(rank: int, world_size: int, config: dict[str, Any]) -> d
 def test_one_rank_autograd_gradients_in_runs_equal_torch_step(precision: str, stage: int) -> None:
     """Device: CPU. One rank keeping autograd's gradient tensors (runtime/zero/one_rank.py), one a
     parameter, which the fused step launches on in runs (`plan_runs`): some alone, some joined with
-    their neighbours and the layout's padding; at ZeRO-3 too (one rank: a flat group a module).
+    their neighbours and the layout's padding; at ZeRO-3 too (one rank: a flat group a gather unit).
     The fused step runs (not torch's in its place) and trains as torch's step does, with clipping."""
     [result] = run_distributed(_both_in_small_runs, 1, _config(precision, {"stage": stage}, clip=1.0))
     _assert_same(result["fused"], result["plain"])

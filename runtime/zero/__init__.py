@@ -9,11 +9,12 @@ The engine talks to a `ZeroStage` and never branches on the stage number itself:
 
 `build_zero_stage` owns the grouping as well as the strategy, since stage 3 groups by module: stages 0-2
 flatten one buffer per optimizer param group; stage 0 and 1 keep full gradients (`ReplicatedGradStage`),
-stage 2 keeps a gradient shard (`ShardedGradStage`), one rank with 16-bit weights and the optimizer on
-the device keeps autograd's own gradient tensors (`AutogradGradStage`), stage 3 shards parameters per
-gather unit (`ParamShardedStage`, runtime.zero.stage3). With one rank a shard is the whole buffer, so
-every stage is `AutogradGradStage` there, or the replicated one where that does not apply. `Init` and
-`GatheredParameters` are ZeRO-3's user-facing context managers.
+stage 2 keeps a gradient shard (`ShardedGradStage`), stage 3 shards parameters per gather unit
+(`ParamShardedStage`, runtime.zero.stage3). With one rank a shard is the whole buffer, so every stage is
+the replicated one there (stage 3 too, unless `offload_param` keeps its shards in host memory), or, with
+`DSLAUNCH_AUTOGRAD_GRADS=1`, 16-bit weights and the optimizer on the device, `AutogradGradStage`, which
+keeps autograd's own gradient tensors. `Init` and `GatheredParameters` are ZeRO-3's user-facing context
+managers.
 
 What the optimizer's placement (runtime.offload) reads of a stage is declared here too, on
 `StageGroups`: where the working weights live (`params_sharded`, `units`, `host_param_bytes`) and, on

@@ -139,7 +139,15 @@ def _both_in_small_runs(rank: int, world_size: int, config: dict[str, Any]) -> d
 
     os.environ["DSLAUNCH_AUTOGRAD_GRADS"] = "1"  # one gradient tensor a parameter, not one flat buffer
     fused_master.RUN_ELEMENTS = 200  # the 312- and 744-element matrices alone, the rest joined in runs
-    return _both(rank, world_size, config)
+    launches: list[list[int]] = []  # each step's segments: how many gradient pieces each one joins
+    step = fused_master.FusedMasterAdam.step
+
+    def counting_step(self: Any, optimizer: Any, segments: Any, *args: Any, **kwargs: Any) -> None:
+        launches.append([len(seg.grads) for group in segments for seg in group])
+        step(self, optimizer, segments, *args, **kwargs)
+
+    fused_master.FusedMasterAdam.step = counting_step  # type: ignore[method-assign]
+    return {**_both(rank, world_size, config), "launches": launches}
 
 
 @pytest.mark.parametrize(("precision", "stage"), [("bf16", 2), ("bf16", 3), ("fp16", 2)])
@@ -150,6 +158,9 @@ def test_one_rank_autograd_gradients_in_runs_equal_torch_step(precision: str, st
     The fused step runs (not torch's in its place) and trains as torch's step does, with clipping."""
     [result] = run_distributed(_both_in_small_runs, 1, _config(precision, {"stage": stage}, clip=1.0))
     _assert_same(result["fused"], result["plain"])
+    pieces = sum(p.numel() > 0 for p in make_model(0).parameters())  # at least one gradient tensor each
+    for joined in result["launches"]:  # fewer launches than gradient tensors: some joined, some alone
+        assert len(joined) < pieces and max(joined) > 1 and min(joined) == 1, joined
 
 
 @pytest.mark.parametrize(

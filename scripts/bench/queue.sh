@@ -53,8 +53,8 @@ PY
         --stages $stages --autograd_stages "${AUTOGRAD-2}" --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 \
         | grep '^{' | cut -c1-900 ;;
 5)  # issue 33: GPT-2 XL (its micro batch 8) the same way (its ZeRO-2 A/B with runs: 1.047x against the
-    # flat buffer's 1.040x on 2026-12-07; 0.88x before plan_runs); a row takes about a minute on an H100. (fp8 at micro batch
-    # 4 against compiled bf16 was measured on 2026-12-07: 1.145x; with the gradient runs measured, add
+    # flat buffer's 1.040x on 2026-12-07; 0.88x before plan_runs); a row takes about a minute on an H100.
+    # (fp8 at micro batch 4 against compiled bf16 was measured on 2026-12-07: 1.145x; to repeat it, add
     # scripts/bench/fp8.py --micro_batch 4 --repeats 3 --settings bf16,fp8, carrying .whl for torchao)
     timeout 560 python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --autograd_stages 2 --repeats 3 \
         --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;

@@ -12,6 +12,8 @@ TFLOP/s; 6N + 12·L·d·T FLOPs per token) and `ratio_to_torch_compiled`, both m
 On a GPU a row also gives `compute_ms` and `update_ms` (the median forward+backward and optimizer step
 between CUDA events: where a gap lies) and `tokens_per_s_steady` / `ratio_steady` (--steps steps back to
 back, one synchronization at each end, as a training loop runs: the host's launch time hides behind the GPU).
+--profile_update adds `update_profile` to our rows: 3 optimizer steps under torch.profiler, the step's host
+milliseconds, its kernels (count and GPU milliseconds) and its top ops by GPU and by host time.
 
 Models: `xl` is our GPT at GPT-2 XL sizes (1.56B, micro batch 8 x 1024); `llama3b` a transformers
 LlamaForCausalLM built from a LlamaConfig here (Llama-3.2-3B's shape: 28 layers, d 3072, 24 heads / 8 KV
@@ -44,6 +46,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,7 @@ from scripts.bench.common import (
     out_file,
     real_deepspeed,
     steady_time,
+    synchronize,
 )
 
 PEAK_BF16_TFLOPS = 989.0
@@ -206,7 +210,58 @@ def measure(peer: str, stage: int, name: str, args: argparse.Namespace) -> dict[
         steady = steady_time(lambda: losses.append(step()), args.device, args.steps)
         result["tokens_per_s_steady"] = round(micro * seq / steady, 1)
         result["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(args.device) / 2**30, 2)
+    if args.profile_update and not peer.startswith("torch"):
+        result["update_profile"] = profile_update(compute, update, losses, args.device)
     return result
+
+
+def profile_update(
+    compute: Callable[[], torch.Tensor],
+    update: Callable[[], None],
+    losses: list[torch.Tensor],
+    device: torch.device,
+) -> dict[str, Any]:
+    """Where the optimizer step's time goes, over 3 steps under torch.profiler: the host's wall time of the
+    call, the GPU's busy time inside it, kernel launches a step, and the top ops by GPU and by host time
+    (milliseconds a step): a step longer than its kernels waits on the host."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    steps = 3
+    walls = []
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            losses.append(compute())
+            synchronize(device)
+            with record_function("dslaunch_update"):  # the update and its kernels' end: nothing else runs
+                start = time.perf_counter()
+                update()
+                walls.append(time.perf_counter() - start)
+                synchronize(device)
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "dslaunch_update"]
+    inside = [e for e in prof.events() if e.name != "dslaunch_update" and in_spans(e, spans)]
+    kernels_type = torch.autograd.DeviceType.CUDA
+    kernels = [e for e in inside if e.device_type == kernels_type]
+
+    def host_us(event: Any) -> float:
+        return event.self_cpu_time_total
+
+    def top(events: list[Any], us: Callable[[Any], float]) -> list[tuple[str, float, int]]:
+        totals: dict[str, list[float]] = {}
+        for event in events:
+            total = totals.setdefault(event.name[:80], [0.0, 0])
+            total[0] += us(event)
+            total[1] += 1
+        rows = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:8]
+        return [(name, round(us_ / 1e3 / steps, 2), int(n) // steps) for name, (us_, n) in rows]
+
+    return {
+        "host_ms": round(statistics.median(walls) * 1e3, 2),
+        "kernels_launched": len(kernels) // steps,
+        "kernel_ms": round(sum(k.time_range.elapsed_us() for k in kernels) / 1e3 / steps, 2),
+        "top_gpu": top(kernels, lambda e: e.time_range.elapsed_us()),
+        "top_host": top([e for e in inside if e.device_type != kernels_type], host_us),
+    }
 
 
 def phases(
@@ -226,6 +281,10 @@ def phases(
         "compute_ms": round(statistics.median(a.elapsed_time(b) for a, b, _ in marks), 2),
         "update_ms": round(statistics.median(b.elapsed_time(c) for _, b, c in marks), 2),
     }
+
+
+def in_spans(event: Any, spans: list[tuple[float, float]]) -> bool:
+    return any(a <= event.time_range.start <= b for a, b in spans)
 
 
 def _sizes(name: str, args: argparse.Namespace) -> tuple[float, int, int, int]:
@@ -323,6 +382,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="ZeRO stages of ours compiled per region as stage 3 over several ranks compiles it (each block "
         "and the head, the glue eager), on this one rank without the gathers: the structure's own cost "
         "(rows ours-regions-zeroS)",
+    )
+    parser.add_argument(
+        "--profile_update",
+        action="store_true",
+        help="each row of ours also profiles 3 optimizer steps (update_profile: host ms, kernels, top ops)",
     )
     parser.add_argument(
         "--ds_stages",

@@ -42,16 +42,17 @@ PY
     # one rank's gradients as autograd's tensors (DSLAUNCH_AUTOGRAD_GRADS=1: the fused step now launches on
     # runs of 16M elements, precision/fused_master.py plan_runs; the default once it beats the flat buffer
     # at both models); first the gpu tests that train one rank with 16-bit weights on the device
-    # (LIMIT: the seconds the call may take, 585 unless less device time is left; STAGES: ours, 0,2,3;
-    # MICRO: the 3B's micro batch, here and in call 5; AUTOGRAD: the stages of the A/B, 2; empty: none)
+    # (--profile_update: where each of our optimizer steps' milliseconds go; LIMIT: the seconds the call
+    # may take, 585 unless less device time is left; STAGES: ours, 0,2,3; MICRO: the 3B's micro batch,
+    # here and in call 5; AUTOGRAD: the stages of the A/B, 2; empty: none)
     limit=${LIMIT:-585} stages=${STAGES:-0,2,3}
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
         tests/runtime/precision/test_fused_master.py tests/runtime/engine/test_device.py \
         tests/runtime/engine/test_optim.py tests/runtime/engine/test_oom.py 2>&1 | tail -4
     micro=${MICRO:-4}
     timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro \
-        --stages $stages --autograd_stages "${AUTOGRAD-2}" --repeats 3 --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 \
-        | grep '^{' | cut -c1-900 ;;
+        --stages $stages --autograd_stages "${AUTOGRAD-2}" --repeats 3 --profile_update \
+        --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-2200 ;;
 5)  # issue 33: GPT-2 XL (its micro batch 8) the same way (its ZeRO-2 A/B with runs: 1.047x against the
     # flat buffer's 1.040x on 2026-12-07; 0.88x before plan_runs); a row takes about a minute on an H100.
     # (fp8 at micro batch 4 against compiled bf16 was measured on 2026-12-07: 1.145x; to repeat it, add

@@ -243,24 +243,12 @@ def profile_update(
     kernels_type = torch.autograd.DeviceType.CUDA
     kernels = [e for e in inside if e.device_type == kernels_type]
 
-    def host_us(event: Any) -> float:
-        return event.self_cpu_time_total
-
-    def top(events: list[Any], us: Callable[[Any], float]) -> list[tuple[str, float, int]]:
-        totals: dict[str, list[float]] = {}
-        for event in events:
-            total = totals.setdefault(event.name[:80], [0.0, 0])
-            total[0] += us(event)
-            total[1] += 1
-        rows = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:8]
-        return [(name, round(us_ / 1e3 / steps, 2), int(n) // steps) for name, (us_, n) in rows]
-
     return {
         "host_ms": round(statistics.median(walls) * 1e3, 2),
         "kernels_launched": len(kernels) // steps,
         "kernel_ms": round(sum(k.time_range.elapsed_us() for k in kernels) / 1e3 / steps, 2),
-        "top_gpu": top(kernels, lambda e: e.time_range.elapsed_us()),
-        "top_host": top([e for e in inside if e.device_type != kernels_type], host_us),
+        "top_gpu": top_by(kernels, gpu_us, steps),
+        "top_host": top_by([e for e in inside if e.device_type != kernels_type], host_us, steps),
     }
 
 
@@ -281,6 +269,28 @@ def phases(
         "compute_ms": round(statistics.median(a.elapsed_time(b) for a, b, _ in marks), 2),
         "update_ms": round(statistics.median(b.elapsed_time(c) for _, b, c in marks), 2),
     }
+
+
+def gpu_us(event: Any) -> float:
+    return event.time_range.elapsed_us()
+
+
+def host_us(event: Any) -> float:
+    return event.self_cpu_time_total
+
+
+def top_by(
+    events: list[Any], us: Callable[[Any], float], steps: int, n: int = 8
+) -> list[tuple[str, float, int]]:
+    """The `n` names of profiler `events` with the most of `us(event)` microseconds: (name, milliseconds a
+    step, events a step), over `steps` steps."""
+    totals: dict[str, list[float]] = {}
+    for event in events:
+        total = totals.setdefault(event.name[:80], [0.0, 0])
+        total[0] += us(event)
+        total[1] += 1
+    rows = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:n]
+    return [(name, round(micros / 1e3 / steps, 2), int(count) // steps) for name, (micros, count) in rows]
 
 
 def in_spans(event: Any, spans: list[tuple[float, float]]) -> bool:

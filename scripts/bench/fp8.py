@@ -24,6 +24,10 @@ consecutive windows of --seq_len bytes (labels = inputs; the model shifts them).
 config's WarmupCosineLR, as a real run's would: linear from 0 to 3e-4 over --lr_warmup steps, then a cosine
 down to a tenth at step N (--lr_warmup 0: a constant 3e-4, as the runs before 2026-12-07). The row gives
 the loss every 25 steps and the mean of the last 50; issue 33's goal is fp8's within 1% of bf16's.
+
+--profile adds `compute_profile` to each throughput row: one forward+backward's GPU milliseconds in float8
+matmuls, the other matmuls, attention, Triton kernels (inductor's fused code: float8's casts and scales)
+and the rest, and the top kernels: what keeps fp8's forward and backward from being shorter still.
 --seeds runs every setting from each seed's initial weights in turn and ends with the median, min and max
 over seeds of each fp8 setting's difference to bf16 (a later seed recompiles from inductor's cache).
 
@@ -45,6 +49,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,12 +215,62 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
 
             record.update(phases(lambda: compute(0), engine.step, args.steps, []))
             record["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        if args.profile:
+            record["compute_profile"] = profile_compute(lambda: compute(0), engine.step, device)
     engine.destroy()
     torch._dynamo.reset()  # the compiled graphs of this model hold its tensors; the next setting recompiles
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return record
+
+
+def profile_compute(compute: Any, update: Any, device: Any, steps: int = 2) -> dict[str, Any]:
+    """Where a forward+backward's GPU time goes, over `steps` steps under torch.profiler (the optimizer step
+    runs between them, outside the window): milliseconds a step in float8 matmuls (`_scaled_mm`'s kernels),
+    in the other matmuls, in attention, in Triton kernels (inductor's fused elementwise code, where
+    float8's casts and scale reductions land), and the rest; and the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from scripts.bench.compiled import in_spans, top_by
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function("dslaunch_compute"):
+                compute()
+                synchronize(device)
+            update()
+            synchronize(device)
+    events = prof.events()
+    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == "dslaunch_compute"]
+    kinds = {"fp8_matmul": 0.0, "matmul": 0.0, "attention": 0.0, "triton": 0.0, "other": 0.0}
+    kernels = []  # (kernel name, microseconds) of each kernel the window launched
+    for event in events:  # a kernel belongs to the innermost op that launched it: that op names its kind
+        if event.device_type == torch.autograd.DeviceType.CUDA or not in_spans(event, spans):
+            continue
+        for kernel in event.kernels:
+            kernels.append(SimpleNamespace(name=kernel.name, us=kernel.duration))
+            kinds[kernel_kind(event.name, kernel.name)] += kernel.duration
+    return {
+        "kernel_ms": round(sum(k.us for k in kernels) / 1e3 / steps, 2),
+        **{f"{kind}_ms": round(us / 1e3 / steps, 2) for kind, us in kinds.items()},
+        "top_kernels": top_by(kernels, lambda k: k.us, steps, n=12),
+    }
+
+
+def kernel_kind(op: str, kernel: str) -> str:
+    """The kind of a kernel, by the op that launched it (or, for inductor's own code, its name)."""
+    if op == "aten::_scaled_mm":
+        return "fp8_matmul"
+    if op in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"):
+        return "matmul"
+    if "attention" in op or "flash" in kernel.lower() or "fmha" in kernel.lower():
+        return "attention"
+    if kernel.startswith("triton"):
+        return "triton"
+    return "other"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         default="0",
         help="comma-separated seeds of the initial weights (every setting starts from the same weights): "
         "with --loss_steps, a spread over seeds tells a 1%% difference from one run's noise",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="each setting's forward+backward under torch.profiler too (compute_profile: GPU milliseconds "
+        "in float8 and other matmuls, attention, Triton kernels, and the top kernels)",
     )
     add_out_argument(parser, "fp8")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU session's queue (scripts/bench/README.md, "The queue"), one device command per call:
-#   bash scripts/bench/queue.sh N        (N = 1 to 7; each stays under the 600 s a command may run)
+#   bash scripts/bench/queue.sh N        (N = 1 to 8; each stays under the 600 s a command may run)
 # run from the repository root on the device machine, with $OUT set (the device tool sets it) and
 # .devrun/commit holding the commit under test. Results land in $OUT; copy them to scripts/bench/results/
 # under <yyyymmdd>_<card>_<what>.jsonl and cite them in BENCHMARKS.md with the command below.
@@ -14,7 +14,7 @@ long() {  # long SECONDS ARGS...: long_context.py under a wall-clock limit, its 
 }
 lean8b=(--model 8b --gpu_gib 72 --no_offload --bf16_master_weights --bf16_optimizer_states --lean_norms)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-case "${1:?which call: 1-7}" in
+case "${1:?which call: 1-8}" in
 1)  # the 1B lean-norm walk under the 32 GiB cap from where the last one stopped (342,016 trained; the walk
     # now tries --max itself)
     long 585 --model 1b --gpu_gib 32 --lean_norms --start 376832 --growth 1.12 --max 471040 \
@@ -74,6 +74,14 @@ PY
         python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 3 --regions_stages 3 \
         --ds_stages 3 --deepcompile_stages 3 --repeats 3 --out "$OUT/compiled-llama3b-deepspeed.jsonl" 2>&1 \
         | grep '^{' | cut -c1-900 ;;
-*)  echo "no call $1: 1-7" >&2; exit 2 ;;
+8)  # issue 33: fp8 against compiled bf16 again (1.145x at micro batch 4 on an H100), each setting's
+    # forward+backward profiled: how much of fp8's time is float8 matmuls, bf16 ones, attention and the
+    # casts' fused kernels (MICRO: 4; 8 fits an H200's 139 GiB) (carry .whl for torchao)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
+        .whl/ao/*.whl || exit
+    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --micro_batch ${MICRO:-4} \
+        --repeats 3 --settings bf16,fp8 --profile --out "$OUT/fp8-micro${MICRO:-4}-profile.jsonl" 2>&1 \
+        | grep -E '^\{|bf16.s' | cut -c1-2500 ;;
+*)  echo "no call $1: 1-8" >&2; exit 2 ;;
 esac
 echo "call $1 ended at ${SECONDS}s"

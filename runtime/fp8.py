@@ -22,8 +22,9 @@ The rule (a linear stays in bf16 for the first reason that applies, in this orde
    published H100 tables show no faster in float8 for the recipe (`below_break_even`): with tensorwise
    scales K <= 4096 and N <= 1024 (K the input, N the output features), which keeps the key and value
    projections of a grouped-query model (Llama-3.2-3B's 3072 -> 1024); with rowwise scales N <= 2048,
-   K <= 1024, or N <= 4096 with K <= 2048. Those matmuls are too small for the faster kernel to pay for
-   the casts and scale reductions around it.
+   K <= 1024, or N <= 4096 with K <= 2048 (`rowwise_with_gw_hp` too: its forward and input gradient are
+   rowwise's, its weight gradient bf16 in any layer). Those matmuls are too small for the faster kernel to
+   pay for the casts and scale reductions around it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ checked by `runtime.config.load`, which sees both sections.
 
     "fp8": {
         "enabled": true,
-        "recipe": "tensorwise",        # or "rowwise": one scale per tensor, or per row (more accurate)
+        "recipe": "tensorwise",        # one scale per tensor; "rowwise": per row (more accurate);
+                                       # "rowwise_with_gw_hp": rowwise, the weight gradient in bf16
         "exclude_modules": ["*.attn.*"],  # fnmatch patterns on module names kept in bf16
         "min_features": 1024,          # both dims of a converted layer at least this
         "auto_filter_small_kn": true   # keep layers below float8's measured break-even for the recipe
@@ -22,7 +23,9 @@ from typing import Any
 from runtime.config.checks import Bool, Choice, Int
 from runtime.config.reader import ConfigError, SectionReader
 
-RECIPES = ("tensorwise", "rowwise")
+# torchao's Float8LinearRecipeName values: the last keeps the weight gradient's matmul in bf16 (the recipe
+# torchao and torchtitan suggest where rowwise's loss still drifts)
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # float8 matmuls (cuBLAS / CUTLASS) need both dims divisible by 16; torchao refuses other shapes
 DIM_MULTIPLE = 16
 # Below about this size the casts to float8 cost more than the faster matmul saves (torchao's H100

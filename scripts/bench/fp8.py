@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from runtime.config.fp8 import RECIPES  # noqa: E402
 from scripts.bench.common import (  # noqa: E402
     add_out_argument,
     emit,
@@ -276,7 +277,7 @@ def kernel_kind(op: str, kernel: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke run)")
-    parser.add_argument("--recipe", default="tensorwise", choices=("tensorwise", "rowwise"))
+    parser.add_argument("--recipe", default="tensorwise", choices=RECIPES)
     parser.add_argument(
         "--settings",
         default="bf16,fp8",

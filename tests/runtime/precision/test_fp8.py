@@ -12,6 +12,7 @@ float8 then rounds the next step's casts of weights that moved by that much.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.config import ConfigError, load_config
-from runtime.config.fp8 import FP8Config
+from runtime.config.fp8 import RECIPES, FP8Config
 from runtime.errors import UserError
 from runtime.fp8 import below_break_even, convert_model, select_linears
 from tests.support.dist import run_distributed
@@ -63,13 +64,13 @@ def make_net(seed: int = 0) -> Fp8Net:
     return Fp8Net()
 
 
-def make_converted_net(seed: int = 0) -> Fp8Net:
+def make_converted_net(seed: int = 0, recipe: str = "tensorwise") -> Fp8Net:
     model = make_net(seed)
-    convert_model(model, SMALL)
+    convert_model(model, dataclasses.replace(SMALL, recipe=recipe))
     return model
 
 
-def _config(stage: int, *, fp8: bool = True, **zero: Any) -> dict:
+def _config(stage: int, *, fp8: bool = True, recipe: str = "tensorwise", **zero: Any) -> dict:
     cfg: dict = {
         "train_batch_size": ROWS * ACCUMULATION,
         "gradient_accumulation_steps": ACCUMULATION,
@@ -80,7 +81,7 @@ def _config(stage: int, *, fp8: bool = True, **zero: Any) -> dict:
         "zero_optimization": {"stage": stage, **zero},
     }
     if fp8:
-        cfg["fp8"] = {"enabled": True, "min_features": 16, "auto_filter_small_kn": False}
+        cfg["fp8"] = {"enabled": True, "recipe": recipe, "min_features": 16, "auto_filter_small_kn": False}
     return cfg
 
 
@@ -97,7 +98,11 @@ def test_fp8_section_reads_with_defaults() -> None:
     ("section", "bf16", "message"),
     [
         ({"enabled": True}, False, "fp8.enabled: fp8 training runs on bf16 working weights"),
-        ({"recipe": "x"}, True, "fp8.recipe: expected one of 'tensorwise', 'rowwise', got str 'x'"),
+        (
+            {"recipe": "x"},
+            True,
+            "fp8.recipe: expected one of 'tensorwise', 'rowwise', 'rowwise_with_gw_hp', got str 'x'",
+        ),
         ({"exclude_modules": [3]}, True, "fp8.exclude_modules[0]: expected a non-empty string, got 3"),
         ({"min_features": 8}, True, "fp8.min_features: expected an integer >= 16, got 8"),
         (
@@ -201,7 +206,7 @@ def test_the_break_even_rule_keeps_a_grouped_query_models_key_and_value_projecti
         f"{layer}self_attn.o_proj",
         *(f"{layer}mlp.{p}_proj" for p in ("gate", "up", "down")),
     )
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in RECIPES:
         chosen = select_linears(model, FP8Config(enabled=True, recipe=recipe))
         assert chosen.converted == fast
         assert chosen.kept[:2] == tuple(
@@ -216,6 +221,7 @@ def test_the_break_even_rule_keeps_a_grouped_query_models_key_and_value_projecti
     assert not below_break_even("tensorwise", 4096, 1040)
     assert below_break_even("rowwise", 8192, 2048) and below_break_even("rowwise", 1024, 8192)
     assert below_break_even("rowwise", 2048, 4096) and not below_break_even("rowwise", 2064, 4096)
+    assert below_break_even("rowwise_with_gw_hp", 2048, 4096)  # rowwise's forward: rowwise's edges
 
 
 # -- the engine ------------------------------------------------------------------------------------------
@@ -257,11 +263,26 @@ def _train_runs(rank: int, world_size: int) -> dict:
     return out
 
 
-def _reference(world_size: int) -> tuple[list[float], dict, dict]:
+def _train_recipes(rank: int, world_size: int) -> dict:
+    """The rowwise recipes at ZeRO 2, as `_train_runs` trains the default one."""
+    import runtime
+
+    out = {}
+    for recipe in RECIPES[1:]:
+        engine = runtime.initialize(model=make_net(0), config=_config(2, recipe=recipe))[0]
+        losses, _ = train_engine(
+            engine, steps=STEPS, accumulation=ACCUMULATION, rows=ROWS, rank=rank, world_size=world_size
+        )
+        out[recipe] = {"losses": losses, "master": engine.full_state_dict()}
+        engine.destroy()
+    return out
+
+
+def _reference(world_size: int, recipe: str = "tensorwise") -> tuple[list[float], dict, dict]:
     """The converted model in plain PyTorch on the same global batches, each rank's rows forwarded on their
     own (so float8's dynamic scales see the rows each rank sees), gradients summed in bf16, averaged,
     clipped, and stepped with AdamW on fp32 masters."""
-    master = make_converted_net(0)
+    master = make_converted_net(0, recipe)
     initial = {n: p.detach().clone() for n, p in master.named_parameters()}
     working = copy.deepcopy(master).to(torch.bfloat16)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=0.0)
@@ -301,6 +322,19 @@ def test_fp8_engine_equals_converted_plain_pytorch() -> None:
         for name, want in ref_master.items():
             err = update_error(run["master"][name], want, initial[name])
             assert err <= 0.10, f"{run_name} {name}: update error {err:.3f}"
+
+
+def test_every_recipe_trains_as_converted_plain_pytorch() -> None:
+    """rowwise and rowwise_with_gw_hp through the engine (ZeRO 2, world 2) against torchao's own
+    conversion with the same recipe in plain PyTorch: the recipe reaches torchao."""
+    got = run_distributed(_train_recipes, 2)[0]
+    for recipe, run in got.items():
+        ref_losses, ref_master, initial = _reference(2, recipe)
+        for i, (a, b) in enumerate(zip(run["losses"], ref_losses, strict=True)):
+            assert abs(a - b) <= 0.01 * abs(b), f"{recipe} loss[{i}] {a} vs {b}"
+        for name, want in ref_master.items():
+            err = update_error(run["master"][name], want, initial[name])
+            assert err <= 0.10, f"{recipe} {name}: update error {err:.3f}"
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------

@@ -12,9 +12,9 @@ flatten one buffer per optimizer param group; stage 0 and 1 keep full gradients 
 stage 2 keeps a gradient shard (`ShardedGradStage`), stage 3 shards parameters per gather unit
 (`ParamShardedStage`, runtime.zero.stage3). With one rank a shard is the whole buffer, so every stage is
 the replicated one there (stage 3 too, unless `offload_param` keeps its shards in host memory), or, with
-`DSLAUNCH_AUTOGRAD_GRADS=1`, 16-bit weights and the optimizer on the device, `AutogradGradStage`, which
-keeps autograd's own gradient tensors. `Init` and `GatheredParameters` are ZeRO-3's user-facing context
-managers.
+16-bit weights and the optimizer on the device, `AutogradGradStage`, which keeps autograd's own gradient
+tensors (`DSLAUNCH_AUTOGRAD_GRADS=0`: the replicated one there too). `Init` and `GatheredParameters` are
+ZeRO-3's user-facing context managers.
 
 What the optimizer's placement (runtime.offload) reads of a stage is declared here too, on
 `StageGroups`: where the working weights live (`params_sharded`, `units`, `host_param_bytes`) and, on
@@ -245,7 +245,7 @@ def _build(
 
 
 def _autograd_grads(comm: Comm, setup: StageSetup) -> bool:
-    """One rank keeps autograd's own gradient tensors (runtime/zero/one_rank.py) when asked to, where
+    """One rank keeps autograd's own gradient tensors (runtime/zero/one_rank.py) unless told not to, where
     nothing reads a flat buffer of them: 16-bit weights with their own masters, the optimizer on the
     device."""
     return (

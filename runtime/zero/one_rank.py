@@ -15,15 +15,13 @@ master straight from autograd's tensors where one holds at least 16M elements, a
 neighbours joined into one buffer otherwise; torch's step casts the pieces into its fp32 buffer as it did
 from the flat one.
 
-Opt-in with `DSLAUNCH_AUTOGRAD_GRADS=1`, where it applies: `build_zero_stage` takes it for one rank with
-16-bit working weights and the optimizer on the device (optimizer offload streams gradients out of the
-flat buffer as they land). On an H100 it took a compiled 3.2B Llama from 1.033x to 1.060x a compiled plain
-loop, with a peak 5.98 GiB lower, but GPT-2 XL from 1.045x to 0.882x (BENCHMARKS.md, issue 33): its 580
-gradient tensors made 580 launches of the fused step, some 80 us of host time each, so the step waited on
-the host (63 ms against 18). The fused step now joins small gradients into runs of 16M elements
-(precision/fused_master.py `plan_runs`): with them XL's step took 23 ms and XL ran at 1.047x against the
-flat buffer's 1.040x, its peak 2.9 GiB lower. It becomes the default once the Llama is measured with runs
-too (scripts/bench/queue.sh, call 4), whose ZeRO-3 step at micro batch 4 was the slow one.
+The default where it applies: `build_zero_stage` takes it for one rank with 16-bit working weights and
+the optimizer on the device (optimizer offload streams gradients out of the flat buffer as they land);
+`DSLAUNCH_AUTOGRAD_GRADS=0` keeps the flat buffer there too. Measured on an H100 against the flat buffer,
+the fused step launching on runs of 16M elements (precision/fused_master.py `plan_runs`; one launch a
+tensor had cost GPT-2 XL's 580 tensors 63 ms a step against 18): GPT-2 XL at 1.047x a compiled plain loop
+against 1.040x, its peak 2.9 GiB lower; the 3.2B Llama at ZeRO-2 1.030x against 1.025x, its peak 69.9 GiB
+against 75.9 (BENCHMARKS.md, issue 33).
 """
 
 from __future__ import annotations
@@ -43,12 +41,12 @@ _ENV = "DSLAUNCH_AUTOGRAD_GRADS"
 
 
 def autograd_grads_on() -> bool:
-    """Whether one rank keeps autograd's gradient tensors where it can: only with
-    `DSLAUNCH_AUTOGRAD_GRADS=1`; unset or 0 keeps the flat buffer."""
+    """Whether one rank keeps autograd's gradient tensors where it can: unset or 1 yes (the default), 0
+    keeps the flat buffer."""
     text = os.environ.get(_ENV, "").strip()
     if text not in ("", "0", "1"):
         raise ValueError(f"{_ENV}={text!r}: expected 0 or 1")
-    return text == "1"
+    return text != "0"
 
 
 class AutogradGradStage(HookedStage):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU session's queue (scripts/bench/README.md, "The queue"), one device command per call:
-#   bash scripts/bench/queue.sh N        (N = 1 to 8; each stays under the 600 s a command may run)
+#   bash scripts/bench/queue.sh N        (N = 1 to 9; each stays under the 600 s a command may run)
 # run from the repository root on the device machine, with $OUT set (the device tool sets it) and
 # .devrun/commit holding the commit under test. Results land in $OUT; copy them to scripts/bench/results/
 # under <yyyymmdd>_<card>_<what>.jsonl and cite them in BENCHMARKS.md with the command below.
@@ -14,7 +14,7 @@ long() {  # long SECONDS ARGS...: long_context.py under a wall-clock limit, its 
 }
 lean8b=(--model 8b --gpu_gib 72 --no_offload --bf16_master_weights --bf16_optimizer_states --lean_norms)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-case "${1:?which call: 1-8}" in
+case "${1:?which call: 1-9}" in
 1)  # the 1B lean-norm walk under the 32 GiB cap from where the last one stopped (342,016 trained; the walk
     # now tries --max itself)
     long 585 --model 1b --gpu_gib 32 --lean_norms --start 376832 --growth 1.12 --max 471040 \
@@ -39,19 +39,18 @@ PY
         --timeout 280 --out "$OUT/long-8b-lean-bf16-up.jsonl" ;;
 4)  # issue 33 (micro batch 4 x 2048 of the 3B Llama fits an 80 GB card now: 69.9 GiB ours, 73.4 the plain
     # loop): the compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and ZeRO 2 again with
-    # one rank's gradients as autograd's tensors (DSLAUNCH_AUTOGRAD_GRADS=1: the fused step now launches on
-    # runs of 16M elements, precision/fused_master.py plan_runs; the default once it beats the flat buffer
-    # at both models); first the gpu tests that train one rank with 16-bit weights on the device
-    # (--profile_update: where each of our optimizer steps' milliseconds go; LIMIT: the seconds the call
-    # may take, 585 unless less device time is left; STAGES: ours, 0,2,3; MICRO: the 3B's micro batch,
-    # here and in call 5; AUTOGRAD: the stages of the A/B, 2; empty: none)
+    # the flat gradient buffer (DSLAUNCH_AUTOGRAD_GRADS=0; autograd's own gradients, the default since
+    # 2026-12-07, beat it at both models); first the gpu tests that train one rank with 16-bit weights on
+    # the device (--profile_update: where each of our optimizer steps' milliseconds go; LIMIT: the seconds
+    # the call may take, 585 unless less device time is left; STAGES: ours, 0,2,3; MICRO: the 3B's micro
+    # batch, here and in call 5; FLAT: the stages of the A/B, 2; empty: none)
     limit=${LIMIT:-585} stages=${STAGES:-0,2,3}
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
         tests/runtime/precision/test_fused_master.py tests/runtime/engine/test_device.py \
         tests/runtime/engine/test_optim.py tests/runtime/engine/test_oom.py 2>&1 | tail -4
     micro=${MICRO:-4}
     timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro \
-        --stages $stages --autograd_stages "${AUTOGRAD-2}" --repeats 3 --profile_update \
+        --stages $stages --flat_stages "${FLAT-2}" --repeats 3 --profile_update \
         --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-2200 ;;
 5)  # issue 33: GPT-2 XL (its micro batch 8) the same way (its ZeRO-2 A/B with runs: 1.047x against the
     # flat buffer's 1.040x on 2026-12-07; 0.88x before plan_runs); a row takes about a minute on an H100.
@@ -82,6 +81,18 @@ PY
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --micro_batch ${MICRO:-4} \
         --repeats 3 --settings bf16,fp8 --profile --out "$OUT/fp8-micro${MICRO:-4}-profile.jsonl" 2>&1 \
         | grep -E '^\{|bf16.s' | cut -c1-2500 ;;
-*)  echo "no call $1: 1-8" >&2; exit 2 ;;
+9)  # issue 33, after the fused step's per-group host sync went (2026-12-07: 30 a step at ZeRO-3, 8 ms) and
+    # one rank's autograd gradients became the default: the gpu tests of those paths, the 3B Llama at
+    # ZeRO 2 and 3 against the compiled plain loop, then in the time left the fp8 loss from one seed
+    # (carry .whl for torchao)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
+        tests/runtime/precision/test_fused_master.py 2>&1 | tail -3
+    timeout 330 python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 --stages 2,3 --repeats 3 \
+        --profile_update --out "$OUT/compiled-llama3b-micro4.jsonl" 2>&1 | grep '^{' | cut -c1-1200
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
+        .whl/ao/*.whl || exit
+    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout $((585 - SECONDS)) python3 scripts/bench/fp8.py --loss_steps 300 \
+        --micro_batch 1 --seeds 0 --out "$OUT/fp8-loss.jsonl" 2>&1 | grep -E '^\{|over seeds' | cut -c1-900 ;;
+*)  echo "no call $1: 1-9" >&2; exit 2 ;;
 esac
 echo "call $1 ended at ${SECONDS}s"

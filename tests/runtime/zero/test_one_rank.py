@@ -1,5 +1,5 @@
-"""One rank with 16-bit weights keeps autograd's own gradient tensors (runtime/zero/one_rank.py) with
-`DSLAUNCH_AUTOGRAD_GRADS=1`; unset or 0 keeps the flat gradient buffer (the default).
+"""One rank with 16-bit weights keeps autograd's own gradient tensors (runtime/zero/one_rank.py) by
+default (`DSLAUNCH_AUTOGRAD_GRADS` unset or 1); 0 keeps the flat gradient buffer.
 
 What a user relies on: the run trains exactly as it does with the flat gradient buffer, at
 every ZeRO stage, in bf16 and fp16, with gradient accumulation, clipping, weight-decay groups, torch's step
@@ -208,7 +208,7 @@ def _with(**extra: Any) -> dict[str, Any]:
 
 
 CHOICES = [  # world size, config, DSLAUNCH_AUTOGRAD_GRADS, the stage a user gets
-    (1, _with(bf16={"enabled": True}), None, "ReplicatedGradStage"),  # the default: the flat buffer
+    (1, _with(bf16={"enabled": True}), None, "AutogradGradStage"),  # the default
     (1, _with(bf16={"enabled": True}), "1", "AutogradGradStage"),
     (1, _with(bf16={"enabled": True}), "0", "ReplicatedGradStage"),
     (1, _with(), "1", "ReplicatedGradStage"),  # fp32: the weights are the masters, their .grad the buffer's
@@ -222,6 +222,7 @@ CHOICES = [  # world size, config, DSLAUNCH_AUTOGRAD_GRADS, the stage a user get
 def test_which_ranks_keep_autograd_gradients(
     world: int, config: dict, env: str | None, expected: str
 ) -> None:
-    """Device: CPU. Asked for, at one rank with 16-bit weights and the optimizer on the device; the flat
-    buffer by default and where something reads it (fp32 weights, an offloaded optimizer, two ranks)."""
+    """Device: CPU. By default at one rank with 16-bit weights and the optimizer on the device; the flat
+    buffer when asked for (0) and where something reads it (fp32 weights, an offloaded optimizer, two
+    ranks)."""
     assert run_distributed(_stage_chosen, world, config, env) == [expected] * world

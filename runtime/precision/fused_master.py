@@ -8,7 +8,8 @@ crash). The device placement
 slices of a master, of its reduced 16-bit gradient and of the working weights.
 
 On by default on CUDA devices with Triton, where inductor compiles it: on an H100 it took the step of a
-3.2B Llama from 58 to 35 ms and the compiled engine from 0.94x to 1.02-1.03x a compiled plain loop
+3.2B Llama from 58 to 35 ms and the compiled engine from 0.94x to 1.02-1.03x a compiled plain loop, and
+1.04x once one rank kept autograd's gradients and the step stopped reading the device per group
 (BENCHMARKS.md, issue 33). `DSLAUNCH_FUSED_MASTER_STEP=0` turns it off; `=1` turns it on elsewhere too
 (the CPU tests: dynamo with the eager backend traces the same function, checked equal to torch's step).
 

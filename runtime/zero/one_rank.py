@@ -20,8 +20,8 @@ the optimizer on the device (optimizer offload streams gradients out of the flat
 `DSLAUNCH_AUTOGRAD_GRADS=0` keeps the flat buffer there too. Measured on an H100 against the flat buffer,
 the fused step launching on runs of 16M elements (precision/fused_master.py `plan_runs`; one launch a
 tensor had cost GPT-2 XL's 580 tensors 63 ms a step against 18): GPT-2 XL at 1.047x a compiled plain loop
-against 1.040x, its peak 2.9 GiB lower; the 3.2B Llama at ZeRO-2 1.030x against 1.025x, its peak 69.9 GiB
-against 75.9 (BENCHMARKS.md, issue 33).
+against 1.040x, its peak 2.9 GiB lower; the 3.2B Llama at ZeRO-2 1.030x against 1.025x and at ZeRO-3
+1.021x against 1.006x, its peak 69.9 GiB against 75.9 (BENCHMARKS.md, issue 33).
 """
 
 from __future__ import annotations

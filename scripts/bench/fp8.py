@@ -8,7 +8,8 @@ weights, fp32 masters, AdamW(lr 3e-4, weight decay 0.01), clipping at 1.0, ZeRO 
 ``"fp8": {"enabled": true, "recipe": --recipe}``, which converts the attention and MLP projections
 (runtime/fp8.py's rule, logged at start: the tied head stays bf16, and so do the key and value
 projections, 3072 -> 1024, below float8's break-even); ``fp8-all`` converts those two as well
-(``auto_filter_small_kn`` false, the selection of the runs before that rule).
+(``auto_filter_small_kn`` false, the selection of the runs before that rule). Either fp8 setting takes a
+recipe after ``@`` (``fp8@rowwise_with_gw_hp``; without one, --recipe's), so recipes compare in one run.
 
 Throughput: for each setting, a fresh engine, --warmup steps (compilation), then --repeats timed blocks of
 --steps steps each on one fixed batch of random tokens; tokens/s of each block, and the median, min and
@@ -33,6 +34,7 @@ over seeds of each fp8 setting's difference to bf16 (a later seed recompiles fro
 
     python scripts/bench/fp8.py --repeats 3                      # H200: ~3B model, bf16 then fp8
     python scripts/bench/fp8.py --settings bf16,fp8,fp8-all      # the break-even rule's A/B
+    python scripts/bench/fp8.py --loss_steps 300 --settings bf16,fp8,fp8@rowwise_with_gw_hp   # two recipes
     python scripts/bench/fp8.py --loss_steps 300                 # the loss curves on the stdlib corpus
     python scripts/bench/fp8.py --loss_steps 300 --seeds 0,1,2   # from three initial weights: a spread
     python scripts/bench/fp8.py --tiny                           # CPU smoke run: a tiny model, eager backend
@@ -100,6 +102,12 @@ def build_model(shape: dict[str, int], seq_len: int, seed: int = 0) -> Any:
 SETTINGS = ("bf16", "fp8", "fp8-all")
 
 
+def split_setting(setting: str, default_recipe: str) -> tuple[str, str | None]:
+    """("fp8-all", "rowwise") of "fp8-all@rowwise": the setting's kind and its recipe (None for bf16)."""
+    kind, _, recipe = setting.partition("@")
+    return kind, None if kind == "bf16" else recipe or default_recipe
+
+
 def engine_config(setting: str, args: argparse.Namespace) -> dict:
     cfg: dict = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -121,11 +129,12 @@ def engine_config(setting: str, args: argparse.Namespace) -> dict:
                 "cos_min_ratio": 0.1,
             },
         }
-    if setting != "bf16":
-        cfg["fp8"] = {"enabled": True, "recipe": args.recipe}
+    kind, recipe = split_setting(setting, args.recipe)
+    if recipe is not None:
+        cfg["fp8"] = {"enabled": True, "recipe": recipe}
         if args.tiny:
             cfg["fp8"]["min_features"] = 16  # the tiny model's layers are 64-128 wide
-        if args.tiny or setting == "fp8-all":
+        if args.tiny or kind == "fp8-all":
             cfg["fp8"]["auto_filter_small_kn"] = False
     return cfg
 
@@ -138,6 +147,7 @@ def linear_params(model: Any) -> int:
 
 def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, batches: Any) -> dict:
     """Build, compile and train one setting; its measurements. `batches(step)` gives (input, labels)."""
+    kind = split_setting(setting, args.recipe)[0]
     import torch
 
     import runtime
@@ -162,8 +172,8 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
     record: dict[str, Any] = {
         "bench": "fp8",
         "setting": setting,
-        "recipe": None if setting == "bf16" else args.recipe,
-        "auto_filter_small_kn": None if setting == "bf16" else not (args.tiny or setting == "fp8-all"),
+        "recipe": split_setting(setting, args.recipe)[1],
+        "auto_filter_small_kn": None if setting == "bf16" else not (args.tiny or kind == "fp8-all"),
         "seed": seed,
         "linear_params": n_linear,
         "seq_len": args.seq_len,
@@ -282,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "--settings",
         default="bf16,fp8",
         help=f"comma-separated, of {', '.join(SETTINGS)} (fp8-all: the key and value projections in float8 "
-        "too); bf16 first: the fp8 rows' ratios are to it",
+        "too; an fp8 setting may end in @RECIPE); bf16 first: the fp8 rows' ratios are to it",
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
@@ -311,9 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     seeds = (
         [int(seed) for seed in args.seeds.split(",")] if args.loss_steps else [int(args.seeds.split(",")[0])]
     )
-    if not set(settings) <= set(SETTINGS) or settings[0] != "bf16" or len(set(settings)) != len(settings):
+    parts = [split_setting(setting, args.recipe) for setting in settings]
+    if (
+        any(kind not in SETTINGS or (recipe or args.recipe) not in RECIPES for kind, recipe in parts)
+        or settings[0] != "bf16"
+        or len(set(parts)) != len(parts)
+    ):
         parser.error(
-            f"--settings: bf16 first, then any of {', '.join(SETTINGS[1:])}, each once; got {args.settings}"
+            f"--settings: bf16 first, then any of {', '.join(SETTINGS[1:])} (each may end in @RECIPE, of "
+            f"{', '.join(RECIPES)}), each once; got {args.settings}"
         )
     if args.tiny:
         args.seq_len, args.micro_batch = min(args.seq_len, 64), min(args.micro_batch, 2)

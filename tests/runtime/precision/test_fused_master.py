@@ -194,14 +194,20 @@ def _device_reads_a_step(rank: int, world_size: int, config: dict[str, Any]) -> 
         os.environ.pop(ENV, None)
 
 
-def test_the_fused_step_reads_the_device_once_however_many_groups() -> None:
-    """Device: CPU. ZeRO-3 at one rank keeps a flat group per gather unit; the fused step over all of
-    them reads one number back from the device (the finiteness verdict, after the launches), not one a
-    group: on an H100 a read a group cost a 3B Llama's ZeRO-3 step 8 ms (30 groups, each launch waiting
-    for the last)."""
-    [result] = run_distributed(_device_reads_a_step, 1, _config("bf16", {"stage": 3}, clip=1.0))
-    assert result["groups"] > 1
-    assert result["reads"] == 1, result
+@pytest.mark.parametrize(
+    ("world", "precision", "stage"), [(1, "bf16", 3), (2, "bf16", 2), (2, "bf16", 3), (1, "fp16", 2)]
+)
+def test_the_fused_step_reads_the_device_once_however_many_groups(
+    world: int, precision: str, stage: int
+) -> None:
+    """Device: CPU. ZeRO-3 at one rank keeps a flat group per gather unit, and weight-decay groups make
+    more anywhere; the fused step over all of them reads one number back from the device (the finiteness
+    verdict, after the launches), not one a group: on an H100 a read a group cost a 3B Llama's ZeRO-3
+    step 7 ms (30 groups, each launch waiting for the last)."""
+    results = run_distributed(_device_reads_a_step, world, _config(precision, {"stage": stage}, clip=1.0))
+    for result in results:
+        assert result["groups"] > 1
+        assert result["reads"] == 1, result
 
 
 @pytest.mark.parametrize(

@@ -242,7 +242,6 @@ def profile_update(
     inside = [e for e in prof.events() if e.name != "dslaunch_update" and in_spans(e, spans)]
     kernels_type = torch.autograd.DeviceType.CUDA
     kernels = [e for e in inside if e.device_type == kernels_type]
-
     return {
         "host_ms": round(statistics.median(walls) * 1e3, 2),
         "kernels_launched": len(kernels) // steps,

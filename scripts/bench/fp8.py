@@ -147,11 +147,12 @@ def linear_params(model: Any) -> int:
 
 def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, batches: Any) -> dict:
     """Build, compile and train one setting; its measurements. `batches(step)` gives (input, labels)."""
-    kind = split_setting(setting, args.recipe)[0]
     import torch
 
     import runtime
 
+    began = time.perf_counter()
+    kind = split_setting(setting, args.recipe)[0]
     shape = SHAPES["tiny" if args.tiny else "3b"]
     model = build_model(shape, args.seq_len, seed)
     n_linear = linear_params(model)
@@ -228,6 +229,7 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
             record["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         if args.profile:
             record["compute_profile"] = profile_compute(lambda: compute(0), engine.step, device)
+    record["wall_s"] = round(time.perf_counter() - began, 1)  # build, compile and train: what a call budgets
     engine.destroy()
     torch._dynamo.reset()  # the compiled graphs of this model hold its tensors; the next setting recompiles
     if device.type == "cuda":

@@ -38,26 +38,27 @@ PY
     long 575 "${lean8b[@]}" --start 114688 --growth 1.2 --max 163840 --resolution 0.1 --steps 2 \
         --timeout 280 --out "$OUT/long-8b-lean-bf16-up.jsonl" ;;
 4)  # issue 33 (micro batch 4 x 2048 of the 3B Llama fits an 80 GB card now: 69.9 GiB ours, 73.4 the plain
-    # loop): the compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and ZeRO 2 again with
-    # the flat gradient buffer (DSLAUNCH_AUTOGRAD_GRADS=0; autograd's own gradients, the default since
-    # 2026-12-07, beat it at both models); first the gpu tests that train one rank with 16-bit weights on
+    # loop): the compiled engine at ZeRO 0, 2 and 3 against the compiled plain loop, and with FLAT=2 ZeRO 2
+    # again with the flat gradient buffer (DSLAUNCH_AUTOGRAD_GRADS=0; autograd's own gradients, the default
+    # since 2026-12-07, beat it at both models); first the gpu tests that train one rank with 16-bit weights on
     # the device (--profile_update: where each of our optimizer steps' milliseconds go; LIMIT: the seconds
     # the call may take, 585 unless less device time is left; STAGES: ours, 0,2,3; MICRO: the 3B's micro
-    # batch, here and in call 5; FLAT: the stages of the A/B, 2; empty: none)
+    # batch, here and in call 5; FLAT: the stages of the A/B, none by default)
     limit=${LIMIT:-585} stages=${STAGES:-0,2,3}
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/zero/test_one_rank.py \
         tests/runtime/precision/test_fused_master.py tests/runtime/engine/test_device.py \
         tests/runtime/engine/test_optim.py tests/runtime/engine/test_oom.py 2>&1 | tail -4
     micro=${MICRO:-4}
     timeout $((limit - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch $micro \
-        --stages $stages --flat_stages "${FLAT-2}" --repeats 3 --profile_update \
+        --stages $stages --flat_stages "${FLAT-}" --repeats 3 --profile_update \
         --out "$OUT/compiled-llama3b-micro$micro.jsonl" 2>&1 | grep '^{' | cut -c1-2200 ;;
-5)  # issue 33: GPT-2 XL (its micro batch 8) the same way (its ZeRO-2 A/B with runs: 1.047x against the
-    # flat buffer's 1.040x on 2026-12-07; 0.88x before plan_runs); a row takes about a minute on an H100.
+5)  # issue 33: GPT-2 XL (its micro batch 8) the same way, with autograd's gradients the default now (its
+    # ZeRO-2 A/B with runs: 1.047x against the flat buffer's 1.040x on 2026-12-07; 0.88x before
+    # plan_runs); a row takes about a minute on an H100.
     # (fp8 at micro batch 4 against compiled bf16 was measured on 2026-12-07: 1.145x; to repeat it, add
     # scripts/bench/fp8.py --micro_batch 4 --repeats 3 --settings bf16,fp8, carrying .whl for torchao)
-    timeout 560 python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --autograd_stages 2 --repeats 3 \
-        --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-900 ;;
+    timeout 560 python3 scripts/bench/compiled.py --models xl --stages 0,2,3 --repeats 3 --profile_update \
+        --out "$OUT/compiled-xl.jsonl" 2>&1 | grep '^{' | cut -c1-1500 ;;
 6)  # issue 33: the fp8 loss against bf16's over 300 steps of the stdlib corpus (lr warmup 30, then cosine),
     # from three initial weights (micro batch 1: the loss goal names no batch). A run builds, compiles and
     # trains in about 2 minutes on an H100 (each row's wall_s), the later seeds from inductor's cache: if six

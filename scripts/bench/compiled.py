@@ -14,6 +14,9 @@ between CUDA events: where a gap lies) and `tokens_per_s_steady` / `ratio_steady
 back, one synchronization at each end, as a training loop runs: the host's launch time hides behind the GPU).
 --profile_update adds `update_profile` to our rows: 3 optimizer steps under torch.profiler, the step's host
 milliseconds, its kernels (count and GPU milliseconds) and its top ops by GPU and by host time.
+--run_elements N and --skip_guard_eval change our step for a measurement of its host time (the fused
+step's launches are host-bound): N elements a run instead of 16M, or dynamo's skip_guard_eval_unsafe
+stance around the step once it is compiled. Our rows record both.
 
 Models: `xl` is our GPT at GPT-2 XL sizes (1.56B, micro batch 8 x 1024); `llama3b` a transformers
 LlamaForCausalLM built from a LlamaConfig here (Llama-3.2-3B's shape: 28 layers, d 3072, 24 heads / 8 KV
@@ -186,6 +189,8 @@ def measure(peer: str, stage: int, name: str, args: argparse.Namespace) -> dict[
     losses = [step() for _ in range(args.warmup)]
     # what this configuration compiled in its warm-up (dynamo's counters are the process's: the difference)
     compiled = {key: value - before[key] for key, value in compile_counts().items()}
+    if args.skip_guard_eval and peer.startswith("ours"):
+        update = guards_skipped(update)  # `step` reads the name at each call: from here on, this one
     windows = []
     for _ in range(args.repeats):
         median, _times = median_time(lambda: losses.append(step()), args.device, 0, args.steps)
@@ -213,6 +218,19 @@ def measure(peer: str, stage: int, name: str, args: argparse.Namespace) -> dict[
     if args.profile_update and not peer.startswith("torch"):
         result["update_profile"] = profile_update(compute, update, losses, args.device)
     return result
+
+
+def guards_skipped(update: Callable[[], None]) -> Callable[[], None]:
+    """`update` under dynamo's `skip_guard_eval_unsafe` stance, once everything it calls is compiled: only
+    the guards that tell cached graphs apart run, not every guard of every call (the fused step's launches
+    are host-bound: BENCHMARKS.md, issue 33). A measurement, not a setting of ours: it is unsafe wherever
+    an input could change what was compiled."""
+
+    def skipping() -> None:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            update()
+
+    return skipping
 
 
 def profile_update(
@@ -314,6 +332,10 @@ def release(device: torch.device) -> None:
 
 def run_model(name: str, args: argparse.Namespace) -> int:
     os.environ["DS_ACCELERATOR"] = args.device.type
+    from runtime.precision import fused_master
+
+    if args.run_elements:
+        fused_master.RUN_ELEMENTS = args.run_elements
     init_single_process_group(args.device)
     base: float | None = None
     base_steady: float | None = None
@@ -336,6 +358,8 @@ def run_model(name: str, args: argparse.Namespace) -> int:
             os.environ.pop("DSLAUNCH_AUTOGRAD_GRADS", None)
         record: dict[str, Any] = {"bench": "compiled", "model": name, "config": label, "stage": stage}
         record.update(repeats=args.repeats, steps=args.steps, warmup=args.warmup)
+        if peer.startswith("ours"):
+            record.update(run_elements=fused_master.RUN_ELEMENTS, skip_guard_eval=args.skip_guard_eval)
         release(args.device)
         try:
             record.update(measure(peer, stage, name, args))
@@ -396,6 +420,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--profile_update",
         action="store_true",
         help="each row of ours also profiles 3 optimizer steps (update_profile: host ms, kernels, top ops)",
+    )
+    parser.add_argument(
+        "--run_elements",
+        type=int,
+        help="our fused step's run size in elements (precision/fused_master.py RUN_ELEMENTS, 16M): larger "
+        "joins more gradients into a launch, fewer launches for more copying",
+    )
+    parser.add_argument(
+        "--skip_guard_eval",
+        action="store_true",
+        help="our optimizer step under dynamo's skip_guard_eval_unsafe after the warm-up: what the guards "
+        "of its launches cost the host",
     )
     parser.add_argument(
         "--ds_stages",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU session's queue (scripts/bench/README.md, "The queue"), one device command per call:
-#   bash scripts/bench/queue.sh N        (N = 1 to 9; each stays under the 600 s a command may run)
+#   bash scripts/bench/queue.sh N        (N = 1 to 10; each stays under the 600 s a command may run)
 # run from the repository root on the device machine, with $OUT set (the device tool sets it) and
 # .devrun/commit holding the commit under test. Results land in $OUT; copy them to scripts/bench/results/
 # under <yyyymmdd>_<card>_<what>.jsonl and cite them in BENCHMARKS.md with the command below.
@@ -14,7 +14,7 @@ long() {  # long SECONDS ARGS...: long_context.py under a wall-clock limit, its 
 }
 lean8b=(--model 8b --gpu_gib 72 --no_offload --bf16_master_weights --bf16_optimizer_states --lean_norms)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-case "${1:?which call: 1-9}" in
+case "${1:?which call: 1-10}" in
 1)  # the 1B lean-norm walk under the 32 GiB cap from where the last one stopped (342,016 trained; the walk
     # now tries --max itself)
     long 585 --model 1b --gpu_gib 32 --lean_norms --start 376832 --growth 1.12 --max 471040 \
@@ -96,6 +96,14 @@ PY
         .whl/ao/*.whl || exit
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout $((585 - SECONDS)) python3 scripts/bench/fp8.py --loss_steps 300 \
         --micro_batch 1 --seeds 0 --out "$OUT/fp8-loss.jsonl" 2>&1 | grep -E '^\{|over seeds' | cut -c1-900 ;;
-*)  echo "no call $1: 1-9" >&2; exit 2 ;;
+10) # issue 33: the fused step's host time (41-43 ms a step against 35 ms of kernels on the 3B Llama,
+    # 2026-12-07): ZeRO 2 with runs of 64M elements (fewer launches, more copying), then with dynamo's
+    # guard evaluation skipped around the step, each against its own compiled plain loop
+    for variant in "--run_elements 67108864" "--skip_guard_eval"; do
+        timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 \
+            --stages 2 --repeats 3 --profile_update $variant --out "$OUT/compiled-llama3b-host.jsonl" 2>&1 \
+            | grep '^{' | cut -c1-1200
+    done ;;
+*)  echo "no call $1: 1-10" >&2; exit 2 ;;
 esac
 echo "call $1 ended at ${SECONDS}s"

@@ -18,11 +18,12 @@ def test_tiny_llama_rows_carry_spread_and_ratio_to_the_compiled_plain_loop() -> 
     """Also --regions_stages 3: stage 3's per-unit compile plan on one rank (each block and the head alone,
     the glue eager) trains the same seeded model and batch to the same first loss as the whole model
     compiled, and its row says it compiled more graphs, none broken. With --profile_update our rows say
-    where the optimizer step's time went (the plain loop's has no such row)."""
+    where the optimizer step's time went (the plain loop's has no such row), and they record the step's
+    run size and guard stance."""
     script = str(ROOT / "scripts" / "bench" / "compiled.py")
     command = [sys.executable, script, "--tiny", "--models", "llama3b", "--stages", "3",
                "--regions_stages", "3", "--steps", "1", "--warmup", "1", "--repeats", "2",
-               "--profile_update"]  # fmt: skip
+               "--profile_update", "--run_elements", "1000", "--skip_guard_eval"]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -41,7 +42,8 @@ def test_tiny_llama_rows_carry_spread_and_ratio_to_the_compiled_plain_loop() -> 
     # torch 2.13), where the whole model is one
     assert regions["loss_first"] == ours["loss_first"]
     assert regions["graphs_compiled"] > ours["graphs_compiled"] >= 1
-    assert "update_profile" not in torch_row
+    assert "update_profile" not in torch_row and "run_elements" not in torch_row
+    assert ours["run_elements"] == 1000 and ours["skip_guard_eval"] is True  # the step's A/B, recorded
     profile = ours["update_profile"]
     assert profile["host_ms"] > 0 and profile["kernels_launched"] == 0  # the CPU: no CUDA kernels
     assert any(name.startswith("Optimizer.step#AdamW") for name, _ms, _n in profile["top_host"]), profile

@@ -153,7 +153,7 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
     import runtime
 
     began = time.perf_counter()
-    kind = split_setting(setting, args.recipe)[0]
+    kind, recipe = split_setting(setting, args.recipe)
     shape = SHAPES["tiny" if args.tiny else "3b"]
     model = build_model(shape, args.seq_len, seed)
     n_linear = linear_params(model)
@@ -174,8 +174,8 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
     record: dict[str, Any] = {
         "bench": "fp8",
         "setting": setting,
-        "recipe": split_setting(setting, args.recipe)[1],
-        "auto_filter_small_kn": None if setting == "bf16" else not (args.tiny or kind == "fp8-all"),
+        "recipe": recipe,
+        "auto_filter_small_kn": None if recipe is None else not (args.tiny or kind == "fp8-all"),
         "seed": seed,
         "linear_params": n_linear,
         "seq_len": args.seq_len,

@@ -165,7 +165,7 @@ def test_one_rank_autograd_gradients_in_runs_equal_torch_step(precision: str, st
 
 def _device_reads_a_step(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
     """How many times one optimizer step reads a number back from the device (`aten._local_scalar_dense`:
-    a host sync on a GPU), over a ZeRO-3 rank's several flat groups."""
+    a host sync on a GPU), over all of this rank's flat groups."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import runtime

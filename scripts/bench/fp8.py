@@ -89,7 +89,8 @@ SHAPES = {
 }
 
 
-def build_model(shape: dict[str, int], seq_len: int, seed: int = 0) -> Any:
+def build_model(shape: dict[str, int], seq_len: int, seed: int, device: Any) -> Any:
+    """The Llama of `shape`, its weights drawn from `seed` on `device` (the 3B's take a minute on a CPU)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -97,7 +98,8 @@ def build_model(shape: dict[str, int], seq_len: int, seed: int = 0) -> Any:
     config = LlamaConfig(
         **shape, max_position_embeddings=seq_len, tie_word_embeddings=True, attn_implementation="sdpa"
     )
-    return LlamaForCausalLM(config)
+    with torch.device(device):
+        return LlamaForCausalLM(config)
 
 
 SETTINGS = ("bf16", "fp8", "fp8-all")
@@ -155,7 +157,7 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
     began = time.perf_counter()
     kind, recipe = split_setting(setting, args.recipe)
     shape = SHAPES["tiny" if args.tiny else "3b"]
-    model = build_model(shape, args.seq_len, seed)
+    model = build_model(shape, args.seq_len, seed, device)
     n_linear = linear_params(model)
     engine, _, _, _ = runtime.initialize(model=model, config=engine_config(setting, args))
     engine.compile(backend="eager" if device.type == "cpu" else None)

@@ -47,6 +47,7 @@ Output: one JSON line per setting (``"bench": "fp8"``), stamped with the commit 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import sysconfig
@@ -235,10 +236,18 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
     record["wall_s"] = round(time.perf_counter() - began, 1)  # build, compile and train: what a call budgets
     engine.destroy()
     torch._dynamo.reset()  # the compiled graphs of this model hold its tensors; the next setting recompiles
+    return record
+
+
+def release(device: Any) -> None:
+    """Free what the last setting held, once its frame is gone: a cycle through its closures and the engine
+    can outlive the frame, and keep the 3B's 50 GiB while the next setting builds."""
+    import torch
+
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    return record
 
 
 def profile_compute(compute: Any, update: Any, device: Any, steps: int = 2) -> dict[str, Any]:
@@ -374,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         for setting in settings:
             results[seed, setting] = run_setting(setting, seed, args, device, batches)
+            release(device)
             emit(results[seed, setting], out)  # now: a later setting may not finish in the time a command has
     key = "last50_mean" if args.loss_steps else "tokens_per_s_median"
     for setting in settings[1:]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU session's queue (scripts/bench/README.md, "The queue"), one device command per call:
-#   bash scripts/bench/queue.sh N        (N = 1 to 10; each stays under the 600 s a command may run)
+#   bash scripts/bench/queue.sh N        (N = 1 to 11; each stays under the 600 s a command may run)
 # run from the repository root on the device machine, with $OUT set (the device tool sets it) and
 # .devrun/commit holding the commit under test. Results land in $OUT; copy them to scripts/bench/results/
 # under <yyyymmdd>_<card>_<what>.jsonl and cite them in BENCHMARKS.md with the command below.
@@ -14,7 +14,7 @@ long() {  # long SECONDS ARGS...: long_context.py under a wall-clock limit, its 
 }
 lean8b=(--model 8b --gpu_gib 72 --no_offload --bf16_master_weights --bf16_optimizer_states --lean_norms)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-case "${1:?which call: 1-10}" in
+case "${1:?which call: 1-11}" in
 1)  # the 1B lean-norm walk under the 32 GiB cap from where the last one stopped (342,016 trained; the walk
     # now tries --max itself)
     long 585 --model 1b --gpu_gib 32 --lean_norms --start 376832 --growth 1.12 --max 471040 \
@@ -109,6 +109,12 @@ PY
             --stages 2 --repeats 3 --profile_update $variant --out "$OUT/compiled-llama3b-host.jsonl" 2>&1 \
             | grep '^{' | cut -c1-1200
     done ;;
-*)  echo "no call $1: 1-10" >&2; exit 2 ;;
+11) # every gpu test (the files that mark one), torchao installed for fp8's: what "the suite passes on the GPU
+    # machine" asks, in about 3 minutes (LIMIT: the seconds it may take, 585 by default)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
+        .whl/ao/*.whl || exit
+    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout ${LIMIT:-585} python3 -m pytest -q -p no:cacheprovider -m gpu \
+        $(grep -rl "mark.gpu" tests --include="test_*.py" | sort) 2>&1 | tail -25 ;;
+*)  echo "no call $1: 1-11" >&2; exit 2 ;;
 esac
 echo "call $1 ended at ${SECONDS}s"

@@ -110,7 +110,7 @@ PY
             | grep '^{' | cut -c1-1200
     done ;;
 11) # every gpu test (the files that mark one), torchao installed for fp8's: what "the suite passes on the GPU
-    # machine" asks, in about 3 minutes (LIMIT: the seconds it may take, 585 by default)
+    # machine" asks (never timed as one call: LIMIT, 585 by default, bounds it)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout ${LIMIT:-585} python3 -m pytest -q -p no:cacheprovider -m gpu \

@@ -91,7 +91,7 @@ SHAPES = {
 
 
 def build_model(shape: dict[str, int], seq_len: int, seed: int, device: Any) -> Any:
-    """The Llama of `shape`, its weights drawn from `seed` on `device` (the 3B's take a minute on a CPU)."""
+    """The Llama of `shape`, its weights drawn from `seed` on `device` (drawing the 3B's on a CPU is slow)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -63,7 +63,8 @@ PY
     # from the initial weights of each of SEEDS (1,2 by default: seed 0 was measured on 2026-12-07), a
     # process a seed (micro batch 1: the loss goal names no batch). On an H100 bf16 builds, compiles and
     # trains in 126 s and fp8 in 192 s (each row's wall_s), a later seed from inductor's cache: two seeds
-    # fit one call. The processes' stderr goes to $OUT/fp8-loss.log.
+    # should fit one call. The processes' stderr goes to $OUT/fp8-loss.log; the end prints fp8/bf16 by
+    # seed, seed 0's committed row included.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit
     seeds=${SEEDS:-1,2}
@@ -71,7 +72,20 @@ PY
         PYTHONPATH=/tmp/ao:$PYTHONPATH timeout $((585 - SECONDS)) python3 scripts/bench/fp8.py --loss_steps 300 \
             --micro_batch 1 --seeds $seed --out "$OUT/fp8-loss.jsonl" 2>>"$OUT/fp8-loss.log" | cut -c1-900
         tail -3 "$OUT/fp8-loss.log"
-    done ;;
+    done
+    python3 - scripts/bench/results/20261207_h100_fp8-loss-seed0.jsonl "$OUT/fp8-loss.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for path in sys.argv[1:] for line in open(path)]
+pairs = {}
+for row in rows:
+    pairs.setdefault(row["seed"], {})[row["setting"]] = row["last50_mean"]
+ratios = {seed: p["fp8"] / p["bf16"] for seed, p in sorted(pairs.items()) if "fp8" in p and "bf16" in p}
+print("fp8 loss / bf16's by seed:", {seed: round(r, 4) for seed, r in ratios.items()})
+if ratios:
+    r = list(ratios.values())
+    print(f"median {statistics.median(r):.4f}, min {min(r):.4f}, max {max(r):.4f}")
+PY
+    ;;
 7)  # issue 33: DeepSpeed 0.19.8's compiled engine and DeepCompile at ZeRO 3 beside the compiled plain loop
     # and ours, and stage 3's per-unit plan on one rank (what its graph boundaries cost) (carry .whl; its
     # prefix: scripts/bench/README.md)

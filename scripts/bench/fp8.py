@@ -47,7 +47,6 @@ Output: one JSON line per setting (``"bench": "fp8"``), stamped with the commit 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import sysconfig
@@ -235,19 +234,7 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
             record["compute_profile"] = profile_compute(lambda: compute(0), engine.step, device)
     record["wall_s"] = round(time.perf_counter() - began, 1)  # build, compile and train: what a call budgets
     engine.destroy()
-    torch._dynamo.reset()  # the compiled graphs of this model hold its tensors; the next setting recompiles
     return record
-
-
-def release(device: Any) -> None:
-    """Free what the last setting held, once its frame is gone: a cycle through its closures and the engine
-    can outlive the frame, and keep the 3B's 50 GiB while the next setting builds."""
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def profile_compute(compute: Any, update: Any, device: Any, steps: int = 2) -> dict[str, Any]:
@@ -378,11 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         def batches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
             return fixed, fixed
 
+    from scripts.bench.compiled import release  # collects, drops dynamo's graphs, empties CUDA's cache
+
     out = out_file(args.out, "fp8")
     results: dict[tuple[int, str], dict] = {}
     for seed in seeds:
         for setting in settings:
             results[seed, setting] = run_setting(setting, seed, args, device, batches)
+            # once the setting's frame is gone: a cycle through its closures and the engine can outlive it
+            # and keep the 3B's 50 GiB while the next setting builds
             release(device)
             emit(results[seed, setting], out)  # now: a later setting may not finish in the time a command has
     key = "last50_mean" if args.loss_steps else "tokens_per_s_median"

@@ -97,10 +97,11 @@ PY
         | grep '^{' | cut -c1-900 ;;
 8)  # issue 33: fp8 against compiled bf16 again (1.145x at micro batch 4 on an H100), each setting's
     # forward+backward profiled: how much of fp8's time is float8 matmuls, bf16 ones, attention and the
-    # casts' fused kernels (MICRO: 4; 8 fits an H200's 139 GiB) (carry .whl for torchao)
+    # casts' fused kernels (MICRO: 4; 8 fits an H200's 139 GiB; LIMIT: the call's seconds, 585 by default)
+    # (carry .whl for torchao)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit
-    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout 585 python3 scripts/bench/fp8.py --micro_batch ${MICRO:-4} \
+    PYTHONPATH=/tmp/ao:$PYTHONPATH timeout $((${LIMIT:-585} - SECONDS)) python3 scripts/bench/fp8.py --micro_batch ${MICRO:-4} \
         --repeats 3 --settings bf16,fp8 --profile --out "$OUT/fp8-micro${MICRO:-4}-profile.jsonl" 2>&1 \
         | grep -E '^\{|bf16.s' | cut -c1-2500 ;;
 9)  # issue 33, after the fused step's per-group host sync went (2026-12-07: 30 a step at ZeRO-3, 8 ms) and

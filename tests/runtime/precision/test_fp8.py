@@ -280,14 +280,21 @@ def _train_recipes(rank: int, world_size: int) -> dict:
 
 
 def _reference(
-    world_size: int, recipe: str = "tensorwise", *, rows: int = ROWS, device: str = "cpu"
+    world_size: int,
+    recipe: str = "tensorwise",
+    *,
+    rows: int = ROWS,
+    device: str = "cpu",
+    backend: str | None = None,
 ) -> tuple[list[float], dict, dict]:
     """The converted model in plain PyTorch on the same global batches, each rank's rows forwarded on their
     own (so float8's dynamic scales see the rows each rank sees), gradients summed in bf16, averaged,
-    clipped, and stepped with AdamW on fp32 masters. The masters come back on the CPU."""
+    clipped, and stepped with AdamW on fp32 masters; forwarded through `torch.compile(backend=backend)`
+    when one is named. The masters come back on the CPU."""
     master = make_converted_net(0, recipe).to(device)
     initial = {n: p.detach().to("cpu", copy=True) for n, p in master.named_parameters()}
     working = copy.deepcopy(master).to(torch.bfloat16)
+    forward = working if backend is None else torch.compile(working, backend=backend)
     opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=0.0)
     pairs = list(zip(master.parameters(), working.parameters(), strict=True))
     losses = []
@@ -296,7 +303,7 @@ def _reference(
             total = 0.0
             for rank in range(world_size):
                 x, y = rank_batch(step, micro, rows, rank, world_size)
-                loss = loss_fn(working(x.to(device, torch.bfloat16)), y.to(device))
+                loss = loss_fn(forward(x.to(device, torch.bfloat16)), y.to(device))
                 (loss / world_size).backward()
                 total += loss.item() / world_size
             losses.append(total)
@@ -367,12 +374,18 @@ def _train_compiled_cuda(rank: int, world_size: int, recipe: str) -> dict:
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_compiled_fp8_on_cuda_equals_converted_plain_pytorch(recipe: str) -> None:
     """Device: CUDA (float8 matmuls need compute capability 8.9+). The compiled engine at ZeRO 2 trains in
-    real float8 kernels as torchao's conversion does in eager plain PyTorch, within the CPU tests'
-    tolerances: what a user who compiles an fp8 run gets is torchao's numerics."""
+    real float8 kernels as torchao's conversion does in a compiled plain PyTorch loop, within the CPU
+    tests' tolerances: what a user who compiles an fp8 run gets is compiled torchao's numerics.
+
+    The reference is compiled too because inductor's fused casts round float8's inputs otherwise than
+    eager torchao does (no bf16 rounding between the scale's multiply and the cast): on CPU with
+    inductor, the engine matched the compiled loop bit for bit and the eager one within 0.08% in the
+    loss but up to 14% in the weight update, over this tolerance. On 2026-12-07's H100 this test against
+    the eager reference failed; the message went with the call's cut-off output."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 matmuls need compute capability 8.9 or newer")
     [run] = run_distributed(_train_compiled_cuda, 1, recipe, timeout=300, device="cuda")
-    ref_losses, ref_master, initial = _reference(1, recipe, rows=CUDA_ROWS, device="cuda")
+    ref_losses, ref_master, initial = _reference(1, recipe, rows=CUDA_ROWS, device="cuda", backend="inductor")
     assert run["kinds"] == ["Float8Linear", "Linear"]
     for i, (a, b) in enumerate(zip(run["losses"], ref_losses, strict=True)):
         assert abs(a - b) <= 0.01 * abs(b), f"loss[{i}] {a} vs {b}"

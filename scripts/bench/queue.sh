@@ -98,7 +98,7 @@ PY
 8)  # issue 33: fp8's A/B against compiled bf16, each setting's forward+backward profiled (2026-12-07 on an
     # H100 at micro batch 4: 1.165x, the float8 GEMMs 1.71x bf16's and 39 ms more of inductor's cast
     # kernels, the gap to 1.25x): the key and value projections in float8 too (fp8-all: their input's amax
-    # and cast are q's, which inductor may share) and the rowwise recipe (SETTINGS: those four by default;
+    # and cast are q's, which inductor shares) and the rowwise recipe (SETTINGS: those four by default;
     # MICRO: 4; 8 fits an H200's 139 GiB; LIMIT: the call's seconds, 585 by default) (carry .whl for torchao)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ao \
         .whl/ao/*.whl || exit

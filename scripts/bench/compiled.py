@@ -263,7 +263,8 @@ def profile_update(
         "host_ms": round(statistics.median(walls) * 1e3, 2),
         "kernels_launched": len(kernels) // steps,
         "kernel_ms": round(sum(k.time_range.elapsed_us() for k in kernels) / 1e3 / steps, 2),
-        # left out of the two above since 2026-12-07's last runs (rows before then counted them in)
+        # apart from the two above since 2026-12-07's last runs (before, those counted any in; the rows then
+        # show none among their top GPU entries)
         "annotations": len(annotations) // steps,
         "annotation_ms": round(sum(a.time_range.elapsed_us() for a in annotations) / 1e3 / steps, 2),
         "top_gpu": top_by(kernels, gpu_us, steps),
@@ -324,9 +325,9 @@ def on_device(event: Any) -> bool:
 
 def split_device_events(events: list[Any]) -> tuple[list[Any], list[Any]]:
     """(kernels, annotations) of the GPU-side `events`. The annotations are the GPU spans that Kineto
-    draws for `record_function` ranges (dynamo's "Torch-Compiled Region" around each compiled call, among
-    others): each covers kernels that are already in the list, so counting them too counts that time twice,
-    which is why torch's own tables leave them out of device time."""
+    draws for `record_function` ranges around launched work (ours, or a library's): each covers kernels
+    that are already in the list, so counting them too counts that time twice, which is why torch's own
+    tables leave them out of device time."""
     kernels = [e for e in events if not getattr(e, "is_user_annotation", False)]
     return kernels, [e for e in events if getattr(e, "is_user_annotation", False)]
 

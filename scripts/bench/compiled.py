@@ -49,7 +49,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -67,8 +66,8 @@ from scripts.bench.common import (
     out_file,
     real_deepspeed,
     steady_time,
-    synchronize,
 )
+from scripts.bench.profiling import phases, profile_update
 
 PEAK_BF16_TFLOPS = 989.0
 MODELS = ("xl", "llama3b")
@@ -231,105 +230,6 @@ def guards_skipped(update: Callable[[], None]) -> Callable[[], None]:
             update()
 
     return skipping
-
-
-def profile_update(
-    compute: Callable[[], torch.Tensor],
-    update: Callable[[], None],
-    losses: list[torch.Tensor],
-    device: torch.device,
-) -> dict[str, Any]:
-    """Where the optimizer step's time goes, over 3 steps under torch.profiler: the host's wall time of the
-    call, the GPU's busy time inside it, kernel launches a step, and the top ops by GPU and by host time
-    (milliseconds a step): a step longer than its kernels waits on the host."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    steps = 3
-    walls = []
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            losses.append(compute())
-            synchronize(device)
-            with record_function("dslaunch_update"):  # the update and its kernels' end: nothing else runs
-                start = time.perf_counter()
-                update()
-                walls.append(time.perf_counter() - start)
-                synchronize(device)
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "dslaunch_update"]
-    inside = [e for e in prof.events() if e.name != "dslaunch_update" and in_spans(e, spans)]
-    kernels, annotations = split_device_events([e for e in inside if on_device(e)])
-    return {
-        "host_ms": round(statistics.median(walls) * 1e3, 2),
-        "kernels_launched": len(kernels) // steps,
-        "kernel_ms": round(sum(k.time_range.elapsed_us() for k in kernels) / 1e3 / steps, 2),
-        # apart from the two above since 2026-12-07's last runs (before, those counted any in; the rows then
-        # show none among their top GPU entries)
-        "annotations": len(annotations) // steps,
-        "annotation_ms": round(sum(a.time_range.elapsed_us() for a in annotations) / 1e3 / steps, 2),
-        "top_gpu": top_by(kernels, gpu_us, steps),
-        "top_host": top_by([e for e in inside if not on_device(e)], host_us, steps),
-    }
-
-
-def phases(
-    compute: Callable[[], torch.Tensor], update: Callable[[], None], steps: int, losses: list[torch.Tensor]
-) -> dict[str, float]:
-    """Median GPU milliseconds of a step's two phases, between CUDA events recorded back to back (a phase
-    includes any wait for the host to launch its kernels): where a gap to the plain loop lies."""
-    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(steps)]
-    for start, computed, updated in marks:
-        start.record()
-        losses.append(compute())
-        computed.record()
-        update()
-        updated.record()
-    torch.cuda.synchronize()
-    return {
-        "compute_ms": round(statistics.median(a.elapsed_time(b) for a, b, _ in marks), 2),
-        "update_ms": round(statistics.median(b.elapsed_time(c) for _, b, c in marks), 2),
-    }
-
-
-def gpu_us(event: Any) -> float:
-    return event.time_range.elapsed_us()
-
-
-def host_us(event: Any) -> float:
-    return event.self_cpu_time_total
-
-
-def top_by(
-    events: list[Any], us: Callable[[Any], float], steps: int, n: int = 8
-) -> list[tuple[str, float, int]]:
-    """The `n` names of profiler `events` with the most of `us(event)` microseconds: (name, milliseconds a
-    step, events a step), over `steps` steps."""
-    totals: dict[str, list[float]] = {}
-    for event in events:
-        total = totals.setdefault(event.name[:80], [0.0, 0])
-        total[0] += us(event)
-        total[1] += 1
-    rows = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:n]
-    return [(name, round(micros / 1e3 / steps, 2), int(count) // steps) for name, (micros, count) in rows]
-
-
-def in_spans(event: Any, spans: list[tuple[float, float]]) -> bool:
-    return any(a <= event.time_range.start <= b for a, b in spans)
-
-
-def on_device(event: Any) -> bool:
-    """Whether a profiler event is on the GPU's timeline: a kernel, a copy or a set, or the GPU-side span of
-    a `record_function` range (a user annotation)."""
-    return event.device_type == torch.autograd.DeviceType.CUDA
-
-
-def split_device_events(events: list[Any]) -> tuple[list[Any], list[Any]]:
-    """(kernels, annotations) of the GPU-side `events`. The annotations are the GPU spans that Kineto
-    draws for `record_function` ranges around launched work (ours, or a library's): each covers kernels
-    that are already in the list, so counting them too counts that time twice, which is why torch's own
-    tables leave them out of device time."""
-    kernels = [e for e in events if not getattr(e, "is_user_annotation", False)]
-    return kernels, [e for e in events if getattr(e, "is_user_annotation", False)]
 
 
 def _sizes(name: str, args: argparse.Namespace) -> tuple[float, int, int, int]:

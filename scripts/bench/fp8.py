@@ -52,7 +52,6 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,6 +67,7 @@ from scripts.bench.common import (  # noqa: E402
     stdlib_corpus,
     synchronize,
 )
+from scripts.bench.profiling import phases, profile_compute  # noqa: E402
 
 SHAPES = {
     "3b": {
@@ -226,8 +226,6 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
             mfu_bf16_peak=mfu(med * flops_per_token, name),
         )
         if device.type == "cuda":
-            from scripts.bench.compiled import phases  # where the time goes: forward+backward, the step
-
             record.update(phases(lambda: compute(0), engine.step, args.steps, []))
             record["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         if args.profile:
@@ -235,60 +233,6 @@ def run_setting(setting: str, seed: int, args: argparse.Namespace, device: Any, 
     record["wall_s"] = round(time.perf_counter() - began, 1)  # build, compile and train: what a call budgets
     engine.destroy()
     return record
-
-
-def profile_compute(compute: Any, update: Any, device: Any, steps: int = 2) -> dict[str, Any]:
-    """Where a forward+backward's GPU time goes, over `steps` steps under torch.profiler (the optimizer step
-    runs between them, outside the window): milliseconds a step in float8 matmuls (`_scaled_mm`'s kernels),
-    in the other matmuls, in attention, in Triton kernels (inductor's fused elementwise code, where
-    float8's casts and scale reductions land), and the rest; and the top kernels."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from scripts.bench.compiled import in_spans, on_device, split_device_events, top_by
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            with record_function("dslaunch_compute"):
-                compute()
-                synchronize(device)
-            update()
-            synchronize(device)
-    events = prof.events()
-    spans = [(e.time_range.start, e.time_range.end) for e in events if e.name == "dslaunch_compute"]
-    gpu, annotations = split_device_events([e for e in events if on_device(e) and in_spans(e, spans)])
-    kinds = {"fp8_matmul": 0.0, "matmul": 0.0, "attention": 0.0, "triton": 0.0, "other": 0.0}
-    kernels = []  # (kernel name, microseconds) of each kernel the window launched
-    for event in events:  # a kernel belongs to the innermost op that launched it: that op names its kind
-        if on_device(event) or not in_spans(event, spans):
-            continue
-        for kernel in event.kernels:
-            kernels.append(SimpleNamespace(name=kernel.name, us=kernel.duration))
-            kinds[kernel_kind(event.name, kernel.name)] += kernel.duration
-    return {
-        # the GPU's kernels in the window, and what the attribution to ops found of them (equal unless a
-        # kernel was counted under two ops, or under none); the GPU spans of record_function ranges apart
-        # (kernel_ms counted them in until 2026-12-07's last run, where it read 399 and 338 ms against 316 and
-        # 265 timed: the likely excess, to be confirmed by annotation_ms)
-        "kernel_ms": round(sum(e.time_range.elapsed_us() for e in gpu) / 1e3 / steps, 2),
-        "annotation_ms": round(sum(e.time_range.elapsed_us() for e in annotations) / 1e3 / steps, 2),
-        "attributed_ms": round(sum(k.us for k in kernels) / 1e3 / steps, 2),
-        **{f"{kind}_ms": round(us / 1e3 / steps, 2) for kind, us in kinds.items()},
-        "top_kernels": top_by(kernels, lambda k: k.us, steps, n=12),
-    }
-
-
-def kernel_kind(op: str, kernel: str) -> str:
-    """The kind of a kernel, by the op that launched it (or, for inductor's own code, its name)."""
-    if op == "aten::_scaled_mm":
-        return "fp8_matmul"
-    if op in ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"):
-        return "matmul"
-    if "attention" in op or "flash" in kernel.lower() or "fmha" in kernel.lower():
-        return "attention"
-    if kernel.startswith("triton"):
-        return "triton"
-    return "other"
 
 
 def main(argv: list[str] | None = None) -> int:

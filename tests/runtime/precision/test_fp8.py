@@ -381,8 +381,7 @@ def test_compiled_fp8_on_cuda_equals_converted_plain_pytorch(recipe: str) -> Non
     eager torchao rounds them to bf16 between its ops, and float8's casts magnify the difference: on CPU
     with inductor, the engine matched the compiled loop bit for bit, and the eager one within 0.08% in
     the loss but up to 14% in the weight update, over this tolerance (0.5% with inductor's
-    `emulate_precision_casts` on). On 2026-12-07's H100 this test against the eager reference failed;
-    the message went with the call's cut-off output."""
+    `emulate_precision_casts` on)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 matmuls need compute capability 8.9 or newer")
     [run] = run_distributed(_train_compiled_cuda, 1, recipe, timeout=300, device="cuda")

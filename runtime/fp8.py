@@ -20,11 +20,18 @@ The rule (a linear stays in bf16 for the first reason that applies, in this orde
 5. `smaller than min_features`: a dim under `fp8.min_features` costs more in casts than it saves;
 6. `below float8's break-even`: with `fp8.auto_filter_small_kn` (on by default), a shape that torchao's
    published H100 tables show no faster in float8 for the recipe (`below_break_even`): with tensorwise
-   scales K <= 4096 and N <= 1024 (K the input, N the output features), which keeps the key and value
-   projections of a grouped-query model (Llama-3.2-3B's 3072 -> 1024); with rowwise scales N <= 2048,
+   scales K <= 4096 and N <= 1024 (K the input, N the output features); with rowwise scales N <= 2048,
    K <= 1024, or N <= 4096 with K <= 2048 (`rowwise_with_gw_hp` too: its forward and input gradient are
    rowwise's, its weight gradient bf16 in any layer). Those matmuls are too small for the faster kernel to
-   pay for the casts and scale reductions around it.
+   pay for the casts and scale reductions around it. Except: such a layer converts when a sibling does
+   (`shares_input`: a linear of the same parent module with the same input width that converts, as the
+   query projection is to a grouped-query model's key and value projections, Llama-3.2-3B's 3072 -> 1024).
+   Siblings of one width almost always read one input, whose amax and cast compiled code computes once,
+   so the small layer pays only for its weight's and its gradient's casts: on the 3B Llama compiled, the
+   key and value projections in float8 made a step 0.6% faster and 2 GiB smaller (BENCHMARKS.md, issue
+   33). The guess is by shape, not by tracing: an attention's output projection has the hidden width too,
+   so it counts as the key and value projections' sibling; where the guess is wrong (a cross-attention's
+   keys, or q_proj alone excluded) the layer runs at break-even, neither faster nor much slower.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from runtime.log import ensure_handler
 _log = logging.getLogger(__name__)
 
 HEAD_NAMES = frozenset({"lm_head", "output"})
+_BELOW = "below float8's"  # rule 6's reason starts so
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ def _keep_reason(name: str, module: nn.Linear, cfg: FP8Config, embeddings: list[
     if min(module.in_features, module.out_features) < cfg.min_features:
         return f"smaller than min_features={cfg.min_features}"
     if cfg.auto_filter_small_kn and below_break_even(cfg.recipe, module.in_features, module.out_features):
-        return f"below float8's {cfg.recipe} break-even (K={module.in_features}, N={module.out_features})"
+        return f"{_BELOW} {cfg.recipe} break-even (K={module.in_features}, N={module.out_features})"
     return None
 
 
@@ -96,17 +104,34 @@ def below_break_even(recipe: str, k: int, n: int) -> bool:
 def select_linears(model: nn.Module, cfg: FP8Config) -> Selection:
     """Which `nn.Linear`s of `model` train in float8 under `cfg` (the rule in the module docstring)."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    reasons = {name: _keep_reason(name, module, cfg, embeddings) for name, module in linears}
+    first_pass = {name for name, reason in reasons.items() if reason is None}
     converted: list[str] = []
     kept: list[tuple[str, str]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
-            continue
-        reason = _keep_reason(name, module, cfg, embeddings)
+    for name, module in linears:
+        reason = reasons[name]
+        below = reason is not None and reason.startswith(_BELOW)
+        if below and shares_input(name, module, linears, first_pass):
+            reason = None
         if reason is None:
             converted.append(name)
         else:
             kept.append((name, reason))
     return Selection(tuple(converted), tuple(kept))
+
+
+def shares_input(
+    name: str, module: nn.Linear, linears: list[tuple[str, nn.Linear]], converted: set[str]
+) -> bool:
+    """Whether a converted linear beside `name` (same parent module, same input width) likely reads the
+    same input (rule 6's exception)."""
+    parent = name.rpartition(".")[0]
+    return any(
+        other != name and other.rpartition(".")[0] == parent and m.in_features == module.in_features
+        for other, m in linears
+        if other in converted
+    )
 
 
 def _torchao_float8() -> tuple[Any, Any]:

@@ -6,10 +6,12 @@ default about 2.9B parameters (hidden 3072, MLP 8192, 28 layers, 24 heads of whi
 weights, fp32 masters, AdamW(lr 3e-4, weight decay 0.01), clipping at 1.0, ZeRO stage 2, and
 ``engine.compile()``. --settings names what runs, in order, each in a fresh engine: ``bf16``; ``fp8`` adds
 ``"fp8": {"enabled": true, "recipe": --recipe}``, which converts the attention and MLP projections
-(runtime/fp8.py's rule, logged at start: the tied head stays bf16, and so do the key and value
-projections, 3072 -> 1024, below float8's break-even); ``fp8-all`` converts those two as well
-(``auto_filter_small_kn`` false, the selection of the runs before that rule). Either fp8 setting takes a
-recipe after ``@`` (``fp8@rowwise_with_gw_hp``; without one, --recipe's), so recipes compare in one run.
+(runtime/fp8.py's rule, logged at start: the tied head stays bf16; the key and value projections,
+3072 -> 1024, below float8's break-even alone, convert beside the query projection, which reads their
+input: before 2026-12-08 they stayed bf16); ``fp8-all`` turns the break-even filter off
+(``auto_filter_small_kn`` false: the same layers on this model, since the exception converts them).
+Either fp8 setting takes a recipe after ``@`` (``fp8@rowwise_with_gw_hp``; without one, --recipe's), so
+recipes compare in one run.
 
 Throughput: for each setting, a fresh engine, --warmup steps (compilation), then --repeats timed blocks of
 --steps steps each on one fixed batch of random tokens; tokens/s of each block, and the median, min and

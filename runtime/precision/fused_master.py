@@ -1,9 +1,9 @@
 """The Adam/AdamW step of fp32 masters behind 16-bit working weights, in one pass over each group's bytes.
 
 Owns `FusedMasterAdam` (the step and the flat moments it needs), `unsupported_reason` (which optimizers it
-can stand in for), `fused_setting` (the `DSLAUNCH_FUSED_MASTER_STEP` switch) and `compile_refusal` (a
-probe that builds its kernel before the first real step, so a missing toolchain means torch's step, not a
-crash). The device placement
+can stand in for), `fused_setting` (the `DSLAUNCH_FUSED_MASTER_STEP` switch), `compile_step` (the
+compiled step) and `compile_refusal` (a probe that builds its kernels before the first real step, so a
+missing toolchain means torch's step, not a crash). The device placement
 (runtime/offload/placement.py `DeviceMasters`) decides where it applies and hands it segments: matching
 slices of a master, of its reduced 16-bit gradient and of the working weights.
 
@@ -20,9 +20,11 @@ parameter, plus a transient fp32 gradient of 4 bytes a parameter at the step's m
 elementwise kernel that reads the 16-bit gradient and writes the 16-bit weight itself moves 28 bytes and
 needs no buffer. A compiled plain PyTorch loop under autocast also pays about 40 (its casts of weights and
 gradients), so these 12 bytes decide whether the compiled engine keeps up with it (BENCHMARKS.md, issue 33).
-The kernel is `torch.compile` of `adam_update_` (one Triton kernel per segment shape family, compiled once
-with dynamic sizes), with lr, the step count and the gradient factor as device scalars, so a scheduler's
-new lr or the next step never recompiles and nothing waits for the device.
+The step is one `torch.compile`d call (`adam_steps_`: every segment's `adam_update_`, a Triton kernel
+each, launched from inductor's wrapper), with lr, weight decay, the step count and the gradient factor as
+device scalars, so a scheduler's new lr or the next step never recompiles and nothing waits for the
+device. It was a compiled call a segment until 2026-12-08; those calls' host time (141 of them at a 3B
+Llama, 41-44 ms a step on H100 hosts) exceeded the kernels' 35 ms.
 
 The state stays torch's: `optimizer.state[p]` holds `step` (a float32 device tensor, as torch's fused
 Adam keeps it), `exp_avg` and `exp_avg_sq` for every parameter the optimizer holds (the flat master, or
@@ -36,8 +38,9 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,25 +91,26 @@ def adam_update_(
     working: torch.Tensor,
     lr: torch.Tensor,
     step: torch.Tensor,
+    weight_decay: torch.Tensor,
     factor: torch.Tensor,
     keep: torch.Tensor,
     beta1: float,
     beta2: float,
     eps: float,
-    weight_decay: float,
     decoupled: bool,
 ) -> None:
     """One Adam(W) update of `master` (fp32) from the 16-bit `grad` times `factor`, moments in place, and
-    the new weight cast into `working`; lr, step (already counted), factor and keep are 0-d fp32 tensors.
-    With `keep` 0 (non-finite gradients) master and moments keep their values, so the skip needs no host
-    decision before the launch."""
+    the new weight cast into `working`; lr, step (already counted), weight_decay, factor and keep are 0-d
+    fp32 tensors, so a scheduler that moves lr or weight decay never recompiles (a decay of 0 multiplies by
+    exactly 1, or adds exactly 0: torch's step, which skips it, gives the same bits). With `keep` 0
+    (non-finite gradients) master and moments keep their values, so the skip needs no host decision before
+    the launch."""
     g = grad.to(torch.float32) * factor
-    weight = master
-    if weight_decay != 0.0:
-        if decoupled:
-            weight = master * (1.0 - lr * weight_decay)
-        else:
-            g = g + weight_decay * master
+    if decoupled:
+        weight = master * (1.0 - lr * weight_decay)
+    else:
+        weight = master
+        g = g + weight_decay * master
     avg = exp_avg * beta1 + g * (1.0 - beta1)
     avg_sq = exp_avg_sq * beta2 + g * g * (1.0 - beta2)
     bias1 = 1.0 - torch.pow(beta1, step)
@@ -120,30 +124,58 @@ def adam_update_(
     working.copy_(master)
 
 
-_compiled: dict[str, Callable[..., None]] = {}
+Hyper = tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float, float, bool]
+"""A param group's lr, step count and weight decay (0-d fp32 device tensors), beta1, beta2, eps and
+whether the decay is decoupled (AdamW)."""
+Piece = tuple[torch.Tensor, tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor]
+"""One launch's master, gradient pieces (joined in order), exp_avg, exp_avg_sq and working weights."""
 
 
-def _update_for(device: torch.device) -> Callable[..., None]:
-    """`adam_update_` compiled for `device`'s type: inductor on a GPU (the point of it), dynamo with the
-    eager backend elsewhere (the same traced graph: what the CPU tests check)."""
-    kind = device.type
-    if kind not in _compiled:
-        backend = "inductor" if kind == "cuda" else "eager"
-        _compiled[kind] = torch.compile(adam_update_, backend=backend, dynamic=True, fullgraph=True)
-    return _compiled[kind]
+def adam_steps_(groups: list[tuple[Hyper, list[Piece]]], factor: torch.Tensor, keep: torch.Tensor) -> None:
+    """Every group's `adam_update_`s of one step, in one compiled call: one call's host cost (dynamo's
+    guards, AOT's and inductor's wrappers) instead of one a segment, which made the step of a 3B Llama
+    wait on the host (141 calls, 41-44 ms of host time against 35 ms of kernels on H100s); the kernels
+    launch from inductor's generated wrapper. On the 2-core CPU machine, with inductor there too, the step
+    of a model with that Llama's tensors at 1/1024 their size went from 19.1 to 14.4 ms, most of what is
+    left being the CPU kernels themselves (scripts/bench/step_host.py). A segment's gradient pieces are
+    joined inside the graph, where inductor may fuse the join into the update's loads."""
+    for (lr, step, weight_decay, beta1, beta2, eps, decoupled), pieces in groups:
+        for master, grads, exp_avg, exp_avg_sq, working in pieces:
+            grad = grads[0] if len(grads) == 1 else torch.cat(grads)
+            adam_update_(
+                master, grad, exp_avg, exp_avg_sq, working, lr, step, weight_decay, factor, keep,
+                beta1, beta2, eps, decoupled,
+            )  # fmt: skip
+
+
+def compile_step(device: torch.device) -> Callable[..., None]:
+    """`adam_steps_` compiled for `device`'s type: inductor on a GPU (the point of it), dynamo with the
+    eager backend elsewhere (the same traced graph: what the CPU tests check). Shapes are static: a step's
+    segments are the same every step, and static shapes let AOT see that views of one master do not
+    overlap (with symbolic sizes it would merge them into one base and copy it whole). Each caller gets a
+    copy of the function's code object, since dynamo keeps compiled graphs per code object and allows
+    eight to one: every engine's step is a graph of its own, and a process of many engines must not fall
+    back to running its step op by op."""
+    fn = types.FunctionType(adam_steps_.__code__.replace(), adam_steps_.__globals__, adam_steps_.__name__)
+    backend = "inductor" if device.type == "cuda" else "eager"
+    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
 
 
 def compile_refusal(device: torch.device, working_dtype: torch.dtype) -> str | None:
-    """Run the compiled update once on a few elements of `device`, so that a toolchain that cannot build
-    its kernel (inductor's compiler, Triton's) is found before any real state is touched: the reason, or
-    None when it ran. The dynamic-shape kernel it builds is the one the real segments use."""
-    n = 64
+    """Run the compiled step once on a few elements of `device` (a segment alone and one joined from two
+    pieces), so that a toolchain that cannot build its kernels (inductor's compiler, Triton's) is found
+    before any real state is touched: the reason, or None when it ran."""
     try:
-        master, exp_avg, exp_avg_sq = (torch.zeros(n, dtype=torch.float32, device=device) for _ in range(3))
-        grad, working = (torch.zeros(n, dtype=working_dtype, device=device) for _ in range(2))
-        one = torch.ones((), dtype=torch.float32, device=device)  # lr, step, factor and keep
-        update = _update_for(device)
-        update(master, grad, exp_avg, exp_avg_sq, working, one, one, one, one, 0.9, 0.999, 1e-8, 0.0, True)
+        master, exp_avg, exp_avg_sq = (torch.zeros(128, dtype=torch.float32, device=device) for _ in range(3))
+        grad, working = (torch.zeros(128, dtype=working_dtype, device=device) for _ in range(2))
+        one = torch.ones((), dtype=torch.float32, device=device)  # lr, step, decay, factor and keep
+        hyper: Hyper = (one, one, one, 0.9, 0.999, 1e-8, True)
+        halves = [(t[:64], t[64:]) for t in (master, exp_avg, exp_avg_sq, grad, working)]
+        pieces: list[Piece] = [
+            (halves[0][0], (halves[3][0],), halves[1][0], halves[2][0], halves[4][0]),
+            (halves[0][1], (halves[3][1][:32], halves[3][1][32:]), halves[1][1], halves[2][1], halves[4][1]),
+        ]
+        compile_step(device)([(hyper, pieces)], one, one)
     except Exception as exc:  # any failure to build or run it: torch's own step is the fallback
         first = (str(exc).splitlines() or [""])[0][:200]
         return f"{KERNEL_FAILED} ({type(exc).__name__}: {first})"
@@ -151,11 +183,11 @@ def compile_refusal(device: torch.device, working_dtype: torch.dtype) -> str | N
 
 
 RUN_ELEMENTS = 1 << 24
-"""What one launch of the update should cover at least: 16M elements, about 150 us of an H100's memory
-time at 28 bytes each, where one launch costs some 50-80 us of host time (dynamo's guards, inductor's
-wrapper, Triton's launcher). Gradients as many small tensors (one rank's autograd gradients:
-runtime/zero/one_rank.py) are joined into runs of this size, so the step stays bound by the GPU's memory,
-not by the host's launches (GPT-2 XL's 580 tensors one launch each: 63 ms a step against 18)."""
+"""What one kernel of the update should cover at least: 16M elements, about 150 us of an H100's memory
+time at 28 bytes each. Gradients as many small tensors (one rank's autograd gradients:
+runtime/zero/one_rank.py) are joined into runs of this size, so the step is a few large kernels, not one a
+tensor (GPT-2 XL's 580 tensors one compiled call each: 63 ms a step against 18, when each kernel was a
+call of its own from Python)."""
 
 
 def plan_runs(numels: Sequence[int], target: int | None = None) -> list[tuple[int, int]]:
@@ -186,16 +218,12 @@ def plan_runs(numels: Sequence[int], target: int | None = None) -> list[tuple[in
 class Segment:
     """Matching 1-D slices: `master` (fp32) starts `offset` elements into its group's flat master and
     `working` holds the weights the update is cast into; `grads` is its reduced 16-bit gradient in one or
-    more consecutive 1-D pieces, joined into one buffer just before its launch (so at most one run's copy
-    exists at a time)."""
+    more consecutive 1-D pieces, joined inside the compiled step (`adam_steps_`)."""
 
     master: torch.Tensor
     grads: tuple[torch.Tensor, ...]
     working: torch.Tensor
     offset: int
-
-    def grad(self) -> torch.Tensor:
-        return self.grads[0] if len(self.grads) == 1 else torch.cat(self.grads)
 
 
 @dataclass
@@ -208,6 +236,18 @@ class _GroupState:
     views: list[tuple[torch.Tensor, torch.Tensor]]
     steps: list[torch.Tensor]
     lr: torch.Tensor
+    weight_decay: torch.Tensor
+    # each launch's (offset, length) -> its moments' views, made at the first step that asks
+    moments: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def moments_at(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = self.moments.get((offset, n))
+        if pair is None:
+            pair = self.moments[offset, n] = (
+                self.exp_avg.narrow(0, offset, n),
+                self.exp_avg_sq.narrow(0, offset, n),
+            )
+        return pair
 
 
 class FusedMasterAdam:
@@ -220,6 +260,7 @@ class FusedMasterAdam:
         self._groups: list[_GroupState | None] = [None] * len(self.masters)
         self._factor = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
         self._keep = torch.ones((), dtype=torch.float32, device=self.masters[0].device)
+        self._kernel = compile_step(self.masters[0].device)
 
     def step(
         self,
@@ -237,7 +278,7 @@ class FusedMasterAdam:
         else:
             factor_t = self._factor.fill_(factor)
         keep_t = self._keep if keep is None else keep.to(torch.float32).reshape(())
-        update = _update_for(self.masters[0].device)
+        work: list[tuple[Hyper, list[Piece]]] = []
         for index, group_segments in enumerate(segments):
             options = optimizer.param_groups[self.indices[index]]
             state = self._bound(optimizer, index)
@@ -245,28 +286,19 @@ class FusedMasterAdam:
             # as a Scalar, read with .item(), a host sync per group (30 at a 3B Llama's ZeRO-3, 7 ms a step)
             torch._foreach_add_(state.steps, keep_t, alpha=1)
             state.lr.fill_(float(options["lr"]))
+            state.weight_decay.fill_(float(options["weight_decay"]))
             beta1, beta2 = options["betas"]
             decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(
                 options.get("decoupled_weight_decay")
             )
-            for seg in group_segments:
-                n = seg.master.numel()
-                update(
-                    seg.master,
-                    seg.grad(),
-                    state.exp_avg.narrow(0, seg.offset, n),
-                    state.exp_avg_sq.narrow(0, seg.offset, n),
-                    seg.working,
-                    state.lr,
-                    state.steps[0],
-                    factor_t,
-                    keep_t,
-                    float(beta1),
-                    float(beta2),
-                    float(options["eps"]),
-                    float(options["weight_decay"]),
-                    decoupled,
-                )
+            hyper = (state.lr, state.steps[0], state.weight_decay, float(beta1), float(beta2),
+                     float(options["eps"]), decoupled)  # fmt: skip
+            pieces = [
+                (seg.master, seg.grads, *state.moments_at(seg.offset, seg.master.numel()), seg.working)
+                for seg in group_segments
+            ]
+            work.append((hyper, pieces))
+        self._kernel(work, factor_t, keep_t)
 
     def _bound(self, optimizer: torch.optim.Optimizer, index: int) -> _GroupState:
         """The group's flat moments, with torch's state pointing into them (re-made when something
@@ -322,11 +354,11 @@ class FusedMasterAdam:
             count = float(old) if old is not None else 0.0  # a read of one number, only when (re)binding
             entry["step"] = torch.tensor(count, dtype=torch.float32, device=master.device)
             steps.append(entry["step"])
-        lr = torch.zeros((), dtype=torch.float32, device=master.device)
+        lr, decay = (torch.zeros((), dtype=torch.float32, device=master.device) for _ in range(2))
         _log.debug(
             "fused master step: group %d bound (%d tensors, %d elements)", index, len(params), master.numel()
         )
-        return _GroupState(params, flat["exp_avg"], flat["exp_avg_sq"], views, steps, lr)
+        return _GroupState(params, flat["exp_avg"], flat["exp_avg_sq"], views, steps, lr, decay)
 
 
 def _offset_in(master: torch.Tensor, param: torch.Tensor) -> int | None:

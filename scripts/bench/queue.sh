@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The next GPU session's queue (scripts/bench/README.md, "The queue"), one device command per call:
-#   bash scripts/bench/queue.sh N        (N = 1 to 11; each stays under the 600 s a command may run)
+#   bash scripts/bench/queue.sh N        (N = 1 to 12; each stays under the 600 s a command may run)
 # run from the repository root on the device machine, with $OUT set (the device tool sets it) and
 # .devrun/commit holding the commit under test. Results land in $OUT; copy them to scripts/bench/results/
 # under <yyyymmdd>_<card>_<what>.jsonl and cite them in BENCHMARKS.md with the command below.
@@ -14,7 +14,7 @@ long() {  # long SECONDS ARGS...: long_context.py under a wall-clock limit, its 
 }
 lean8b=(--model 8b --gpu_gib 72 --no_offload --bf16_master_weights --bf16_optimizer_states --lean_norms)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-case "${1:?which call: 1-11}" in
+case "${1:?which call: 1-12}" in
 1)  # the 1B lean-norm walk under the 32 GiB cap from where the last one stopped (342,016 trained; the walk
     # now tries --max itself)
     long 585 --model 1b --gpu_gib 32 --lean_norms --start 376832 --growth 1.12 --max 471040 \
@@ -132,6 +132,18 @@ PY
         .whl/ao/*.whl || exit
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout ${LIMIT:-585} python3 -m pytest -q -p no:cacheprovider -m gpu \
         $(grep -rl "mark.gpu" tests --include="test_*.py" | sort) 2>&1 | tail -25 ;;
-*)  echo "no call $1: 1-11" >&2; exit 2 ;;
+12) # issue 33, first: the fused step as one compiled call (2026-12-08; on the CPU its host time fell 36%):
+    # its gpu tests (equal to torch's step, the nan skip, one rank's autograd gradients), step_host.py on
+    # the device (host_ms: the call's return; goal: well under the step's GPU ms), then the 3B Llama at
+    # ZeRO 2 and 3 against the compiled plain loop with the step's host ms / kernels / GPU ms (the step
+    # was 37-44 ms against torch's 34 before, host-bound)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/precision/test_fused_master.py \
+        tests/runtime/zero/test_one_rank.py 2>&1 | tail -3
+    DS_ACCELERATOR=cuda timeout 150 python3 scripts/bench/step_host.py --out "$OUT/step-host.jsonl" 2>&1 \
+        | grep '^{' | cut -c1-500
+    timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch ${MICRO:-4} \
+        --stages 2,3 --repeats 3 --profile_update --out "$OUT/compiled-llama3b-one-call.jsonl" 2>&1 \
+        | grep '^{' | cut -c1-1500 ;;
+*)  echo "no call $1: 1-12" >&2; exit 2 ;;
 esac
 echo "call $1 ended at ${SECONDS}s"

@@ -399,11 +399,12 @@ def _kernel_fails(rank: int, world_size: int, config: dict[str, Any]) -> dict[st
     def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("no C++ compiler found\nsecond line")
 
-    fused_master._compiled["cpu"] = broken
+    built = fused_master.compile_step
+    fused_master.compile_step = lambda device: broken
     try:
         asked = _train(True, config, rank, world_size)
     finally:
-        fused_master._compiled.pop("cpu", None)
+        fused_master.compile_step = built
     return {"asked": asked, "plain": _train(False, config, rank, world_size)}
 
 

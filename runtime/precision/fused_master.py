@@ -136,9 +136,9 @@ def adam_steps_(groups: list[tuple[Hyper, list[Piece]]], factor: torch.Tensor, k
     guards, AOT's and inductor's wrappers) instead of one a segment, which made the step of a 3B Llama
     wait on the host (141 calls, 41-44 ms of host time against 35 ms of kernels on H100s); the kernels
     launch from inductor's generated wrapper. On the 2-core CPU machine, with inductor there too, the step
-    of a model with that Llama's tensors at 1/1024 their size went from 19.1 to 14.4 ms, most of what is
-    left being the CPU kernels themselves (scripts/bench/step_host.py). A segment's gradient pieces are
-    joined inside the graph, where inductor may fuse the join into the update's loads."""
+    of a model with that Llama's tensors at 1/1024 their size went from 21.3 to 13.6 ms, most of what is
+    left being the CPU kernels themselves (scripts/bench/step_host.py, BENCHMARKS.md). A segment's
+    gradient pieces are joined inside the graph, where inductor may fuse the join into the update's loads."""
     for (lr, step, weight_decay, beta1, beta2, eps, decoupled), pieces in groups:
         for master, grads, exp_avg, exp_avg_sq, working in pieces:
             grad = grads[0] if len(grads) == 1 else torch.cat(grads)
@@ -150,10 +150,11 @@ def adam_steps_(groups: list[tuple[Hyper, list[Piece]]], factor: torch.Tensor, k
 
 def compile_step(device: torch.device) -> Callable[..., None]:
     """`adam_steps_` compiled for `device`'s type: inductor on a GPU (the point of it), dynamo with the
-    eager backend elsewhere (the same traced graph: what the CPU tests check). Shapes are static: a step's
-    segments are the same every step, and static shapes let AOT see that views of one master do not
-    overlap (with symbolic sizes it would merge them into one base and copy it whole). Each caller gets a
-    copy of the function's code object, since dynamo keeps compiled graphs per code object and allows
+    eager backend elsewhere (the same traced graph: what the CPU tests check). Shapes are static, since a
+    step's segments are the same every step. The segments go in as views, not as flat buffers sliced
+    inside the graph: mutating slices of an input makes AOT write the whole input back (on the CPU, 8
+    updates of 1M elements took 374 ms that way against 2.4 ms as views of a 64M buffer). Each caller gets
+    a copy of the function's code object, since dynamo keeps compiled graphs per code object and allows
     eight to one: every engine's step is a graph of its own, and a process of many engines must not fall
     back to running its step op by op."""
     fn = types.FunctionType(adam_steps_.__code__.replace(), adam_steps_.__globals__, adam_steps_.__name__)

@@ -20,7 +20,8 @@ The design, per stage:
   region's `forward` is compiled (not its `__call__`), so the hooks stay in eager `_call_impl` around the
   compiled graph and run exactly as without compilation; the gathered parameters are graph inputs
   (dynamo's inlined built-in modules), so a new gather's storage is no recompile. The glue between
-  regions (the model's own forward: embedding lookups, the loop over blocks) stays eager. What it costs:
+  regions (the model's own forward: embedding lookups, the loop over blocks) stays eager, except a
+  Hugging Face model's loss function, compiled as a region of its own (`compile_loss`). What it costs:
   no fusion across a block boundary, and one compiled-graph call per block; every block of one class
   shares one compiled code object, so compile time is one block's, not the model's.
 - Activation checkpointing: `runtime.activation_checkpointing.checkpoint` is a frame dynamo skips (not
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["CompilePlan", "compile_counts", "compile_model", "plan_regions"]
+__all__ = ["CompilePlan", "compile_counts", "compile_loss", "compile_model", "plan_regions"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: recurse into them
 
@@ -61,11 +62,13 @@ class CompilePlan:
 
     regions: tuple[str, ...]
     whole_model: bool
+    loss: bool = False  # the per-region path compiled Hugging Face's `loss_function` too (`compile_loss`)
 
     def describe(self) -> str:
         if self.whole_model:
             return "the whole model, one region (no module hooks)"
-        return f"{len(self.regions)} regions, one per ZeRO-3 gather boundary (hooks outside the graphs)"
+        text = f"{len(self.regions)} regions, one per ZeRO-3 gather boundary (hooks outside the graphs)"
+        return text + (", and the model's loss function" if self.loss else "")
 
 
 def plan_regions(model: nn.Module, hooked: Collection[str]) -> tuple[str, ...]:
@@ -112,9 +115,27 @@ def compile_model(
         # The forward only: `_call_impl`, which runs the gather/release hooks, stays eager around it.
         module.forward = torch.compile(module.forward, **kwargs)
     if hooked:
-        return CompilePlan(regions=regions, whole_model=False)
+        return CompilePlan(regions=regions, whole_model=False, loss=compile_loss(model, kwargs))
     model.compile(**kwargs)  # in place: the engine's parameter hooks stay on the same objects
     return CompilePlan(regions=("", *regions), whole_model=True)
+
+
+def compile_loss(model: nn.Module, compile_kwargs: Mapping[str, Any]) -> bool:
+    """Compile a Hugging Face model's `loss_function` in place; whether it was. Its forward computes the
+    loss from the logits in the glue that the per-region path leaves eager, where the causal-LM loss
+    upcasts the logits to fp32 and keeps fp32 tensors of their size for backward: at a 3B Llama's 4 x
+    2048 tokens and 128K vocabulary each is 3.9 GiB, the allocation the per-region engine ran out of
+    memory on (BENCHMARKS.md, issue 33), where the whole-model graph fuses the upcast into the loss's
+    kernels. The loss has no parameters, so no gather hooks: a region of its own. Models without the
+    attribute, or transformers versions whose property cannot be set, keep theirs eager."""
+    loss = getattr(model, "loss_function", None)
+    if not callable(loss) or not isinstance(getattr(type(model), "loss_function", None), property):
+        return False
+    try:
+        model.loss_function = torch.compile(loss, **compile_kwargs)  # type: ignore[assignment]
+    except AttributeError:  # a read-only property
+        return False
+    return True
 
 
 def block_names(model: nn.Module) -> tuple[str, ...]:

@@ -76,6 +76,7 @@ def _check(result: dict, whole_model: bool) -> None:
     assert counts[-1] == counts[0], counts  # nothing compiled after the first step: no recompile
     assert counts[-1]["graph_breaks"] == 0
     assert result["plan"].whole_model is whole_model
+    assert not result["plan"].loss  # our GPT has no `loss_function` of Hugging Face's
 
 
 @pytest.mark.parametrize(
@@ -174,5 +175,6 @@ def test_trainer_torch_compile_with_a_deepspeed_config_compiles_our_engine(tmp_p
         (eager, eager_compiled, _), (losses, is_compiled, plan) = result[False], result[True]
         assert (eager_compiled, is_compiled) == (False, True)
         assert not plan.whole_model and "transformer.h.0" in plan.regions
+        assert plan.loss  # HF's loss from the logits runs compiled too, not in the eager glue
         assert len(losses) == 3
         torch.testing.assert_close(losses, eager, rtol=1e-5, atol=1e-6)

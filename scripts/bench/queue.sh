@@ -89,7 +89,8 @@ PY
 7)  # issue 33: DeepSpeed 0.19.8's compiled engine and DeepCompile at ZeRO 3 beside the compiled plain loop
     # and ours, and stage 3's per-unit plan on one rank (what its graph boundaries cost) (carry .whl; its
     # prefix: scripts/bench/README.md; MICRO: 4 by default, where on an H100 on 2026-12-08 only the plain
-    # loop and ours fit; at 2 DeepSpeed's compiled engine ran, 0.33x, and DeepCompile did not fit)
+    # loop and ours fit; at 2 DeepSpeed's compiled engine ran, 0.33x, and DeepCompile did not fit; our
+    # per-unit rows ran out of memory on the eager loss's fp32 logits, compiled since: do they fit now?)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds \
         .whl/ds/*.whl || exit
     PYTHONPATH=/tmp/ds:$PWD TORCH_EXTENSIONS_DIR=/tmp/dslaunch_torch_extensions timeout 585 \

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import torch
 
+from runtime.precision.adam_state import make_adam_state, unsupported_reason
 from runtime.precision.fused_master import (
     KERNEL_FAILED,
     FusedMasterAdam,
@@ -37,9 +38,7 @@ from runtime.precision.fused_master import (
     compile_refusal,
     default_refusal,
     fused_setting,
-    make_adam_state,
     plan_runs,
-    unsupported_reason,
 )
 from runtime.precision.grad_math import (
     GradMath,

@@ -1,9 +1,10 @@
 """The Adam/AdamW step of fp32 masters behind 16-bit working weights, in one pass over each group's bytes.
 
-Owns `FusedMasterAdam` (the step and the flat moments it needs), `unsupported_reason` (which optimizers it
-can stand in for), `fused_setting` (the `DSLAUNCH_FUSED_MASTER_STEP` switch), `compile_step` (the
-compiled step) and `compile_refusal` (a probe that builds its kernels before the first real step, so a
-missing toolchain means torch's step, not a crash). The device placement
+Owns `FusedMasterAdam` (the step, binding torch's state to the flat moments it needs), `fused_setting`
+(the `DSLAUNCH_FUSED_MASTER_STEP` switch), `compile_step` (the compiled step), `compile_refusal` (a probe
+that builds its kernels before the first real step, so a missing toolchain means torch's step, not a
+crash) and `plan_runs` (which gradient pieces one kernel updates). Which optimizers it stands in for and
+the state's layout are runtime/precision/adam_state.py's. The device placement
 (runtime/offload/placement.py `DeviceMasters`) decides where it applies and hands it segments: matching
 slices of a master, of its reduced 16-bit gradient and of the working weights.
 
@@ -44,9 +45,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.precision.adam_state import MOMENTS, flat_moment, offset_in
+
 _log = logging.getLogger(__name__)
 _ENV = "DSLAUNCH_FUSED_MASTER_STEP"
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 KERNEL_FAILED = "its kernel did not build here"  # compile_refusal's reasons start so
 
 
@@ -68,18 +70,6 @@ def default_refusal(device: torch.device) -> str | None:
 
     if not has_triton():
         return "Triton, which compiles its kernel, is not installed"
-    return None
-
-
-def unsupported_reason(optimizer: torch.optim.Optimizer) -> str | None:
-    """Why `FusedMasterAdam` cannot take `optimizer`'s step, or None when it can (torch's own Adam or
-    AdamW, none of the options its kernel leaves out)."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return f"the optimizer is {type(optimizer).__name__}, not torch's Adam or AdamW"
-    for group in optimizer.param_groups:
-        for key in ("amsgrad", "maximize", "capturable", "differentiable"):
-            if group.get(key):
-                return f"{key}=True"
     return None
 
 
@@ -330,21 +320,21 @@ class FusedMasterAdam:
         master = self.masters[index]
         # the flat moments `make_adam_state` made while the engine was built are taken as they are (a copy
         # would hold the moments twice at the first step's peak); anything else is copied into new ones
-        adopted = {key: _flat_moment(optimizer, params, master, key) for key in _MOMENTS}
+        adopted = {key: flat_moment(optimizer, params, master, key) for key in MOMENTS}
         flat: dict[str, torch.Tensor] = {}
-        for key in _MOMENTS:
+        for key in MOMENTS:
             made = adopted[key]
             flat[key] = torch.zeros_like(master, dtype=torch.float32) if made is None else made
         views, steps = [], []
         for param in params:
-            offset = _offset_in(master, param)
+            offset = offset_in(master, param)
             if offset is None:
                 raise AssertionError(
                     f"optimizer group {index} holds a tensor that is not a view of its master"
                 )
             entry = optimizer.state[param]
             pair = []
-            for key in _MOMENTS:
+            for key in MOMENTS:
                 view = flat[key].narrow(0, offset, param.numel()).view(param.shape)
                 if key in entry and adopted[key] is None:  # resumed, or stepped unfused: keep the values
                     view.copy_(entry[key].reshape(param.shape))
@@ -360,71 +350,3 @@ class FusedMasterAdam:
             "fused master step: group %d bound (%d tensors, %d elements)", index, len(params), master.numel()
         )
         return _GroupState(params, flat["exp_avg"], flat["exp_avg_sq"], views, steps, lr, decay)
-
-
-def _offset_in(master: torch.Tensor, param: torch.Tensor) -> int | None:
-    """Where `param` starts in `master`, in elements, or None when it is not a view inside it."""
-    offset = int(param.storage_offset() - master.storage_offset())
-    inside = 0 <= offset <= master.numel() - param.numel()
-    same = param.untyped_storage().data_ptr() == master.untyped_storage().data_ptr()
-    return offset if same and inside else None
-
-
-def _flat_moment(
-    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], master: torch.Tensor, key: str
-) -> torch.Tensor | None:
-    """The one fp32 buffer, shaped like `master`, of which every param's `key` state is the view at that
-    param's place (as `make_adam_state` lays them out), or None."""
-    flat = None
-    for param in params:
-        moment = optimizer.state.get(param, {}).get(key)
-        base = moment._base if isinstance(moment, torch.Tensor) else None
-        offset = _offset_in(master, param)
-        if base is None or offset is None or (flat is not None and base is not flat):
-            return None
-        if base.dtype != torch.float32 or base.device != master.device or base.shape != master.shape:
-            return None
-        if moment.data_ptr() != base.data_ptr() + offset * base.element_size():
-            return None
-        flat = base
-    return flat
-
-
-def make_adam_state(
-    optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], indices: Sequence[int]
-) -> None:
-    """Make now, while the engine is built, the state torch's Adam/AdamW makes in its first step (nothing
-    for an optimizer this does not cover, or for a group whose state is there already).
-
-    Made in the first step, after its backward, the moments let a first step fit where no later one does
-    (bf16 masters' `MasterAdam.prepare` says what that cost on an H200); made here, a configuration that
-    cannot hold them fails at setup, as DeepSpeed's ZeRO optimizers make their state at initialization.
-    The values are torch's first ones (zero moments, step 0) in torch's places (a `step` on the device for
-    a fused or capturable group, on the CPU otherwise), so torch's own step reads them as its own. Each
-    group's moments are one flat fp32 buffer beside its master (`masters[i]`, the optimizer's param group
-    `indices[i]`), the layout `FusedMasterAdam` keeps, so its first step takes them without a copy."""
-    if unsupported_reason(optimizer) is not None:
-        return
-    for master, index in zip(masters, indices, strict=True):
-        if index >= len(optimizer.param_groups):
-            continue
-        group = optimizer.param_groups[index]
-        params = list(group["params"])
-        if any(optimizer.state.get(param) for param in params):
-            continue  # made already (a resume, or the host side of a partial offload)
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        scalar = torch.float32 if on_device or torch.get_default_dtype() != torch.float64 else torch.float64
-        flat = None
-        if params and all(_offset_in(master, p) is not None and p.dtype == torch.float32 for p in params):
-            flat = {key: torch.zeros_like(master, dtype=torch.float32) for key in _MOMENTS}
-        for param in params:
-            entry = optimizer.state[param]
-            for key in _MOMENTS:
-                if flat is None:
-                    entry[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                else:
-                    offset = _offset_in(master, param)
-                    assert offset is not None
-                    entry[key] = flat[key].narrow(0, offset, param.numel()).view(param.shape)
-            step_device = param.device if on_device else torch.device("cpu")
-            entry["step"] = torch.zeros((), dtype=scalar, device=step_device)

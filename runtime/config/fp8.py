@@ -11,7 +11,8 @@ checked by `runtime.config.load`, which sees both sections.
                                        # "rowwise_with_gw_hp": rowwise, the weight gradient in bf16
         "exclude_modules": ["*.attn.*"],  # fnmatch patterns on module names kept in bf16
         "min_features": 1024,          # both dims of a converted layer at least this
-        "auto_filter_small_kn": true   # keep layers below float8's measured break-even for the recipe
+        "auto_filter_small_kn": true   # keep layers below float8's measured break-even for the recipe,
+                                       # unless a sibling reading the same input converts (runtime/fp8.py)
     }
 """
 

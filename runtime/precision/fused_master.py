@@ -289,7 +289,17 @@ class FusedMasterAdam:
                 for seg in group_segments
             ]
             work.append((hyper, pieces))
-        self._kernel(work, factor_t, keep_t)
+        try:
+            self._kernel(work, factor_t, keep_t)
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            # the probe's two segments built, this step's graph did not (a compiler failing on one size,
+            # say): nothing of it ran, since a graph compiles whole before it runs. The same arithmetic
+            # op by op keeps training right, slower, and the log says so once.
+            inner = getattr(exc, "inner_exception", exc)
+            why = f"{type(inner).__name__}: {(str(inner).splitlines() or [''])[0][:200]}"
+            _log.warning("the fused optimizer step's graph did not compile, it runs op by op: %s", why)
+            self._kernel = adam_steps_
+            adam_steps_(work, factor_t, keep_t)
 
     def _bound(self, optimizer: torch.optim.Optimizer, index: int) -> _GroupState:
         """The group's flat moments, with torch's state pointing into them (re-made when something

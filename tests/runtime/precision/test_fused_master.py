@@ -424,6 +424,44 @@ def test_a_kernel_that_does_not_build_leaves_torch_step_running() -> None:
         assert torch.equal(a, b)
 
 
+def _graph_fails(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    """The fused step where the probe's few elements compile and the real step's graph does not (a backend
+    that refuses any input of more than 128 elements: a stand-in for a compiler failing on one size)."""
+    from runtime.precision import fused_master
+
+    def picky(gm: Any, inputs: list[Any]) -> Any:
+        if any(isinstance(t, torch.Tensor) and t.numel() > 128 for t in inputs):
+            raise RuntimeError("no kernel for this size\nsecond line")
+        return gm.forward
+
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("runtime.precision.fused_master")
+    logger.addHandler(handler)
+    built = fused_master.compile_step
+    fused_master.compile_step = lambda device: torch.compile(
+        fused_master.adam_steps_, backend=picky, dynamic=False, fullgraph=True
+    )
+    try:
+        asked = _train(True, config, rank, world_size)
+    finally:
+        fused_master.compile_step = built
+        logger.removeHandler(handler)
+    return {"asked": asked, "plain": _train(False, config, rank, world_size), "warnings": warnings}
+
+
+def test_a_step_graph_that_does_not_compile_runs_op_by_op_and_trains_the_same() -> None:
+    """Device: CPU. The probe built, but the first real step's graph fails to compile: the step runs the
+    same arithmetic op by op (nothing of the failed graph ran), trains as torch's step does, and the log
+    says so once, in one line."""
+    [result] = run_distributed(_graph_fails, 1, _config("bf16", {"stage": 2}, clip=1.0))
+    _assert_same(result["asked"], result["plain"])
+    [warning] = result["warnings"]
+    assert warning.startswith("the fused optimizer step's graph did not compile, it runs op by op: ")
+    assert "RuntimeError: no kernel for this size" in warning and "second line" not in warning
+
+
 def _state_at_setup(rank: int, world_size: int, stage: int, fused: bool) -> dict[str, Any]:
     """The optimizer state right after initialize, and where the fused step's moments live after one step."""
     import runtime

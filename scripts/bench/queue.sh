@@ -140,7 +140,7 @@ PY
     # was 37-44 ms against torch's 34 before, host-bound)
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/runtime/precision/test_fused_master.py \
         tests/runtime/zero/test_one_rank.py 2>&1 | tail -3
-    DS_ACCELERATOR=cuda timeout 150 python3 scripts/bench/step_host.py --out "$OUT/step-host.jsonl" 2>&1 \
+    timeout 150 python3 scripts/bench/step_host.py --out "$OUT/step-host.jsonl" 2>&1 \
         | grep '^{' | cut -c1-500
     timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch ${MICRO:-4} \
         --stages 2,3 --repeats 3 --profile_update --out "$OUT/compiled-llama3b-one-call.jsonl" 2>&1 \

@@ -8,10 +8,10 @@ step's run size (runtime/precision/fused_master.py RUN_ELEMENTS) divided by the 
 makes the same segments at every factor (141 at 28 layers, at 1/64, 1/256 and 1/1024) while its kernels
 cost next to nothing.
 
-On CPU the fused step is compiled with --backend (inductor by default, as on a GPU; it needs a C++
-compiler, and its first step compiles for a minute or more; `eager` times dynamo's tracing path
-instead, which the CPU tests use). On CUDA `host_ms` is how long `engine.step()` takes to return (kernels
-queued) and `step_ms` the same with a synchronize after it.
+On CPU (no GPU, or DS_ACCELERATOR=cpu) the fused step is compiled with --backend (inductor by default,
+as on a GPU; it needs a C++ compiler, and its first step compiles for a minute or more; `eager` times
+dynamo's tracing path instead, which the CPU tests use). On CUDA `host_ms` is how long `engine.step()`
+takes to return (kernels queued) and `step_ms` the same with a synchronize after it.
 
 Baseline, same process: `torch.optim.AdamW(fused=True)` stepping the same parameters in fp32, as a
 compiled plain loop does. One JSON line: the medians over --steps of ours and torch's, and `segments`, the
@@ -94,7 +94,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from runtime.precision import fused_master
 
     os.environ.setdefault("DSLAUNCH_FUSED_MASTER_STEP", "1")
-    device = torch.device("cuda" if os.environ.get("DS_ACCELERATOR", "cpu") == "cuda" else "cpu")
+    on_gpu = os.environ.get("DS_ACCELERATOR") != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
     if device.type == "cpu":
         use_backend(args.backend)
     fused_master.RUN_ELEMENTS = (1 << 24) // (args.shrink * args.shrink)

@@ -119,9 +119,10 @@ PY
         .whl/ao/*.whl || exit
     PYTHONPATH=/tmp/ao:$PYTHONPATH timeout $((585 - SECONDS)) python3 scripts/bench/fp8.py --loss_steps 300 \
         --micro_batch 1 --seeds 0 --out "$OUT/fp8-loss.jsonl" 2>&1 | grep -E '^\{|over seeds' | cut -c1-900 ;;
-10) # issue 33: the fused step's host time (41-43 ms a step against 35 ms of kernels on the 3B Llama,
-    # 2026-12-07): ZeRO 2 with runs of 64M elements (fewer launches, more copying), then with dynamo's
-    # guard evaluation skipped around the step, each against its own compiled plain loop
+10) # issue 33, only if call 12 shows the step still waiting on the host (41-43 ms a step against 35 ms of
+    # kernels on the 3B Llama on 2026-12-07, when each segment was a compiled call of its own): ZeRO 2 with
+    # runs of 64M elements (fewer kernels), then with dynamo's guard evaluation skipped around the step,
+    # each against its own compiled plain loop
     for variant in "--run_elements 67108864" "--skip_guard_eval"; do
         timeout $((585 - SECONDS)) python3 scripts/bench/compiled.py --models llama3b --micro_batch 4 \
             --stages 2 --repeats 3 --profile_update $variant --out "$OUT/compiled-llama3b-host.jsonl" 2>&1 \

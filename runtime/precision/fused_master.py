@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -252,6 +253,7 @@ class FusedMasterAdam:
         self._factor = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
         self._keep = torch.ones((), dtype=torch.float32, device=self.masters[0].device)
         self._kernel = compile_step(self.masters[0].device)
+        self._compiled = False  # whether a step has run (the first compiles)
 
     def step(
         self,
@@ -289,6 +291,7 @@ class FusedMasterAdam:
                 for seg in group_segments
             ]
             work.append((hyper, pieces))
+        started = time.perf_counter()
         try:
             self._kernel(work, factor_t, keep_t)
         except torch._dynamo.exc.BackendCompilerFailed as exc:
@@ -300,6 +303,12 @@ class FusedMasterAdam:
             _log.warning("the fused optimizer step's graph did not compile, it runs op by op: %s", why)
             self._kernel = adam_steps_
             adam_steps_(work, factor_t, keep_t)
+            return
+        if not self._compiled:  # the first step compiles a graph of every segment: say why it paused
+            self._compiled = True
+            count = sum(len(pieces) for _, pieces in work)
+            took = time.perf_counter() - started
+            _log.info("fused optimizer step: its graph of %d segments built in %.1f s (once)", count, took)
 
     def _bound(self, optimizer: torch.optim.Optimizer, index: int) -> _GroupState:
         """The group's flat moments, with torch's state pointing into them (re-made when something

@@ -72,9 +72,11 @@ def _train(
     log: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: log.append(record.getMessage())  # type: ignore[method-assign]
-    placement = logging.getLogger("runtime.offload.placement")
-    placement.addHandler(handler)
-    placement.setLevel(logging.INFO)
+    names = ("runtime.offload.placement", "runtime.precision.fused_master")
+    loggers = [logging.getLogger(name) for name in names]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     try:
         model = make_model(0)
         engine, *_ = runtime.initialize(model=model, model_parameters=param_groups(model), config=config)
@@ -94,7 +96,8 @@ def _train(
         }
     finally:
         os.environ.pop(ENV, None)
-        placement.removeHandler(handler)
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 def _assert_same(fused: dict[str, Any], plain: dict[str, Any]) -> None:
@@ -125,6 +128,9 @@ def test_one_rank_equals_torch_step(precision: str, zero: dict, clip: float, opt
     micro-steps, with the scheduler moving the learning rate."""
     [result] = run_distributed(_both, 1, _config(precision, zero, clip=clip, opt=opt))
     _assert_same(result["fused"], result["plain"])
+    # the first step's pause is explained, once: it compiled one graph of every segment
+    built = [line for line in result["fused"]["log"] if "segments built in" in line]
+    assert len(built) == 1 and built[0].startswith("fused optimizer step: its graph of "), built
 
 
 def _both(rank: int, world_size: int, config: dict[str, Any], steps: int = 4) -> dict[str, Any]:

@@ -301,7 +301,7 @@ class FusedMasterAdam:
             inner = getattr(exc, "inner_exception", exc)
             why = f"{type(inner).__name__}: {(str(inner).splitlines() or [''])[0][:200]}"
             _log.warning("the fused optimizer step's graph did not compile, it runs op by op: %s", why)
-            self._kernel = adam_steps_
+            self._kernel, self._compiled = adam_steps_, True
             adam_steps_(work, factor_t, keep_t)
             return
         if not self._compiled:  # the first step compiles a graph of every segment: say why it paused

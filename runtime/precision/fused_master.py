@@ -139,9 +139,10 @@ def adam_steps_(groups: list[tuple[Hyper, list[Piece]]], factor: torch.Tensor, k
             )  # fmt: skip
 
 
-def compile_step(device: torch.device) -> Callable[..., None]:
+def compile_step(device: torch.device, backend: str | None = None) -> Callable[..., None]:
     """`adam_steps_` compiled for `device`'s type: inductor on a GPU (the point of it), dynamo with the
-    eager backend elsewhere (the same traced graph: what the CPU tests check). Shapes are static, since a
+    eager backend elsewhere (the same traced graph: what the CPU tests check); `backend` names another
+    (scripts/bench/step_host.py times inductor's on the CPU). Shapes are static, since a
     step's segments are the same every step. The segments go in as views, not as flat buffers sliced
     inside the graph: mutating slices of an input makes AOT write the whole input back (on the CPU, 8
     updates of 1M elements took 374 ms that way against 2.4 ms as views of a 64M buffer). Each caller gets
@@ -149,7 +150,7 @@ def compile_step(device: torch.device) -> Callable[..., None]:
     eight to one: every engine's step is a graph of its own, and a process of many engines must not fall
     back to running its step op by op."""
     fn = types.FunctionType(adam_steps_.__code__.replace(), adam_steps_.__globals__, adam_steps_.__name__)
-    backend = "inductor" if device.type == "cuda" else "eager"
+    backend = backend or ("inductor" if device.type == "cuda" else "eager")
     return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
 
 

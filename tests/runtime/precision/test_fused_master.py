@@ -148,12 +148,27 @@ def _both_in_small_runs(rank: int, world_size: int, config: dict[str, Any]) -> d
     launches: list[list[int]] = []  # each step's segments: how many gradient pieces each one joins
     step = fused_master.FusedMasterAdam.step
 
+    calls: list[int] = []  # each step's calls of the compiled step (the host's cost: one, not a segment's)
+    built = fused_master.compile_step
+
+    def counted(device: Any) -> Any:
+        kernel = built(device)
+
+        def call(*args: Any) -> None:
+            if calls:  # the probe's call comes before the first step's
+                calls[-1] += 1
+            kernel(*args)
+
+        return call
+
     def counting_step(self: Any, optimizer: Any, segments: Any, *args: Any, **kwargs: Any) -> None:
         launches.append([len(seg.grads) for group in segments for seg in group])
+        calls.append(0)
         step(self, optimizer, segments, *args, **kwargs)
 
     fused_master.FusedMasterAdam.step = counting_step  # type: ignore[method-assign]
-    return {**_both(rank, world_size, config), "launches": launches}
+    fused_master.compile_step = counted
+    return {**_both(rank, world_size, config), "launches": launches, "calls": calls}
 
 
 @pytest.mark.parametrize(("precision", "stage"), [("bf16", 2), ("bf16", 3), ("fp16", 2)])
@@ -161,12 +176,15 @@ def test_one_rank_autograd_gradients_in_runs_equal_torch_step(precision: str, st
     """Device: CPU. One rank keeping autograd's gradient tensors (runtime/zero/one_rank.py), one a
     parameter, which the fused step launches on in runs (`plan_runs`): some alone, some joined with
     their neighbours and the layout's padding; at ZeRO-3 too (one rank: a flat group a gather unit).
-    The fused step runs (not torch's in its place) and trains as torch's step does, with clipping."""
+    The fused step runs (not torch's in its place), in one compiled call a step, and trains as torch's
+    step does, with clipping."""
     [result] = run_distributed(_both_in_small_runs, 1, _config(precision, {"stage": stage}, clip=1.0))
     _assert_same(result["fused"], result["plain"])
     pieces = sum(p.numel() > 0 for p in make_model(0).parameters())  # at least one gradient tensor each
     for joined in result["launches"]:  # fewer launches than gradient tensors: some joined, some alone
         assert len(joined) < pieces and max(joined) > 1 and min(joined) == 1, joined
+    # however many segments and groups, the host calls the compiled step once a step
+    assert result["calls"] == [1] * len(result["launches"]), result["calls"]
 
 
 def _device_reads_a_step(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:

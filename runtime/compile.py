@@ -36,6 +36,11 @@ Compiling the whole model at ZeRO 3 over two ranks instead (what `engine.compile
 no graph break either, but compiled one graph only, a block's: dynamo abandoned the model's own frame at
 the hooks, so the embeddings, head and loss ran eager without a word.
 
+Accelerate's regional compilation (`compile_regions_deepspeed`: `block.compile()` on each block of the
+engine's module, for `--dynamo_use_regional_compilation`) comes to the same split without us: the compiled
+function is the block's `_call_impl`, a torch.nn frame dynamo never traces, so the hooks run eager and
+the block's `forward` is what compiles (tests/runtime/engine/test_compile.py, ZeRO-3 over two ranks).
+
 Anything the module does that dynamo cannot trace still graph-breaks as in `torch.compile(model)`;
 `compile_counts()` reports dynamo's counters so tests and benchmarks can check that a step adds none.
 The entry point compiles whatever module the engine holds, so a caller that converts layers first (FP8)

@@ -5,7 +5,9 @@ eager engine, then the same engine built again and compiled (backend "eager": dy
 AOT-free graphs run, so CPU checks take seconds). The compiled losses must equal the eager ones step for
 step, and dynamo's counters must not move after the first step (no recompile, no new graph break per
 step). ZeRO-3 at world 1 with `offload_param` (sharded parameters, so gather hooks) and at world 2 take
-the per-region path; the others compile the whole model.
+the per-region path; the others compile the whole model. The Hugging Face routes run the same check:
+`TrainingArguments(torch_compile=True)` (Accelerate calls engine.compile()) and Accelerate's regional
+compilation (it compiles each block of the engine's module itself).
 """
 
 from __future__ import annotations
@@ -178,3 +180,63 @@ def test_trainer_torch_compile_with_a_deepspeed_config_compiles_our_engine(tmp_p
         assert plan.loss  # HF's loss from the logits runs compiled too, not in the eager glue
         assert len(losses) == 3
         torch.testing.assert_close(losses, eager, rtol=1e-5, atol=1e-6)
+
+
+# -- Accelerate's regional compilation: `accelerate launch --dynamo_use_regional_compilation` --------------
+
+
+def _accelerate_losses(rank: int, world: int) -> dict:
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import TorchDynamoPlugin
+    from torch._dynamo.utils import counters
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from runtime.compile import compile_counts
+
+    result: dict = {}
+    for regional in (False, True):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        dynamo = TorchDynamoPlugin(backend="eager", use_regional_compilation=True) if regional else None
+        plugin = DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=1, gradient_clipping=1.0)
+        accelerator = Accelerator(deepspeed_plugin=plugin, dynamo_plugin=dynamo)
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        rows = torch.randint(0, 64, (STEPS * MICRO * world, SEQ), generator=torch.Generator().manual_seed(1))
+        loader = DataLoader(TensorDataset(rows), batch_size=MICRO)
+        # `prepare` wraps the model in our engine, then compiles every block of `engine.module` in place
+        # (accelerate.utils.compile_regions_deepspeed: `block.compile()`, the hooks inside `_call_impl`)
+        engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        counters.clear()
+        losses, counts = [], []
+        for (ids,) in loader:
+            loss = engine(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            counts.append(compile_counts())
+        hooked = [name for name, module in engine.module.named_modules() if module._forward_pre_hooks]
+        result[regional] = {"losses": losses, "counts": counts, "hooked": hooked}
+    return result
+
+
+def test_accelerate_regional_compilation_of_a_zero3_engine_equals_eager() -> None:
+    """Accelerate compiles each block of the engine's module in place (`nn.Module.compile`: the compiled
+    function is `_call_impl`, which runs our ZeRO-3 gather and release hooks). Dynamo never traces
+    `_call_impl` (torch.nn's own frame, in its skip list) and compiles the block's `forward` under it, so
+    the hooks run eager around the graph: the same split as engine.compile()'s regions. Over two
+    ranks the losses equal the uncompiled run's, and no step after the first compiles again or breaks a
+    graph."""
+    for result in run_distributed(_accelerate_losses, 2):
+        eager, regional = result[False], result[True]
+        assert "transformer.h.0" in regional["hooked"]  # the blocks carry gather hooks: sharded parameters
+        assert eager["counts"][-1]["graphs_compiled"] == 0
+        counts = regional["counts"]
+        assert counts[0]["graphs_compiled"] >= 1 and counts[0]["calls_captured"] > 0, counts
+        assert counts[-1] == counts[0], counts  # nothing compiled after the first step
+        assert counts[-1]["graph_breaks"] == 0
+        assert len(regional["losses"]) == STEPS
+        torch.testing.assert_close(regional["losses"], eager["losses"], rtol=1e-5, atol=1e-6)

@@ -30,7 +30,6 @@ class UsageError(UserError):
     """Bad arguments or inputs: reported as one line and exit code 2, never as a traceback."""
 
 
-
 # What from_pretrained needs in a local folder (GPT-2 family: its tokenizer is byte-level BPE).
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")  # fmt: skip

@@ -69,4 +69,3 @@ def test_deepspeed_rows_never_measure_our_compat_package() -> None:
     assert rows[3]["error"].startswith(
         "ImportError: the deepspeed importable here is dslaunch's compatibility package"
     )
-

@@ -30,7 +30,6 @@ ZERO3 = REPO / "tests" / "configs" / "deepspeed" / "hf_zero3.json"
 DEEPSPEED = Path(sys.executable).parent / "deepspeed"  # the compat distribution's command
 
 
-
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
     # CPU workers: Trainer and Accelerate choose their device themselves, so a GPU host hides its GPUs
     env = {

@@ -104,7 +104,6 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.stop()
 
 
-
 def job_env(cluster: Cluster, tmp_path: Path, **extra: str) -> dict[str, str]:
     tmpdir = tmp_path / "tmpdir"  # dslaunch's own temporary files land here, so a test can look
     tmpdir.mkdir(exist_ok=True)

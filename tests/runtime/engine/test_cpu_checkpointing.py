@@ -185,4 +185,3 @@ def test_a_prefetch_never_taken_is_freed_only_after_its_copy() -> None:
     reused = torch.zeros(numel, device="cuda")  # may get the dropped prefetch's memory
     torch.cuda.synchronize()
     assert reused.abs().max().item() == 0.0
-

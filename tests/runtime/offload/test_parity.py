@@ -273,9 +273,7 @@ def _delayed_reference(
     master = make_model(0).to(torch.bfloat16 if bf16_masters else torch.float32)
     working = copy.deepcopy(master).to(param_dtype)
     if bf16_masters:
-        opt = MasterAdam(
-            param_groups(master), lr=3e-3, state_dtype=torch.bfloat16, stochastic_rounding=False
-        )
+        opt = MasterAdam(param_groups(master), lr=3e-3, state_dtype=torch.bfloat16, stochastic_rounding=False)
     else:
         opt = build_optimizer("AdamW", param_groups(master), 3e-3)
     installed = [p.detach().clone() for p in master.parameters()]

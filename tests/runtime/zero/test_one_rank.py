@@ -212,8 +212,12 @@ CHOICES = [  # world size, config, DSLAUNCH_AUTOGRAD_GRADS, the stage a user get
     (1, _with(bf16={"enabled": True}), "1", "AutogradGradStage"),
     (1, _with(bf16={"enabled": True}), "0", "ReplicatedGradStage"),
     (1, _with(), "1", "ReplicatedGradStage"),  # fp32: the weights are the masters, their .grad the buffer's
-    (1, _with(bf16={"enabled": True}, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
-     "1", "ReplicatedGradStage"),  # the offload streams gradients out of the flat buffer
+    (
+        1,
+        _with(bf16={"enabled": True}, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
+        "1",
+        "ReplicatedGradStage",
+    ),  # the offload streams gradients out of the flat buffer
     (2, _with(bf16={"enabled": True}), "1", "ShardedGradStage"),
 ]
 

@@ -7,6 +7,15 @@ parameters. torchao's `Float8Linear` keeps `weight` and `bias` as the same bf16 
 optimizer and checkpoints see the same parameters and state-dict keys as without fp8: a checkpoint written
 in fp8 training loads into a bf16 run and back.
 
+A model may arrive with torchao's `Float8Linear`s already in it: Accelerate's `mixed_precision="fp8"`
+(its torchao backend) converts the model in `accelerator.prepare` before it calls `deepspeed.initialize`.
+`adopt_converted` keeps those layers as they are, with one repair: Accelerate asks torchao for FSDP2's
+float8 all-gather by default, and torchao then wraps each converted weight in a new Parameter (a tensor
+subclass that FSDP2's all-gather hooks into), while the optimizer the user built before `prepare` still
+holds the weight it wraps. ZeRO gathers and flattens plain tensors, so the wrapped Parameter goes back in
+its place: the optimizer's, as with no conversion. The `fp8` section, if on too, converts only the
+layers that are not float8 yet.
+
 The rule (a linear stays in bf16 for the first reason that applies, in this order):
 
 1. `excluded`: its module name matches one of `fp8.exclude_modules` (fnmatch patterns; a pattern also
@@ -36,11 +45,14 @@ The rule (a linear stays in bf16 for the first reason that applies, in this orde
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from runtime.config import ConfigError
@@ -60,10 +72,13 @@ class Selection:
 
     converted: tuple[str, ...]
     kept: tuple[tuple[str, str], ...]  # (module name, reason)
+    already: tuple[str, ...] = ()  # Float8Linears the model came with (`adopt_converted`): left as they are
 
     def summary(self, recipe: str) -> str:
-        total = len(self.converted) + len(self.kept)
+        total = len(self.converted) + len(self.kept) + len(self.already)
         text = f"fp8: {len(self.converted)} of {total} linear layers train in float8 ({recipe} scaling)"
+        if self.already:
+            text += f", and {len(self.already)} more came converted by torchao (left as they are)"
         if self.kept:
             kept = ", ".join(f"{name} ({why})" for name, why in self.kept)
             text += f"; kept in bf16: {kept}"
@@ -104,7 +119,10 @@ def below_break_even(recipe: str, k: int, n: int) -> bool:
 def select_linears(model: nn.Module, cfg: FP8Config) -> Selection:
     """Which `nn.Linear`s of `model` train in float8 under `cfg` (the rule in the module docstring)."""
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    already = tuple(float8_linears(model))
+    linears = [
+        (name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in already
+    ]
     reasons = {name: _keep_reason(name, module, cfg, embeddings) for name, module in linears}
     first_pass = {name for name, reason in reasons.items() if reason is None}
     converted: list[str] = []
@@ -118,7 +136,7 @@ def select_linears(model: nn.Module, cfg: FP8Config) -> Selection:
             converted.append(name)
         else:
             kept.append((name, reason))
-    return Selection(tuple(converted), tuple(kept))
+    return Selection(tuple(converted), tuple(kept), already)
 
 
 def shares_input(
@@ -132,6 +150,47 @@ def shares_input(
         for other, m in linears
         if other in converted
     )
+
+
+def float8_linears(model: nn.Module) -> dict[str, nn.Module]:
+    """The torchao `Float8Linear`s in `model` by name; none when torchao was never imported (no model
+    can hold one then, and this never imports it)."""
+    module = sys.modules.get("torchao.float8.float8_linear")
+    cls = getattr(module, "Float8Linear", None)
+    if cls is None:
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, cls)}
+
+
+def adopt_converted(model: nn.Module, *, rank: int = 0, model_parallel: bool = False) -> int:
+    """Take a model that came with torchao's `Float8Linear`s (module docstring): put back each weight that
+    torchao wrapped for FSDP2's float8 all-gather, in place, and turn the all-gather off in the layer's
+    config. Returns how many float8 layers the model holds; logs them once (rank 0). Refused on a
+    model-parallel engine, as `convert_model` is."""
+    layers = float8_linears(model)
+    if layers and model_parallel:
+        raise UserError(
+            f"the model holds {len(layers)} torchao Float8Linear layers, and float8 training is not "
+            "supported with tensor_parallel, an mpu or pipeline parallelism yet",
+            hint="train data-parallel only (ZeRO 0-3), or in bf16 (Accelerate: mixed_precision=bf16)",
+        )
+    unwrapped = 0
+    for layer in layers.values():
+        inner = getattr(layer.weight, "_tensor", None)  # torchao's WeightWithDynamicFloat8CastTensor
+        if isinstance(inner, torch.Tensor) and type(layer.weight) is not nn.Parameter:
+            layer.weight = inner if isinstance(inner, nn.Parameter) else nn.Parameter(inner)
+            unwrapped += 1
+        config: Any = getattr(layer, "config", None)  # torchao's Float8LinearConfig, a frozen dataclass
+        if getattr(config, "enable_fsdp_float8_all_gather", False):
+            layer.config = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
+    if layers and rank == 0:
+        ensure_handler()
+        text = f"fp8: the model came with {len(layers)} linear layers converted to torchao's Float8Linear"
+        text += " (as Accelerate's mixed_precision='fp8' does); they train in float8 as they are"
+        if unwrapped:
+            text += f", {unwrapped} weights unwrapped from FSDP2's float8 all-gather (ZeRO gathers bf16)"
+        _log.info(text)
+    return len(layers)
 
 
 def _torchao_float8() -> tuple[Any, Any]:

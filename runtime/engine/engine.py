@@ -37,6 +37,7 @@ from runtime.engine.memory import MemoryBreakdown, memory_breakdown
 from runtime.engine.oom import explained_oom
 from runtime.engine.persistence import EngineCheckpoints
 from runtime.engine.takeover import release_training_state
+from runtime.fp8 import adopt_converted as adopt_converted_fp8
 from runtime.fp8 import convert_model as convert_to_fp8
 from runtime.monitor import TrainingMonitor
 from runtime.offload import MasterPlacement, build_master_placement, with_auto_ratio
@@ -98,7 +99,10 @@ class Engine(EngineAccessors, EngineCheckpoints, nn.Module):
         self.module = model
         self.comm = comm or plan.comm or Comm(emulate_reduce_scatter=not zero_cfg.reduce_scatter)
         self.device = device or current_device()
-        if config.fp8.enabled:  # swaps modules, keeps their Parameters: before ZeRO groups and flattens them
+        # fp8 swaps modules and keeps their Parameters: before ZeRO groups and flattens them. A model that
+        # came converted (Accelerate's mixed_precision="fp8") gets its weights back from torchao's wrappers.
+        adopt_converted_fp8(model, rank=self.comm.rank, model_parallel=split_model)
+        if config.fp8.enabled:
             convert_to_fp8(model, config.fp8, rank=self.comm.rank, model_parallel=split_model)
         self.policy = policy_from_config(config)
         self.guard: StepGuard = guard_from_config(config)

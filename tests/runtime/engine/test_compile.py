@@ -124,6 +124,8 @@ def test_deepcompile_is_read_with_a_note_saying_what_it_means_here():
         ("offload_activation", "activation_checkpointing.cpu_checkpointing"),
         ("offload_opt_states", "zero_optimization.offload_optimizer"),
         ("symmetric_memory", "symmetric-memory"),
+        ("offload_parameters", "zero_optimization.offload_param"),
+        ("autoep_non_moe", "no AutoEP"),
     ],
 )
 def test_deepcompile_features_we_lack_are_refused_by_key(key: str, hint: str):
@@ -131,6 +133,38 @@ def test_deepcompile_features_we_lack_are_refused_by_key(key: str, hint: str):
         _load({"deepcompile": True, key: True})
     assert str(error.value).startswith(f"compile.{key}: a DeepSpeed option dslaunch does not support")
     assert hint in str(error.value)
+
+
+# DeepSpeed 0.19.8's CompileConfig with every key at its default (deepspeed/compile/config.py)
+DEEPSPEED_DEFAULTS = {
+    "deepcompile": False, "autoep_non_moe": False, "free_activation": False,
+    "free_activation_threshold": 10 * 1024 * 1024, "offload_activation": False,
+    "offload_activation_pin_memory": True, "offload_opt_states": False, "double_buffer": True,
+    "symmetric_memory": False, "debug_log": False, "offload_parameters": False, "sync_before_reduce": False,
+    "sync_after_reduce": False, "sync_before_allgather": False, "sync_after_allgather": False,
+    "keep_int_input_tensors": True, "keep_all_input_tensors": False, "passes": None,
+}  # fmt: skip
+
+
+def test_deepspeeds_whole_compile_section_at_its_defaults_reads_without_a_note():
+    config = _load(DEEPSPEED_DEFAULTS)
+    assert not config.compile.deepcompile and config.compile.passes is None
+    assert not [n for n in config.notes if n.startswith("compile.")]
+
+
+def test_deepcompiles_zero_passes_are_read_and_its_parallelism_passes_refused():
+    config = _load({"deepcompile": True, "passes": ["z1", "Z3"], "sync_after_allgather": True})
+    assert config.compile.passes == ("z1", "z3")
+    assert any(n.startswith("compile.passes: ['z1', 'z3']: DeepCompile's ZeRO passes") for n in config.notes)
+    assert any(n.startswith("compile.sync_after_allgather: True ignored") for n in config.notes)
+    with pytest.raises(ConfigError) as error:
+        _load({"deepcompile": True, "passes": ["z3", "autotp"]})
+    assert str(error.value).startswith("compile.passes[1]: a DeepSpeed option dslaunch does not support")
+    assert "tensor_parallel" in error.value.hint
+    with pytest.raises(ConfigError, match=r"compile\.passes\[0\]: expected one of 'z1', 'z3', 'autosp'"):
+        _load({"passes": ["z2"]})
+    with pytest.raises(ConfigError, match=r"compile\.passes: expected a list of pass names"):
+        _load({"passes": "z3"})
 
 
 def test_a_typo_in_the_compile_section_gets_did_you_mean():

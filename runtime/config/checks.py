@@ -33,7 +33,11 @@ def _range_text(lo: float | None, hi: float | None, lo_open: bool) -> str:
 
 @dataclass(frozen=True)
 class Bool:
-    def __call__(self, path: str, value: Any) -> bool:
+    nullable: bool = False  # null passes as None (a DeepSpeed key whose default is "decided later")
+
+    def __call__(self, path: str, value: Any) -> bool | None:
+        if value is None and self.nullable:
+            return None
         if not isinstance(value, bool):
             raise ConfigError(path, f"expected true or false, got {describe(value)}")
         return value

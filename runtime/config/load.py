@@ -91,6 +91,7 @@ class Config:
     compile: CompileConfig = field(default_factory=CompileConfig)  # the `compile` section (runtime.compile)
     memory_breakdown: bool = False
     dataloader_drop_last: bool = False
+    disable_python_gc: bool = False  # cyclic GC off while the engine lives (runtime/engine/python_gc.py)
     world_size: int = 1  # the data-parallel world size the batch arithmetic used
     raw: Mapping[str, Any] = field(default_factory=FrozenDict)  # the resolved config, every key explicit
     notes: tuple[str, ...] = ()  # aliases mapped, keys ignored, "auto" resolved: log these once on rank 0
@@ -139,6 +140,7 @@ _UNSUPPORTED_TOP_LEVEL = {
     "weight_quantization": "weight quantization",
     "hybrid_engine": "hybrid engine (RLHF)",
     "data_types": "data_types (gradient accumulation dtype)",
+    "expert_parallel": "AutoEP expert parallelism",
 }
 
 
@@ -209,6 +211,7 @@ def load_config(
         "zero_allow_untested_optimizer": top.get("zero_allow_untested_optimizer", Bool(), False),
         "memory_breakdown": top.get("memory_breakdown", Bool(), False),
         "dataloader_drop_last": top.get("dataloader_drop_last", Bool(), False),
+        "disable_python_gc": top.get("disable_python_gc", Bool(), False),
     }
     sections = {
         "activation_checkpointing": read_activation_checkpointing(top.section("activation_checkpointing")),
@@ -227,6 +230,18 @@ def load_config(
     # refused by name where a section asks for it ("device": "nvme"), so without it aio changes nothing.
     top.ignored("aio", None, "async I/O tunes NVMe offload only, and nothing is offloaded to NVMe")
     top.default_only("sparse_gradients", False, "sparse gradients")
+    # DeepSpeed 0.19's: gradients summed instead of averaged over ranks, and the client owning the step
+    top.default_only(
+        "gradient_allreduce_op", "mean", "gradients summed over the ranks (scale the loss by the world size)"
+    )
+    top.default_only(
+        "managed_gradient_accumulation",
+        True,
+        "a step() that always updates (call engine.set_gradient_accumulation_boundary(True) before it)",
+    )
+    top.ignored("disable_allgather", False, "ZeRO gathers what each stage needs; nothing reads this key")
+    top.ignored("vocabulary_size", None, "read by DeepSpeed's RL rollout code only")
+    top.default_only("use_data_before_expert_parallelism", False, "expert-parallel (MoE) group ordering")
     for batch_key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         top.has(batch_key)  # read later by resolve_batch; declared now so finish() knows them
     dotted = [k for k in top.data if isinstance(k, str) and "." in k]

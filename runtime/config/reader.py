@@ -374,6 +374,8 @@ class SectionReader:
                 continue
             if unsupported and key in unsupported:
                 value = self.data[key]
+                if value is None:  # DeepSpeed's own default for an optional section: not asked for
+                    continue
                 if isinstance(value, Mapping) and value.get("enabled") is False:
                     self.ctx.note(
                         f"{self.key_path(key)}: ignored (disabled; dslaunch does not support it yet)"

@@ -223,7 +223,8 @@ def read_zero(r: SectionReader, model: torch.nn.Module | None) -> ZeroConfig:
             500_000_000,
             auto=_default_for_auto(r, "allgather_bucket_size", 500_000_000),
         ),
-        overlap_comm=r.get("overlap_comm", Bool(), True),
+        # null is DeepSpeed's default (on at stage 3, off below); ours is on at every stage
+        overlap_comm=r.get("overlap_comm", Bool(nullable=True), True) is not False,
         contiguous_gradients=r.get("contiguous_gradients", Bool(), True),
         reduce_scatter=r.get("reduce_scatter", Bool(), True),
         offload_optimizer=_read_offload_optimizer(r.section("offload_optimizer")),
@@ -293,6 +294,8 @@ def _map_legacy_offload(r: SectionReader, data: dict[str, Any]) -> None:
         Bool()(r.key_path("cpu_offload_use_pin_memory"), pin)
     for old, new in legacy.items():
         r.has(old)
+        if data.get(old, False) is None:  # DeepSpeed's default for these deprecated keys: not set
+            del data[old]
         if old not in data:
             continue
         flag = Bool()(r.key_path(old), data.pop(old))
@@ -359,6 +362,10 @@ def _accept_deepspeed_extras(r: SectionReader) -> None:
             r.has(key)
             continue
         r.ignored(key, default, "a DeepSpeed tuning option without effect in dslaunch")
+    # DeepSpeed 0.19: where Muon's momentum stays when NVMe takes the other optimizer states
+    r.ignored(
+        "save_muon_momentum_buffer_in_memory", False, "it applies to NVMe offload, which dslaunch lacks"
+    )
 
 
 def _check_offload_stage(r: SectionReader, cfg: ZeroConfig) -> None:

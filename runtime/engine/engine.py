@@ -31,6 +31,7 @@ from runtime.config import Config
 from runtime.config.combinations import check_data_parallel_engine, check_offload_param
 from runtime.distributed import current_device
 from runtime.engine import inference as engine_inference
+from runtime.engine import python_gc
 from runtime.engine.accessors import EngineAccessors
 from runtime.engine.log import StepLog, Timers
 from runtime.engine.memory import MemoryBreakdown, memory_breakdown
@@ -183,6 +184,9 @@ class Engine(EngineAccessors, EngineCheckpoints, nn.Module):
             activation_checkpointing.use_engine_mpu(plan.mpu)
             self._engine_mpu = plan.mpu
         self.parameter_offload = engine_inference.parameter_offload(self)
+        self._holds_gc = config.disable_python_gc  # the cyclic collector off until destroy()
+        if self._holds_gc:
+            python_gc.hold()
 
     def _check_trains(self, what: str) -> None:
         """A training engine whose model another engine took over has no training state left to save or
@@ -401,6 +405,14 @@ class Engine(EngineAccessors, EngineCheckpoints, nn.Module):
         self.masters.close()
         self.monitor.close()
         activation_checkpointing.release_engine_mpu(self._engine_mpu)
+        if self._holds_gc:
+            self._holds_gc = False
+            python_gc.release()
+
+    def collect_python_gc(self) -> int:
+        """A full cyclic garbage collection now, where the loop chooses (with `disable_python_gc` the
+        collector never starts one by itself); how many unreachable objects it found."""
+        return python_gc.collect()
 
 
 def _describe(value: Any) -> str:

@@ -607,6 +607,42 @@ def test_moot_zero_tuning_keys_are_noted_only_when_changed():
     assert not any("has no effect" in note for note in defaults)
 
 
+# DeepSpeed 0.19.8's DeepSpeedZeroConfig, every key at its default (deepspeed/runtime/zero/config.py; the
+# null ones are "decided later" or "off" there) but the deprecated names, which DeepSpeed too refuses beside
+# the keys that replaced them
+DEEPSPEED_ZERO_DEFAULTS = {
+    "contiguous_gradients": True, "reduce_scatter": True, "reduce_bucket_size": 500_000_000,
+    "use_multi_rank_bucket_allreduce": True, "allgather_partitions": True,
+    "allgather_bucket_size": 500_000_000, "overlap_comm": None, "compute_grad_norm": True,
+    "load_from_fp32_weights": True, "elastic_checkpoint": False, "offload_param": None,
+    "offload_optimizer": None, "zenflow": None, "sub_group_size": 1_000_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000, "stage3_model_persistence_threshold": 2**63 - 1,
+    "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_gather_16bit_weights_on_model_save": False, "stage3_module_granularity_threshold": 0,
+    "stage3_use_all_reduce_for_fetch_params": False, "stage3_allgather_sequential": False,
+    "ignore_unused_parameters": True,
+    "legacy_stage1": False, "round_robin_gradients": False, "parameter_alignment": False,
+    "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
+    "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
+    "memory_efficient_linear": True, "pipeline_loading_checkpoint": False, "override_module_apply": True,
+    "log_trace_cache_warnings": False, "enable_sanity_checks": False,
+    "save_muon_momentum_buffer_in_memory": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeeds_whole_zero_section_at_its_defaults_loads_as_our_defaults(stage: int) -> None:
+    """A config that spells out every ZeRO key of DeepSpeed 0.19.8 at its default (as a dump of
+    DeepSpeed's config does) reads as our defaults: nothing unknown, nothing refused, overlap on."""
+    zero = {**DEEPSPEED_ZERO_DEFAULTS, "stage": stage}
+    got = load_config({**MICRO, "zero_optimization": zero}, world_size=1).zero_optimization
+    want = load_config({**MICRO, "zero_optimization": {"stage": stage}}, world_size=1).zero_optimization
+    assert got == want and got.overlap_comm
+    legacy = {"stage": stage, "cpu_offload": None, "cpu_offload_param": None}  # null: not set, as there
+    assert load_config({**MICRO, "zero_optimization": legacy}, world_size=1).zero_optimization == want
+
+
 def test_legacy_boolean_zero_optimization_means_stage_1():
     cfg = load_config({**MICRO, "zero_optimization": True}, world_size=1)
     assert cfg.zero_optimization.stage == 1 and "legacy" in cfg.notes[0]
@@ -627,6 +663,34 @@ def test_ignored_and_disabled_keys_are_accepted_with_notes():
     assert "zero_force_ds_cpu_optimizer: False ignored" in text
     assert "zero_optimization.round_robin_gradients: True ignored" in text
     assert "allgather_partitions" not in text  # the default value needs no note
+
+
+def test_deepspeed_019_top_level_keys_are_known() -> None:
+    """DeepSpeed 0.19.8's top-level keys (deepspeed/runtime/constants.py) at their defaults read silently;
+    away from them each is noted or refused by name."""
+    defaults = {"gradient_allreduce_op": "mean", "managed_gradient_accumulation": True,
+                "disable_allgather": False, "disable_python_gc": False, "vocabulary_size": None,
+                "use_data_before_expert_parallelism": False}  # fmt: skip
+    cfg = load_config({**MICRO, **defaults}, world_size=1)
+    assert not cfg.notes and not cfg.disable_python_gc
+    changed = {"disable_python_gc": True, "disable_allgather": True, "vocabulary_size": 50304,
+               "expert_parallel": {"enabled": False}}  # fmt: skip
+    cfg = load_config({**MICRO, **changed}, world_size=1)
+    assert cfg.disable_python_gc
+    text = "\n".join(cfg.notes)
+    assert "disable_allgather: True ignored" in text and "vocabulary_size: 50304 ignored" in text
+    assert "expert_parallel: ignored (disabled" in text
+    refused = {
+        "gradient_allreduce_op": ("sum", "gradients summed over the ranks"),
+        "managed_gradient_accumulation": (False, "engine.set_gradient_accumulation_boundary(True)"),
+        "use_data_before_expert_parallelism": (True, "expert-parallel (MoE)"),
+        "expert_parallel": ({"enabled": True}, "AutoEP expert parallelism"),
+    }
+    for key, (value, words) in refused.items():
+        with pytest.raises(ConfigError) as error:
+            load_config({**MICRO, key: value}, world_size=1)
+        assert str(error.value).startswith(f"{key}: a DeepSpeed option dslaunch does not support")
+        assert words in str(error.value), str(error.value)
 
 
 def test_case_insensitive_type_names_are_canonical():

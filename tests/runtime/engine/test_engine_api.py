@@ -544,6 +544,42 @@ def test_user_errors_are_explained(world: list[dict]) -> None:
 # -- the multi-process test helper itself ---------------------------------------------------------------
 
 
+def _python_gc(rank: int, world_size: int) -> dict:
+    import gc
+
+    def engine(off: bool) -> Any:
+        model = make_model(0)
+        config = {**_config(), "disable_python_gc": off}
+        return runtime.initialize(model=model, model_parameters=param_groups(model), config=config)[0]
+
+    seen = {"before": gc.isenabled()}
+    first, second = engine(True), engine(True)
+    _train(first, rank, world_size, steps=1)
+    cycle: list[Any] = []
+    cycle.append(cycle)  # garbage only the cyclic collector frees
+    del cycle
+    seen["training"] = gc.isenabled()
+    seen["collected"] = first.collect_python_gc()
+    first.destroy()
+    seen["one engine left"] = gc.isenabled()
+    second.destroy()
+    seen["after"] = gc.isenabled()
+    plain = engine(False)
+    seen["without the key"] = gc.isenabled()
+    plain.destroy()
+    return seen
+
+
+def test_disable_python_gc_holds_the_collector_off_while_an_engine_lives() -> None:
+    """DeepSpeed's `disable_python_gc`: no cyclic collection starts by itself while an engine that asked
+    lives (two engines: until both are destroyed), `engine.collect_python_gc()` collects where the loop
+    chooses, and the process gets its collector back as it was."""
+    (seen,) = run_distributed(_python_gc, 1)
+    assert seen["before"] and not seen["training"] and not seen["one engine left"]
+    assert seen["collected"] >= 1  # the cycle made during training
+    assert seen["after"] and seen["without the key"]
+
+
 def _fail_on_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
         raise KeyError("boom from rank one")

@@ -143,6 +143,9 @@ def initialize(
 
     model_parameters = check_arguments(model, optimizer, model_parameters, training_data, lr_scheduler)
     assert model is not None  # check_arguments refused None
+    from runtime.compile import unwrap_compiled
+
+    model, compiler = unwrap_compiled(model)  # torch.compile(model) given: the engine compiles it its way
     source = deepspeed_keywords(config_source(args, config, config_params), None, distributed_port)
     if not dist.is_initialized() and dist_init_required is False:
         raise RuntimeError(
@@ -177,6 +180,10 @@ def initialize(
             model_parameters=model_parameters,
             lr_scheduler=lr_scheduler,
             parallel=plan,
+        )
+    if compiler is not None:
+        engine._compile_module(
+            {}, compiler, "the model came torch.compile'd, so the engine compiled it with that compiler"
         )
     loader = None
     if training_data is not None:

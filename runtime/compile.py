@@ -41,6 +41,10 @@ engine's module, for `--dynamo_use_regional_compilation`) comes to the same spli
 function is the block's `_call_impl`, a torch.nn frame dynamo never traces, so the hooks run eager and
 the block's `forward` is what compiles (tests/runtime/engine/test_compile.py, ZeRO-3 over two ranks).
 
+A model that reaches `initialize` already compiled (`torch.compile(model)`, an `OptimizedModule`) is
+unwrapped (`unwrap_compiled`) and compiled by this plan with its own dynamo context as the compiler, so
+the backend and options the user chose stay, and the hooks stay outside the graphs.
+
 Anything the module does that dynamo cannot trace still graph-breaks as in `torch.compile(model)`;
 `compile_counts()` reports dynamo's counters so tests and benchmarks can check that a step adds none.
 The entry point compiles whatever module the engine holds, so a caller that converts layers first (FP8)
@@ -49,14 +53,23 @@ compiles the converted model.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CompilePlan", "compile_counts", "compile_loss", "compile_model", "plan_regions"]
+__all__ = [
+    "CompilePlan",
+    "compile_counts",
+    "compile_loss",
+    "compile_model",
+    "plan_regions",
+    "unwrap_compiled",
+]
+
+Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]  # a function in, its compiled version out
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # no forward of their own: recurse into them
 
@@ -103,12 +116,33 @@ def plan_regions(model: nn.Module, hooked: Collection[str]) -> tuple[str, ...]:
     return tuple(regions)
 
 
+def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, Compiler | None]:
+    """A model given to `initialize` already `torch.compile`d (an `OptimizedModule`): the module inside it,
+    and the compiler it was compiled with, its dynamo context, which compiles any function with the same
+    backend and options. The engine trains the module and compiles it its own way with that compiler
+    (`compile_model`): run as it came, the `OptimizedModule` would trace ZeRO-3's gather hooks into its
+    graph, which dynamo cannot do. Any other model: itself and None."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if isinstance(model, OptimizedModule):
+        return model._orig_mod, model.dynamo_ctx
+    return model, None
+
+
 def compile_model(
-    model: nn.Module, hooked: Collection[str], compile_kwargs: Mapping[str, Any] | None = None
+    model: nn.Module,
+    hooked: Collection[str],
+    compile_kwargs: Mapping[str, Any] | None = None,
+    *,
+    compiler: Compiler | None = None,
 ) -> CompilePlan:
     """Compile `model` in place for the engine: whole when nothing is hooked, else per region (above).
-    `hooked`: the modules carrying ZeRO-3 gather hooks (empty at stages 0-2)."""
+    `hooked`: the modules carrying ZeRO-3 gather hooks (empty at stages 0-2). `compiler`, when given,
+    compiles each function instead of `torch.compile(fn, **compile_kwargs)` (a model that came compiled:
+    `unwrap_compiled`); the whole model then has its `forward` compiled, the same graph as its
+    `_call_impl`'s where no module hook runs."""
     kwargs = dict(compile_kwargs or {})
+    compile_fn: Compiler = compiler or (lambda fn: torch.compile(fn, **kwargs))
     # Without hooks the blocks (and the other parameter-holding subtrees) are compiled on their own as well
     # as the whole model: inside the whole model's graph dynamo inlines them, and where the model's forward
     # cannot be traced (a checkpointed block: dynamo leaves a frame eager when its loop breaks the graph),
@@ -118,14 +152,17 @@ def compile_model(
     for name in regions:
         module = modules[name]
         # The forward only: `_call_impl`, which runs the gather/release hooks, stays eager around it.
-        module.forward = torch.compile(module.forward, **kwargs)
+        module.forward = compile_fn(module.forward)
     if hooked:
-        return CompilePlan(regions=regions, whole_model=False, loss=compile_loss(model, kwargs))
-    model.compile(**kwargs)  # in place: the engine's parameter hooks stay on the same objects
+        return CompilePlan(regions=regions, whole_model=False, loss=compile_loss(model, compile_fn))
+    if compiler is None:
+        model.compile(**kwargs)  # in place: the engine's parameter hooks stay on the same objects
+    else:
+        model.forward = compile_fn(model.forward)
     return CompilePlan(regions=("", *regions), whole_model=True)
 
 
-def compile_loss(model: nn.Module, compile_kwargs: Mapping[str, Any]) -> bool:
+def compile_loss(model: nn.Module, compile_fn: Compiler) -> bool:
     """Compile a Hugging Face model's `loss_function` in place; whether it was. Its forward computes the
     loss from the logits in the glue that the per-region path leaves eager, where the causal-LM loss
     upcasts the logits to fp32 and keeps fp32 tensors of their size for backward: at a 3B Llama's 4 x
@@ -137,7 +174,7 @@ def compile_loss(model: nn.Module, compile_kwargs: Mapping[str, Any]) -> bool:
     if not callable(loss) or not isinstance(getattr(type(model), "loss_function", None), property):
         return False
     try:
-        model.loss_function = torch.compile(loss, **compile_kwargs)  # type: ignore[assignment]
+        model.loss_function = compile_fn(loss)  # type: ignore[assignment]
     except AttributeError:  # a read-only property
         return False
     return True

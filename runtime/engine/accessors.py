@@ -202,19 +202,25 @@ class EngineAccessors:
                 "DeepCompile (engine.compile(schedule=...) / compiled autograd)",
                 "call engine.compile(backend=...) without a schedule (the model is then torch.compile'd)",
             )
+        kwargs = dict(compile_kwargs or {})
+        if backend is not None:
+            kwargs["backend"] = backend
+        self._compile_module(kwargs)
+
+    def _compile_module(
+        self, kwargs: dict[str, Any], compiler: Any = None, why: str = "engine.compile()"
+    ) -> None:
+        """Compile the model by runtime.compile's plan, with torch.compile(**kwargs) or `compiler`."""
         if self.is_compiled:
             return
         from runtime.compile import compile_model
 
-        kwargs = dict(compile_kwargs or {})
-        if backend is not None:
-            kwargs["backend"] = backend
         zero = self.zero  # type: ignore[attr-defined]
         hooked = {name for unit in zero.units for name in unit.plan.users} if zero.params_sharded else set()
-        self.compile_plan = compile_model(self.module, hooked, kwargs)
+        self.compile_plan = compile_model(self.module, hooked, kwargs, compiler=compiler)
         self._is_compiled = True
         if self.comm.rank == 0:
-            logging.getLogger("runtime.compile").info("engine.compile(): %s", self.compile_plan.describe())
+            logging.getLogger("runtime.compile").info("%s: %s", why, self.compile_plan.describe())
 
     @property
     def is_compiled(self) -> bool:

@@ -105,6 +105,54 @@ def test_compiled_zero3_world2_with_accumulation_and_checkpointing():
         _check(result, whole_model=False)
 
 
+def _precompiled(rank: int, world: int, stage: int) -> dict:
+    """The eager engine, then the same model `torch.compile`d before `initialize` (backend "eager")."""
+    import runtime
+    from runtime.compile import compile_counts
+    from runtime.models import GPT, GPTConfig
+
+    out: dict[str, Any] = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model: Any = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, max_seq_len=SEQ))
+        if compiled:
+            model = torch.compile(model, backend="eager")
+        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 0,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                  "zero_optimization": {"stage": stage}}  # fmt: skip
+        engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+        gen = torch.Generator().manual_seed(1 + rank)
+        losses, counts = [], []
+        for _ in range(STEPS):
+            ids = torch.randint(0, 64, (MICRO, SEQ + 1), generator=gen)
+            loss = engine(ids[:, :-1], ids[:, 1:]).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            counts.append(compile_counts())
+        plan = getattr(engine, "compile_plan", None)
+        out["compiled" if compiled else "eager"] = {
+            "losses": losses, "counts": counts, "plan": plan, "is_compiled": engine.is_compiled,
+            "keys": sorted(engine.module.state_dict()),
+        }  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(("stage", "whole"), [(2, True), (3, False)])
+def test_a_model_compiled_before_initialize_is_compiled_by_the_engines_plan(stage: int, whole: bool) -> None:
+    """`deepspeed.initialize(model=torch.compile(model))`, what many DeepSpeed users write: the engine
+    trains the module inside the `OptimizedModule` and compiles it by its own plan with the same backend
+    (run as it came, dynamo would trace ZeRO-3's gather hooks and fail). Over two ranks the losses equal
+    the eager engine's, nothing recompiles after the first step, and the weights keep their own names
+    (no `_orig_mod.` prefix in a checkpoint)."""
+    for result in run_distributed(_precompiled, 2, stage):
+        eager, compiled = result["eager"], result["compiled"]
+        assert compiled["is_compiled"] and not eager["is_compiled"]
+        assert compiled["plan"].whole_model is whole
+        assert compiled["keys"] == eager["keys"]
+        _check({**compiled, "eager": eager["losses"], "compiled": compiled["losses"]}, whole)
+
+
 # -- the config's compile section ---------------------------------------------------------------------------
 
 

@@ -244,6 +244,7 @@ RUNS = {
         False,
     ),
     "stage 2, compiled": (2, {}, True, False),
+    "stage 3, compiled": (3, {}, True, False),  # per gather unit: the float8 casts inside each region
 }
 
 
@@ -327,8 +328,8 @@ def _reference(
 
 
 def test_fp8_engine_equals_converted_plain_pytorch() -> None:
-    """ZeRO 0, 3 (also under zero.Init, and with parameters and optimizer offloaded) and a compiled ZeRO 2,
-    at world 2."""
+    """ZeRO 0, 3 (also under zero.Init, and with parameters and optimizer offloaded) and compiled ZeRO 2
+    (the whole model) and 3 (per gather unit), at world 2."""
     got = run_distributed(_train_runs, 2)[0]
     ref_losses, ref_master, initial = _reference(2)
     for run_name, run in got.items():

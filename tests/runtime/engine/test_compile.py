@@ -12,12 +12,14 @@ compilation (it compiles each block of the engine's module itself).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 
 from runtime.config import ConfigError, load_config
+from tests.support.accelerate_steps import train_prepared
 from tests.support.dist import run_distributed
 from tests.support.paths import TESTS
 
@@ -26,14 +28,27 @@ MICRO = 2
 SEQ = 16
 
 
-def _train(rank: int, world: int, stage: int, accumulation: int, ckpt: bool, offload: bool, compiled: bool):
+def _train(
+    rank: int,
+    world: int,
+    stage: int,
+    accumulation: int,
+    ckpt: bool,
+    offload: bool,
+    compiled: bool,
+    before: bool = False,
+):
+    """Losses, dynamo's counters after each step, the engine (compiled: by engine.compile(), or with
+    `before` by torch.compile(model) before initialize)."""
     import runtime
     from runtime.activation_checkpointing import checkpoint
     from runtime.compile import compile_counts
     from runtime.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, max_seq_len=SEQ))
+    model: Any = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, max_seq_len=SEQ))
+    if compiled and before:
+        model = torch.compile(model, backend="eager")
     if ckpt:
         model.checkpoint_fn = checkpoint
     zero: dict[str, Any] = {"stage": stage}
@@ -49,7 +64,7 @@ def _train(rank: int, world: int, stage: int, accumulation: int, ckpt: bool, off
         "zero_optimization": zero,
     }
     engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if compiled:
+    if compiled and not before:
         engine.compile(backend="eager")
     gen = torch.Generator().manual_seed(1 + rank)
     losses, counts = [], []
@@ -61,14 +76,18 @@ def _train(rank: int, world: int, stage: int, accumulation: int, ckpt: bool, off
             engine.step()
             losses.append(loss.item())
         counts.append(compile_counts())
-    plan = engine.compile_plan if compiled else None
-    return losses, counts, plan
+    return losses, counts, engine
 
 
-def _case(rank: int, world: int, stage: int, accumulation: int, ckpt: bool, offload: bool) -> dict:
-    eager, _, _ = _train(rank, world, stage, accumulation, ckpt, offload, compiled=False)
-    compiled, counts, plan = _train(rank, world, stage, accumulation, ckpt, offload, compiled=True)
-    return {"eager": eager, "compiled": compiled, "counts": counts, "plan": plan}
+def _case(
+    rank: int, world: int, stage: int, accumulation: int, ckpt: bool, offload: bool, before: bool = False
+) -> dict:
+    eager, _, plain = _train(rank, world, stage, accumulation, ckpt, offload, compiled=False)
+    compiled, counts, engine = _train(rank, world, stage, accumulation, ckpt, offload, True, before)
+    return {
+        "eager": eager, "compiled": compiled, "counts": counts, "plan": engine.compile_plan,
+        "keys": (sorted(plain.module.state_dict()), sorted(engine.module.state_dict())),
+    }  # fmt: skip
 
 
 def _check(result: dict, whole_model: bool) -> None:
@@ -105,39 +124,6 @@ def test_compiled_zero3_world2_with_accumulation_and_checkpointing():
         _check(result, whole_model=False)
 
 
-def _precompiled(rank: int, world: int, stage: int) -> dict:
-    """The eager engine, then the same model `torch.compile`d before `initialize` (backend "eager")."""
-    import runtime
-    from runtime.compile import compile_counts
-    from runtime.models import GPT, GPTConfig
-
-    out: dict[str, Any] = {}
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model: Any = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, max_seq_len=SEQ))
-        if compiled:
-            model = torch.compile(model, backend="eager")
-        config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 0,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                  "zero_optimization": {"stage": stage}}  # fmt: skip
-        engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
-        gen = torch.Generator().manual_seed(1 + rank)
-        losses, counts = [], []
-        for _ in range(STEPS):
-            ids = torch.randint(0, 64, (MICRO, SEQ + 1), generator=gen)
-            loss = engine(ids[:, :-1], ids[:, 1:]).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            counts.append(compile_counts())
-        plan = getattr(engine, "compile_plan", None)
-        out["compiled" if compiled else "eager"] = {
-            "losses": losses, "counts": counts, "plan": plan, "is_compiled": engine.is_compiled,
-            "keys": sorted(engine.module.state_dict()),
-        }  # fmt: skip
-    return out
-
-
 @pytest.mark.parametrize(("stage", "whole"), [(2, True), (3, False)])
 def test_a_model_compiled_before_initialize_is_compiled_by_the_engines_plan(stage: int, whole: bool) -> None:
     """`deepspeed.initialize(model=torch.compile(model))`, what many DeepSpeed users write: the engine
@@ -145,12 +131,10 @@ def test_a_model_compiled_before_initialize_is_compiled_by_the_engines_plan(stag
     (run as it came, dynamo would trace ZeRO-3's gather hooks and fail). Over two ranks the losses equal
     the eager engine's, nothing recompiles after the first step, and the weights keep their own names
     (no `_orig_mod.` prefix in a checkpoint)."""
-    for result in run_distributed(_precompiled, 2, stage):
-        eager, compiled = result["eager"], result["compiled"]
-        assert compiled["is_compiled"] and not eager["is_compiled"]
-        assert compiled["plan"].whole_model is whole
-        assert compiled["keys"] == eager["keys"]
-        _check({**compiled, "eager": eager["losses"], "compiled": compiled["losses"]}, whole)
+    for result in run_distributed(_case, 2, stage, 1, False, False, True):
+        _check(result, whole)
+        plain, compiled = result["keys"]
+        assert compiled == plain and not any("_orig_mod" in key for key in compiled)
 
 
 # -- the config's compile section ---------------------------------------------------------------------------
@@ -292,14 +276,9 @@ def _accelerate_losses(rank: int, world: int) -> dict:
         # (accelerate.utils.compile_regions_deepspeed: `block.compile()`, the hooks inside `_call_impl`)
         engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
         counters.clear()
-        losses, counts = [], []
-        for (ids,) in loader:
-            loss = engine(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-            counts.append(compile_counts())
+        counts: list[dict[str, int]] = []
+        record = functools.partial(lambda into: into.append(compile_counts()), counts)
+        losses = train_prepared(accelerator, engine, optimizer, loader, record)
         hooked = [name for name, module in engine.module.named_modules() if module._forward_pre_hooks]
         result[regional] = {"losses": losses, "counts": counts, "hooked": hooked}
     return result

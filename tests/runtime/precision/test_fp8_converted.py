@@ -20,6 +20,7 @@ from torch import nn
 
 from runtime.fp8 import select_linears
 from tests.runtime.precision.test_fp8 import SMALL, _config, _reference, make_net
+from tests.support.accelerate_steps import train_prepared
 from tests.support.dist import run_distributed
 from tests.support.models import train_engine
 from tests.support.parity import ROWS, update_error
@@ -111,13 +112,7 @@ def _accelerate_fp8(rank: int, world_size: int) -> dict:
         rows = torch.randint(0, 64, (BATCHES * MICRO * world_size, SEQ), generator=gen)
         loader = DataLoader(TensorDataset(rows), batch_size=MICRO)
         engine, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-        losses = []
-        for (ids,) in loader:
-            loss = engine(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        losses = train_prepared(accelerator, engine, optimizer, loader)
         float8 = sum(type(m).__name__ == "Float8Linear" for m in engine.module.modules())
         out[name] = {"losses": losses, "float8": float8, "engine": type(engine).__module__}
     return out

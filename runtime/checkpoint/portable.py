@@ -119,8 +119,35 @@ def load_pickle(path: Path) -> Any:
 
 
 # -- DeepSpeed files ---------------------------------------------------------------------------------------
+COMPILED_PREFIX = "_orig_mod."  # the attribute of torch.compile's wrapper that holds the model
+
+
+def without_compile_prefix(states: dict[str, Any], *, force: bool = False) -> dict[str, Any]:
+    """DeepSpeed's model states with `_orig_mod.` taken off every name, where every parameter name starts
+    with it (or `force`: a later rank's file of such a run). DeepSpeed names the weights through its
+    module, so a model it was given `torch.compile`d is saved as `_orig_mod.<name>`: no uncompiled model
+    has those names, and no engine here shows them (runtime.compile.unwrap_compiled)."""
+    shapes = states.get("param_shapes") or []
+    names = [name for group in shapes for name in group]
+    if not force and not (names and all(name.startswith(COMPILED_PREFIX) for name in names)):
+        return states
+
+    def strip(name: Any) -> Any:
+        return name.removeprefix(COMPILED_PREFIX) if isinstance(name, str) else name
+
+    out = dict(states)
+    out["param_shapes"] = [OrderedDict((strip(k), v) for k, v in group.items()) for group in shapes]
+    for key in ("module", "frozen_param_shapes", "frozen_param_fragments", "shared_params"):
+        if isinstance(out.get(key), dict):
+            out[key] = OrderedDict((strip(k), strip(v)) for k, v in out[key].items())
+    if out.get("buffer_names"):
+        out["buffer_names"] = [strip(name) for name in out["buffer_names"]]
+    return out
+
+
 class DeepSpeedTag:
-    """One tag folder written by DeepSpeed, opened lazily (files are memory-mapped)."""
+    """One tag folder written by DeepSpeed, opened lazily (files are memory-mapped). A run whose model
+    DeepSpeed was given `torch.compile`d is read under the model's own names (`without_compile_prefix`)."""
 
     def __init__(self, tag_dir: Path) -> None:
         self.tag_dir = tag_dir
@@ -128,9 +155,11 @@ class DeepSpeedTag:
         optim = {int(m.group(1)): n for n in names if (m := _DS_OPTIM.match(n))}
         self.stage3 = any(_DS_MODEL3.match(n) for n in names)
         model = "zero_pp_rank_0_mp_rank_00_model_states.pt" if self.stage3 else "mp_rank_00_model_states.pt"
-        self.model_states = load_pickle(tag_dir / model)
-        if not isinstance(self.model_states, dict) or "param_shapes" not in self.model_states:
+        states = load_pickle(tag_dir / model)
+        if not isinstance(states, dict) or "param_shapes" not in states:
             raise RecoveryError(f"{tag_dir / model}: not a DeepSpeed model state file (no param_shapes)")
+        self.model_states = without_compile_prefix(states)
+        self.compiled = self.model_states is not states
         self.world = int(self.model_states.get("dp_world_size") or len(optim) or 1)
         config = self.model_states.get("ds_config") or {}
         stage = (config.get("zero_optimization") or {}).get("stage", 0) if isinstance(config, dict) else 0
@@ -255,7 +284,9 @@ class DeepSpeedTag:
         ranks = [self.model_states]
         if self.stage3:
             names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(1, self.world)]
-            ranks += [load_pickle(self.tag_dir / name) for name in names]
+            ranks += [
+                without_compile_prefix(load_pickle(self.tag_dir / n), force=self.compiled) for n in names
+            ]
         out = {}
         for name, shape in shapes.items():
             found = [(state.get("frozen_param_fragments") or {}).get(name) for state in ranks]

@@ -46,7 +46,9 @@ def expected(name: str) -> dict:
     return json.loads((FIXTURES / name / "expected.json").read_text())
 
 
-def _resume(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list[dict]:
+def _resume(
+    rank: int, world: int, cases: list[tuple[str, str, int]], root: str = str(FIXTURES)
+) -> list[dict]:
     import deepspeed  # our compat names, as a DeepSpeed user's script calls them (at world 2)
 
     import runtime
@@ -60,7 +62,7 @@ def _resume(rank: int, world: int, cases: list[tuple[str, str, int]]) -> list[di
         engine, *_ = initialize(
             model=model, model_parameters=tiny.param_groups(model), config=tiny.config(stage, dtype, world)
         )
-        _, client_state = engine.load_checkpoint(str(FIXTURES / name / "ckpt"))
+        _, client_state = engine.load_checkpoint(str(Path(root) / name / "ckpt"))
         loaded = {"steps": engine.global_steps, "client_state": client_state, "lr": engine.get_lr()[0]}
         losses, lrs = [], []
         for step in range(tiny.SAVED_AT + 1, tiny.SAVED_AT + tiny.CONTINUE + 1):
@@ -98,6 +100,39 @@ def test_resume_from_deepspeed_equals_deepspeeds_continuation(world: int) -> Non
             # decides (DeepSpeed wrote the fixture on another machine; a few fp32 ulps, not a tolerance)
             assert got["losses"] == pytest.approx(ref["continuation"], rel=2**-21, abs=0), where
         assert got["losses"] == pytest.approx(ref["continuation"], abs=tol), where
+
+
+def _as_if_compiled(folder: Path) -> None:
+    """Rewrite a copied fixture's model state files as DeepSpeed writes a run whose model it was given
+    `torch.compile`d: every name under the wrapper's `_orig_mod.`."""
+    for path in folder.glob("ckpt/global_step*/*model_states.pt"):
+        states = torch.load(path, map_location="cpu", weights_only=False)
+        states["param_shapes"] = [
+            {f"_orig_mod.{name}": shape for name, shape in group.items()} for group in states["param_shapes"]
+        ]
+        for key in ("module", "frozen_param_shapes", "frozen_param_fragments", "shared_params"):
+            states[key] = {f"_orig_mod.{name}": value for name, value in (states.get(key) or {}).items()}
+        states["buffer_names"] = [f"_orig_mod.{name}" for name in states["buffer_names"]]
+        torch.save(states, path)
+
+
+def test_a_deepspeed_run_of_a_compiled_model_loads_under_the_models_own_names(tmp_path: Path) -> None:
+    """`deepspeed.initialize(model=torch.compile(model))` saves every weight as `_orig_mod.<name>`; such
+    a checkpoint loads into the uncompiled model (or a compiled one: the engine unwraps it) exactly as the
+    same checkpoint without the prefix: ZeRO 2 in bf16, and ZeRO 3 with a frozen parameter in pieces."""
+    cases = [("zero2_bf16", "bf16", 2), ("zero3_fp32_frozen", "fp32", 3)]
+    for name, _, _ in cases:
+        shutil.copytree(FIXTURES / name, tmp_path / name)
+        _as_if_compiled(tmp_path / name)
+    assert (
+        "_orig_mod.temperature"
+        in torch.load(
+            tmp_path / "zero2_bf16/ckpt/global_step4/mp_rank_00_model_states.pt", weights_only=False
+        )["module"]
+    )
+    plain = run_distributed(_resume, 2, cases)[0]
+    prefixed = run_distributed(_resume, 2, cases, str(tmp_path))[0]
+    assert prefixed == plain
 
 
 def _load_damaged(rank: int, world: int, folder: str) -> str:

@@ -5,7 +5,8 @@ eager engine, then the same engine built again and compiled (backend "eager": dy
 AOT-free graphs run, so CPU checks take seconds). The compiled losses must equal the eager ones step for
 step, and dynamo's counters must not move after the first step (no recompile, no new graph break per
 step). ZeRO-3 at world 1 with `offload_param` (sharded parameters, so gather hooks) and at world 2 take
-the per-region path; the others compile the whole model. The Hugging Face routes run the same check:
+the per-region path; the others compile the whole model; a model `torch.compile`d before `initialize`
+takes the same paths. The Hugging Face routes run the same check:
 `TrainingArguments(torch_compile=True)` (Accelerate calls engine.compile()) and Accelerate's regional
 compilation (it compiles each block of the engine's module itself).
 """

@@ -84,25 +84,29 @@ def timed(step: Any, device: torch.device, steps: int, before: Any = None) -> tu
     return statistics.median(host) * 1e3, statistics.median(total) * 1e3
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    import runtime
+SEGMENTS: list[int] = []  # each fused step's segment count (`count_segments`)
+
+
+def count_segments() -> None:
+    """Record in SEGMENTS how many segments each fused step updates."""
     from runtime.precision import fused_master
 
-    os.environ.setdefault("DSLAUNCH_FUSED_MASTER_STEP", "1")
-    on_gpu = os.environ.get("DS_ACCELERATOR") != "cpu" and torch.cuda.is_available()
-    device = torch.device("cuda" if on_gpu else "cpu")
-    if device.type == "cpu":
-        use_backend(args.backend)
-    fused_master.RUN_ELEMENTS = (1 << 24) // (args.shrink * args.shrink)
-    segments: list[int] = []
     step = fused_master.FusedMasterAdam.step
 
     def counting(self: Any, optimizer: Any, segs: Any, *rest: Any, **kw: Any) -> None:
-        segments.append(sum(len(group) for group in segs))
+        SEGMENTS.append(sum(len(group) for group in segs))
         step(self, optimizer, segs, *rest, **kw)
 
     fused_master.FusedMasterAdam.step = counting  # type: ignore[method-assign]
-    model = build(args.layers, args.shrink).to(device)
+
+
+def measure(args: argparse.Namespace, shrink: int, device: torch.device) -> dict[str, Any]:
+    import runtime
+    from runtime.precision import fused_master
+
+    fused_master.RUN_ELEMENTS = (1 << 24) // (shrink * shrink)
+    SEGMENTS.clear()
+    model = build(args.layers, shrink).to(device)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -113,7 +117,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
     }
     engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
-    batch = torch.randint(0, FULL["vocab"] // args.shrink, (1, 9), device=device)
+    batch = torch.randint(0, FULL["vocab"] // shrink, (1, 9), device=device)
 
     def backward() -> None:
         engine.backward(engine(input_ids=batch, labels=batch).loss)
@@ -125,10 +129,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     backward()
     engine.step()
     ours = timed(engine.step, device, args.steps, before=backward)
-    if not segments:
+    if not SEGMENTS:
         raise SystemExit("the fused step did not run: see the engine's log for why")
 
-    reference = build(args.layers, args.shrink).to(device)
+    reference = build(args.layers, shrink).to(device)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     for p in reference.parameters():
         p.grad = torch.randn_like(p)
@@ -140,10 +144,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "backend": args.backend if device.type == "cpu" else "inductor",
         "stage": args.stage,
         "layers": args.layers,
-        "shrink": args.shrink,
+        "shrink": shrink,
         "parameters": sum(p.numel() for p in reference.parameters()),
         "tensors": sum(1 for _ in reference.parameters()),
-        "segments": segments[-1],
+        "segments": SEGMENTS[-1],
         "first_step_s": round(first_s, 1),
         "ours_host_ms": round(ours[0], 2),
         "ours_step_ms": round(ours[1], 2),
@@ -157,14 +161,25 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--shrink", type=int, default=32, help="every dimension divided by this")
+    parser.add_argument(
+        "--shrink",
+        default="32",
+        help="every dimension divided by this; several, comma-separated, measure each in turn (a row each)",
+    )
     parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2, 3))
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--backend", default="inductor", help="the fused step's compiler on CPU")
     add_out_argument(parser, "step-host")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    emit(measure(args), out_file(args.out, "step-host"))
+    os.environ.setdefault("DSLAUNCH_FUSED_MASTER_STEP", "1")
+    on_gpu = os.environ.get("DS_ACCELERATOR") != "cpu" and torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    if device.type == "cpu":
+        use_backend(args.backend)
+    count_segments()
+    for shrink in (int(factor) for factor in args.shrink.split(",")):
+        emit(measure(args, shrink, device), out_file(args.out, "step-host"))
     return 0
 
 

@@ -15,6 +15,7 @@ User scripts ``import runtime`` where they would ``import deepspeed``::
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -143,7 +144,7 @@ def initialize(
 
     model_parameters = check_arguments(model, optimizer, model_parameters, training_data, lr_scheduler)
     assert model is not None  # check_arguments refused None
-    from runtime.compile import unwrap_compiled
+    from runtime.compile import compiled_in_place, unwrap_compiled
 
     model, compiler = unwrap_compiled(model)  # torch.compile(model) given: the engine compiles it its way
     source = deepspeed_keywords(config_source(args, config, config_params), None, distributed_port)
@@ -180,6 +181,12 @@ def initialize(
             model_parameters=model_parameters,
             lr_scheduler=lr_scheduler,
             parallel=plan,
+        )
+    if compiled_in_place(model) and engine.zero.params_sharded and engine.comm.rank == 0:
+        logging.getLogger("runtime.compile").warning(
+            "the model was compiled in place (model.compile()) before initialize: at ZeRO-3 dynamo gives "
+            "up on every frame that runs a gather hook, so only the layers below them run compiled; call "
+            "engine.compile() after initialize instead (each gather unit compiled, the hooks outside)"
         )
     if compiler is not None:
         engine._compile_module(

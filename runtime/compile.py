@@ -65,6 +65,7 @@ __all__ = [
     "compile_counts",
     "compile_loss",
     "compile_model",
+    "compiled_in_place",
     "plan_regions",
     "unwrap_compiled",
 ]
@@ -127,6 +128,14 @@ def unwrap_compiled(model: nn.Module) -> tuple[nn.Module, Compiler | None]:
     if isinstance(model, OptimizedModule):
         return model._orig_mod, model.dynamo_ctx
     return model, None
+
+
+def compiled_in_place(model: nn.Module) -> bool:
+    """Whether `model.compile()` (nn.Module's in-place compile) was called on the model: its `_call_impl`
+    then runs compiled, and at ZeRO-3 dynamo meets the gather hooks of every block inside that frame,
+    gives up on it and compiles only what lies below the hooks. Its compiler cannot be read back from the
+    module, so the engine says so rather than recompiling it (`runtime.initialize`)."""
+    return getattr(model, "_compiled_call_impl", None) is not None
 
 
 def compile_model(

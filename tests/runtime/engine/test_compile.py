@@ -14,6 +14,7 @@ compilation (it compiles each block of the engine's module itself).
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ import torch
 from runtime.config import ConfigError, load_config
 from tests.support.accelerate_steps import train_prepared
 from tests.support.dist import run_distributed
+from tests.support.logs import captured_log
 from tests.support.paths import TESTS
 
 STEPS = 4
@@ -136,6 +138,42 @@ def test_a_model_compiled_before_initialize_is_compiled_by_the_engines_plan(stag
         _check(result, whole)
         plain, compiled = result["keys"]
         assert compiled == plain and not any("_orig_mod" in key for key in compiled)
+
+
+def _compiled_in_place(rank: int, world: int) -> dict:
+    import runtime
+    from runtime.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, max_seq_len=SEQ))
+    model.compile(backend="eager")
+    # _train's config, so that _case's eager run is the reference
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 0, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "zero_optimization": {"stage": 3}}  # fmt: skip
+    with captured_log("runtime.compile", logging.WARNING) as warnings:
+        engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+    gen = torch.Generator().manual_seed(1 + rank)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (MICRO, SEQ + 1), generator=gen)
+        loss = engine(ids[:, :-1], ids[:, 1:]).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"warnings": warnings, "losses": losses}
+
+
+def test_a_model_compiled_in_place_before_initialize_trains_and_is_told_what_zero3_costs_it() -> None:
+    """`model.compile()` before initialize at ZeRO-3: it trains as the eager engine does, and rank 0
+    says once that only the layers below the gather hooks run compiled, and that engine.compile() is
+    the way (its compiler cannot be read back from the module to recompile it by the plan)."""
+    compiled = run_distributed(_compiled_in_place, 2)
+    eager = run_distributed(_case, 2, 3, 1, False, False)
+    for rank, (got, want) in enumerate(zip(compiled, eager, strict=True)):
+        torch.testing.assert_close(got["losses"], want["eager"], rtol=1e-5, atol=1e-6)
+        assert len(got["warnings"]) == (1 if rank == 0 else 0), got["warnings"]
+    assert "call engine.compile() after initialize instead" in compiled[0]["warnings"][0]
 
 
 # -- the config's compile section ---------------------------------------------------------------------------

@@ -19,15 +19,13 @@ import torch
 from torch import nn
 
 from runtime.fp8 import select_linears
-from tests.runtime.precision.test_fp8 import SMALL, _config, _reference, make_net
+from tests.runtime.precision.test_fp8 import ACCUMULATION, LR, SMALL, STEPS, _config, _reference, make_net
 from tests.support.accelerate_steps import train_prepared
 from tests.support.dist import run_distributed
 from tests.support.models import train_engine
 from tests.support.parity import ROWS, update_error
 
 pytest.importorskip("torchao.float8")
-
-STEPS, ACCUMULATION = 4, 2  # test_fp8.py's, which its reference uses
 
 
 def _converted_after_the_optimizer(rank: int, world_size: int) -> dict:
@@ -49,7 +47,7 @@ def _converted_after_the_optimizer(rank: int, world_size: int) -> dict:
                 model = make_net(0)
         else:
             model = make_net(0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)  # the reference's
         chosen = set(select_linears(model, SMALL).converted)  # the reference's layers
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(model, config=config, module_filter_fn=lambda _m, fqn, c=chosen: fqn in c)

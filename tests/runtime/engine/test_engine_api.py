@@ -541,7 +541,7 @@ def test_user_errors_are_explained(world: list[dict]) -> None:
     assert kind == "RuntimeError" and "twice in one backward" in message and "use_reentrant=False" in message
 
 
-# -- the multi-process test helper itself ---------------------------------------------------------------
+# -- disable_python_gc ----------------------------------------------------------------------------------
 
 
 def _python_gc(rank: int, world_size: int) -> dict:
@@ -578,6 +578,9 @@ def test_disable_python_gc_holds_the_collector_off_while_an_engine_lives() -> No
     assert seen["before"] and not seen["training"] and not seen["one engine left"]
     assert seen["collected"] >= 1  # the cycle made during training
     assert seen["after"] and seen["without the key"]
+
+
+# -- the multi-process test helper itself ---------------------------------------------------------------
 
 
 def _fail_on_rank_one(rank: int, world_size: int) -> int:

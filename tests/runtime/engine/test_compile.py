@@ -31,18 +31,10 @@ MICRO = 2
 SEQ = 16
 
 
-def _train(
-    rank: int,
-    world: int,
-    stage: int,
-    accumulation: int,
-    ckpt: bool,
-    offload: bool,
-    compiled: bool,
-    before: bool = False,
-):
-    """Losses, dynamo's counters after each step, the engine (compiled: by engine.compile(), or with
-    `before` by torch.compile(model) before initialize)."""
+def _train(rank: int, world: int, stage: int, accumulation: int, ckpt: bool, offload: bool, how: str | None):
+    """Losses, dynamo's counters after each step, the engine, and the compile warnings `initialize`
+    logged. `how` the model is compiled: None (eager), "engine" (engine.compile()), "before"
+    (torch.compile(model) before initialize) or "in place" (model.compile() before initialize)."""
     import runtime
     from runtime.activation_checkpointing import checkpoint
     from runtime.compile import compile_counts
@@ -50,8 +42,10 @@ def _train(
 
     torch.manual_seed(0)
     model: Any = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, max_seq_len=SEQ))
-    if compiled and before:
+    if how == "before":
         model = torch.compile(model, backend="eager")
+    elif how == "in place":
+        model.compile(backend="eager")
     if ckpt:
         model.checkpoint_fn = checkpoint
     zero: dict[str, Any] = {"stage": stage}
@@ -66,8 +60,9 @@ def _train(
         "gradient_clipping": 1.0,
         "zero_optimization": zero,
     }
-    engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
-    if compiled and not before:
+    with captured_log("runtime.compile", logging.WARNING) as warnings:
+        engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if how == "engine":
         engine.compile(backend="eager")
     gen = torch.Generator().manual_seed(1 + rank)
     losses, counts = [], []
@@ -79,16 +74,17 @@ def _train(
             engine.step()
             losses.append(loss.item())
         counts.append(compile_counts())
-    return losses, counts, engine
+    return losses, counts, engine, warnings
 
 
 def _case(
-    rank: int, world: int, stage: int, accumulation: int, ckpt: bool, offload: bool, before: bool = False
+    rank: int, world: int, stage: int, accumulation: int, ckpt: bool, offload: bool, how: str = "engine"
 ) -> dict:
-    eager, _, plain = _train(rank, world, stage, accumulation, ckpt, offload, compiled=False)
-    compiled, counts, engine = _train(rank, world, stage, accumulation, ckpt, offload, True, before)
+    eager, _, plain, _ = _train(rank, world, stage, accumulation, ckpt, offload, None)
+    compiled, counts, engine, warnings = _train(rank, world, stage, accumulation, ckpt, offload, how)
     return {
-        "eager": eager, "compiled": compiled, "counts": counts, "plan": engine.compile_plan,
+        "eager": eager, "compiled": compiled, "counts": counts, "warnings": warnings,
+        "plan": getattr(engine, "compile_plan", None),  # none for a model compiled in place
         "keys": (sorted(plain.module.state_dict()), sorted(engine.module.state_dict())),
     }  # fmt: skip
 
@@ -134,46 +130,21 @@ def test_a_model_compiled_before_initialize_is_compiled_by_the_engines_plan(stag
     (run as it came, dynamo would trace ZeRO-3's gather hooks and fail). Over two ranks the losses equal
     the eager engine's, nothing recompiles after the first step, and the weights keep their own names
     (no `_orig_mod.` prefix in a checkpoint)."""
-    for result in run_distributed(_case, 2, stage, 1, False, False, True):
+    for result in run_distributed(_case, 2, stage, 1, False, False, "before"):
         _check(result, whole)
         plain, compiled = result["keys"]
         assert compiled == plain and not any("_orig_mod" in key for key in compiled)
-
-
-def _compiled_in_place(rank: int, world: int) -> dict:
-    import runtime
-    from runtime.models import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=64, max_seq_len=SEQ))
-    model.compile(backend="eager")
-    # _train's config, so that _case's eager run is the reference
-    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 0, "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 3}}  # fmt: skip
-    with captured_log("runtime.compile", logging.WARNING) as warnings:
-        engine, *_ = runtime.initialize(model=model, model_parameters=model.parameters(), config=config)
-    gen = torch.Generator().manual_seed(1 + rank)
-    losses = []
-    for _ in range(STEPS):
-        ids = torch.randint(0, 64, (MICRO, SEQ + 1), generator=gen)
-        loss = engine(ids[:, :-1], ids[:, 1:]).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return {"warnings": warnings, "losses": losses}
 
 
 def test_a_model_compiled_in_place_before_initialize_trains_and_is_told_what_zero3_costs_it() -> None:
     """`model.compile()` before initialize at ZeRO-3: it trains as the eager engine does, and rank 0
     says once that only the layers below the gather hooks run compiled, and that engine.compile() is
     the way (its compiler cannot be read back from the module to recompile it by the plan)."""
-    compiled = run_distributed(_compiled_in_place, 2)
-    eager = run_distributed(_case, 2, 3, 1, False, False)
-    for rank, (got, want) in enumerate(zip(compiled, eager, strict=True)):
-        torch.testing.assert_close(got["losses"], want["eager"], rtol=1e-5, atol=1e-6)
-        assert len(got["warnings"]) == (1 if rank == 0 else 0), got["warnings"]
-    assert "call engine.compile() after initialize instead" in compiled[0]["warnings"][0]
+    results = run_distributed(_case, 2, 3, 1, False, False, "in place")
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(result["compiled"], result["eager"], rtol=1e-5, atol=1e-6)
+        assert len(result["warnings"]) == (1 if rank == 0 else 0), result["warnings"]
+    assert "call engine.compile() after initialize instead" in results[0]["warnings"][0]
 
 
 # -- the config's compile section ---------------------------------------------------------------------------

@@ -327,18 +327,24 @@ def _reference(
     return losses, {n: p.detach().to("cpu", copy=True) for n, p in master.named_parameters()}, initial
 
 
+def assert_follows_reference(run: dict, reference: tuple[list[float], dict, dict], label: str) -> None:
+    """`run`'s losses within 1% of `_reference`'s and its masters' update within 10% (module docstring)."""
+    ref_losses, ref_master, initial = reference
+    for i, (a, b) in enumerate(zip(run["losses"], ref_losses, strict=True)):
+        assert abs(a - b) <= 0.01 * abs(b), f"{label} loss[{i}] {a} vs {b}"
+    for name, want in ref_master.items():
+        err = update_error(run["master"][name], want, initial[name])
+        assert err <= 0.10, f"{label} {name}: update error {err:.3f}"
+
+
 def test_fp8_engine_equals_converted_plain_pytorch() -> None:
     """ZeRO 0, 3 (also under zero.Init, and with parameters and optimizer offloaded) and compiled ZeRO 2
     (the whole model) and 3 (per gather unit), at world 2."""
     got = run_distributed(_train_runs, 2)[0]
-    ref_losses, ref_master, initial = _reference(2)
+    reference = _reference(2)
     for run_name, run in got.items():
         assert run["kinds"] == ["Float8Linear", "Linear"], run_name
-        for i, (a, b) in enumerate(zip(run["losses"], ref_losses, strict=True)):
-            assert abs(a - b) <= 0.01 * abs(b), f"{run_name} loss[{i}] {a} vs {b}"
-        for name, want in ref_master.items():
-            err = update_error(run["master"][name], want, initial[name])
-            assert err <= 0.10, f"{run_name} {name}: update error {err:.3f}"
+        assert_follows_reference(run, reference, run_name)
 
 
 def test_every_recipe_trains_as_converted_plain_pytorch() -> None:
@@ -346,12 +352,7 @@ def test_every_recipe_trains_as_converted_plain_pytorch() -> None:
     conversion with the same recipe in plain PyTorch: the recipe reaches torchao."""
     got = run_distributed(_train_recipes, 2)[0]
     for recipe, run in got.items():
-        ref_losses, ref_master, initial = _reference(2, recipe)
-        for i, (a, b) in enumerate(zip(run["losses"], ref_losses, strict=True)):
-            assert abs(a - b) <= 0.01 * abs(b), f"{recipe} loss[{i}] {a} vs {b}"
-        for name, want in ref_master.items():
-            err = update_error(run["master"][name], want, initial[name])
-            assert err <= 0.10, f"{recipe} {name}: update error {err:.3f}"
+        assert_follows_reference(run, _reference(2, recipe), recipe)
 
 
 CUDA_ROWS = 32  # float8's weight-gradient GEMM sums over the rows, and _scaled_mm wants a multiple of 16

@@ -19,11 +19,20 @@ import torch
 from torch import nn
 
 from runtime.fp8 import select_linears
-from tests.runtime.precision.test_fp8 import ACCUMULATION, LR, SMALL, STEPS, _config, _reference, make_net
+from tests.runtime.precision.test_fp8 import (
+    ACCUMULATION,
+    LR,
+    SMALL,
+    STEPS,
+    _config,
+    _reference,
+    assert_follows_reference,
+    make_net,
+)
 from tests.support.accelerate_steps import train_prepared
 from tests.support.dist import run_distributed
 from tests.support.models import train_engine
-from tests.support.parity import ROWS, update_error
+from tests.support.parity import ROWS
 
 pytest.importorskip("torchao.float8")
 
@@ -70,16 +79,12 @@ def _converted_after_the_optimizer(rank: int, world_size: int) -> dict:
 
 def test_a_model_converted_after_its_optimizer_trains_as_converted_plain_pytorch() -> None:
     got = run_distributed(_converted_after_the_optimizer, 2)[0]
-    ref_losses, ref_master, initial = _reference(2)
+    reference = _reference(2)
     for name, run in got.items():
         assert run["wrapped"] == 4, name  # torchao wrapped the four block linears' weights
         assert run["plain"], name  # and the engine holds plain Parameters again
         assert run["kinds"] == ["Float8Linear", "Linear"], name
-        for i, (a, b) in enumerate(zip(run["losses"], ref_losses, strict=True)):
-            assert abs(a - b) <= 0.01 * abs(b), f"{name} loss[{i}] {a} vs {b}"
-        for param, want in ref_master.items():
-            err = update_error(run["master"][param], want, initial[param])
-            assert err <= 0.10, f"{name} {param}: update error {err:.3f}"
+        assert_follows_reference(run, reference, name)
 
 
 # -- through Accelerate: mixed_precision="fp8" with a DeepSpeedPlugin ---------------------------------------
